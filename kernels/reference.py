@@ -1,0 +1,196 @@
+"""Plain-torch reference of deferred-RoPE paged attention: the specification.
+
+Every Triton kernel in this package has a twin here, and the tests hold them together
+on random inputs. The engine also uses these functions as its CPU path.
+
+Conventions shared by all functions
+-----------------------------------
+* KV lives in pages: ``k_cache`` / ``v_cache`` of shape
+  ``(num_pages, page_size, num_kv_heads, head_dim)`` for one layer (or with a leading
+  ``num_layers`` dimension where a function says so).
+* Keys are stored *already rotated* by RoPE at the position at which they were computed
+  (their "stored" position). A request lists, for each page it attends to, the position
+  its slot 0 has in the request's own frame (``block_pos``) and the rotation that must be
+  added to the stored keys to place them there (``block_delta``, in positions). For pages
+  computed in the request's own frame the delta is 0; for a chunk encoded alone at local
+  positions ``0..L-1`` and placed at logical offset ``d`` it is ``d``.
+* Because ``<R(a) q, R(b) k> = <R(a - d) q, R(b - d) k>``, the delta can be applied to the
+  key tile (``R(delta) k``) or, equivalently, to the query (``R(-delta) q``): the reference
+  rotates keys, kernels may do either.
+* RoPE is the rotate-half ("NeoX", Hugging Face Llama) convention on the first
+  ``rotary_dim = 2 * len(inv_freq)`` dims of each head; the remaining dims are not rotated.
+  ``inv_freq`` already holds any scaling (linear, llama3, yarn...). A model-level
+  attention scale on cos/sin (yarn's mscale) is applied when keys are first stored, never
+  by a delta rotation, which is a pure rotation.
+* Masking: a query at position ``p`` sees key slot ``s`` of table entry ``j`` iff
+  ``s < block_len[b, j]`` and ``block_pos[b, j] + s <= p``. Chunk-context semantics
+  (isolated / prefix) are expressed by which pages a sequence's table lists.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "rope_cos_sin",
+    "apply_rope",
+    "rotate_by_delta",
+    "paged_attention_ref",
+    "rerotate_copy_ref",
+    "write_kv_ref",
+]
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0):
+    """cos and sin of RoPE angles.
+
+    Parameters
+    ----------
+    positions : ``(n,)`` integer tensor (may be negative).
+    inv_freq : ``(rotary_dim // 2,)`` float32.
+    scale : multiplier on cos and sin (yarn's attention factor; 1.0 otherwise).
+
+    Returns
+    -------
+    cos, sin : ``(n, rotary_dim)`` float32, the half-width table repeated twice
+    (rotate-half layout).
+    """
+    ang = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos() * scale, ang.sin() * scale
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape ``(n, heads, head_dim)`` by per-row ``cos``/``sin``
+    ``(n, rotary_dim)``; dims past ``rotary_dim`` pass through. Computes in float32
+    and returns ``x.dtype``."""
+    rd = cos.shape[-1]
+    xf = x.to(torch.float32)
+    xr, xp = xf[..., :rd], xf[..., rd:]
+    half = rd // 2
+    rot = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+    out = xr * cos[:, None, :] + rot * sin[:, None, :]
+    if xp.shape[-1]:
+        out = torch.cat([out, xp], dim=-1)
+    return out.to(x.dtype)
+
+
+def rotate_by_delta(k: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Pure RoPE rotation of keys ``(n, heads, head_dim)`` by ``delta`` ``(n,)`` positions."""
+    cos, sin = rope_cos_sin(delta, inv_freq)
+    return apply_rope(k, cos, sin)
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    block_pos: torch.Tensor,
+    block_delta: torch.Tensor,
+    block_len: torch.Tensor,
+    inv_freq: torch.Tensor,
+    sm_scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Deferred-RoPE attention of a varlen batch of queries over paged KV.
+
+    Serves prefill (many queries per sequence) and decode (one) alike.
+
+    Parameters
+    ----------
+    q : ``(total_q, num_q_heads, head_dim)`` queries, RoPE already applied at ``q_pos``.
+    q_pos : ``(total_q,)`` int, position of each query in its sequence's frame.
+    cu_seqlens_q : ``(batch + 1,)`` int, query offsets of each sequence in ``q``.
+    k_cache, v_cache : ``(num_pages, page_size, num_kv_heads, head_dim)``.
+    block_table : ``(batch, max_blocks)`` int32 page ids; entries with ``block_len == 0``
+        are padding and never read.
+    block_pos : ``(batch, max_blocks)`` int, position of each entry's slot 0 in the
+        sequence's frame.
+    block_delta : ``(batch, max_blocks)`` int, rotation (in positions) to add to the
+        stored keys of each entry.
+    block_len : ``(batch, max_blocks)`` int, valid slots of each entry (0..page_size).
+    inv_freq : ``(rotary_dim // 2,)`` float32.
+    sm_scale : softmax scale (usually ``head_dim ** -0.5``).
+    out : optional ``(total_q, num_q_heads, head_dim)`` output buffer.
+
+    Returns
+    -------
+    ``(total_q, num_q_heads, head_dim)`` in ``q.dtype``. A query that sees no key gets 0.
+    """
+    total_q, hq, d = q.shape
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    if hq % hkv:
+        raise ValueError(f"num_q_heads {hq} is not a multiple of num_kv_heads {hkv}")
+    group = hq // hkv
+    if out is None:
+        out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    slots = torch.arange(page_size, device=q.device)
+    for b in range(len(cu) - 1):
+        q0, q1 = cu[b], cu[b + 1]
+        if q1 == q0:
+            continue
+        lens = block_len[b]
+        used = lens > 0
+        pages = block_table[b][used].long()
+        if pages.numel() == 0:
+            out[q0:q1] = 0
+            continue
+        n_lens = lens[used].long()
+        valid = (slots[None, :] < n_lens[:, None]).reshape(-1)  # (n_blocks * page_size,)
+        kpos = (block_pos[b][used].long()[:, None] + slots[None, :]).reshape(-1)
+        delta = block_delta[b][used].long()[:, None].expand(-1, page_size).reshape(-1)
+        k = k_cache[pages].reshape(-1, hkv, d)
+        v = v_cache[pages].reshape(-1, hkv, d)
+        k, v, kpos, delta = k[valid], v[valid], kpos[valid], delta[valid]
+        if bool((delta != 0).any()):
+            k = rotate_by_delta(k, delta, inv_freq)
+        qb = q[q0:q1].to(torch.float32).transpose(0, 1)  # (hq, nq, d)
+        kb = k.to(torch.float32).transpose(0, 1).repeat_interleave(group, dim=0)
+        vb = v.to(torch.float32).transpose(0, 1).repeat_interleave(group, dim=0)
+        allowed = kpos[None, :] <= q_pos[q0:q1].long()[:, None]  # (nq, nk)
+        scores = torch.matmul(qb, kb.transpose(1, 2)) * sm_scale
+        scores = scores.masked_fill(~allowed[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        probs = torch.nan_to_num(probs, nan=0.0)  # rows with no visible key
+        out[q0:q1] = torch.matmul(probs, vb).transpose(0, 1).to(out.dtype)
+    return out
+
+
+def rerotate_copy_ref(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    src_pages: torch.Tensor,
+    dst_pages: torch.Tensor,
+    delta: torch.Tensor,
+    inv_freq: torch.Tensor,
+) -> None:
+    """Block-Attention baseline: copy pages ``src -> dst`` rotating keys by ``delta``.
+
+    Parameters
+    ----------
+    k_cache, v_cache : ``(num_layers, num_pages, page_size, num_kv_heads, head_dim)``;
+        written in place at ``dst_pages`` for every layer.
+    src_pages, dst_pages : ``(n,)`` int page ids.
+    delta : ``(n,)`` int rotation in positions for each copied page.
+    inv_freq : ``(rotary_dim // 2,)`` float32.
+    """
+    n_layers, _, page_size, hkv, d = k_cache.shape
+    src, dst = src_pages.long(), dst_pages.long()
+    k = k_cache[:, src]  # (L, n, ps, h, d)
+    dl = delta.long()[None, :, None].expand(n_layers, -1, page_size).reshape(-1)
+    k = rotate_by_delta(k.reshape(-1, hkv, d), dl, inv_freq).reshape(k.shape)
+    k_cache[:, dst] = k
+    v_cache[:, dst] = v_cache[:, src]
+
+
+def write_kv_ref(k_cache, v_cache, slot_mapping, k, v) -> None:
+    """Scatter new keys/values ``(n, num_kv_heads, head_dim)`` into one layer's pages at
+    flat slots ``slot_mapping`` ``(n,)`` (``page * page_size + slot``)."""
+    kf = k_cache.view(-1, *k_cache.shape[2:])
+    vf = v_cache.view(-1, *v_cache.shape[2:])
+    idx = slot_mapping.long()
+    kf.index_copy_(0, idx, k.to(kf.dtype))
+    vf.index_copy_(0, idx, v.to(vf.dtype))

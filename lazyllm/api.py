@@ -1,0 +1,353 @@
+"""``LazyLLM``: the public entry point."""
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+from typing import Any, AsyncIterator, Iterable, Iterator, Sequence
+
+import torch
+
+from .cache.store import ChunkStore, PagePool
+from .engine.engine import CHUNK_CONTEXTS, REUSE_MODES, Engine, Request, check_fits
+from .engine.prompt import PromptBuilder
+from .engine.sampler import Detokenizer
+from .errors import InvalidRequestError
+from .model.llama import LlamaFamilyModel
+from .model.loader import fingerprint, load_hf
+from .types import Chunk, GenerationOutput, SamplingParams, as_chunk
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+MAX_CHUNKS = 4096
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidRequestError(f"invalid device {device!r}: {e}") from None
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError("device='cuda' was asked for but CUDA is not available")
+    return d
+
+
+def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise InvalidRequestError(f"unsupported dtype {dtype}")
+        return dtype
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise InvalidRequestError(f"unsupported dtype {dtype!r}; use float32, float16 or bfloat16")
+
+
+def _attention_backend(name: str, device: torch.device):
+    """(attention, rerotate_copy) functions for the chosen backend."""
+    from lazyllm.kernels import reference
+
+    if name not in ("auto", "torch", "triton"):
+        raise InvalidRequestError(f"attention_backend must be 'auto', 'torch' or 'triton', got {name!r}")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return reference.paged_attention_ref, reference.rerotate_copy_ref, "torch"
+    if device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # run the real kernels in Triton's interpreter
+    try:
+        from lazyllm.kernels import triton_attention as ta
+    except ImportError as e:
+        raise InvalidRequestError(f"attention_backend='triton' needs triton: {e}") from None
+    return ta.paged_attention_triton, ta.rerotate_copy_triton, "triton"
+
+
+class LazyLLM:
+    """An in-process LLM that takes retrieved documents as chunks and reuses each chunk's
+    KV across requests, at any position and in any order.
+
+    Parameters
+    ----------
+    model_name_or_path : a folder with a transformers checkpoint, a ``.gguf`` file, a hub
+        id (the only case that uses the network), or ``None`` for the embedded default
+        model (SmolLM2-135M-Instruct, offline).
+    model, tokenizer : an already loaded transformers causal LM and its tokenizer,
+        instead of ``model_name_or_path``. Its weights are used in place, not copied.
+    device : ``"auto"`` (CUDA when present), ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
+    dtype : ``None`` for float32 on CPU and bfloat16 on CUDA, or a torch dtype / name.
+    reuse : ``"lazy"`` (zero-copy chunk reuse, positions applied in the attention kernel),
+        ``"block"`` (Block-Attention baseline: per-request re-rotated copy),
+        ``"prefix"`` (full attention, identical-prefix reuse, as vLLM), ``"none"``.
+    chunk_context : ``"isolated"`` (a chunk attends to itself only) or ``"prefix"`` (to
+        the shared system prefix and itself).
+    kv_cache_bytes : byte budget of the KV page pool (default: 1 GiB on CPU, 40% of free
+        memory on CUDA).
+    page_size : tokens per KV page.
+    attention_backend : ``"auto"`` (Triton on CUDA, torch reference on CPU), ``"torch"``
+        or ``"triton"`` (on CPU, the kernels run in Triton's interpreter: for tests).
+    trust_remote_code : passed to transformers; off unless you ask.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str | None = None,
+        *,
+        model: Any = None,
+        tokenizer: Any = None,
+        device: str = "auto",
+        dtype: Any = None,
+        reuse: str = "lazy",
+        chunk_context: str = "isolated",
+        kv_cache_bytes: int | None = None,
+        page_size: int = 16,
+        attention_backend: str = "auto",
+        max_batch_tokens: int = 8192,
+        trust_remote_code: bool = False,
+        progress: bool = True,
+    ):
+        if reuse not in REUSE_MODES:
+            raise InvalidRequestError(f"reuse must be one of {REUSE_MODES}, got {reuse!r}")
+        if chunk_context not in CHUNK_CONTEXTS:
+            raise InvalidRequestError(f"chunk_context must be one of {CHUNK_CONTEXTS}, got {chunk_context!r}")
+        if not isinstance(page_size, int) or page_size < 1 or page_size & (page_size - 1):
+            raise InvalidRequestError(f"page_size must be a power of two, got {page_size!r}")
+        if kv_cache_bytes is not None and (not isinstance(kv_cache_bytes, int) or kv_cache_bytes <= 0):
+            raise InvalidRequestError(f"kv_cache_bytes must be a positive int, got {kv_cache_bytes!r}")
+        self.reuse = reuse
+        self.chunk_context = chunk_context
+        if model is not None:
+            if tokenizer is None:
+                raise InvalidRequestError("model= needs tokenizer= too")
+            if model_name_or_path is not None:
+                raise InvalidRequestError("give either model_name_or_path or model=, not both")
+            p = next(model.parameters())
+            self.device, self.dtype = p.device, p.dtype
+            hf, tok = model, tokenizer
+            self.model_name = getattr(model.config, "_name_or_path", None) or type(model).__name__
+        else:
+            self.device = _resolve_device(device)
+            self.dtype = _resolve_dtype(dtype, self.device)
+            hf, tok, self.model_name = load_hf(
+                model_name_or_path, device=str(self.device), dtype=self.dtype,
+                trust_remote_code=trust_remote_code, progress=progress)
+        attn, rerotate, self.attention_backend = _attention_backend(attention_backend, self.device)
+        self.hf_model = hf
+        self.tokenizer = tok
+        self.model = LlamaFamilyModel(hf, attention=attn)
+        spec = self.model.spec
+        self.fingerprint = fingerprint(hf, self.model_name, self.dtype)
+        page_bytes = PagePool.page_bytes(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, self.dtype)
+        if kv_cache_bytes is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                kv_cache_bytes = int(free * 0.4)
+            else:
+                kv_cache_bytes = 1 << 30
+        pool = PagePool(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size=page_size,
+                        num_pages=kv_cache_bytes // page_bytes, dtype=self.dtype, device=self.device)
+        self.store = ChunkStore(pool)
+        self.prompts = PromptBuilder(tok)
+        eos = set()
+        for src in (getattr(getattr(hf, "generation_config", None), "eos_token_id", None), tok.eos_token_id):
+            if isinstance(src, int):
+                eos.add(src)
+            elif isinstance(src, (list, tuple)):
+                eos.update(int(x) for x in src)
+        self.eos_token_ids = eos
+        self.engine = Engine(self.model, tok, self.store, reuse=reuse, chunk_context=chunk_context,
+                             fingerprint=self.fingerprint, eos_ids=eos, max_batch_tokens=max_batch_tokens,
+                             rerotate=rerotate)
+
+    # -- requests ------------------------------------------------------------------
+    def _request(self, question, chunks, system, *, max_new_tokens=64, temperature=0.0, top_p=1.0, top_k=0,
+                 seed=None, stop=None, timeout=None, warm_only=False) -> Request:
+        if chunks is None:
+            chunks = []
+        if isinstance(chunks, (str, Chunk)):
+            raise InvalidRequestError("chunks must be a list of str or Chunk, not a single one")
+        if not isinstance(chunks, Iterable):
+            raise InvalidRequestError(f"chunks must be a list, got {type(chunks).__name__}")
+        chunks = [as_chunk(c, i) for i, c in enumerate(chunks)]
+        if len(chunks) > MAX_CHUNKS:
+            raise InvalidRequestError(f"{len(chunks)} chunks; at most {MAX_CHUNKS} per request")
+        seen: dict[str, str] = {}
+        for c in chunks:
+            if c.id is not None:
+                if c.id in seen and seen[c.id] != c.text:
+                    raise InvalidRequestError(f"two chunks have id {c.id!r} but different text")
+                seen[c.id] = c.text
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                top_k=top_k, seed=seed, stop=() if stop is None else stop)
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if warm_only:
+            segs = self.prompts.build("warm", chunks, system)[:-1]
+            from .engine.prompt import Segment
+
+            segs.append(Segment("suffix", []))
+        else:
+            segs = self.prompts.build(question, chunks, system)
+        n = sum(len(s.ids) for s in segs)
+        check_fits(n, params, self.model.spec.max_context)
+        req = Request(segments=segs, params=params, events=queue.Queue(), warm_only=warm_only)
+        if timeout is not None:
+            req.deadline = req.submit_time + timeout
+        req.detok = Detokenizer(self.tokenizer, params.stop)
+        if not params.greedy:
+            req.gen = torch.Generator()
+            req.gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+        return req
+
+    @staticmethod
+    def _wait(req: Request) -> GenerationOutput:
+        while True:
+            kind, val = req.events.get()
+            if kind == "done":
+                return val
+            if kind == "error":
+                raise val
+
+    def generate(self, question: str, chunks: Sequence[str | Chunk] | None = None, system: str | None = None,
+                 *, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 seed: int | None = None, stop: str | Sequence[str] | None = None,
+                 timeout: float | None = None) -> GenerationOutput:
+        """Answer ``question`` over ``chunks`` (each a ``str`` or ``Chunk``).
+
+        Returns a ``GenerationOutput`` with ``text``, ``token_ids``, ``prompt_segments``,
+        ``usage`` (``prompt_tokens``, ``cached_tokens``, ``completion_tokens``) and
+        ``ttft_s``. Raises ``InvalidRequestError`` for bad input, ``ContextLengthError``
+        when the request does not fit the model's context, ``RequestCancelled`` when
+        ``timeout`` (seconds) passes first.
+        """
+        req = self._request(question, chunks, system, max_new_tokens=max_new_tokens, temperature=temperature,
+                            top_p=top_p, top_k=top_k, seed=seed, stop=stop, timeout=timeout)
+        self.engine.submit(req)
+        try:
+            return self._wait(req)
+        except BaseException:
+            req.cancelled.set()
+            raise
+
+    __call__ = generate
+
+    def stream(self, question: str, chunks=None, system=None, **kw) -> Iterator[str]:
+        """Like ``generate`` but yields text deltas as they are decoded. Stopping the
+        iteration (``break``, ``close()``) cancels the request and frees its pages."""
+        req = self._request(question, chunks, system, **kw)
+        return self._stream(req)
+
+    def _stream(self, req: Request) -> Iterator[str]:
+        self.engine.submit(req)
+        try:
+            while True:
+                kind, val = req.events.get()
+                if kind == "delta":
+                    yield val
+                elif kind == "done":
+                    req.result = val  # type: ignore[attr-defined]
+                    return
+                else:
+                    raise val
+        finally:
+            req.cancelled.set()  # no-op if finished; frees pages if the caller stopped early
+
+    async def agenerate(self, question: str, chunks=None, system=None, **kw) -> GenerationOutput:
+        """Async ``generate``: cancelling the task cancels the request."""
+        req = self._request(question, chunks, system, **kw)
+        loop = asyncio.get_running_loop()
+        self.engine.submit(req)
+        try:
+            return await loop.run_in_executor(None, self._wait, req)
+        except asyncio.CancelledError:
+            req.cancelled.set()
+            raise
+
+    async def astream(self, question: str, chunks=None, system=None, **kw) -> AsyncIterator[str]:
+        """Async ``stream``."""
+        req = self._request(question, chunks, system, **kw)
+        loop = asyncio.get_running_loop()
+        self.engine.submit(req)
+        try:
+            while True:
+                kind, val = await loop.run_in_executor(None, req.events.get)
+                if kind == "delta":
+                    yield val
+                elif kind == "done":
+                    return
+                else:
+                    raise val
+        finally:
+            req.cancelled.set()
+
+    def generate_batch(self, requests: Sequence[dict | str], **common) -> list[GenerationOutput]:
+        """Run many requests together (batched prefill and decode). Each item is a
+        question string or a dict of ``generate`` arguments; ``common`` fills the rest.
+        Bad input in any item raises before anything runs."""
+        if isinstance(requests, (str, dict)) or not isinstance(requests, Sequence):
+            raise InvalidRequestError("generate_batch takes a list of questions or of dicts")
+        reqs = []
+        for i, item in enumerate(requests):
+            args = dict(common)
+            if isinstance(item, str):
+                args["question"] = item
+            elif isinstance(item, dict):
+                args.update(item)
+            else:
+                raise InvalidRequestError(f"requests[{i}] must be a str or dict, got {type(item).__name__}")
+            q = args.pop("question", None)
+            ch = args.pop("chunks", None)
+            sy = args.pop("system", None)
+            reqs.append(self._request(q, ch, sy, **args))
+        for r in reqs:
+            self.engine.submit(r)
+        return [self._wait(r) for r in reqs]
+
+    def warm(self, chunks: Sequence[str | Chunk], system: str | None = None, *, batch_size: int = 16,
+             progress: bool | None = None) -> dict:
+        """Precompute and cache the KV of ``chunks`` (and of the system prefix) ahead of
+        queries. Returns counts of chunk tokens computed and already cached. A no-op in
+        the full-attention modes (``prefix``, ``none``), which cache no chunks."""
+        if isinstance(chunks, (str, Chunk)):
+            chunks = [chunks]
+        chunks = [as_chunk(c, i) for i, c in enumerate(chunks)]
+        if self.reuse not in ("lazy", "block"):
+            return {"chunks": len(chunks), "computed_tokens": 0, "cached_tokens": 0}
+        from tqdm.auto import tqdm
+
+        show = progress if progress is not None else len(chunks) > batch_size
+        computed = cached = 0
+        with tqdm(total=len(chunks), desc="warming chunks", unit="chunk", disable=not show) as bar:
+            for i in range(0, len(chunks), batch_size):
+                part = chunks[i:i + batch_size]
+                req = self._request("warm", part, system, max_new_tokens=1, warm_only=True)
+                self.engine.submit(req)
+                self._wait(req)
+                chunk_tokens = sum(len(s.ids) for s in req.segments if s.kind == "chunk")
+                cached += req.cached_chunk_tokens
+                computed += chunk_tokens - req.cached_chunk_tokens
+                bar.update(len(part))
+        return {"chunks": len(chunks), "computed_tokens": computed, "cached_tokens": cached}
+
+    def cache_stats(self) -> dict:
+        """Hits, misses, hit rate, reused tokens, resident bytes, evictions and pool use."""
+        s = self.store.stats()
+        s["reuse"] = self.reuse
+        s["chunk_context"] = self.chunk_context
+        return s
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.prompts.encode(text))
+
+    def close(self) -> None:
+        """Stop the engine thread; pending requests fail with ``LazyLLMError``."""
+        self.engine.close()
+
+    def __repr__(self) -> str:
+        return (f"LazyLLM(model={self.model_name!r}, device={self.device}, dtype={self.dtype}, "
+                f"reuse={self.reuse!r}, chunk_context={self.chunk_context!r})")
+
+
+__all__ = ["LazyLLM"]

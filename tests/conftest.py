@@ -1,0 +1,55 @@
+import os
+
+import pytest
+import torch
+
+torch.manual_seed(0)
+
+FAMILIES = {
+    "llama": {},
+    "llama3-rope": {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 128}},
+    "mistral": {},
+    "qwen2": {},
+    "qwen3": {},
+}
+
+
+def make_tiny(family: str, seed: int = 0):
+    """A small random model of a supported family, with weights scaled up so its greedy
+    choices are decisive (near-ties would make exact-token comparisons flaky)."""
+    import transformers
+
+    model_type = {"llama3-rope": "llama"}.get(family, family)
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[model_type]
+    kw = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+              tie_word_embeddings=False, initializer_range=0.15, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    if model_type == "mistral":
+        kw["sliding_window"] = None
+    kw.update(FAMILIES[family])
+    cfg = cls(**kw)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def default_llm_parts():
+    """(hf_model, tokenizer) of the embedded default model, loaded once."""
+    from lazyllm.model.loader import load_hf
+
+    model, tok, _ = load_hf(None, device="cpu", dtype=torch.float32)
+    return model, tok
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_llm_parts):
+    return default_llm_parts[1]
+
+
+def pytest_configure(config):
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
