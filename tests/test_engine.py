@@ -1,0 +1,262 @@
+"""Engine behaviour: reuse across orders, streaming, batching, sampling, budgets, bad input."""
+import asyncio
+import random
+
+import pytest
+import torch
+
+import lazyllm
+from lazyllm import (CacheCapacityError, Chunk, ContextLengthError, InvalidRequestError, LazyLLM,
+                     ModelLoadError, UnsupportedModelError)
+from tests.conftest import make_tiny
+
+DOCS = [f"Document {i}: " + " ".join(f"fact{i}_{j}" for j in range(12 + 3 * i)) for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return make_tiny("llama", seed=1)
+
+
+def _llm(model, tok, **kw):
+    kw.setdefault("kv_cache_bytes", 32 << 20)
+    return LazyLLM(model=model, tokenizer=tok, **kw)
+
+
+@pytest.mark.parametrize("reuse,ctx", [("lazy", "isolated"), ("lazy", "prefix"), ("block", "isolated"),
+                                       ("block", "prefix")])
+def test_position_independence_warm_equals_cold(tiny_model, tokenizer, reuse, ctx):
+    rng = random.Random(7)
+    question, chunks = "Which fact comes first?", rng.sample(DOCS, 4)
+    cold = _llm(tiny_model, tokenizer, reuse=reuse, chunk_context=ctx)
+    ref = cold.generate(question, chunks=chunks, max_new_tokens=10)
+    assert ref.usage.cached_tokens == 0
+    warm = _llm(tiny_model, tokenizer, reuse=reuse, chunk_context=ctx)
+    for _ in range(3):  # same chunks in other orders, with other neighbours
+        others = rng.sample(DOCS, 2) + chunks
+        rng.shuffle(others)
+        warm.generate("Something else?", chunks=others, max_new_tokens=3)
+    out = warm.generate(question, chunks=chunks, max_new_tokens=10)
+    assert out.token_ids == ref.token_ids
+    chunk_tokens = sum(len(ids) for kind, ids in out.prompt_segments if kind == "chunk")
+    prefix_tokens = len(out.prompt_segments[0][1])
+    assert out.usage.cached_tokens == chunk_tokens + prefix_tokens
+    assert out.prompt_segments == ref.prompt_segments
+    cold.close()
+    warm.close()
+
+
+def test_prefix_mode_reuses_identical_prefix_only(tiny_model, tokenizer):
+    llm = _llm(tiny_model, tokenizer, reuse="prefix")
+    a = llm.generate("q1?", chunks=DOCS[:3], max_new_tokens=2)
+    b = llm.generate("q2?", chunks=DOCS[:3], max_new_tokens=2)
+    c = llm.generate("q1?", chunks=[DOCS[1], DOCS[0], DOCS[2]], max_new_tokens=2)
+    ps = llm.store.pool.page_size
+    assert a.usage.cached_tokens == 0
+    assert b.usage.cached_tokens > 0 and b.usage.cached_tokens % ps == 0
+    # reordering changes the prefix right after the system header: little or nothing reused
+    assert c.usage.cached_tokens < b.usage.cached_tokens
+    llm.close()
+
+
+def test_none_mode_reuses_nothing(tiny_model, tokenizer):
+    llm = _llm(tiny_model, tokenizer, reuse="none")
+    llm.generate("q?", chunks=DOCS[:2], max_new_tokens=2)
+    assert llm.generate("q?", chunks=DOCS[:2], max_new_tokens=2).usage.cached_tokens == 0
+    llm.close()
+
+
+def test_stream_equals_generate_and_batch_equals_solo(tiny_model, tokenizer):
+    llm = _llm(tiny_model, tokenizer)
+    qs = [("first?", DOCS[:3]), ("second?", DOCS[2:5]), ("third?", [DOCS[4], DOCS[0]])]
+    solo = [llm.generate(q, chunks=c, max_new_tokens=8) for q, c in qs]
+    streamed = "".join(llm.stream(qs[0][0], chunks=qs[0][1], max_new_tokens=8))
+    assert streamed == solo[0].text
+    batch = llm.generate_batch([{"question": q, "chunks": c} for q, c in qs], max_new_tokens=8)
+    assert [o.token_ids for o in batch] == [o.token_ids for o in solo]
+    outs = asyncio.run(_gather(llm, qs))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in solo]
+    llm.close()
+
+
+async def _gather(llm, qs):
+    return await asyncio.gather(*(llm.agenerate(q, chunks=c, max_new_tokens=8) for q, c in qs))
+
+
+def test_astream(tiny_model, tokenizer):
+    llm = _llm(tiny_model, tokenizer)
+    ref = llm.generate("q?", chunks=DOCS[:2], max_new_tokens=6).text
+
+    async def run():
+        return "".join([d async for d in llm.astream("q?", chunks=DOCS[:2], max_new_tokens=6)])
+
+    assert asyncio.run(run()) == ref
+    llm.close()
+
+
+def test_sampling_seed_topk_topp(tiny_model, tokenizer):
+    llm = _llm(tiny_model, tokenizer)
+    kw = dict(chunks=DOCS[:2], max_new_tokens=12)
+    greedy = llm.generate("q?", **kw)
+    a = llm.generate("q?", temperature=1.5, seed=5, **kw)
+    b = llm.generate("q?", temperature=1.5, seed=5, **kw)
+    c = llm.generate("q?", temperature=1.5, seed=6, **kw)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids or a.token_ids != greedy.token_ids
+    assert llm.generate("q?", temperature=1.5, top_k=1, seed=9, **kw).token_ids == greedy.token_ids
+    assert llm.generate("q?", temperature=1.5, top_p=1e-6, seed=9, **kw).token_ids == greedy.token_ids
+    llm.close()
+
+
+def test_stop_strings_and_max_new_tokens(default_llm_parts):
+    model, tok = default_llm_parts
+    llm = _llm(model, tok)
+    q = "Write a short sentence about the sea."
+    full = llm.generate(q, max_new_tokens=40)
+    assert full.usage.completion_tokens <= 40
+    assert len(full.text) > 12, full.text
+    mid = len(full.text) // 2
+    stop = full.text[mid:mid + 3]
+    cut = full.text.find(stop)
+    out = llm.generate(q, max_new_tokens=40, stop=[stop])
+    assert out.text == full.text[:cut] and out.finish_reason == "stop"
+    assert out.usage.completion_tokens < full.usage.completion_tokens
+    assert "".join(llm.stream(q, max_new_tokens=40, stop=stop)) == out.text
+    one = llm.generate("Hi", max_new_tokens=1)
+    assert one.usage.completion_tokens == 1 and one.finish_reason in ("length", "stop")
+    llm.close()
+
+
+def test_warm_then_query_reuses(tiny_model, tokenizer):
+    llm = _llm(tiny_model, tokenizer)
+    w = llm.warm(DOCS[:5], system="sys")
+    assert w["computed_tokens"] > 0 and w["cached_tokens"] == 0
+    assert llm.warm(DOCS[:5], system="sys")["computed_tokens"] == 0
+    out = llm.generate("q?", chunks=DOCS[4::-1], system="sys", max_new_tokens=2)
+    assert out.usage.cached_tokens == out.usage.prompt_tokens - len(out.prompt_segments[-1][1])
+    s = llm.cache_stats()
+    for key in ("hits", "misses", "hit_rate", "reused_tokens", "resident_bytes", "evictions"):
+        assert key in s
+    assert s["hits"] > 0 and s["resident_bytes"] > 0 and s["pinned_entries"] == 0
+    llm.close()
+
+
+def test_small_budget_evicts_and_outputs_stay_identical(tiny_model, tokenizer):
+    big = _llm(tiny_model, tokenizer)
+    spec = big.model.spec
+    page_bytes = 2 * spec.num_layers * 16 * spec.num_kv_heads * spec.head_dim * 4
+    small = _llm(tiny_model, tokenizer, kv_cache_bytes=40 * page_bytes)
+    rng = random.Random(3)
+    for i in range(8):
+        chunks = rng.sample(DOCS, 3)
+        assert small.generate(f"q{i}?", chunks=chunks, max_new_tokens=5).token_ids == \
+            big.generate(f"q{i}?", chunks=chunks, max_new_tokens=5).token_ids
+    s = small.cache_stats()
+    assert s["evictions"] > 0 and s["pinned_entries"] == 0
+    assert s["free_pages"] + sum(len(e.pages) for e in small.store.entries.values()) == s["pool_pages"]
+    big.close()
+    small.close()
+
+
+def test_budget_smaller_than_one_request_is_a_clear_error(tiny_model, tokenizer):
+    spec = make_tiny("llama").config
+    page_bytes = 2 * spec.num_hidden_layers * 16 * spec.num_key_value_heads * spec.head_dim * 4
+    llm = _llm(tiny_model, tokenizer, kv_cache_bytes=4 * page_bytes)
+    with pytest.raises(CacheCapacityError):
+        llm.generate("q?", chunks=DOCS, max_new_tokens=4)
+    assert llm.generate("q?", max_new_tokens=2).usage.completion_tokens >= 1  # still serving
+    llm.close()
+
+
+def test_stream_abandoned_midway_frees_pages(tiny_model, tokenizer):
+    llm = _llm(tiny_model, tokenizer)
+    before = llm.cache_stats()["free_pages"]
+    it = llm.stream("q?", chunks=DOCS[:3], max_new_tokens=50)
+    next(it)
+    it.close()
+    out = llm.generate("q?", chunks=DOCS[:3], max_new_tokens=3)  # the engine keeps serving
+    assert out.usage.completion_tokens == 3
+    s = llm.cache_stats()
+    cached = sum(len(e.pages) for e in llm.store.entries.values())
+    assert s["pinned_entries"] == 0 and s["free_pages"] + cached == s["pool_pages"]
+    assert before == s["pool_pages"]
+    llm.close()
+
+
+BAD_REQUESTS = [
+    dict(question=""), dict(question="   "), dict(question=None), dict(question=42),
+    dict(chunks="a single string"), dict(chunks=[""]), dict(chunks=["ok", "  \n"]), dict(chunks=[3]),
+    dict(chunks=[Chunk("a", id="x"), Chunk("b", id="x")]),
+    dict(temperature=-1.0), dict(temperature="hot"), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
+    dict(max_new_tokens=0), dict(max_new_tokens=-5), dict(max_new_tokens=2.5), dict(seed="x"),
+    dict(stop=5), dict(stop=[""]), dict(stop=["ok", 3]), dict(question="bad \ud800 surrogate"),
+    dict(system=7), dict(timeout=-1),
+]
+
+
+@pytest.mark.parametrize("bad", BAD_REQUESTS, ids=[str(b)[:40] for b in BAD_REQUESTS])
+def test_bad_input_is_a_clear_error_and_engine_keeps_serving(tiny_model, tokenizer, bad):
+    llm = _llm(tiny_model, tokenizer)
+    args = dict(question="fine?", chunks=["a document"], max_new_tokens=2)
+    args.update(bad)
+    q = args.pop("question")
+    with pytest.raises(InvalidRequestError):
+        llm.generate(q, **args)
+    assert llm.generate("fine?", chunks=["a document"], max_new_tokens=2).usage.completion_tokens >= 1
+    llm.close()
+
+
+def test_request_longer_than_context(tiny_model, tokenizer):
+    llm = _llm(tiny_model, tokenizer)
+    long_chunk = "word " * 5000  # > 4096 positions of the tiny config
+    with pytest.raises(ContextLengthError):
+        llm.generate("q?", chunks=[long_chunk])
+    assert llm.generate("q?", max_new_tokens=1).usage.completion_tokens == 1
+    llm.close()
+
+
+def test_bad_constructor_arguments(tiny_model, tokenizer):
+    with pytest.raises(InvalidRequestError):
+        LazyLLM(model=tiny_model, tokenizer=tokenizer, reuse="sometimes")
+    with pytest.raises(InvalidRequestError):
+        LazyLLM(model=tiny_model, tokenizer=tokenizer, chunk_context="everything")
+    with pytest.raises(InvalidRequestError):
+        LazyLLM(model=tiny_model, tokenizer=tokenizer, kv_cache_bytes=-1)
+    with pytest.raises(InvalidRequestError):
+        LazyLLM(model=tiny_model)
+    with pytest.raises(ModelLoadError):
+        LazyLLM("/no/such/model/dir")
+    with pytest.raises(ModelLoadError):
+        LazyLLM("./missing.gguf")
+
+
+def test_unsupported_architecture_names_supported_ones(tokenizer):
+    import transformers
+
+    cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=100)
+    model = transformers.GPT2LMHeadModel(cfg)
+    with pytest.raises(UnsupportedModelError, match="llama"):
+        LazyLLM(model=model, tokenizer=tokenizer)
+
+
+def test_timeout_cancels(tiny_model, tokenizer):
+    llm = _llm(tiny_model, tokenizer)
+    with pytest.raises(lazyllm.RequestCancelled):
+        llm.generate("q?", chunks=DOCS, max_new_tokens=4000, timeout=0.05)
+    assert llm.generate("q?", max_new_tokens=1).usage.completion_tokens == 1
+    assert llm.cache_stats()["pinned_entries"] == 0
+    llm.close()
+
+
+def test_dtype_and_device_resolution():
+    from lazyllm.api import _resolve_device, _resolve_dtype
+
+    assert _resolve_dtype(None, torch.device("cpu")) == torch.float32
+    assert _resolve_dtype(None, torch.device("cuda")) == torch.bfloat16
+    assert _resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+    with pytest.raises(InvalidRequestError):
+        _resolve_dtype("int8", torch.device("cpu"))
+    if not torch.cuda.is_available():
+        assert _resolve_device("auto").type == "cpu"
+        with pytest.raises(InvalidRequestError):
+            _resolve_device("cuda")

@@ -1,0 +1,112 @@
+"""The torch reference (the specification) against attention computed from scratch."""
+import pytest
+import torch
+
+from lazyllm.kernels.reference import (
+    apply_rope, paged_attention_ref, rerotate_copy_ref, rope_cos_sin, rotate_by_delta, write_kv_ref,
+)
+
+
+def _inv_freq(rotary_dim, theta=10000.0):
+    return 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+
+
+def test_rotation_composes():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3, 32, generator=g)
+    inv = _inv_freq(24)  # partial rotary: 8 dims pass through
+    a = torch.randint(-100, 100, (50,), generator=g)
+    b = torch.randint(-100, 100, (50,), generator=g)
+    once = rotate_by_delta(x, a + b, inv)
+    twice = rotate_by_delta(rotate_by_delta(x, a, inv), b, inv)
+    torch.testing.assert_close(once, twice, atol=2e-5, rtol=1e-5)
+    assert torch.equal(once[..., 24:], x[..., 24:])
+
+
+@pytest.mark.parametrize("hq,hkv,d,rot", [(4, 4, 32, 32), (6, 2, 32, 16), (8, 1, 64, 64)])
+def test_paged_attention_matches_dense(hq, hkv, d, rot):
+    """Build sequences of chunks placed at logical offsets, store keys at local positions in
+    shuffled pages, and compare with dense attention over keys rotated at logical positions."""
+    g = torch.Generator().manual_seed(hq * 100 + d)
+    ps, inv, scale = 8, _inv_freq(rot), d ** -0.5
+    n_pages = 64
+    k_cache = torch.randn(n_pages, ps, hkv, d, generator=g)
+    v_cache = torch.randn(n_pages, ps, hkv, d, generator=g)
+    free = torch.randperm(n_pages, generator=g).tolist()
+    seqs = []
+    for b in range(3):
+        # segments: (logical start, stored start, length); the last one is the query segment
+        lens = [int(x) for x in torch.randint(1, 20, (3,), generator=g)]
+        nq = int(torch.randint(1, 6, (1,), generator=g))
+        pos, segs = 0, []
+        for L in lens:
+            segs.append((pos, int(torch.randint(0, 5, (1,), generator=g)), L))
+            pos += L
+        segs.append((pos, pos, nq))  # own tokens, computed in the request's frame
+        seqs.append(segs)
+    q_list, qpos_list, cu, tables = [], [], [0], []
+    ref_out = []
+    for segs in seqs:
+        raw_k, raw_v, kpos, table = [], [], [], []
+        for (lpos, spos, L) in segs:
+            kr = torch.randn(L, hkv, d, generator=g)
+            vr = torch.randn(L, hkv, d, generator=g)
+            stored = apply_rope(kr, *rope_cos_sin(torch.arange(spos, spos + L), inv))
+            for i0 in range(0, L, ps):
+                p = free.pop()
+                n = min(ps, L - i0)
+                k_cache[p, :n] = stored[i0:i0 + n]
+                v_cache[p, :n] = vr[i0:i0 + n]
+                table.append((p, lpos + i0, lpos - spos, n))
+            raw_k.append(kr)
+            raw_v.append(vr)
+            kpos.append(torch.arange(lpos, lpos + L))
+        kr, vr, kp = torch.cat(raw_k), torch.cat(raw_v), torch.cat(kpos)
+        qstart, _, nq = segs[-1]
+        qpos = torch.arange(qstart, qstart + nq)
+        qr = torch.randn(nq, hq, d, generator=g)
+        q = apply_rope(qr, *rope_cos_sin(qpos, inv))
+        kd = apply_rope(kr, *rope_cos_sin(kp, inv)).repeat_interleave(hq // hkv, 1)
+        s = torch.einsum("qhd,khd->hqk", q, kd) * scale
+        s = s.masked_fill(~(kp[None, None, :] <= qpos[None, :, None]), float("-inf"))
+        ref_out.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), vr.repeat_interleave(hq // hkv, 1)))
+        q_list.append(q)
+        qpos_list.append(qpos)
+        cu.append(cu[-1] + nq)
+        table.append((0, 0, 0, 0))  # a padding entry must be ignored
+        tables.append(table)
+    width = max(len(t) for t in tables)
+    T = {f: torch.zeros(len(tables), width, dtype=torch.int32) for f in "tpdl"}
+    for b, t in enumerate(tables):
+        for j, (p, lp, dl, n) in enumerate(t):
+            T["t"][b, j], T["p"][b, j], T["d"][b, j], T["l"][b, j] = p, lp, dl, n
+    out = paged_attention_ref(torch.cat(q_list), torch.cat(qpos_list), torch.tensor(cu), k_cache, v_cache,
+                              T["t"], T["p"], T["d"], T["l"], inv, scale)
+    torch.testing.assert_close(out, torch.cat(ref_out), atol=1e-4, rtol=1e-4)
+
+
+def test_query_with_no_visible_key_is_zero():
+    k = torch.randn(2, 4, 1, 8)
+    out = paged_attention_ref(torch.randn(1, 1, 8), torch.tensor([0]), torch.tensor([0, 1]), k, k,
+                              torch.tensor([[1]], dtype=torch.int32), torch.tensor([[5]], dtype=torch.int32),
+                              torch.zeros(1, 1, dtype=torch.int32), torch.tensor([[4]], dtype=torch.int32),
+                              _inv_freq(8), 1.0)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_rerotate_copy_and_write_kv():
+    g = torch.Generator().manual_seed(3)
+    L, P, ps, h, d = 2, 6, 4, 2, 16
+    k = torch.randn(L, P, ps, h, d, generator=g)
+    v = torch.randn(L, P, ps, h, d, generator=g)
+    inv = _inv_freq(16)
+    k0, v0 = k.clone(), v.clone()
+    rerotate_copy_ref(k, v, torch.tensor([0, 1]), torch.tensor([4, 5]), torch.tensor([7, -3]), inv)
+    for src, dst, dl in ((0, 4, 7), (1, 5, -3)):
+        for layer in range(L):
+            torch.testing.assert_close(k[layer, dst], rotate_by_delta(k0[layer, src], torch.full((ps,), dl), inv))
+            assert torch.equal(v[layer, dst], v0[layer, src])
+    assert torch.equal(k[:, :4], k0[:, :4])
+    kn, vn = torch.randn(3, h, d, generator=g), torch.randn(3, h, d, generator=g)
+    write_kv_ref(k[0], v[0], torch.tensor([1, 6, 23]), kn, vn)
+    assert torch.equal(k[0, 0, 1], kn[0]) and torch.equal(k[0, 1, 2], kn[1]) and torch.equal(v[0, 5, 3], vn[2])
