@@ -138,7 +138,7 @@ class LazyLLM:
         self.tokenizer = tok
         self.model = LlamaFamilyModel(hf, attention=attn)
         spec = self.model.spec
-        self.fingerprint = fingerprint(hf, self.model_name, self.dtype)
+        self.fingerprint = fingerprint(self.model)
         page_bytes = PagePool.page_bytes(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, self.dtype)
         if kv_cache_bytes is None:
             if self.device.type == "cuda":
@@ -337,6 +337,10 @@ class LazyLLM:
         s["reuse"] = self.reuse
         s["chunk_context"] = self.chunk_context
         return s
+
+    def clear_cache(self) -> int:
+        """Drop every cached chunk that no running request uses; returns how many."""
+        return self.engine.clear_cache()
 
     def count_tokens(self, text: str) -> int:
         return len(self.prompts.encode(text))

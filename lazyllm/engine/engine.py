@@ -60,6 +60,24 @@ class _Job:
     want_logits: bool = False
 
 
+class _Call:
+    def __init__(self, fn):
+        self.fn, self.done, self.result, self.error = fn, threading.Event(), None, None
+
+    def run(self):
+        try:
+            self.result = self.fn()
+        except Exception as e:  # handed back to the caller
+            self.error = e
+        self.done.set()
+
+    def wait(self):
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
 @dataclass
 class Request:
     segments: list[Segment]
@@ -124,6 +142,21 @@ class Engine:
         self.inbox.put(req)
         return req
 
+    def call(self, fn):
+        """Run ``fn()`` on the engine thread between steps and return its result."""
+        c = _Call(fn)
+        self.submit(c)  # type: ignore[arg-type]
+        return c.wait()
+
+    def clear_cache(self) -> int:
+        """Evict every unpinned cached entry; returns how many were evicted."""
+        def clear():
+            keys = [k for k, e in self.store.entries.items() if e.pins == 0]
+            for k in keys:
+                self.store._evict(k)
+            return len(keys)
+        return self.call(clear)
+
     def close(self) -> None:
         self._stop = True
         self.inbox.put(None)  # type: ignore[arg-type]
@@ -135,11 +168,14 @@ class Engine:
         while not self._stop:
             idle = not self.running and not self.waiting
             try:
-                item = self.inbox.get(timeout=None if idle else 0) if idle else self.inbox.get_nowait()
+                item = self.inbox.get() if idle else self.inbox.get_nowait()
             except queue.Empty:
                 item = None
             while item is not None:
-                self.waiting.append(item)
+                if isinstance(item, _Call):
+                    item.run()
+                else:
+                    self.waiting.append(item)
                 try:
                     item = self.inbox.get_nowait()
                 except queue.Empty:

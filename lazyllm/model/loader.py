@@ -138,18 +138,22 @@ def load_hf(source: str | None, *, device: str, dtype: torch.dtype, trust_remote
     return model, tok, name
 
 
-def fingerprint(model, name: str, dtype: torch.dtype) -> str:
-    """Identity of a model for cache keys: architecture, config, dtype and a hash of a
-    sample of its weights (so two different checkpoints never share KV)."""
+def fingerprint(model) -> str:
+    """Identity of a model for cache keys: architecture, shapes, RoPE, dtype and a hash of
+    a sample of its weights, so two different checkpoints never share KV, while the same
+    weights loaded from a GGUF file or a converted folder do.
+
+    ``model`` is a ``LlamaFamilyModel``.
+    """
+    import dataclasses
+
     h = hashlib.blake2b(digest_size=16)
-    cfg = model.config.to_dict()
-    for k in ("_name_or_path", "transformers_version", "quantization_config"):
-        cfg.pop(k, None)
-    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
-    h.update(str(dtype).encode())
+    h.update(json.dumps(dataclasses.asdict(model.spec), sort_keys=True).encode())
+    h.update(str(model.dtype).encode())
+    h.update(model.inv_freq.detach().cpu().numpy().tobytes())
     with torch.no_grad():
-        for t in (model.get_input_embeddings().weight, model.lm_head.weight,
-                  model.model.layers[0].self_attn.k_proj.weight, model.model.layers[-1].mlp.down_proj.weight):
+        layer0, last = model.layers[0], model.layers[-1]
+        for t in (model.embed, model.lm_head, layer0["wk"], layer0["wq"], last["wd"], model.final_norm):
             sample = t.detach().flatten()[:65536].to("cpu", torch.float32).contiguous()
             h.update(sample.numpy().tobytes())
     return h.hexdigest()
