@@ -29,6 +29,7 @@ Conventions shared by all functions
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 __all__ = [
     "rope_cos_sin",
@@ -147,15 +148,14 @@ def paged_attention_ref(
         k, v, kpos, delta = k[valid], v[valid], kpos[valid], delta[valid]
         if bool((delta != 0).any()):
             k = rotate_by_delta(k, delta, inv_freq)
-        qb = q[q0:q1].to(torch.float32).transpose(0, 1)  # (hq, nq, d)
-        kb = k.to(torch.float32).transpose(0, 1).repeat_interleave(group, dim=0)
-        vb = v.to(torch.float32).transpose(0, 1).repeat_interleave(group, dim=0)
         allowed = kpos[None, :] <= q_pos[q0:q1].long()[:, None]  # (nq, nk)
-        scores = torch.matmul(qb, kb.transpose(1, 2)) * sm_scale
-        scores = scores.masked_fill(~allowed[None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        probs = torch.nan_to_num(probs, nan=0.0)  # rows with no visible key
-        out[q0:q1] = torch.matmul(probs, vb).transpose(0, 1).to(out.dtype)
+        qb = q[q0:q1].to(torch.float32).transpose(0, 1)  # (hq, nq, d)
+        kb = k.to(torch.float32).transpose(0, 1)  # (hkv, nk, d)
+        vb = v.to(torch.float32).transpose(0, 1)
+        o = F.scaled_dot_product_attention(qb[None], kb[None], vb[None], attn_mask=allowed[None, None],
+                                           scale=sm_scale, enable_gqa=group > 1)[0]
+        o = o.masked_fill(~allowed.any(-1)[None, :, None], 0.0)  # rows with no visible key
+        out[q0:q1] = o.transpose(0, 1).to(out.dtype)
     return out
 
 
