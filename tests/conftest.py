@@ -47,8 +47,17 @@ def default_llm_parts():
 
 
 @pytest.fixture(scope="session")
-def tokenizer(default_llm_parts):
-    return default_llm_parts[1]
+def tokenizer():
+    """The default model's tokenizer (from LAZYLLM_TEST_TOKENIZER when set, e.g. on the GPU
+    machine, where the default model's weights are not carried)."""
+    from transformers import AutoTokenizer
+
+    path = os.environ.get("LAZYLLM_TEST_TOKENIZER")
+    if not path:
+        from lazyllm.model.loader import default_model_dir
+
+        path = str(default_model_dir())
+    return AutoTokenizer.from_pretrained(path)
 
 
 def pytest_configure(config):

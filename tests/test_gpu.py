@@ -1,0 +1,56 @@
+"""On the GPU: the engine with the Triton kernels against transformers (run on the H200;
+deselected in CI, which has no GPU: `pytest -m gpu`)."""
+import random
+
+import pytest
+import torch
+
+from lazyllm import LazyLLM
+from tests.conftest import FAMILIES, make_tiny
+from tests.hf_reference import hf_generate, reference_tokens
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)"),
+]
+
+DOCS = [
+    "The Eiffel Tower in Paris was completed in 1889 and is 330 metres tall.",
+    "Mount Fuji is the highest mountain in Japan, rising 3,776 metres above sea level.",
+    "The Great Wall of China stretches for more than 21,000 kilometres across northern China.",
+    "Python was created by Guido van Rossum and first released in 1991. " * 3,
+    "The Amazon river carries more water than any other river on Earth. " * 2,
+]
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def tiny_cuda(request):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return make_tiny(request.param).to("cuda")
+
+
+@pytest.mark.parametrize("reuse,ctx", [("lazy", "isolated"), ("lazy", "prefix"), ("block", "isolated"),
+                                       ("block", "prefix")])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_triton_engine_matches_transformers_4d_mask(tiny_cuda, tokenizer, reuse, ctx, page_size):
+    llm = LazyLLM(model=tiny_cuda, tokenizer=tokenizer, reuse=reuse, chunk_context=ctx, page_size=page_size,
+                  kv_cache_bytes=256 << 20, attention_backend="triton")
+    assert llm.attention_backend == "triton"
+    rng = random.Random(0)
+    for _ in range(3):
+        docs = rng.sample(DOCS, 4)
+        out = llm.generate("Which was completed in 1889?", chunks=docs, system="Be brief.", max_new_tokens=12)
+        ref = reference_tokens(tiny_cuda, out.prompt_segments, reuse, ctx, 12, llm.eos_token_ids)
+        assert out.token_ids == ref
+    llm.close()
+
+
+@pytest.mark.parametrize("reuse", ["none", "prefix"])
+def test_triton_engine_full_modes_match_generate(tiny_cuda, tokenizer, reuse):
+    llm = LazyLLM(model=tiny_cuda, tokenizer=tokenizer, reuse=reuse, kv_cache_bytes=256 << 20,
+                  attention_backend="triton")
+    for docs in (DOCS[:3], DOCS[:4]):
+        out = llm.generate("Which was completed in 1889?", chunks=docs, max_new_tokens=12)
+        assert out.token_ids == hf_generate(tiny_cuda, out.prompt_token_ids, 12, llm.eos_token_ids)
+    llm.close()
