@@ -1,0 +1,520 @@
+"""Kernel benchmark: deferred-RoPE paged attention (Triton) against torch SDPA (flash).
+
+Llama-3.1-8B attention shapes (32 query heads, 8 KV heads, head_dim 128), bfloat16, one
+layer, on one GPU. Prints a table and writes ``kernels.json`` and ``kernels.md`` to --out.
+
+    python3 benchmarks/kernels.py --out OUT_DIR [--sweep] [--page-size 16]
+
+What is measured
+----------------
+* Prefill: ``q`` new tokens of one sequence over ``kv`` keys in total: ``kv - q`` cached
+  tokens in chunks of 448..576 tokens, each at a random nonzero delta, then the ``q``
+  tokens' own pages (delta 0); page ids shuffled over the pool. Query ``i`` (at position
+  ``kv - q + i``) sees ``kv - q + i + 1`` keys, so the causal-aware count is
+  ``FLOPs = 4 * heads * head_dim * (q * (kv - q) + q * (q + 1) / 2)``.
+  SDPA runs the same logical problem on contiguous, already-rotated K/V through
+  ``aten._scaled_dot_product_flash_attention`` with ``is_causal=True`` (which means
+  bottom-right aligned for that op, the same mask), GQA native.
+* Decode: ``batch`` sequences of ``kv`` keys each (chunked the same way), one query each.
+  ``TB/s = bytes / time`` with ``bytes = K and V read once (batch * kv * 8 * 128 * 2 * 2)
+  + q + out``; the same count for both kernels.
+* Deferred RoPE cost: the same kernel with ``use_rope=False`` (no rotation; all else
+  equal). "rope" times include building the cos/sin table of the step (``rope_table``);
+  an engine builds it once per step for all layers.
+* Re-rotate copy (the Block-Attention baseline): 32 layers, pages of 16 tokens, bytes read
+  + written, against ``torch`` copying the same number of bytes device to device.
+
+Times are ``triton.testing.do_bench`` medians (it flushes L2 before every run). Before
+timing, every configuration is checked against ``reference.paged_attention_ref`` on
+float32-upcast inputs (a slice of the queries; pages compacted), and against SDPA.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+
+DRY = "--dry-run" in sys.argv  # CPU, Triton's interpreter, tiny shapes: checks this script
+if DRY:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+try:  # the installed package, else the source tree
+    from lazyllm.kernels import reference as ref
+    from lazyllm.kernels import triton_attention as ta
+except ImportError:
+    sys.path.insert(0, str(ROOT))
+    from kernels import reference as ref  # type: ignore
+    from kernels import triton_attention as ta  # type: ignore
+
+import triton
+import triton.testing
+
+HQ, HKV, D = 32, 8, 128
+DTYPE = torch.bfloat16
+SCALE = D ** -0.5
+PREFILL = [(64, 4096), (64, 8192), (64, 32768), (512, 4096), (512, 8192), (512, 32768),
+           (2048, 4096), (2048, 8192), (2048, 32768)]
+DECODE = [(1, 4096), (1, 16384), (1, 32768), (32, 4096), (32, 16384), (32, 32768),
+          (128, 4096), (128, 16384), (128, 32768)]
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def llama3_inv_freq(dim=128, theta=500000.0, factor=8.0, low=1.0, high=4.0, orig=8192):
+    inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    wavelen = 2 * math.pi / inv
+    low_wl, high_wl = orig / low, orig / high
+    smooth = (orig / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+    mid = (wavelen <= low_wl) & (wavelen >= high_wl)
+    scaled = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return scaled.to(torch.float32)
+
+
+def bench(fn, warmup=10, rep=60):
+    if DRY:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def sync():
+    if torch.cuda.is_available():
+        sync()
+
+
+def relerr(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+# ----------------------------------------------------------------------------------------
+# problems
+# ----------------------------------------------------------------------------------------
+
+
+class Paged:
+    """Sequences laid out in a shuffled page pool, and the same keys contiguous for SDPA.
+
+    SDPA-side K/V (``(batch, HKV, kv, D)``, keys at their final positions) are drawn first;
+    the cache stores each cached chunk's keys rotated back by its delta (as if encoded
+    alone), own tokens as they are. So both kernels see the same logical keys."""
+
+    def __init__(self, batch, kv, n_own, page_size, inv_freq, seed=0, dev="cuda"):
+        g = random.Random(seed)
+        torch.manual_seed(seed)
+        self.batch, self.kv, self.page_size = batch, kv, page_size
+        self.k_sdpa = torch.randn(batch, HKV, kv, D, device=dev, dtype=DTYPE)
+        self.v_sdpa = torch.randn(batch, HKV, kv, D, device=dev, dtype=DTYPE)
+        rows = []
+        for _ in range(batch):
+            segs, pos = [], 0
+            while pos < kv - n_own:
+                n = min(g.randint(448, 576), kv - n_own - pos)
+                segs.append((pos, n, g.randint(1, 32768)))
+                pos += n
+            segs.append((pos, kv - pos, 0))
+            rows.append(segs)
+        n_pages = sum(math.ceil(n / page_size) for segs in rows for _, n, _ in segs)
+        perm = torch.randperm(n_pages + 7, device="cpu")[:n_pages].tolist()
+        max_blocks = max(sum(math.ceil(n / page_size) for _, n, _ in segs) for segs in rows)
+        bt = torch.zeros(batch, max_blocks, dtype=torch.int32)
+        bpos = torch.zeros_like(bt)
+        bdelta = torch.zeros_like(bt)
+        blen = torch.zeros_like(bt)
+        slot_of_token = torch.empty(batch, kv, dtype=torch.int64)
+        delta_of_token = torch.empty(batch, kv, dtype=torch.int64)
+        nxt = 0
+        for b, segs in enumerate(rows):
+            j = 0
+            for start, n, delta in segs:
+                for off in range(0, n, page_size):
+                    m = min(page_size, n - off)
+                    p = perm[nxt]
+                    nxt += 1
+                    bt[b, j], bpos[b, j], bdelta[b, j], blen[b, j] = p, start + off, delta, m
+                    slot_of_token[b, start + off:start + off + m] = p * page_size + torch.arange(m)
+                    j += 1
+                delta_of_token[b, start:start + n] = delta
+        self.k_cache = torch.randn(n_pages + 7, page_size, HKV, D, device=dev, dtype=DTYPE)
+        self.v_cache = torch.randn_like(self.k_cache)
+        kf, vf = self.k_cache.view(-1, HKV, D), self.v_cache.view(-1, HKV, D)
+        for b in range(batch):
+            k_tok = self.k_sdpa[b].transpose(0, 1)  # (kv, HKV, D)
+            k_tok = ref.rotate_by_delta(k_tok, -delta_of_token[b].to(dev), inv_freq)
+            idx = slot_of_token[b].to(dev)
+            kf.index_copy_(0, idx, k_tok)
+            vf.index_copy_(0, idx, self.v_sdpa[b].transpose(0, 1))
+        self.block_table, self.block_pos = bt.to(dev), bpos.to(dev)
+        self.block_delta, self.block_len = bdelta.to(dev), blen.to(dev)
+        self.inv_freq = inv_freq
+
+    def args(self, q, q_pos, cu, rows=None):
+        sl = slice(None) if rows is None else rows
+        return dict(q=q, q_pos=q_pos, cu_seqlens_q=cu, k_cache=self.k_cache, v_cache=self.v_cache,
+                    block_table=self.block_table[sl], block_pos=self.block_pos[sl],
+                    block_delta=self.block_delta[sl], block_len=self.block_len[sl],
+                    inv_freq=self.inv_freq, sm_scale=SCALE)
+
+
+def compact_upcast(a):
+    """The same problem on float32 copies of only the pages it uses (for the reference)."""
+    bt, blen = a["block_table"], a["block_len"]
+    used = torch.unique(bt[blen > 0].long())
+    remap = torch.zeros(a["k_cache"].shape[0], dtype=torch.int32, device=bt.device)
+    remap[used] = torch.arange(used.numel(), dtype=torch.int32, device=bt.device)
+    out = dict(a)
+    out["block_table"] = torch.where(blen > 0, remap[bt.long()], 0).to(torch.int32)
+    out["k_cache"] = a["k_cache"][used].float()
+    out["v_cache"] = a["v_cache"][used].float()
+    out["q"] = a["q"].float()
+    return out
+
+
+def sdpa_flash(q, k, v, causal):
+    """``aten._scaled_dot_product_flash_attention``: the flash backend, GQA native,
+    causal bottom-right aligned. q ``(B, HQ, Lq, D)``, k/v ``(B, HKV, Lk, D)``."""
+    if DRY:  # CPU stand-in with the same mask, for --dry-run only
+        lq, lk = q.shape[2], k.shape[2]
+        mask = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq) if causal else None
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1).float() for t in (k, v))
+        return torch.nn.functional.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask, scale=SCALE).to(q.dtype)
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal=causal, scale=SCALE)[0]
+
+
+# ----------------------------------------------------------------------------------------
+# sections
+# ----------------------------------------------------------------------------------------
+
+
+def copy_bandwidth(dev):
+    n = 1 << 30 if not DRY else 1 << 16  # 2 GiB of bf16
+    src = torch.randn(n, device=dev, dtype=DTYPE)
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / ms / 1e9, ms  # TB/s (read + write)
+
+
+def prefill_case(nq, kv, ps, inv_freq, dev, seed=0):
+    pg = Paged(1, kv, nq, ps, inv_freq, seed=seed, dev=dev)
+    torch.manual_seed(seed + 1)
+    qs = torch.randn(1, HQ, nq, D, device=dev, dtype=DTYPE)  # SDPA layout
+    q = qs[0].transpose(0, 1).contiguous()  # (nq, HQ, D)
+    q_pos = torch.arange(kv - nq, kv, device=dev, dtype=torch.int64)
+    cu = torch.tensor([0, nq], device=dev, dtype=torch.int32)
+    return pg, qs, q, q_pos, cu
+
+
+def check_prefill(pg, qs, q, q_pos, cu, out, sdpa_out, n_check=64):
+    nq = q.shape[0]
+    c = min(n_check, nq)
+    a = pg.args(q[nq - c:], q_pos[nq - c:], torch.tensor([0, c], device=q.device, dtype=torch.int32))
+    r = ref.paged_attention_ref(**compact_upcast(a))
+    e_ref = relerr(out[nq - c:], r)
+    e_sdpa = relerr(out, sdpa_out[0].transpose(0, 1))
+    return e_ref, e_sdpa
+
+
+def run_prefill(nq, kv, ps, inv_freq, dev, configs=None, splits=(None,), sdpa=True):
+    """Times the launcher (default config unless ``configs``), rope on/off, and SDPA."""
+    pg, qs, q, q_pos, cu = prefill_case(nq, kv, ps, inv_freq, dev)
+    a = pg.args(q, q_pos, cu)
+    out = torch.empty_like(q)
+    pairs = nq * (kv - nq) + nq * (nq + 1) / 2
+    flops = 4 * HQ * D * pairs
+    res = []
+    s_out = None
+    s_ms = None
+    if sdpa:
+        s_out = sdpa_flash(qs, pg.k_sdpa, pg.v_sdpa, True)
+        s_ms = bench(lambda: sdpa_flash(qs, pg.k_sdpa, pg.v_sdpa, True))
+    for cfg in configs or [None]:
+        for sp in splits:
+            row = dict(kind="prefill", q=nq, kv=kv, page_size=ps, config=cfg, splits=sp, flops=flops)
+            try:
+                out.fill_(float("nan"))
+                ta.paged_attention_triton(**a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp)
+                sync()
+                row["nan"] = bool(torch.isnan(out).any())
+                if s_out is not None:
+                    row["err_ref"], row["err_sdpa"] = check_prefill(pg, qs, q, q_pos, cu, out, s_out)
+                row["ms_rope"] = bench(lambda: ta.paged_attention_triton(
+                    **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp))
+                row["ms_norope"] = bench(lambda: ta.paged_attention_triton(
+                    **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, use_rope=False))
+                rt = ta.rope_table(pg.block_delta, inv_freq)
+                row["ms_rope_pretable"] = bench(lambda: ta.paged_attention_triton(
+                    **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, rope=rt))
+            except Exception as e:  # keep the rest of the run
+                row["error"] = repr(e)[:300]
+                traceback.print_exc()
+            if s_ms is not None:
+                row["ms_sdpa"] = s_ms
+            res.append(row)
+            log(fmt_row(row))
+    del pg
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return res
+
+
+def run_decode(batch, kv, ps, inv_freq, dev, configs=None, splits=(None,), sdpa=True, n_check=2):
+    pg = Paged(batch, kv, 16, ps, inv_freq, seed=batch * 7 + kv, dev=dev)
+    torch.manual_seed(3)
+    qs = torch.randn(batch, HQ, 1, D, device=dev, dtype=DTYPE)
+    q = qs[:, :, 0].contiguous()  # (batch, HQ, D)
+    q_pos = torch.full((batch,), kv - 1, device=dev, dtype=torch.int64)
+    cu = torch.arange(batch + 1, device=dev, dtype=torch.int32)
+    a = pg.args(q, q_pos, cu)
+    out = torch.empty_like(q)
+    nbytes = batch * kv * HKV * D * 2 * 2 + 2 * q.numel() * 2
+    res = []
+    s_out = s_ms = None
+    if sdpa:
+        s_out = sdpa_flash(qs, pg.k_sdpa, pg.v_sdpa, False)[:, :, 0]
+        s_ms = bench(lambda: sdpa_flash(qs, pg.k_sdpa, pg.v_sdpa, False))
+    c = min(n_check, batch)
+    chk = pg.args(q[:c], q_pos[:c], cu[:c + 1], rows=slice(0, c))
+    r = ref.paged_attention_ref(**compact_upcast(chk))
+    for cfg in configs or [None]:
+        for sp in splits:
+            row = dict(kind="decode", batch=batch, kv=kv, page_size=ps, config=cfg, splits=sp, bytes=nbytes)
+            try:
+                out.fill_(float("nan"))
+                ta.paged_attention_triton(**a, out=out, max_seqlen_q=1, config=cfg, num_splits=sp)
+                sync()
+                row["nan"] = bool(torch.isnan(out).any())
+                row["err_ref"] = relerr(out[:c], r)
+                if s_out is not None:
+                    row["err_sdpa"] = relerr(out, s_out)
+                row["ms_rope"] = bench(lambda: ta.paged_attention_triton(
+                    **a, out=out, max_seqlen_q=1, config=cfg, num_splits=sp))
+                row["ms_norope"] = bench(lambda: ta.paged_attention_triton(
+                    **a, out=out, max_seqlen_q=1, config=cfg, num_splits=sp, use_rope=False))
+                rt = ta.rope_table(pg.block_delta, inv_freq)
+                row["ms_rope_pretable"] = bench(lambda: ta.paged_attention_triton(
+                    **a, out=out, max_seqlen_q=1, config=cfg, num_splits=sp, rope=rt))
+            except Exception as e:
+                row["error"] = repr(e)[:300]
+                traceback.print_exc()
+            if s_ms is not None:
+                row["ms_sdpa"] = s_ms
+            res.append(row)
+            log(fmt_row(row))
+    del pg
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return res
+
+
+def run_copy(inv_freq, dev, copy_tbs, n_layers=32, ps=16, n=256, variants=((None, None),)):
+    """Re-rotate ``n`` pages (4096 tokens) in each of ``n_layers`` layers."""
+    torch.manual_seed(5)
+    n_pages = 2 * n + 16
+    k = torch.randn(n_layers, n_pages, ps, HKV, D, device=dev, dtype=DTYPE)
+    v = torch.randn_like(k)
+    perm = torch.randperm(n_pages, device=dev)
+    src, dst = perm[:n].to(torch.int32), perm[n:2 * n].to(torch.int32)
+    delta = torch.randint(1, 32768, (n,), device=dev, dtype=torch.int32)
+    nbytes = 2 * 2 * n_layers * n * ps * HKV * D * 2  # K and V, read + write
+    kr, vr = k.clone(), v.clone()
+    ref.rerotate_copy_ref(kr, vr, src, dst, delta, inv_freq)
+    flat_src = torch.empty(nbytes // 4, device=dev, dtype=DTYPE)  # same bytes, one copy
+    flat_dst = torch.empty_like(flat_src)
+    ms_copy = bench(lambda: flat_dst.copy_(flat_src))
+    ms_ref = bench(lambda: ref.rerotate_copy_ref(k, v, src, dst, delta, inv_freq))
+    res = []
+    for rows, warps in variants:
+        row = dict(kind="rerotate", layers=n_layers, pages=n, page_size=ps, bytes=nbytes, block_rows=rows,
+                   num_warps=warps, ms_torch_copy=ms_copy, ms_ref=ms_ref, copy_ceiling_tbs=copy_tbs)
+        try:
+            k2, v2 = k.clone(), v.clone()
+            ta.rerotate_copy_triton(k2, v2, src, dst, delta, inv_freq, block_rows=rows, num_warps=warps)
+            row["err_k"] = relerr(k2[:, dst.long()], kr[:, dst.long()])
+            row["v_equal"] = bool(torch.equal(v2[:, dst.long()], vr[:, dst.long()]))
+            row["ms"] = bench(lambda: ta.rerotate_copy_triton(k2, v2, src, dst, delta, inv_freq,
+                                                              block_rows=rows, num_warps=warps))
+        except Exception as e:
+            row["error"] = repr(e)[:300]
+            traceback.print_exc()
+        res.append(row)
+        log(fmt_row(row))
+    return res
+
+
+# ----------------------------------------------------------------------------------------
+# report
+# ----------------------------------------------------------------------------------------
+
+
+def derived(row):
+    r = dict(row)
+    if "error" in r:
+        return r
+    if r["kind"] == "prefill" and "ms_rope" in r:
+        r["tflops_rope"] = r["flops"] / r["ms_rope"] / 1e9
+        r["tflops_norope"] = r["flops"] / r["ms_norope"] / 1e9
+        if r.get("ms_sdpa"):
+            r["tflops_sdpa"] = r["flops"] / r["ms_sdpa"] / 1e9
+            r["vs_sdpa"] = r["ms_sdpa"] / r["ms_rope"]
+        r["rope_cost"] = r["ms_rope"] / r["ms_norope"] - 1
+        r["rope_cost_pretable"] = r["ms_rope_pretable"] / r["ms_norope"] - 1
+    if r["kind"] == "decode" and "ms_rope" in r:
+        r["tbs_rope"] = r["bytes"] / r["ms_rope"] / 1e9
+        r["tbs_norope"] = r["bytes"] / r["ms_norope"] / 1e9
+        if r.get("ms_sdpa"):
+            r["tbs_sdpa"] = r["bytes"] / r["ms_sdpa"] / 1e9
+            r["vs_sdpa"] = r["ms_sdpa"] / r["ms_rope"]
+        r["rope_cost"] = r["ms_rope"] / r["ms_norope"] - 1
+        r["rope_cost_pretable"] = r["ms_rope_pretable"] / r["ms_norope"] - 1
+    if r["kind"] == "rerotate" and "ms" in r:
+        r["tbs"] = r["bytes"] / r["ms"] / 1e9
+        r["tbs_torch_copy"] = r["bytes"] / r["ms_torch_copy"] / 1e9
+        r["tbs_ref"] = r["bytes"] / r["ms_ref"] / 1e9
+        r["vs_copy"] = r["ms_torch_copy"] / r["ms"]
+    return r
+
+
+def fmt_row(row):
+    r = derived(row)
+    if "error" in r:
+        return f"{r['kind']} {r.get('q', r.get('batch'))}/{r.get('kv')} cfg={r.get('config')} ERROR {r['error']}"
+    if r["kind"] == "prefill":
+        return (f"prefill q={r['q']:5d} kv={r['kv']:6d} cfg={r['config']} sp={r['splits']} | ours {r['ms_rope']:.3f} ms "
+                f"{r['tflops_rope']:.0f} TF/s | rope-off {r['ms_norope']:.3f} | sdpa {r.get('ms_sdpa', float('nan')):.3f} ms "
+                f"{r.get('tflops_sdpa', float('nan')):.0f} TF/s | x{r.get('vs_sdpa', float('nan')):.2f} | rope +{100 * r['rope_cost']:.1f}% "
+                f"(pretable +{100 * r['rope_cost_pretable']:.1f}%) | err ref {r.get('err_ref', float('nan')):.1e} "
+                f"sdpa {r.get('err_sdpa', float('nan')):.1e} nan={r['nan']}")
+    if r["kind"] == "decode":
+        return (f"decode  b={r['batch']:4d} kv={r['kv']:6d} cfg={r['config']} sp={r['splits']} | ours {r['ms_rope']:.3f} ms "
+                f"{r['tbs_rope']:.2f} TB/s | rope-off {r['ms_norope']:.3f} | sdpa {r.get('ms_sdpa', float('nan')):.3f} ms "
+                f"{r.get('tbs_sdpa', float('nan')):.2f} TB/s | x{r.get('vs_sdpa', float('nan')):.2f} | rope +{100 * r['rope_cost']:.1f}% "
+                f"(pretable +{100 * r['rope_cost_pretable']:.1f}%) | err ref {r['err_ref']:.1e} sdpa {r.get('err_sdpa', float('nan')):.1e} nan={r['nan']}")
+    return (f"rerotate L={r['layers']} pages={r['pages']} rows={r['block_rows']} warps={r['num_warps']} | {r['ms']:.3f} ms "
+            f"{r['tbs']:.2f} TB/s | torch copy {r['tbs_torch_copy']:.2f} TB/s | x{r['vs_copy']:.2f} of copy | "
+            f"naive torch {r['ms_ref']:.3f} ms | err {r['err_k']:.1e} v_equal={r['v_equal']}")
+
+
+def markdown(meta, rows):
+    L = [f"Device: {meta['device']}; torch {meta['torch']}, triton {meta['triton']}; {meta['date']}; "
+         f"page size {meta['page_size']}; device-to-device copy {meta['copy_tbs']:.2f} TB/s.", ""]
+    pre = [derived(r) for r in rows if r["kind"] == "prefill" and r.get("config") is None and r.get("splits") is None]
+    dec = [derived(r) for r in rows if r["kind"] == "decode" and r.get("config") is None and r.get("splits") is None]
+    cp = [derived(r) for r in rows if r["kind"] == "rerotate"]
+    if pre:
+        L += ["| prefill q | kv | ours ms | ours TFLOP/s | SDPA ms | SDPA TFLOP/s | ours/SDPA | rope off ms | RoPE cost | RoPE cost, table prebuilt | rel err vs ref |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in pre:
+            if "error" in r:
+                L.append(f"| {r['q']} | {r['kv']} | error: {r['error'][:80]} |")
+                continue
+            L.append(f"| {r['q']} | {r['kv']} | {r['ms_rope']:.3f} | {r['tflops_rope']:.0f} | {r['ms_sdpa']:.3f} | "
+                     f"{r['tflops_sdpa']:.0f} | {100 * r['vs_sdpa']:.0f}% | {r['ms_norope']:.3f} | "
+                     f"{100 * r['rope_cost']:+.1f}% | {100 * r['rope_cost_pretable']:+.1f}% | {r['err_ref']:.1e} |")
+        L.append("")
+    if dec:
+        L += ["| decode batch | kv | ours ms | ours TB/s | SDPA ms | SDPA TB/s | ours/SDPA | rope off ms | RoPE cost | RoPE cost, table prebuilt | rel err vs ref |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in dec:
+            if "error" in r:
+                L.append(f"| {r['batch']} | {r['kv']} | error: {r['error'][:80]} |")
+                continue
+            L.append(f"| {r['batch']} | {r['kv']} | {r['ms_rope']:.3f} | {r['tbs_rope']:.2f} | {r['ms_sdpa']:.3f} | "
+                     f"{r['tbs_sdpa']:.2f} | {100 * r['vs_sdpa']:.0f}% | {r['ms_norope']:.3f} | "
+                     f"{100 * r['rope_cost']:+.1f}% | {100 * r['rope_cost_pretable']:+.1f}% | {r['err_ref']:.1e} |")
+        L.append("")
+    if cp:
+        L += ["| re-rotate copy | ms | TB/s | torch copy, same bytes | of copy bandwidth | naive torch ms |",
+              "| --- | --- | --- | --- | --- | --- |"]
+        for r in cp:
+            if "error" in r:
+                continue
+            L.append(f"| {r['layers']} layers x {r['pages']} pages of {r['page_size']} (rows {r['block_rows']}, warps {r['num_warps']}) | "
+                     f"{r['ms']:.3f} | {r['tbs']:.2f} | {r['tbs_torch_copy']:.2f} TB/s | {100 * r['vs_copy']:.0f}% | {r['ms_ref']:.3f} |")
+        L.append("")
+    return "\n".join(L)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="folder for kernels.json and kernels.md")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--sweep", action="store_true", help="also time launch configurations and split counts")
+    ap.add_argument("--sections", default="prefill,decode,copy")
+    ap.add_argument("--quick", action="store_true", help="a few shapes only")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, interpreter, tiny shapes: checks the script")
+    args = ap.parse_args()
+    global DTYPE, PREFILL, DECODE
+    if DRY:
+        DTYPE = torch.float16
+        PREFILL, DECODE = [(16, 600), (40, 700)], [(1, 700), (3, 1200)]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cpu" if DRY else "cuda")
+    t0 = time.time()
+    copy_tbs, _ = copy_bandwidth(dev)
+    meta = dict(device=torch.cuda.get_device_name() if not DRY else "cpu (dry run)", torch=torch.__version__, triton=triton.__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                page_size=args.page_size, copy_tbs=copy_tbs, python=platform.python_version(),
+                command=" ".join(["python3"] + sys.argv))
+    log(f"{meta['device']} torch {meta['torch']} triton {meta['triton']} copy {copy_tbs:.2f} TB/s")
+    inv_freq = llama3_inv_freq().to(dev)
+    ps = args.page_size
+    rows = []
+    sections = args.sections.split(",")
+
+    def save():
+        (out_dir / "kernels.json").write_text(json.dumps(dict(meta=meta, rows=[derived(r) for r in rows]), indent=1))
+        (out_dir / "kernels.md").write_text(markdown(meta, rows))
+
+    if args.sweep:
+        big = not DRY
+        pcfgs = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3),
+                 (128, 32, 4, 3)]
+        for nq, kv in (((512, 8192), (2048, 32768)) if big else ((40, 700),)):
+            rows += run_prefill(nq, kv, ps, inv_freq, dev, configs=pcfgs if big else [(16, 16, 4, 1)])
+        rows += run_prefill(64 if big else 8, 8192 if big else 700, ps, inv_freq, dev, splits=(1, 4, 8, 16, 32))
+        rows += run_prefill(512 if big else 40, 8192 if big else 700, ps, inv_freq, dev, splits=(1, 2, 4))
+        dcfgs = [(16, 32, 4, 3), (16, 64, 4, 2), (16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 8, 3),
+                 (16, 64, 2, 3)]
+        b32, kv16 = (32, 16384) if big else (3, 700)
+        rows += run_decode(b32, kv16, ps, inv_freq, dev, configs=dcfgs if big else [(16, 32, 4, 1)])
+        rows += run_decode(1, 32768 if big else 1200, ps, inv_freq, dev, splits=(8, 16, 32, 64, 128))
+        rows += run_decode(b32, kv16, ps, inv_freq, dev, splits=(1, 2, 4, 8))
+        save()
+        log(f"sweep done at {time.time() - t0:.0f}s")
+    pre = PREFILL if not args.quick else [(512, 8192)]
+    dec = DECODE if not args.quick else [(32, 16384)]
+    if "prefill" in sections:
+        for nq, kv in pre:
+            rows += run_prefill(nq, kv, ps, inv_freq, dev)
+        save()
+    if "decode" in sections:
+        for b, kv in dec:
+            rows += run_decode(b, kv, ps, inv_freq, dev)
+        save()
+    if "copy" in sections:
+        variants = [(None, None)] + ([(32, 4), (64, 4), (128, 4), (128, 8), (256, 8)] if args.sweep else [])
+        rows += run_copy(inv_freq, dev, copy_tbs, ps=ps, variants=variants,
+                         **(dict(n_layers=2, n=4) if DRY else {}))
+        save()
+    log(f"done in {time.time() - t0:.0f}s")
+    log(markdown(meta, rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,680 @@
+"""Triton kernels for deferred-RoPE paged attention, and their thin launchers.
+
+Each launcher computes the same function as its ``*_ref`` twin in
+``lazyllm.kernels.reference`` (the specification; see its module docstring for the
+conventions: page layout, ``block_pos`` / ``block_delta`` / ``block_len``, rotate-half RoPE
+on the first ``2 * len(inv_freq)`` dims, masking by position).
+
+How the attention kernel applies the deferred rotation
+------------------------------------------------------
+One program owns ``BLOCK_M`` rows of one sequence and one KV head. A row is a
+(query, q-head-in-group) pair, so a GQA group shares every K/V tile it loads. The program
+walks the sequence's page table in a flat loop over key tiles of ``BLOCK_N`` table slots
+(a tile spans ``BLOCK_N / page_size`` pages, or part of one page). For each tile it loads
+the rotary part of K as two halves ``k1 = K[:, :half]`` and ``k2 = K[:, half:rot]``, so the
+rotate-half needs no register shuffle, and turns them into ``R(delta) k`` with the
+per-row cos/sin of that row's page delta::
+
+    k1' = k1 c - k2 s,   k2' = k2 c + k1 s,   score = q1 . k1' + q2 . k2' + q_pass . k_pass
+
+The cos/sin of ``delta * inv_freq`` are one table of ``(batch, max_blocks, half)`` values
+computed once per launch by torch (``rope_table``; exactly the reference's arithmetic), so
+the kernel does no trigonometry. The rotated tile is rounded to the cache's dtype, as
+the reference does, and fed to ``tl.dot`` like any K tile; there is no branch on the
+delta inside the loop, so the loop stays software-pipelined.
+
+The loop has two phases, as in Triton's fused-attention tutorial: tiles that every row of
+the program sees in full (only slot validity is applied, as an additive column bias), then
+tiles that need the causal mask. The program finds both bounds with one scan of its
+table row, and never visits tiles past the last entry any of its rows can see. This is
+exact for any table order and tight for the usual order (entries by position).
+
+Decode (one query per sequence) and short prefills split the key range of each sequence
+over ``num_splits`` programs (flash-decoding); a second kernel merges their partial
+outputs by log-sum-exp.
+
+Every kernel loads in the cache's dtype and computes in float32, so it runs in Triton's
+interpreter (``TRITON_INTERPRET=1``, CPU) with float16/float32 tensors.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "paged_attention_triton",
+    "rerotate_copy_triton",
+    "write_kv_triton",
+    "rope_table",
+]
+
+_LOG2E = 1.4426950408889634
+# Finite start of the running max: a row that has seen only masked keys keeps
+# exp2(-inf - _M_INIT) == 0 instead of exp2(-inf + inf) == nan.
+_M_INIT = tl.constexpr(-1.0e30)
+
+
+def _interpreting() -> bool:
+    return bool(triton.knobs.runtime.interpret)
+
+
+def _fix_interpreter_scalars() -> None:
+    """Triton 3.6's interpreter turns a scalar into a loop bound with ``int(a)`` on a
+    numpy array of shape ``(1,)``, which numpy >= 2.4 refuses, so any ``range`` over a
+    run-time value fails there. Take the element instead. Interpreter only; idempotent."""
+    try:
+        from triton.runtime import interpreter as _ti
+
+        orig = _ti._patch_lang_tensor
+    except (ImportError, AttributeError):
+        return
+    if getattr(orig, "_lazyllm_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._lazyllm_fixed = True
+    _ti._patch_lang_tensor = patched
+
+
+if _interpreting():
+    _fix_interpreter_scalars()
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+# Reductions spelled through tl.reduce with the standard combine functions: the same code
+# as tl.max/min/sum when compiled, and in the interpreter they work even when triton was
+# imported before TRITON_INTERPRET was set (the standard library's own jit wrappers then
+# refuse to run there; these combine functions hit the interpreter's numpy fast path).
+@triton.jit
+def _max(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._elementwise_max)
+
+
+@triton.jit
+def _min(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._elementwise_min)
+
+
+@triton.jit
+def _sum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._sum_combine)
+
+
+
+# ----------------------------------------------------------------------------------------
+# attention
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attn_tiles(
+    acc, l_i, m_i,
+    q, q1, q2, qp, qpos,
+    K, V, BT_row, BPos_row, BLen_row, Cos_row, Sin_row,
+    stride_kp, stride_ks, stride_vp, stride_vs,
+    max_blocks, t_start, t_end, qk_scale,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
+    PASS: tl.constexpr, PASS_P: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_ROPE: tl.constexpr, CS_PER_PAGE: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Online-softmax update of ``acc/l_i/m_i`` over key tiles ``[t_start, t_end)``."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_h = tl.arange(0, HALF_P)
+    offs_p = tl.arange(0, PASS_P)
+    for t in range(t_start, t_end):
+        idx = t * BLOCK_N + offs_n  # flat slot index in the table row
+        ent = idx // PAGE_SIZE
+        slot = idx % PAGE_SIZE
+        ln = tl.load(BLen_row + ent, mask=ent < max_blocks, other=0)
+        kvalid = slot < ln  # padding entries have length 0: never read below
+        page = tl.load(BT_row + ent, mask=kvalid, other=0).to(tl.int64)
+        k_row = K + page * stride_kp + slot * stride_ks
+        v_row = V + page * stride_vp + slot * stride_vs
+        if USE_ROPE:
+            hmask = kvalid[:, None] & (offs_h[None, :] < HALF)
+            if PAGE_SIZE >= BLOCK_N:  # the tile lies in one page: one delta, a vector of cos/sin
+                e0 = (t * BLOCK_N) // PAGE_SIZE
+                cm = (offs_h < HALF) & (e0 < max_blocks)
+                c = tl.load(Cos_row + e0 * HALF + offs_h, mask=cm, other=0.0)[None, :]
+                s = tl.load(Sin_row + e0 * HALF + offs_h, mask=cm, other=0.0)[None, :]
+            elif CS_PER_PAGE:  # load one row per page, broadcast over its slots
+                PPT: tl.constexpr = BLOCK_N // PAGE_SIZE
+                pe = t * PPT + tl.arange(0, PPT)
+                pm = (pe < max_blocks)[:, None] & (offs_h[None, :] < HALF)
+                pc = tl.load(Cos_row + pe[:, None] * HALF + offs_h[None, :], mask=pm, other=0.0)
+                ps = tl.load(Sin_row + pe[:, None] * HALF + offs_h[None, :], mask=pm, other=0.0)
+                c = tl.reshape(tl.broadcast_to(pc[:, None, :], (PPT, PAGE_SIZE, HALF_P)), (BLOCK_N, HALF_P))
+                s = tl.reshape(tl.broadcast_to(ps[:, None, :], (PPT, PAGE_SIZE, HALF_P)), (BLOCK_N, HALF_P))
+            else:  # one row per slot (gathered; rows of a page hit the same lines)
+                cs_off = ent[:, None] * HALF + offs_h[None, :]
+                c = tl.load(Cos_row + cs_off, mask=hmask, other=0.0)
+                s = tl.load(Sin_row + cs_off, mask=hmask, other=0.0)
+            k1 = tl.load(k_row[:, None] + offs_h[None, :], mask=hmask, other=0.0).to(tl.float32)
+            k2 = tl.load(k_row[:, None] + HALF + offs_h[None, :], mask=hmask, other=0.0).to(tl.float32)
+            k1r = (k1 * c - k2 * s).to(K.dtype.element_ty)
+            k2r = (k2 * c + k1 * s).to(K.dtype.element_ty)
+            qk = tl.dot(q1, tl.trans(k1r), input_precision=DOT_PREC)
+            qk = tl.dot(q2, tl.trans(k2r), qk, input_precision=DOT_PREC)
+            if PASS > 0:
+                pmask = kvalid[:, None] & (offs_p[None, :] < PASS)
+                kp = tl.load(k_row[:, None] + 2 * HALF + offs_p[None, :], mask=pmask, other=0.0)
+                qk = tl.dot(qp, tl.trans(kp), qk, input_precision=DOT_PREC)
+        else:
+            k = tl.load(k_row[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        qk = qk * qk_scale
+        if CAUSAL_MASK:
+            kpos = tl.load(BPos_row + ent, mask=kvalid, other=0).to(tl.int32) + slot
+            seen = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
+            qk = tl.where(seen, qk, float("-inf"))
+        else:
+            qk = qk + tl.where(kvalid, 0.0, float("-inf"))[None, :]
+        m_new = tl.maximum(m_i, _max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + _sum(p, 1)
+        v = tl.load(v_row[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(V.dtype.element_ty), v, acc, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _paged_attn_fwd(
+    Q, QPos, CuQ, K, V, BT, BPos, BLen, Cos, Sin, Out, PartO, PartLse,
+    qk_scale,
+    stride_qt, stride_qh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_ot, stride_oh,
+    stride_btb, stride_bpb, stride_blb,
+    max_blocks, num_splits,
+    NUM_Q_HEADS: tl.constexpr, G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
+    PASS: tl.constexpr, PASS_P: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_OUT: tl.constexpr, SCAN: tl.constexpr, SCAN_BLOCK: tl.constexpr,
+    USE_ROPE: tl.constexpr, CS_PER_PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Grid ``(q_tiles, num_kv_heads * num_splits, batch)``; see the module docstring.
+
+    ``SPLIT_OUT``: write normalized partial outputs and their log2-sum-exp to
+    ``PartO/PartLse`` for ``_merge_splits`` instead of the output."""
+    n_qtiles = tl.num_programs(0)
+    pid_m = n_qtiles - 1 - tl.program_id(0)  # heaviest (latest) query tiles first
+    pid_hs = tl.program_id(1)
+    b = tl.program_id(2)
+    kvh = pid_hs // num_splits
+    split = pid_hs % num_splits
+
+    q_start = tl.load(CuQ + b).to(tl.int32)
+    n_rows = (tl.load(CuQ + b + 1).to(tl.int32) - q_start) * G
+    if pid_m * BLOCK_M >= n_rows:
+        return
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    qi = q_start + rows // G
+    head = kvh * G + rows % G
+    qpos = tl.load(QPos + qi, mask=row_ok, other=-1).to(tl.int32)
+    q_row = Q + qi.to(tl.int64) * stride_qt + head * stride_qh
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_h = tl.arange(0, HALF_P)
+    offs_p = tl.arange(0, PASS_P)
+    if USE_ROPE:
+        hm = row_ok[:, None] & (offs_h[None, :] < HALF)
+        q1 = tl.load(q_row[:, None] + offs_h[None, :], mask=hm, other=0.0).to(K.dtype.element_ty)
+        q2 = tl.load(q_row[:, None] + HALF + offs_h[None, :], mask=hm, other=0.0).to(K.dtype.element_ty)
+        if PASS > 0:
+            qp = tl.load(q_row[:, None] + 2 * HALF + offs_p[None, :],
+                         mask=row_ok[:, None] & (offs_p[None, :] < PASS), other=0.0).to(K.dtype.element_ty)
+        else:
+            qp = q1  # unused
+        q = q1  # unused
+    else:
+        q = tl.load(q_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(K.dtype.element_ty)
+        q1 = q  # unused
+        q2 = q
+        qp = q
+
+    BT_row = BT + b.to(tl.int64) * stride_btb
+    BPos_row = BPos + b.to(tl.int64) * stride_bpb
+    BLen_row = BLen + b.to(tl.int64) * stride_blb
+    Cos_row = Cos + b.to(tl.int64) * max_blocks * HALF
+    Sin_row = Sin + b.to(tl.int64) * max_blocks * HALF
+    Kh = K + kvh * stride_kh
+    Vh = V + kvh * stride_vh
+
+    if SCAN:
+        # Entries [0, lo_e) are seen in full by every row; none past hi_e is seen at all.
+        qmin = _min(tl.where(row_ok, qpos, 2147483647), 0)
+        qmax = _max(tl.where(row_ok, qpos, -2147483647), 0)
+        lo_e = max_blocks
+        hi_e = 0
+        for e0 in range(0, max_blocks, SCAN_BLOCK):
+            e = e0 + tl.arange(0, SCAN_BLOCK)
+            em = e < max_blocks
+            ln = tl.load(BLen_row + e, mask=em, other=0).to(tl.int32)
+            bp = tl.load(BPos_row + e, mask=em, other=0).to(tl.int32)
+            used = ln > 0
+            hi_e = tl.maximum(hi_e, _max(tl.where(used & (bp <= qmax), e + 1, 0), 0))
+            lo_e = tl.minimum(lo_e, _min(tl.where(used & (bp + ln - 1 > qmin), e, max_blocks), 0))
+        t_hi = (hi_e * PAGE_SIZE + BLOCK_N - 1) // BLOCK_N
+        t_lo = tl.minimum((lo_e * PAGE_SIZE) // BLOCK_N, t_hi)
+    else:
+        t_hi = (max_blocks * PAGE_SIZE + BLOCK_N - 1) // BLOCK_N
+        t_lo = 0
+
+    per_split = (t_hi + num_splits - 1) // num_splits
+    s_start = split * per_split
+    s_end = tl.minimum(s_start + per_split, t_hi)
+
+    m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
+    acc, l_i, m_i = _attn_tiles(
+        acc, l_i, m_i, q, q1, q2, qp, qpos,
+        Kh, Vh, BT_row, BPos_row, BLen_row, Cos_row, Sin_row,
+        stride_kp, stride_ks, stride_vp, stride_vs,
+        max_blocks, s_start, tl.minimum(s_end, t_lo), qk_scale,
+        HEAD_DIM, HALF, HALF_P, PASS, PASS_P, PAGE_SIZE, BLOCK_N,
+        USE_ROPE, CS_PER_PAGE, False, DOT_PREC,
+    )
+    acc, l_i, m_i = _attn_tiles(
+        acc, l_i, m_i, q, q1, q2, qp, qpos,
+        Kh, Vh, BT_row, BPos_row, BLen_row, Cos_row, Sin_row,
+        stride_kp, stride_ks, stride_vp, stride_vs,
+        max_blocks, tl.maximum(s_start, t_lo), s_end, qk_scale,
+        HEAD_DIM, HALF, HALF_P, PASS, PASS_P, PAGE_SIZE, BLOCK_N,
+        USE_ROPE, CS_PER_PAGE, True, DOT_PREC,
+    )
+
+    seen_any = l_i > 0.0
+    o = acc / tl.where(seen_any, l_i, 1.0)[:, None]  # rows that saw nothing: acc == 0
+    if not SPLIT_OUT:
+        o_ptr = Out + qi.to(tl.int64) * stride_ot + head * stride_oh
+        tl.store(o_ptr[:, None] + offs_d[None, :], o.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        part = (qi.to(tl.int64) * NUM_Q_HEADS + head) * num_splits + split
+        tl.store(PartO + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
+        lse = tl.where(seen_any, m_i + tl.math.log2(tl.where(seen_any, l_i, 1.0)), float("-inf"))
+        tl.store(PartLse + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits(
+    PartO, PartLse, Out, stride_ot, stride_oh, num_splits,
+    NUM_Q_HEADS: tl.constexpr, SPLITS_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """Log-sum-exp merge of ``num_splits`` partial outputs; grid ``(total_q * heads,)``."""
+    pid = tl.program_id(0).to(tl.int64)
+    t = pid // NUM_Q_HEADS
+    h = pid % NUM_Q_HEADS
+    s = tl.arange(0, SPLITS_P)
+    sm = s < num_splits
+    offs_d = tl.arange(0, HEAD_DIM)
+    lse = tl.load(PartLse + pid * num_splits + s, mask=sm, other=float("-inf"))
+    m = _max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights 0
+    w = tl.math.exp2(lse - m)
+    den = _sum(w, 0)
+    o = tl.load(PartO + (pid * num_splits + s)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=sm[:, None], other=0.0)
+    res = _sum(o * w[:, None], 0) / tl.where(den > 0.0, den, 1.0)
+    tl.store(Out + t * stride_ot + h * stride_oh + offs_d, res.to(Out.dtype.element_ty))
+
+
+def rope_table(block_delta: torch.Tensor, inv_freq: torch.Tensor):
+    """cos and sin of every table entry's delta rotation.
+
+    Parameters
+    ----------
+    block_delta : ``(batch, max_blocks)`` int, rotation of each entry in positions.
+    inv_freq : ``(rotary_dim // 2,)`` float32.
+
+    Returns
+    -------
+    cos, sin : ``(batch, max_blocks, rotary_dim // 2)`` float32, contiguous; the same
+    arithmetic as ``reference.rope_cos_sin``. The table depends only on the step's
+    metadata, so an engine can build it once per step and pass it to every layer's
+    ``paged_attention_triton(..., rope=...)``.
+    """
+    ang = block_delta.to(torch.float32)[..., None] * inv_freq.to(torch.float32)
+    return ang.cos().contiguous(), ang.sin().contiguous()
+
+
+# Launch configurations, chosen on an H200 (bf16, d=128, page 16) by benchmarks/kernels.py.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages)
+_PREFILL_CFG = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)}
+_DECODE_CFG = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 4, 2)}  # BLOCK_N, warps, stages
+_CS_PER_PAGE = True
+_NUM_SMS: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    block_pos: torch.Tensor,
+    block_delta: torch.Tensor,
+    block_len: torch.Tensor,
+    inv_freq: torch.Tensor,
+    sm_scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    max_seqlen_q: int | None = None,
+    use_rope: bool = True,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    num_splits: int | None = None,
+    config: tuple[int, int, int, int] | None = None,
+    cs_per_page: bool | None = None,
+) -> torch.Tensor:
+    """Deferred-RoPE attention of a varlen batch of queries over paged KV (Triton).
+
+    Same function as ``reference.paged_attention_ref``; serves prefill and decode.
+
+    Parameters
+    ----------
+    q : ``(total_q, num_q_heads, head_dim)``, RoPE already applied at ``q_pos``.
+    q_pos : ``(total_q,)`` int.
+    cu_seqlens_q : ``(batch + 1,)`` int.
+    k_cache, v_cache : ``(num_pages, page_size, num_kv_heads, head_dim)``, last dim
+        contiguous; float16, bfloat16 or float32. ``page_size`` a power of two.
+    block_table, block_pos, block_delta, block_len : ``(batch, max_blocks)`` int; entries
+        with ``block_len == 0`` are padding and never read.
+    inv_freq : ``(rotary_dim // 2,)`` float32, ``rotary_dim <= head_dim``.
+    sm_scale : softmax scale.
+    out : optional ``(total_q, num_q_heads, head_dim)`` output buffer.
+    max_seqlen_q : the longest query count of a sequence. Pass it: without it the
+        launcher reads ``cu_seqlens_q`` on the host (a device sync, no CUDA graphs).
+        1 (or a few rows per KV head) selects the decode path.
+    use_rope : ``False`` ignores ``block_delta`` (no rotation in the kernel): for batches
+        whose deltas are all 0, models without RoPE, and measuring the rotation's cost.
+    rope : optional ``rope_table(block_delta, inv_freq)``, to build it once per step.
+    num_splits : key-range splits per sequence (flash-decoding); default by occupancy.
+    config : ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``, for benchmarks.
+    cs_per_page : load the cos/sin table once per page and broadcast it over the page's
+        slots (``True``) or gather it per slot (``False``); for benchmarks.
+
+    Returns
+    -------
+    ``out``, ``(total_q, num_q_heads, head_dim)`` in ``q.dtype``; 0 for a query that sees
+    no key.
+    """
+    total_q, hq, d = q.shape
+    _, page_size, hkv, dk = k_cache.shape
+    if dk != d or tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"cache shapes {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
+    if hq % hkv:
+        raise ValueError(f"num_q_heads {hq} is not a multiple of num_kv_heads {hkv}")
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"head_dim {d} must be a power of two >= 16")
+    if page_size & (page_size - 1):
+        raise ValueError(f"page_size {page_size} must be a power of two")
+    half = int(inv_freq.numel())
+    if 2 * half > d:
+        raise ValueError(f"rotary_dim {2 * half} exceeds head_dim {d}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache/v_cache need a contiguous last dim")
+    if out is None:
+        out = torch.empty_like(q)
+    batch = cu_seqlens_q.numel() - 1
+    if total_q == 0 or batch <= 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    target = out if out.stride(-1) == 1 else torch.empty_like(q)
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if max_seqlen_q <= 0:
+        return out
+    group = hq // hkv
+    max_blocks = block_table.shape[1]
+    use_rope = bool(use_rope) and half > 0
+    pass_dim = d - 2 * half
+
+    rows = max_seqlen_q * group
+    decode = rows <= 64
+    if config is not None:
+        block_m, block_n, num_warps, num_stages = config
+    elif decode:
+        block_m = max(16, _next_pow2(rows))
+        block_n, num_warps, num_stages = _DECODE_CFG.get(d, _DECODE_CFG[256])
+    else:
+        block_m, block_n, num_warps, num_stages = _PREFILL_CFG.get(d, _PREFILL_CFG[256])
+    if _interpreting():
+        num_stages = 1
+    if cs_per_page is None:
+        cs_per_page = _CS_PER_PAGE
+    q_tiles = triton.cdiv(rows, block_m)
+    kv_tiles = triton.cdiv(max_blocks * page_size, block_n)
+    if num_splits is None:
+        ctas = q_tiles * batch * hkv
+        sms = _num_sms(q.device)
+        num_splits = 1
+        if ctas < 2 * sms:
+            num_splits = max(1, min(triton.cdiv(4 * sms, ctas), triton.cdiv(kv_tiles, 4), 128))
+    num_splits = max(1, min(int(num_splits), kv_tiles))
+
+    if use_rope:
+        cos, sin = rope if rope is not None else rope_table(block_delta, inv_freq.to(q.device))
+        if cos.shape != (batch, max_blocks, half) or not (cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError(f"rope table of shape {tuple(cos.shape)}, expected {(batch, max_blocks, half)} contiguous")
+    else:
+        cos = sin = inv_freq  # never read
+    if num_splits > 1:
+        part_o = torch.empty((total_q, hq, num_splits, d), device=q.device, dtype=torch.float32)
+        part_lse = torch.empty((total_q, hq, num_splits), device=q.device, dtype=torch.float32)
+    else:
+        part_o = part_lse = target  # never read
+
+    half_p = max(16, _next_pow2(half)) if half else 16
+    pass_p = max(16, _next_pow2(pass_dim)) if pass_dim else 16
+    dot_prec = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    grid = (q_tiles, hkv * num_splits, batch)
+    _paged_attn_fwd[grid](
+        q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, block_pos, block_len, cos, sin,
+        target, part_o, part_lse,
+        float(sm_scale) * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        target.stride(0), target.stride(1),
+        block_table.stride(0), block_pos.stride(0), block_len.stride(0),
+        max_blocks, num_splits,
+        NUM_Q_HEADS=hq, G=group, HEAD_DIM=d, HALF=half, HALF_P=half_p,
+        PASS=pass_dim, PASS_P=pass_p, PAGE_SIZE=page_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_OUT=num_splits > 1,
+        SCAN=not decode, SCAN_BLOCK=256, USE_ROPE=use_rope, CS_PER_PAGE=cs_per_page, DOT_PREC=dot_prec,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits[(total_q * hq,)](
+            part_o, part_lse, target, target.stride(0), target.stride(1), num_splits,
+            NUM_Q_HEADS=hq, SPLITS_P=max(2, _next_pow2(num_splits)),
+            HEAD_DIM=d, num_warps=4,
+        )
+    if target is not out:
+        out.copy_(target)
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# Block-Attention baseline copy, and KV write
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rerotate_copy(
+    K, V, Src, Dst, Cos, Sin,
+    stride_kl, stride_kp, stride_ks, stride_kh,
+    stride_vl, stride_vp, stride_vs, stride_vh,
+    n_pages,
+    ROWS: tl.constexpr, NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
+    PASS: tl.constexpr, PASS_P: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """Grid ``(n_pages * row_blocks, num_layers)``: one block of one page of one layer."""
+    n_rb: tl.constexpr = (ROWS + BLOCK_R - 1) // BLOCK_R
+    pid = tl.program_id(0)
+    layer = tl.program_id(1).to(tl.int64)
+    i = pid // n_rb
+    rb = pid % n_rb
+    src = tl.load(Src + i).to(tl.int64)
+    dst = tl.load(Dst + i).to(tl.int64)
+    r = rb * BLOCK_R + tl.arange(0, BLOCK_R)  # row = slot * NUM_HEADS + head
+    rm = r < ROWS
+    slot = r // NUM_HEADS
+    head = r % NUM_HEADS
+    k_off = slot * stride_ks + head * stride_kh
+    v_off = slot * stride_vs + head * stride_vh
+    ks = K + layer * stride_kl + src * stride_kp + k_off
+    kd = K + layer * stride_kl + dst * stride_kp + k_off
+    vs = V + layer * stride_vl + src * stride_vp + v_off
+    vd = V + layer * stride_vl + dst * stride_vp + v_off
+    offs_d = tl.arange(0, HEAD_DIM)
+    v = tl.load(vs[:, None] + offs_d[None, :], mask=rm[:, None])
+    if HALF > 0:
+        offs_h = tl.arange(0, HALF_P)
+        hm = offs_h < HALF
+        c = tl.load(Cos + i * HALF + offs_h, mask=hm, other=1.0)[None, :]
+        s = tl.load(Sin + i * HALF + offs_h, mask=hm, other=0.0)[None, :]
+        m2 = rm[:, None] & hm[None, :]
+        k1 = tl.load(ks[:, None] + offs_h[None, :], mask=m2).to(tl.float32)
+        k2 = tl.load(ks[:, None] + HALF + offs_h[None, :], mask=m2).to(tl.float32)
+        if PASS > 0:
+            offs_p = tl.arange(0, PASS_P)
+            mp = rm[:, None] & (offs_p[None, :] < PASS)
+            kp = tl.load(ks[:, None] + 2 * HALF + offs_p[None, :], mask=mp)
+            tl.store(kd[:, None] + 2 * HALF + offs_p[None, :], kp, mask=mp)
+        tl.store(kd[:, None] + offs_h[None, :], (k1 * c - k2 * s).to(K.dtype.element_ty), mask=m2)
+        tl.store(kd[:, None] + HALF + offs_h[None, :], (k2 * c + k1 * s).to(K.dtype.element_ty), mask=m2)
+    else:
+        k = tl.load(ks[:, None] + offs_d[None, :], mask=rm[:, None])
+        tl.store(kd[:, None] + offs_d[None, :], k, mask=rm[:, None])
+    tl.store(vd[:, None] + offs_d[None, :], v, mask=rm[:, None])
+
+
+def rerotate_copy_triton(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    src_pages: torch.Tensor,
+    dst_pages: torch.Tensor,
+    delta: torch.Tensor,
+    inv_freq: torch.Tensor,
+    *,
+    block_rows: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """Block-Attention baseline: copy pages ``src -> dst`` rotating keys by ``delta``.
+
+    Same function as ``reference.rerotate_copy_ref``, one pass over the bytes.
+
+    Parameters
+    ----------
+    k_cache, v_cache : ``(num_layers, num_pages, page_size, num_kv_heads, head_dim)``,
+        last dim contiguous; written in place at ``dst_pages`` for every layer.
+    src_pages, dst_pages : ``(n,)`` int page ids; no ``dst`` page may be another pair's
+        ``src`` (each program reads its source and writes its destination).
+    delta : ``(n,)`` int rotation in positions for each copied page.
+    inv_freq : ``(rotary_dim // 2,)`` float32.
+    """
+    n_layers, _, page_size, hkv, d = k_cache.shape
+    n = src_pages.numel()
+    if n == 0 or n_layers == 0:
+        return
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache/v_cache need a contiguous last dim")
+    half = int(inv_freq.numel())
+    pass_dim = d - 2 * half
+    cos, sin = rope_table(delta.reshape(-1), inv_freq.to(k_cache.device))
+    rows = page_size * hkv
+    if block_rows is None:
+        block_rows = min(_next_pow2(rows), max(16, 8192 // d))
+    if num_warps is None:
+        num_warps = 4
+    n_rb = triton.cdiv(rows, block_rows)
+    grid = (n * n_rb, n_layers)
+    _rerotate_copy[grid](
+        k_cache, v_cache, src_pages, dst_pages, cos, sin,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+        n,
+        ROWS=rows, NUM_HEADS=hkv, HEAD_DIM=d, HALF=half,
+        HALF_P=max(1, _next_pow2(half)) if half else 1,
+        PASS=pass_dim, PASS_P=max(1, _next_pow2(pass_dim)) if pass_dim else 1,
+        BLOCK_R=block_rows, num_warps=num_warps,
+    )
+
+
+@triton.jit
+def _write_kv(
+    Kc, Vc, Slots, Kn, Vn,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_knt, stride_knh, stride_vnt, stride_vnh,
+    PAGE_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(Slots + t).to(tl.int64)
+    if slot >= 0:
+        page = slot // PAGE_SIZE
+        s = slot % PAGE_SIZE
+        h = tl.arange(0, HEADS_P)
+        d = tl.arange(0, HEAD_DIM)
+        m = (h < NUM_HEADS)[:, None]
+        k = tl.load(Kn + t * stride_knt + h[:, None] * stride_knh + d[None, :], mask=m)
+        v = tl.load(Vn + t * stride_vnt + h[:, None] * stride_vnh + d[None, :], mask=m)
+        tl.store(Kc + page * stride_kp + s * stride_ks + h[:, None] * stride_kh + d[None, :],
+                 k.to(Kc.dtype.element_ty), mask=m)
+        tl.store(Vc + page * stride_vp + s * stride_vs + h[:, None] * stride_vh + d[None, :],
+                 v.to(Vc.dtype.element_ty), mask=m)
+
+
+def write_kv_triton(k_cache, v_cache, slot_mapping, k, v) -> None:
+    """Scatter new keys/values ``(n, num_kv_heads, head_dim)`` into one layer's pages
+    ``(num_pages, page_size, num_kv_heads, head_dim)`` at flat slots ``slot_mapping``
+    ``(n,)`` (``page * page_size + slot``). Same as ``reference.write_kv_ref``; a
+    negative slot is skipped (padding)."""
+    n = slot_mapping.numel()
+    if n == 0:
+        return
+    _, page_size, hkv, d = k_cache.shape
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    _write_kv[(n,)](
+        k_cache, v_cache, slot_mapping, k, v,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        PAGE_SIZE=page_size, NUM_HEADS=hkv, HEADS_P=_next_pow2(hkv), HEAD_DIM=d,
+        num_warps=4,
+    )

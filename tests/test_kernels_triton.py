@@ -1,0 +1,391 @@
+"""The Triton kernels against their torch twins in ``lazyllm.kernels.reference``.
+
+On CPU the real kernels run in Triton's interpreter. The interpreter is chosen when a
+kernel is *defined*, so this module loads its own copy of ``kernels/triton_attention.py``
+with ``TRITON_INTERPRET=1`` set only for that import: the result does not depend on which
+test modules ran before, and the package's own module (used by the engine) is untouched.
+Tests marked ``gpu`` run the compiled kernels on CUDA.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from lazyllm.kernels.reference import paged_attention_ref, rerotate_copy_ref, write_kv_ref
+
+triton = pytest.importorskip("triton", reason="triton is not installed")
+
+_SRC = Path(__file__).resolve().parents[1] / "kernels" / "triton_attention.py"
+
+
+def _load_kernels(interpret: bool):
+    """A private copy of the kernel module, compiled (``interpret=False``) or interpreted."""
+    name = "_lazyllm_triton_attention_" + ("interp" if interpret else "compiled")
+    old = os.environ.get("TRITON_INTERPRET")
+    if interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        spec = importlib.util.spec_from_file_location(name, _SRC)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    return mod
+
+
+ta = _load_kernels(interpret=True)
+
+
+def test_module_is_interpreted():
+    """Guards the premise of this file: the kernels below really run in the interpreter."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert isinstance(ta._paged_attn_fwd, InterpretedFunction)
+
+
+# ----------------------------------------------------------------------------------------
+# random paged batches
+# ----------------------------------------------------------------------------------------
+
+
+def _inv_freq(rotary_dim: int, theta: float = 10000.0) -> torch.Tensor:
+    return 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+
+
+class _Pool:
+    """Hands out shuffled page ids; every page starts as NaN so that a read of an unused
+    page or of a slot past a page's length shows up in the output."""
+
+    def __init__(self, num_pages, page_size, hkv, d, dtype, gen):
+        self.k = torch.full((num_pages, page_size, hkv, d), float("nan"), dtype=dtype)
+        self.v = torch.full_like(self.k, float("nan"))
+        self.free = list(range(num_pages))
+        gen.shuffle(self.free)
+        self.page_size = page_size
+
+    def take(self, n_tokens):
+        pages = []
+        for i in range(0, n_tokens, self.page_size):
+            p = self.free.pop()
+            n = min(self.page_size, n_tokens - i)
+            self.k[p, :n] = torch.randn(n, *self.k.shape[2:]).to(self.k.dtype)
+            self.v[p, :n] = torch.randn(n, *self.v.shape[2:]).to(self.v.dtype)
+            pages.append((p, n))
+        return pages
+
+
+def _make_batch(seqs, *, page_size=16, hkv=2, group=2, d=64, rotary_dim=None, dtype=torch.float32,
+                seed=0, pad_extra=2):
+    """A varlen batch over a shared page pool.
+
+    ``seqs`` is a list of sequences; each is ``(segments, n_queries)`` where ``segments``
+    lists ``(start_pos, length, delta)`` runs of keys (a cached chunk placed at
+    ``start_pos`` with rotation ``delta``, or the sequence's own tokens with ``delta=0``),
+    and the queries sit at the last ``n_queries`` positions of the last segment (or at
+    position 0.. when there is no segment). Tables get padding entries (length 0,
+    page id pointing at a NaN page) in random places and at the end.
+    """
+    gen = random.Random(seed)
+    torch.manual_seed(seed)
+    n_tokens = sum(length for segs, _ in seqs for _, length, _ in segs)
+    n_pages = n_tokens // page_size + 2 * sum(len(s) for s, _ in seqs) + 8
+    pool = _Pool(n_pages, page_size, hkv, d, dtype, gen)
+    nan_page = pool.free[0]  # never filled
+    rows, qpos, cu = [], [], [0]
+    for segs, nq in seqs:
+        entries = []
+        for start, length, delta in segs:
+            off = 0
+            for p, n in pool.take(length):
+                entries.append((p, start + off, delta, n))
+                off += n
+        for _ in range(gen.randint(0, pad_extra)):
+            entries.insert(gen.randint(0, len(entries)), (nan_page, 0, 0, 0))
+        rows.append(entries)
+        if segs:
+            end = segs[-1][0] + segs[-1][1]
+        else:
+            end = nq
+        qpos += list(range(end - nq, end))
+        cu.append(cu[-1] + nq)
+    max_blocks = max(1, max(len(r) for r in rows)) + gen.randint(0, 2)
+    shape = (len(seqs), max_blocks)
+    bt = torch.full(shape, nan_page, dtype=torch.int32)
+    bpos = torch.zeros(shape, dtype=torch.int32)
+    bdelta = torch.zeros(shape, dtype=torch.int32)
+    blen = torch.zeros(shape, dtype=torch.int32)
+    for b, entries in enumerate(rows):
+        for j, (p, pos, delta, n) in enumerate(entries):
+            bt[b, j], bpos[b, j], bdelta[b, j], blen[b, j] = p, pos, delta, n
+    rd = d if rotary_dim is None else rotary_dim
+    total_q = cu[-1]
+    q = torch.randn(total_q, hkv * group, d).to(dtype)
+    return dict(
+        q=q, q_pos=torch.tensor(qpos, dtype=torch.int64), cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+        k_cache=pool.k, v_cache=pool.v, block_table=bt, block_pos=bpos, block_delta=bdelta,
+        block_len=blen, inv_freq=_inv_freq(rd), sm_scale=d ** -0.5,
+    )
+
+
+def _tol(dtype):
+    return dict(atol=2e-3, rtol=2e-3) if dtype == torch.float16 else dict(atol=2e-5, rtol=2e-5)
+
+
+def _check_attention(batch, *, max_seqlen_q=None, num_splits=None, config=None, use_rope=True, mod=None):
+    mod = mod or ta
+    ref = paged_attention_ref(**batch)
+    out = torch.full_like(batch["q"], float("nan"))  # poisoned: every element must be written
+    got = mod.paged_attention_triton(**batch, out=out, max_seqlen_q=max_seqlen_q, num_splits=num_splits,
+                                     config=config, use_rope=use_rope)
+    assert got is out
+    assert not torch.isnan(got).any(), "unwritten or NaN output"
+    torch.testing.assert_close(got.float(), ref.float(), **_tol(batch["q"].dtype))
+    return got, ref
+
+
+def _chunks(gen, n, start, lo=5, hi=40):
+    """``n`` cached chunks of random length placed one after another from ``start``, each
+    with a random nonzero delta (as if encoded alone at local positions 0..L-1)."""
+    segs, pos = [], start
+    for _ in range(n):
+        length = gen.randint(lo, hi)
+        segs.append((pos, length, pos if pos else gen.randint(1, 5000)))
+        pos += length
+    return segs, pos
+
+
+# ----------------------------------------------------------------------------------------
+# prefill
+# ----------------------------------------------------------------------------------------
+
+# (group, head_dim, rotary_dim, dtype, page_size, config): GQA ratios 1/3/4/8, head dims
+# 64/128, partial rotary, both dtypes, pages of 16 and 32, the default tile shape and
+# small tiles (many query and key tiles, a tile smaller than a page).
+PREFILL_CASES = [
+    (1, 64, None, torch.float32, 16, None),
+    (3, 64, 32, torch.float16, 16, (16, 16, 4, 1)),
+    (4, 128, None, torch.float16, 32, None),
+    (8, 64, None, torch.float32, 32, (32, 16, 4, 1)),
+    (4, 128, 64, torch.float32, 16, (16, 32, 4, 1)),
+    (2, 64, 48, torch.float16, 16, (32, 64, 4, 1)),  # rotary half 24: padded to 32
+    (2, 16, None, torch.float32, 16, None),  # the tiny test models' head_dim
+]
+
+
+def _case_id(c):
+    g, d, rd, dt, ps, cfg = c
+    return f"g{g}-d{d}-rd{rd or d}-{str(dt)[6:]}-ps{ps}-{'cfg' if cfg else 'default'}"
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=_case_id)
+def test_prefill_isolated_chunks(case):
+    """Chunks encoded alone: each sequence's table lists only its own pages (delta 0)."""
+    g, d, rd, dtype, ps, cfg = case
+    gen = random.Random(11)
+    seqs = [([(0, n, 0)], n) for n in (gen.randint(20, 45), 1, gen.randint(33, 40))]
+    seqs.insert(1, ([(0, 9, 0)], 0))  # a sequence with no queries this step
+    batch = _make_batch(seqs, page_size=ps, hkv=2, group=g, d=d, rotary_dim=rd, dtype=dtype, seed=1)
+    _check_attention(batch, config=cfg)
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES[:4], ids=_case_id)
+def test_prefill_prefix_context(case):
+    """``prefix`` chunk context: the table lists the shared prefix, then the chunk's own pages."""
+    g, d, rd, dtype, ps, cfg = case
+    gen = random.Random(12)
+    seqs = []
+    for _ in range(3):
+        p, n = gen.randint(5, 30), gen.randint(10, 40)
+        seqs.append(([(0, p, 0), (p, n, 0)], n))
+    batch = _make_batch(seqs, page_size=ps, hkv=2, group=g, d=d, rotary_dim=rd, dtype=dtype, seed=2)
+    _check_attention(batch, config=cfg)
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=_case_id)
+def test_prefill_suffix_over_cached_chunks(case):
+    """A suffix over many cached chunks placed at nonzero deltas, then its own pages."""
+    g, d, rd, dtype, ps, cfg = case
+    gen = random.Random(13)
+    seqs = []
+    for nc, nq in ((4, 20), (1, 3), (6, 33)):
+        chunks, pos = _chunks(gen, nc, 0, lo=3, hi=30)
+        seqs.append(([(0, 7, 0)] + [(s + 7, n, dl) for s, n, dl in chunks] + [(pos + 7, nq + 2, 0)], nq))
+    batch = _make_batch(seqs, page_size=ps, hkv=2, group=g, d=d, rotary_dim=rd, dtype=dtype, seed=3)
+    assert (batch["block_delta"] != 0).sum() > 5
+    _check_attention(batch, config=cfg)
+
+
+def test_prefill_splits_and_unsorted_table():
+    """Any table order is exact (the scan bounds are order-free), with split key ranges."""
+    gen = random.Random(14)
+    chunks, pos = _chunks(gen, 5, 0, lo=10, hi=40)
+    seqs = [(chunks + [(pos, 30, 0)], 25), (chunks[:2] + [(200, 20, 0)], 20)]
+    batch = _make_batch(seqs, page_size=16, hkv=1, group=4, d=64, dtype=torch.float32, seed=4)
+    for b in range(2):  # shuffle each row's entries, padding included
+        perm = torch.randperm(batch["block_table"].shape[1])
+        for key in ("block_table", "block_pos", "block_delta", "block_len"):
+            batch[key][b] = batch[key][b][perm]
+    for splits in (1, 3, 50):
+        _check_attention(batch, num_splits=splits, config=(16, 16, 4, 1))
+
+
+def test_prefill_page_larger_than_tile():
+    """A key tile that covers part of one page (page 64, tile 16)."""
+    gen = random.Random(15)
+    chunks, pos = _chunks(gen, 3, 0, lo=40, hi=90)
+    batch = _make_batch([(chunks + [(pos, 20, 0)], 20)], page_size=64, hkv=2, group=2, d=64,
+                        dtype=torch.float32, seed=5)
+    _check_attention(batch, config=(16, 16, 4, 1))
+
+
+def test_queries_that_see_nothing_output_zero():
+    """Rows with no visible key: a table of padding only, and queries placed before every
+    key. Both give 0, as the reference does."""
+    seqs = [([], 3), ([(50, 20, 7)], 2), ([(0, 12, 0)], 4)]
+    batch = _make_batch(seqs, page_size=16, hkv=2, group=2, d=64, dtype=torch.float32, seed=6)
+    batch["q_pos"][3:5] = torch.tensor([10, 49])  # before the chunk at 50..69
+    got, ref = _check_attention(batch, config=(16, 16, 4, 1))
+    assert got[:5].abs().max() == 0
+    got, _ = _check_attention(batch, max_seqlen_q=4, num_splits=4)  # decode path + merge
+    assert got[:5].abs().max() == 0
+
+
+def test_use_rope_false_and_precomputed_table():
+    gen = random.Random(16)
+    chunks, pos = _chunks(gen, 3, 0)
+    batch = _make_batch([(chunks + [(pos, 20, 0)], 20)], page_size=16, hkv=2, group=2, d=64,
+                        dtype=torch.float32, seed=7)
+    cos, sin = ta.rope_table(batch["block_delta"], batch["inv_freq"])
+    ref = paged_attention_ref(**batch)
+    got = ta.paged_attention_triton(**batch, rope=(cos, sin))
+    torch.testing.assert_close(got, ref, **_tol(torch.float32))
+    batch["block_delta"].zero_()  # all deltas 0: rotation off is the same function
+    _check_attention(batch, use_rope=False)
+
+
+# ----------------------------------------------------------------------------------------
+# decode (split-K / flash-decoding)
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES[:5], ids=_case_id)
+@pytest.mark.parametrize("splits", [None, 1, 5])
+def test_decode_split_k(case, splits):
+    g, d, rd, dtype, ps, _ = case
+    gen = random.Random(17)
+    seqs = []
+    for nc in (5, 0, 2, 8):
+        chunks, pos = _chunks(gen, nc, 0, lo=5, hi=50)
+        seqs.append((chunks + [(pos, gen.randint(1, 40), 0)], 1))
+    seqs.insert(2, ([(0, 5, 0)], 0))  # a sequence not decoding this step
+    batch = _make_batch(seqs, page_size=ps, hkv=2, group=g, d=d, rotary_dim=rd, dtype=dtype, seed=8)
+    _check_attention(batch, max_seqlen_q=1, num_splits=splits)
+
+
+def test_decode_auto_splits_are_used():
+    """On one long sequence the default split count is > 1, so the merge kernel runs."""
+    gen = random.Random(18)
+    chunks, pos = _chunks(gen, 12, 0, lo=40, hi=60)
+    batch = _make_batch([(chunks + [(pos, 9, 0)], 1)], page_size=16, hkv=1, group=4, d=64,
+                        dtype=torch.float16, seed=9)
+    calls = []
+    orig = ta._merge_splits
+    ta._merge_splits = _Spy(orig, calls)
+    try:
+        _check_attention(batch, max_seqlen_q=1)
+    finally:
+        ta._merge_splits = orig
+    assert calls, "expected a split-K launch"
+
+
+class _Spy:
+    def __init__(self, fn, calls):
+        self.fn, self.calls = fn, calls
+
+    def __getitem__(self, grid):
+        self.calls.append(grid)
+        return self.fn[grid]
+
+
+# ----------------------------------------------------------------------------------------
+# rerotate copy and KV write
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("d,rd,ps,hkv", [(64, 64, 16, 2), (128, 64, 32, 3), (64, 48, 16, 1)])
+def test_rerotate_copy(dtype, d, rd, ps, hkv):
+    torch.manual_seed(0)
+    n_layers, n_pages, n = 2, 12, 5
+    k = torch.randn(n_layers, n_pages, ps, hkv, d).to(dtype)
+    v = torch.randn_like(k)
+    perm = torch.randperm(n_pages)
+    src, dst = perm[:n].to(torch.int32), perm[n:2 * n].to(torch.int64)
+    delta = torch.randint(-3000, 30000, (n,), dtype=torch.int32)
+    inv_freq = _inv_freq(rd)
+    k_ref, v_ref = k.clone(), v.clone()
+    rerotate_copy_ref(k_ref, v_ref, src, dst, delta, inv_freq)
+    ta.rerotate_copy_triton(k, v, src, dst, delta, inv_freq, block_rows=16)
+    torch.testing.assert_close(k, k_ref, **_tol(dtype))
+    assert torch.equal(v, v_ref)
+    assert not torch.equal(k[:, dst.long()], k[:, src.long()])  # it did rotate
+
+
+def test_write_kv():
+    torch.manual_seed(0)
+    kc = torch.randn(6, 16, 3, 64, dtype=torch.float16)
+    vc = torch.randn_like(kc)
+    slots = torch.randperm(6 * 16)[:20]
+    k = torch.randn(20, 3, 64, dtype=torch.float16)
+    v = torch.randn_like(k)
+    kr, vr = kc.clone(), vc.clone()
+    write_kv_ref(kr, vr, slots, k, v)
+    ta.write_kv_triton(kc, vc, slots, k, v)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+    before = kc.clone()
+    ta.write_kv_triton(kc, vc, torch.tensor([-1, -1]), k[:2], v[:2])  # padding slots: no write
+    assert torch.equal(kc, before)
+
+
+# ----------------------------------------------------------------------------------------
+# compiled kernels on CUDA
+# ----------------------------------------------------------------------------------------
+
+
+def _relerr(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compiled kernels run only on a GPU)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_compiled_matches_reference(dtype):
+    mod = _load_kernels(interpret=False)
+    gen = random.Random(19)
+    seqs = []
+    for nc, nq in ((6, 70), (3, 1), (9, 130)):
+        chunks, pos = _chunks(gen, nc, 0, lo=30, hi=300)
+        seqs.append((chunks + [(pos, nq + 5, 0)], nq))
+    for g, d, rd in ((4, 128, None), (3, 64, 32), (8, 256, None)):
+        batch = _make_batch(seqs, page_size=16, hkv=2, group=g, d=d, rotary_dim=rd, dtype=dtype, seed=10)
+        batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
+        up = dict(batch, q=batch["q"].float(), k_cache=batch["k_cache"].float(), v_cache=batch["v_cache"].float())
+        ref = paged_attention_ref(**up)
+        got = mod.paged_attention_triton(**batch)
+        assert not torch.isnan(got).any()
+        assert _relerr(got, ref) < (1e-4 if dtype == torch.float32 else 1e-2)
+        dec = dict(batch, q=batch["q"][: len(seqs)].contiguous(), q_pos=batch["q_pos"][: len(seqs)],
+                   cu_seqlens_q=torch.arange(len(seqs) + 1, device="cuda", dtype=torch.int32))
+        up = dict(dec, q=dec["q"].float(), k_cache=up["k_cache"], v_cache=up["v_cache"])
+        got = mod.paged_attention_triton(**dec, max_seqlen_q=1)
+        assert _relerr(got, paged_attention_ref(**up)) < (1e-4 if dtype == torch.float32 else 1e-2)
