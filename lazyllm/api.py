@@ -47,7 +47,7 @@ def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 
 
 def _attention_backend(name: str, device: torch.device):
-    """(attention, rerotate_copy) functions for the chosen backend."""
+    """(attention, rerotate_copy, step_extras, name) for the chosen backend."""
     from lazyllm.kernels import reference
 
     if name not in ("auto", "torch", "triton"):
@@ -55,14 +55,17 @@ def _attention_backend(name: str, device: torch.device):
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        return reference.paged_attention_ref, reference.rerotate_copy_ref, "torch"
+        return reference.paged_attention_ref, reference.rerotate_copy_ref, None, "torch"
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # run the real kernels in Triton's interpreter
     try:
         from lazyllm.kernels import triton_attention as ta
     except ImportError as e:
         raise InvalidRequestError(f"attention_backend='triton' needs triton: {e}") from None
-    return ta.paged_attention_triton, ta.rerotate_copy_triton, "triton"
+    def step_extras(meta, inv_freq):
+        return {"max_seqlen_q": meta.max_seqlen_q, "rope": ta.rope_table(meta.block_delta, inv_freq)}
+
+    return ta.paged_attention_triton, ta.rerotate_copy_triton, step_extras, "triton"
 
 
 class LazyLLM:
@@ -133,10 +136,10 @@ class LazyLLM:
             hf, tok, self.model_name = load_hf(
                 model_name_or_path, device=str(self.device), dtype=self.dtype,
                 trust_remote_code=trust_remote_code, progress=progress)
-        attn, rerotate, self.attention_backend = _attention_backend(attention_backend, self.device)
+        attn, rerotate, extras, self.attention_backend = _attention_backend(attention_backend, self.device)
         self.hf_model = hf
         self.tokenizer = tok
-        self.model = LlamaFamilyModel(hf, attention=attn)
+        self.model = LlamaFamilyModel(hf, attention=attn, step_extras=extras)
         spec = self.model.spec
         self.fingerprint = fingerprint(self.model)
         page_bytes = PagePool.page_bytes(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, self.dtype)

@@ -260,3 +260,18 @@ def test_dtype_and_device_resolution():
         assert _resolve_device("auto").type == "cpu"
         with pytest.raises(InvalidRequestError):
             _resolve_device("cuda")
+
+
+def test_fused_projections_compute_the_same(tokenizer):
+    from lazyllm.model.llama import LlamaFamilyModel
+
+    for family in ("qwen2", "llama"):  # with and without qkv bias
+        model = make_tiny(family, seed=11)
+        ref = _llm(model, tokenizer).generate("q?", chunks=DOCS[:2], max_new_tokens=8)
+        llm = _llm(model, tokenizer)
+        llm.model = LlamaFamilyModel(model, fuse=True)
+        llm.engine.model = llm.model
+        assert "wqkv" in llm.model.layers[0]
+        assert llm.generate("q?", chunks=DOCS[:2], max_new_tokens=8).token_ids == ref.token_ids
+        # the transformers model still works on the re-pointed weights
+        assert model.model.layers[0].self_attn.q_proj.weight.data_ptr() == llm.model.layers[0]["wqkv"].data_ptr()

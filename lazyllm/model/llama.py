@@ -70,7 +70,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 class LlamaFamilyModel:
     """Inference-only forward of a Llama-family causal LM over paged KV."""
 
-    def __init__(self, hf_model, attention: Callable | None = None):
+    def __init__(self, hf_model, attention: Callable | None = None, step_extras: Callable | None = None,
+                 fuse: bool | None = None):
         cfg = hf_model.config
         mt = getattr(cfg, "model_type", None)
         if mt not in SUPPORTED_MODEL_TYPES:
@@ -126,7 +127,29 @@ class LlamaFamilyModel:
         self.dtype = self.embed.dtype
         self.inv_freq = self.inv_freq.to(self.device)
         self.attention = attention or paged_attention_ref
+        # per-step extras for the attention launcher (e.g. the Triton rope table, built
+        # once per step instead of once per layer); None for the torch reference
+        self.step_extras = step_extras
         self.write_kv = write_kv_ref
+        if fuse if fuse is not None else self.device.type == "cuda":
+            self._fuse_projections()
+
+    def _fuse_projections(self) -> None:
+        """One GEMM for q/k/v and one for gate/up. The fused tensor becomes the storage
+        and the transformers parameters are re-pointed at views of it, so no memory is
+        added and the transformers model keeps working."""
+        for w in self.layers:
+            for fused, parts in (("wqkv", ("wq", "wk", "wv")), ("wgu", ("wg", "wu"))):
+                ts = [w[p] for p in parts]
+                cat = torch.cat([t.data for t in ts], dim=0)
+                off = 0
+                for p, t in zip(parts, ts):
+                    n = t.shape[0]
+                    t.data = cat[off:off + n]
+                    off += n
+                w[fused] = cat
+            bs = [w["bq"], w["bk"], w["bv"]]
+            w["bqkv"] = torch.cat([b.data for b in bs]) if all(b is not None for b in bs) else None
 
     @torch.inference_mode()
     def forward(
@@ -155,11 +178,19 @@ class LlamaFamilyModel:
         n = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)
         cos, sin = rope_cos_sin(meta.positions, self.inv_freq, s.rope_scale)
+        extras = self.step_extras(meta, self.inv_freq) if self.step_extras else {}
+        nq, nk = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         for li, w in enumerate(self.layers):
             x = _rms_norm(h, w["ln1"], s.rms_eps)
-            q = F.linear(x, w["wq"], w["bq"]).view(n, s.num_heads, s.head_dim)
-            k = F.linear(x, w["wk"], w["bk"]).view(n, s.num_kv_heads, s.head_dim)
-            v = F.linear(x, w["wv"], w["bv"]).view(n, s.num_kv_heads, s.head_dim)
+            if "wqkv" in w:
+                qkv = F.linear(x, w["wqkv"], w["bqkv"])
+                q = qkv[:, :nq].view(n, s.num_heads, s.head_dim)
+                k = qkv[:, nq:nq + nk].view(n, s.num_kv_heads, s.head_dim)
+                v = qkv[:, nq + nk:].view(n, s.num_kv_heads, s.head_dim)
+            else:
+                q = F.linear(x, w["wq"], w["bq"]).view(n, s.num_heads, s.head_dim)
+                k = F.linear(x, w["wk"], w["bk"]).view(n, s.num_kv_heads, s.head_dim)
+                v = F.linear(x, w["wv"], w["bv"]).view(n, s.num_kv_heads, s.head_dim)
             if s.qk_norm:
                 q = _rms_norm(q, w["qn"], s.rms_eps)
                 k = _rms_norm(k, w["kn"], s.rms_eps)
@@ -169,11 +200,16 @@ class LlamaFamilyModel:
             o = self.attention(
                 q, meta.positions, meta.cu_seqlens_q, k_cache[li], v_cache[li],
                 meta.block_table, meta.block_pos, meta.block_delta, meta.block_len,
-                self.inv_freq, s.sm_scale,
+                self.inv_freq, s.sm_scale, **extras,
             )
             h = h + F.linear(o.reshape(n, -1), w["wo"], w["bo"])
             x = _rms_norm(h, w["ln2"], s.rms_eps)
-            h = h + F.linear(F.silu(F.linear(x, w["wg"])) * F.linear(x, w["wu"]), w["wd"])
+            if "wgu" in w:
+                gu = F.linear(x, w["wgu"])
+                g, u = gu.chunk(2, dim=-1)
+                h = h + F.linear(F.silu(g) * u, w["wd"])
+            else:
+                h = h + F.linear(F.silu(F.linear(x, w["wg"])) * F.linear(x, w["wu"]), w["wd"])
             if stop_after_layer is not None and li == stop_after_layer:
                 return h
         if logits_index is not None:
