@@ -1,0 +1,649 @@
+"""LangChain adapter: ``ChatLazyLLM`` (a chat model), ``LazyLLMText`` (a string LLM),
+helpers that turn retrieved ``Document``s into chunk-carrying messages, and a retriever
+over a chroma collection.
+
+Documents reach the engine as chunks, never as one flattened string. In LangChain terms a
+document is a v1 ``text-plain`` content block::
+
+    {"type": "text-plain", "mime_type": "text/plain", "text": "...", "id": "doc-7",
+     "title": "optional", "extras": {...document metadata...}}
+
+``ChatLazyLLM`` turns each such block, in whatever message it sits, into a
+``lazyllm.Chunk`` (block ``id`` -> chunk id, ``extras`` (+ ``title``/``context``) ->
+chunk metadata, ``title`` prepended to the text as its first paragraph), the system
+messages into the shared ``system`` prefix, and the text of the last human message into
+the question. Earlier turns are appended to the question text as a transcript (see
+``lazyllm.integrations._common``).
+
+The LCEL idiom (``to_chunks`` replaces the usual ``format_docs``, and a
+``MessagesPlaceholder`` replaces the ``{context}`` string)::
+
+    from langchain_core.runnables import RunnablePassthrough
+    from lazyllm.integrations.langchain import ChatLazyLLM, chunk_prompt, to_chunks
+
+    llm = ChatLazyLLM(max_tokens=128)                     # default model, offline
+    prompt = chunk_prompt(system="Answer from the documents only.")
+    chain = {"documents": retriever | to_chunks, "question": RunnablePassthrough()} | prompt | llm
+    chain.invoke("Who wrote it?").usage_metadata["input_token_details"]["cache_read"]
+
+or, without a prompt template, ``llm.invoke(documents_to_messages(docs, question, system))``.
+
+``LazyLLMText`` is the string-in, string-out variant (``BaseLLM``). LangChain's own
+message-to-string conversion keeps only ``text`` blocks and silently drops documents, so
+``LazyLLMText`` renders messages to a string in which each document is a tagged section
+(``<lazyllm-document id="...">...</lazyllm-document>``, see ``encode_prompt``) and parses
+the sections back into chunks before generating. In string-prompt chains, use
+``format_documents`` where you would have written ``format_docs``: the tagged documents
+can sit anywhere in a ``PromptTemplate``; they are lifted out as chunks and the rest of
+the prompt becomes the question.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import html
+import json
+import re
+from typing import Any, AsyncIterator, Iterator, Optional, Sequence
+
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForLLMRun,
+    AsyncCallbackManagerForRetrieverRun,
+    CallbackManagerForLLMRun,
+    CallbackManagerForRetrieverRun,
+)
+from langchain_core.documents import Document
+from langchain_core.language_models import BaseChatModel, BaseLLM, LangSmithParams
+from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    FunctionMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
+from langchain_core.outputs import (
+    ChatGeneration,
+    ChatGenerationChunk,
+    ChatResult,
+    Generation,
+    GenerationChunk,
+    LLMResult,
+)
+from langchain_core.prompt_values import ChatPromptValue, PromptValue, StringPromptValue
+from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder
+from langchain_core.retrievers import BaseRetriever
+from langchain_core.runnables import RunnableLambda
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from lazyllm import Chunk, GenerationOutput, InvalidRequestError, LazyLLM
+
+from ._common import (
+    GenerationStream,
+    RagRequest,
+    device_from_hf,
+    fold_history,
+    hf_generate_kwargs,
+    join_system,
+    usage_dict,
+)
+
+PROVIDER = "lazyllm"
+
+# -- documents -> message blocks -------------------------------------------------------
+
+
+def document_block(doc: Document | str, *, title_key: str | None = None) -> dict[str, Any]:
+    """A LangChain v1 ``text-plain`` content block for one retrieved document: the text,
+    the document ``id`` (if any), ``extras`` = the document metadata and, with
+    ``title_key``, ``title`` = that metadata field."""
+    if isinstance(doc, str):
+        return {"type": "text-plain", "mime_type": "text/plain", "text": doc}
+    if not isinstance(doc, Document):
+        raise InvalidRequestError(f"expected a langchain Document or str, got {type(doc).__name__}")
+    block: dict[str, Any] = {"type": "text-plain", "mime_type": "text/plain", "text": doc.page_content}
+    if doc.id is not None:
+        block["id"] = str(doc.id)
+    if title_key and doc.metadata.get(title_key):
+        block["title"] = str(doc.metadata[title_key])
+    if doc.metadata:
+        block["extras"] = dict(doc.metadata)
+    return block
+
+
+def documents_to_messages(docs: Sequence[Document | str], question: str | None = None,
+                          system: str | None = None, *, title_key: str | None = None) -> list[BaseMessage]:
+    """Messages carrying ``docs`` as ``text-plain`` blocks: ``[SystemMessage(system)]``
+    if given, then one ``HumanMessage`` whose content is the document blocks followed by
+    the question (if given) as a ``text`` block. Feed them to ``ChatLazyLLM`` directly,
+    or leave ``question`` out and place them with a ``MessagesPlaceholder``."""
+    if isinstance(docs, (str, Document)):
+        raise InvalidRequestError("docs must be a list of Documents, not a single one")
+    blocks: list[Any] = [document_block(d, title_key=title_key) for d in docs]
+    if question is not None:
+        blocks.append({"type": "text", "text": question})
+    msgs: list[BaseMessage] = [SystemMessage(system)] if system else []
+    msgs.append(HumanMessage(content=blocks))
+    return msgs
+
+
+#: ``retriever | to_chunks`` turns retrieved ``Document``s into a one-message list for a
+#: ``MessagesPlaceholder`` (see ``chunk_prompt``).
+to_chunks = RunnableLambda(lambda docs: documents_to_messages(docs), name="to_chunks")
+
+
+def chunk_prompt(system: str | None = None, question: str = "{question}",
+                 documents_key: str = "documents") -> ChatPromptTemplate:
+    """``ChatPromptTemplate``: optional system message, the documents placeholder
+    (filled by ``to_chunks``), then the human question. ``system`` and ``question`` are
+    templates (braces are variables)."""
+    parts: list[Any] = [("system", system)] if system else []
+    parts += [MessagesPlaceholder(documents_key), ("human", question)]
+    return ChatPromptTemplate.from_messages(parts)
+
+
+# -- messages -> (system, chunks, question) ------------------------------------------
+
+_SKIPPED_BLOCKS = {"reasoning", "tool_call", "tool_call_chunk", "invalid_tool_call",
+                   "server_tool_call", "server_tool_call_chunk", "server_tool_result", "non_standard"}
+
+
+def _blocks(m: BaseMessage) -> list[dict]:
+    if isinstance(m.content, str):
+        return [{"type": "text", "text": m.content}] if m.content else []
+    try:
+        return list(m.content_blocks)
+    except Exception:  # a block LangChain cannot translate: judge the raw list ourselves
+        return [{"type": "text", "text": b} if isinstance(b, str) else b for b in m.content]
+
+
+def block_to_chunk(block: dict) -> Chunk:
+    """``lazyllm.Chunk`` of one ``text-plain`` block."""
+    text = block.get("text")
+    if text is None and block.get("base64"):
+        try:
+            text = base64.b64decode(block["base64"], validate=True).decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError) as e:
+            raise InvalidRequestError(f"text-plain block has invalid base64 text: {e}") from None
+    if not isinstance(text, str):
+        raise InvalidRequestError("a text-plain block needs `text` or `base64` (url and file_id are not fetched)")
+    meta = dict(block.get("extras") or {})
+    if "metadata" in block and isinstance(block["metadata"], dict):
+        meta.update(block["metadata"])
+    for k in ("title", "context"):
+        if block.get(k):
+            meta[k] = block[k]
+    if block.get("title"):
+        text = f"{block['title']}\n\n{text}"
+    return Chunk(text, id=block.get("id"), metadata=meta)
+
+
+def _role(m: BaseMessage) -> str:
+    if isinstance(m, HumanMessage):
+        return "user"
+    if isinstance(m, AIMessage):
+        return "assistant"
+    if isinstance(m, (ToolMessage, FunctionMessage)):
+        return "tool"
+    if isinstance(m, SystemMessage):
+        return "system"
+    if isinstance(m, ChatMessage):
+        return {"human": "user", "ai": "assistant"}.get(m.role, m.role)
+    return m.type
+
+
+def messages_to_request(messages: Sequence[BaseMessage]) -> RagRequest:
+    """Split a LangChain conversation into ``(question, chunks, system)``.
+
+    - every ``text-plain`` block, in any message, becomes a chunk, in order;
+    - system messages' text joins (blank line between) into ``system``;
+    - the text of the last human message that has text is the question; every other
+      turn with text is folded into the question text as a transcript;
+    - reasoning and tool-call blocks of assistant messages are left out; any other
+      block type (images, audio, files) is refused.
+    """
+    system_parts: list[str] = []
+    chunks: list[Chunk] = []
+    turns: list[tuple[str, str]] = []
+    for m in messages:
+        role = _role(m)
+        texts = []
+        for b in _blocks(m):
+            kind = b.get("type") if isinstance(b, dict) else None
+            if kind == "text":
+                texts.append(b.get("text") or "")
+            elif kind == "text-plain":
+                chunks.append(block_to_chunk(b))
+            elif kind in _SKIPPED_BLOCKS:
+                continue
+            else:
+                raise InvalidRequestError(
+                    f"lazyllm takes text and text-plain (document) content blocks; got {kind or type(b).__name__!r}")
+        text = "".join(texts)
+        if role == "system":
+            system_parts.append(text)
+        elif text.strip():
+            turns.append((role, text))
+    last_user = max((i for i, (r, _) in enumerate(turns) if r == "user"), default=None)
+    if last_user is None:
+        raise InvalidRequestError("the messages need a human message with text (the question)")
+    question = turns[last_user][1]
+    history = turns[:last_user] + turns[last_user + 1:]
+    return RagRequest(fold_history(question, history), chunks, join_system(system_parts))
+
+
+# -- requests <-> tagged strings (for the string LLM) ------------------------------
+
+_TAG = re.compile(r'<lazyllm-(system|document)((?:\s+[a-z_]+="[^"]*")*)>\n(.*?)\n</lazyllm-\1>\n?', re.S)
+_ATTR = re.compile(r'([a-z_]+)="([^"]*)"')
+
+
+def _section(kind: str, text: str, attrs: dict[str, str] | None = None) -> str:
+    close = f"\n</lazyllm-{kind}>"
+    if close in f"\n{text}\n":
+        raise InvalidRequestError(f"text contains the reserved tag </lazyllm-{kind}>")
+    a = "".join(f' {k}="{html.escape(v, quote=True)}"' for k, v in (attrs or {}).items())
+    return f"<lazyllm-{kind}{a}>\n{text}{close}\n"
+
+
+def format_chunk(chunk: Chunk) -> str:
+    attrs = {}
+    if chunk.id is not None:
+        attrs["id"] = chunk.id
+    if chunk.metadata:
+        attrs["metadata"] = json.dumps(chunk.metadata, default=str, sort_keys=True)
+    return _section("document", chunk.text, attrs)
+
+
+def format_documents(docs: Sequence[Document | str], *, title_key: str | None = None) -> str:
+    """Retrieved documents as tagged sections for a string prompt: ``LazyLLMText``
+    lifts them out as chunks. Use it where a string chain would use ``format_docs``."""
+    return "".join(format_chunk(block_to_chunk(document_block(d, title_key=title_key))) for d in docs)
+
+
+def encode_prompt(req: RagRequest) -> str:
+    """The string form of a request: a tagged system section, tagged document sections,
+    then the question. ``decode_prompt`` inverts it exactly."""
+    head = _section("system", req.system) if req.system else ""
+    return head + "".join(format_chunk(c) for c in req.chunks) + req.question
+
+
+def decode_prompt(prompt: str) -> RagRequest:
+    """Tagged sections of ``prompt`` become ``system`` and chunks (in order); the rest,
+    with runs of blank lines squeezed, is the question."""
+    system_parts, chunks = [], []
+
+    def take(m: re.Match) -> str:
+        kind, attrs, text = m.group(1), dict(_ATTR.findall(m.group(2))), m.group(3)
+        attrs = {k: html.unescape(v) for k, v in attrs.items()}
+        if kind == "system":
+            system_parts.append(text)
+        else:
+            meta = json.loads(attrs["metadata"]) if "metadata" in attrs else {}
+            chunks.append(Chunk(text, id=attrs.get("id"), metadata=meta))
+        return ""
+
+    rest = _TAG.sub(take, prompt)
+    rest = re.sub(r"\n{3,}", "\n\n", rest).strip()
+    return RagRequest(rest, chunks, join_system(system_parts))
+
+
+# -- shared engine parameters --------------------------------------------------------
+
+_CALL_KEYS = {"max_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "timeout", "model"}
+
+
+class _EngineParams(BaseModel):
+    """Fields shared by ``ChatLazyLLM`` and ``LazyLLMText``: the engine (a ``LazyLLM``,
+    given or built from the same constructor arguments) and the sampling defaults."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
+
+    llm: Optional[LazyLLM] = Field(default=None, exclude=True)
+    """The engine. Built from the fields below when not given. Several models can share
+    one engine (and so one chunk cache)."""
+    model_name: Optional[str] = None
+    """Name reported in traces and metadata (defaults to the engine's)."""
+    model_name_or_path: Optional[str] = None
+    """Constructor arguments of ``LazyLLM``, used only when ``llm`` is not given."""
+    reuse: str = "lazy"
+    chunk_context: str = "isolated"
+    device: str = "auto"
+    dtype: Any = None
+    kv_cache_bytes: Optional[int] = None
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Any other ``LazyLLM`` argument (``page_size``, ``attention_backend``...)."""
+
+    max_tokens: int = Field(default=256, alias="max_new_tokens")
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: Optional[int] = None
+    stop: Optional[list[str]] = None
+    timeout: Optional[float] = None
+    """Seconds before a request is cancelled (``RequestCancelled``)."""
+    max_retries: int = 0
+    """Accepted for LangChain's standard parameters; an in-process engine has no
+    transient failures to retry, so it is not used."""
+    streaming: bool = False
+    """``invoke`` streams internally (callbacks get ``on_llm_new_token``)."""
+
+    @model_validator(mode="after")
+    def _build_engine(self):
+        if self.llm is None:
+            self.llm = LazyLLM(self.model_name_or_path, reuse=self.reuse, chunk_context=self.chunk_context,
+                               device=self.device, dtype=self.dtype, kv_cache_bytes=self.kv_cache_bytes,
+                               **self.engine_kwargs)
+        else:
+            if self.model_name_or_path is not None:
+                raise InvalidRequestError("give either llm= or model_name_or_path=, not both")
+            self.reuse, self.chunk_context = self.llm.reuse, self.llm.chunk_context
+        if self.model_name is None:
+            self.model_name = str(self.llm.model_name)
+        return self
+
+    @classmethod
+    def from_model_id(cls, model_id: str | None = None, task: str | None = None, *, device: Any = None,
+                      device_map: Any = None, model_kwargs: dict | None = None,
+                      pipeline_kwargs: dict | None = None, **kwargs: Any):
+        """Build from a model id or path, with the argument names of
+        ``HuggingFacePipeline.from_model_id``, so swapping it for ours is one line.
+
+        ``model_id`` ``None`` is the embedded default model. ``task`` must be
+        ``"text-generation"`` (or left out). ``device`` takes transformers' ``-1``/``0``
+        or a device string; ``model_kwargs`` takes ``trust_remote_code`` and
+        ``dtype``/``torch_dtype``; ``pipeline_kwargs`` takes generation options
+        (``max_new_tokens``, ``temperature``, ``do_sample``...). Other keyword arguments
+        are fields of this class (``reuse``, ``max_tokens``...)."""
+        if task not in (None, "text-generation"):
+            raise InvalidRequestError(f"lazyllm only does text-generation, not {task!r}")
+        engine = dict(kwargs.pop("engine_kwargs", {}) or {})
+        mk = dict(model_kwargs or {})
+        if "trust_remote_code" in mk:
+            engine["trust_remote_code"] = mk.pop("trust_remote_code")
+        dtype = mk.pop("dtype", mk.pop("torch_dtype", None))
+        if mk:
+            raise InvalidRequestError(f"unsupported model_kwargs for lazyllm: {sorted(mk)}")
+        if dtype is not None:
+            kwargs.setdefault("dtype", dtype)
+        dev = device_from_hf(device) or (device_map if isinstance(device_map, str) else None)
+        if dev is not None:
+            kwargs.setdefault("device", dev)
+        gen = hf_generate_kwargs(pipeline_kwargs)
+        if "max_new_tokens" in gen:
+            kwargs.setdefault("max_tokens", gen.pop("max_new_tokens"))
+        if "stop" in gen:
+            kwargs.setdefault("stop", list(gen.pop("stop")))
+        for k, v in gen.items():
+            kwargs.setdefault(k, v)
+        return cls(model_name_or_path=model_id, engine_kwargs=engine, **kwargs)
+
+    # -- per-call options ------------------------------------------------------------
+    def _sampling(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(kwargs) - _CALL_KEYS
+        if unknown:
+            raise InvalidRequestError(f"unsupported options for {type(self).__name__}: {sorted(unknown)}")
+        model = kwargs.get("model")
+        if model is not None and model != self.model_name:
+            raise InvalidRequestError(
+                f"this model serves {self.model_name!r} in process; it cannot switch to {model!r}")
+        max_new = kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_tokens))
+        stop = stop if stop is not None else self.stop
+        out = dict(max_new_tokens=max_new, temperature=kwargs.get("temperature", self.temperature),
+                   top_p=kwargs.get("top_p", self.top_p), top_k=kwargs.get("top_k", self.top_k),
+                   seed=kwargs.get("seed", self.seed), timeout=kwargs.get("timeout", self.timeout),
+                   stop=list(stop) if stop else None)
+        return out
+
+    def _engine_params(self) -> dict[str, Any]:
+        return {"model_name": self.model_name, "reuse": self.reuse, "chunk_context": self.chunk_context,
+                "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": self.top_k, "seed": self.seed, "stop": self.stop}
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` with the engine's tokenizer."""
+        return self.llm.prompts.encode(text)
+
+
+def _usage_metadata(out: GenerationOutput) -> UsageMetadata:
+    u = out.usage
+    return UsageMetadata(input_tokens=u.prompt_tokens, output_tokens=u.completion_tokens,
+                         total_tokens=u.prompt_tokens + u.completion_tokens,
+                         input_token_details=InputTokenDetails(cache_read=u.cached_tokens))
+
+
+def _response_metadata(model_name: str, out: GenerationOutput) -> dict[str, Any]:
+    return {"model_name": model_name, "model_provider": PROVIDER, "finish_reason": out.finish_reason,
+            "ttft_s": out.ttft_s, "total_s": out.total_s, "cached_tokens": out.usage.cached_tokens,
+            "chunk_ids": list(out.chunk_ids)}
+
+
+# -- the chat model --------------------------------------------------------------
+
+
+class ChatLazyLLM(_EngineParams, BaseChatModel):
+    """LangChain chat model over an in-process ``LazyLLM``: retrieved documents
+    (``text-plain`` blocks) become cached chunks, reused at any position by later calls.
+
+    >>> chat = ChatLazyLLM(max_tokens=64)                    # embedded default model
+    >>> chat = ChatLazyLLM(llm=LazyLLM("path/to/model"))     # share an engine
+    >>> chat = ChatLazyLLM.from_model_id("HuggingFaceTB/SmolLM2-360M-Instruct",
+    ...                                  pipeline_kwargs={"max_new_tokens": 128})
+    >>> msg = chat.invoke(documents_to_messages(docs, "Who?", system="Be brief."))
+    >>> msg.usage_metadata["input_token_details"]["cache_read"]   # reused chunk tokens
+
+    ``usage_metadata``: ``input_tokens``, ``output_tokens``, ``total_tokens`` and
+    ``input_token_details.cache_read`` (prompt tokens whose KV was reused).
+    ``response_metadata``: ``model_name``, ``finish_reason`` (``stop``/``length``),
+    ``ttft_s``, ``total_s``, ``cached_tokens``, ``chunk_ids``. Per-call options:
+    ``stop``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
+    ``timeout``. No tool calling, structured output or images.
+    """
+
+    @property
+    def _llm_type(self) -> str:
+        return "lazyllm-chat"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return self._engine_params()
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(ls_provider=PROVIDER, ls_model_type="chat",
+                                 ls_model_name=kwargs.get("model") or self.model_name,
+                                 ls_temperature=kwargs.get("temperature", self.temperature),
+                                 ls_max_tokens=kwargs.get("max_tokens", self.max_tokens))
+        stop = stop if stop is not None else self.stop
+        if stop:
+            params["ls_stop"] = list(stop)
+        return params
+
+    def _result(self, out: GenerationOutput) -> ChatResult:
+        msg = AIMessage(content=out.text, usage_metadata=_usage_metadata(out),
+                        response_metadata=_response_metadata(self.model_name, out))
+        return ChatResult(generations=[ChatGeneration(message=msg, generation_info={"finish_reason": out.finish_reason})],
+                          llm_output={"model_name": self.model_name, "token_usage": usage_dict(out)})
+
+    def _last_chunk(self, out: GenerationOutput) -> ChatGenerationChunk:
+        msg = AIMessageChunk(content="", usage_metadata=_usage_metadata(out), chunk_position="last",
+                             response_metadata=_response_metadata(self.model_name, out))
+        return ChatGenerationChunk(message=msg, generation_info={"finish_reason": out.finish_reason})
+
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        if self.streaming:
+            return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
+        req = messages_to_request(messages)
+        out = self.llm.generate(req.question, req.chunks, req.system, **self._sampling(stop, kwargs))
+        return self._result(out)
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        if self.streaming:
+            return await agenerate_from_stream(self._astream(messages, stop, run_manager, **kwargs))
+        req = messages_to_request(messages)
+        out = await self.llm.agenerate(req.question, req.chunks, req.system, **self._sampling(stop, kwargs))
+        return self._result(out)
+
+    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        stream = GenerationStream(self.llm, messages_to_request(messages), **self._sampling(stop, kwargs))
+        for delta in stream:
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+            if run_manager:
+                run_manager.on_llm_new_token(delta, chunk=chunk)
+            yield chunk
+        yield self._last_chunk(stream.output)
+
+    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
+                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        stream = GenerationStream(self.llm, messages_to_request(messages), **self._sampling(stop, kwargs))
+        async for delta in stream:
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+            if run_manager:
+                await run_manager.on_llm_new_token(delta, chunk=chunk)
+            yield chunk
+        yield self._last_chunk(stream.output)
+
+
+# -- the string LLM ----------------------------------------------------------------
+
+
+class LazyLLMText(_EngineParams, BaseLLM):
+    """LangChain string LLM (``BaseLLM``) over an in-process ``LazyLLM`` that keeps the
+    documents: messages are rendered with ``encode_prompt`` (documents as tagged
+    sections) instead of LangChain's ``get_buffer_string``, which drops them, and tagged
+    sections in any prompt string (from ``format_documents``) go to the engine as
+    chunks. The drop-in for ``HuggingFacePipeline``::
+
+        llm = LazyLLMText.from_model_id(model_id=None, task="text-generation",
+                                        pipeline_kwargs={"max_new_tokens": 128})
+
+    ``generation_info`` of each generation carries the usage (``cached_tokens``...),
+    ``finish_reason`` and ``ttft_s``; ``llm_output["token_usage"]`` sums the batch.
+    """
+
+    @property
+    def _llm_type(self) -> str:
+        return "lazyllm"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return self._engine_params()
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(ls_provider=PROVIDER, ls_model_type="llm",
+                                 ls_model_name=kwargs.get("model") or self.model_name,
+                                 ls_temperature=kwargs.get("temperature", self.temperature),
+                                 ls_max_tokens=kwargs.get("max_tokens", self.max_tokens))
+        stop = stop if stop is not None else self.stop
+        if stop:
+            params["ls_stop"] = list(stop)
+        return params
+
+    def _convert_input(self, model_input: Any) -> PromptValue:
+        # Messages: render documents as tagged sections rather than dropping them.
+        value = super()._convert_input(model_input)
+        if isinstance(value, ChatPromptValue):
+            return StringPromptValue(text=encode_prompt(messages_to_request(value.messages)))
+        return value
+
+    @staticmethod
+    def _generation(out: GenerationOutput) -> Generation:
+        return Generation(text=out.text, generation_info=usage_dict(out))
+
+    def _llm_result(self, outs: list[GenerationOutput]) -> LLMResult:
+        total = {k: sum(o_[k] for o_ in map(usage_dict, outs))
+                 for k in ("prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens")}
+        return LLMResult(generations=[[self._generation(o)] for o in outs],
+                         llm_output={"model_name": self.model_name, "token_usage": total})
+
+    def _generate(self, prompts: list[str], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:
+        sampling = self._sampling(stop, kwargs)
+        if self.streaming and len(prompts) == 1:
+            text, last = "", None
+            for g in self._stream(prompts[0], stop, run_manager, **kwargs):
+                text += g.text
+                last = g
+            return LLMResult(generations=[[Generation(text=text, generation_info=last.generation_info)]],
+                             llm_output={"model_name": self.model_name})
+        reqs = [decode_prompt(p) for p in prompts]
+        outs = self.llm.generate_batch(
+            [{"question": r.question, "chunks": r.chunks, "system": r.system} for r in reqs], **sampling)
+        return self._llm_result(outs)
+
+    async def _agenerate(self, prompts: list[str], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:
+        import asyncio
+
+        sampling = self._sampling(stop, kwargs)
+        reqs = [decode_prompt(p) for p in prompts]
+        outs = await asyncio.gather(*(self.llm.agenerate(r.question, r.chunks, r.system, **sampling) for r in reqs))
+        return self._llm_result(list(outs))
+
+    def _stream(self, prompt: str, stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[GenerationChunk]:
+        stream = GenerationStream(self.llm, decode_prompt(prompt), **self._sampling(stop, kwargs))
+        for delta in stream:
+            chunk = GenerationChunk(text=delta)
+            if run_manager:
+                run_manager.on_llm_new_token(delta, chunk=chunk)
+            yield chunk
+        yield GenerationChunk(text="", generation_info=usage_dict(stream.output))
+
+    async def _astream(self, prompt: str, stop: list[str] | None = None,
+                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
+                       **kwargs: Any) -> AsyncIterator[GenerationChunk]:
+        stream = GenerationStream(self.llm, decode_prompt(prompt), **self._sampling(stop, kwargs))
+        async for delta in stream:
+            chunk = GenerationChunk(text=delta)
+            if run_manager:
+                await run_manager.on_llm_new_token(delta, chunk=chunk)
+            yield chunk
+        yield GenerationChunk(text="", generation_info=usage_dict(stream.output))
+
+
+# -- retriever over a chroma collection --------------------------------------------
+
+
+class ChromaRetriever(BaseRetriever):
+    """LangChain retriever over a chromadb collection: the ``k`` nearest documents to
+    the query, as ``Document``s with the chroma id as ``id`` and the stored metadata.
+    The collection embeds the query with its own embedding function (``BundledMiniLM``
+    for collections made with ``lazyllm.integrations.chroma``)."""
+
+    collection: Any
+    k: int = 4
+    where: Optional[dict] = None
+    where_document: Optional[dict] = None
+
+    def _query(self, query: str) -> list[Document]:
+        kw: dict[str, Any] = dict(query_texts=[query], n_results=self.k, include=["documents", "metadatas"])
+        if self.where:
+            kw["where"] = self.where
+        if self.where_document:
+            kw["where_document"] = self.where_document
+        res = self.collection.query(**kw)
+        return [Document(page_content=text, metadata=dict(meta or {}), id=i)
+                for i, text, meta in zip(res["ids"][0], res["documents"][0], res["metadatas"][0])]
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
+        return self._query(query)
+
+    async def _aget_relevant_documents(self, query: str, *,
+                                       run_manager: AsyncCallbackManagerForRetrieverRun) -> list[Document]:
+        import asyncio
+
+        return await asyncio.get_running_loop().run_in_executor(None, self._query, query)
+
+
+__all__ = [
+    "ChatLazyLLM", "LazyLLMText", "ChromaRetriever", "documents_to_messages", "document_block", "to_chunks",
+    "chunk_prompt", "format_documents", "messages_to_request", "encode_prompt", "decode_prompt", "block_to_chunk",
+]
