@@ -68,9 +68,11 @@ class PagePool:
             raise CacheCapacityError("KV budget is smaller than one page")
         self.page_size = page_size
         self.num_pages = num_pages
-        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        # one extra page, never handed out: padded rows of a CUDA-graph batch write there
+        shape = (num_layers, num_pages + 1, page_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.scratch_page = num_pages
         self._free = list(range(num_pages - 1, -1, -1))
 
     @staticmethod

@@ -32,6 +32,7 @@ from ..cache.store import ChunkStore, Entry, chunk_key
 from ..errors import CacheCapacityError, ContextLengthError, LazyLLMError, RequestCancelled
 from ..model.llama import AttentionMetadata
 from ..types import GenerationOutput, SamplingParams, Usage
+from .decode import DecodeState, GraphRunner
 from .prompt import Segment
 from .sampler import Detokenizer, sample_token
 
@@ -100,6 +101,9 @@ class Request:
     first_token_time: float = 0.0
     finish_reason: str | None = None
     warm_only: bool = False  # compute prefix and chunk KV, generate nothing
+    row: int | None = None  # row in the decode state while decoding
+    orig_segments: list | None = None  # the segments as submitted, if preemption changed them
+    preempted: bool = False
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -109,7 +113,7 @@ class Request:
 class Engine:
     def __init__(self, model, tokenizer, store: ChunkStore, *, reuse: str, chunk_context: str,
                  fingerprint: str, eos_ids: set[int], max_batch_tokens: int = 8192,
-                 rerotate=None):
+                 max_batch_size: int = 256, cuda_graphs: bool = True, rerotate=None):
         self.model = model
         self.tok = tokenizer
         self.store = store
@@ -130,7 +134,12 @@ class Engine:
         # prefill work gathered while admitting one round: key -> (entry, job)
         self._round1: dict[bytes, tuple[Entry, _Job]] = {}
         self._round2: dict[bytes, tuple[Entry, _Job]] = {}
-        self.metrics = {"requests": 0, "failed": 0, "cancelled": 0, "prefill_tokens": 0, "decode_steps": 0}
+        self.max_batch_size = max_batch_size
+        max_entries = -(-model.spec.max_context // self.pool.page_size) + 2
+        self.decode_state = DecodeState(max_batch_size, max_entries, self.device)
+        self.graphs = GraphRunner(model, self.decode_state, self.pool.k, self.pool.v, enabled=cuda_graphs)
+        self.metrics = {"requests": 0, "failed": 0, "cancelled": 0, "preemptions": 0, "prefill_tokens": 0,
+                        "decode_steps": 0, "decode_tokens": 0}
 
     # -- public, any thread ----------------------------------------------------------
     def submit(self, req: Request) -> Request:
@@ -201,7 +210,7 @@ class Engine:
                 log.exception("prefill failed")
                 for r in admitted:
                     self._finish(r, error=e)
-        decoding = [r for r in self.running if r not in admitted and r.finish_reason is None]
+        decoding = list(self.decode_state.rows)
         if decoding:
             try:
                 self._decode(decoding)
@@ -229,6 +238,8 @@ class Engine:
         for r in list(self.waiting):
             n_prompt = sum(len(s.ids) for s in r.segments)
             if admitted and n_prompt > budget:
+                break
+            if len(self.running) >= self.max_batch_size:
                 break
             try:
                 ok = self._plan(r)
@@ -452,8 +463,14 @@ class Engine:
             r._jobs = None  # type: ignore[attr-defined]
             if self.reuse == "prefix":
                 self._adopt_chain(r)
-            r.first_token_time = now
-            self._emit(r, lg)
+            if not r.preempted:
+                r.first_token_time = now
+                self._emit(r, lg)
+            else:  # resumed after preemption: the next token continues the stream
+                r.preempted = False
+                self._emit(r, lg)
+            if r.finish_reason is None and r in self.running:
+                self.decode_state.attach(r, r.table)
 
     def _adopt_chain(self, r: Request) -> None:
         """Identical-prefix mode: hand the request's full prompt pages to the store."""
@@ -529,41 +546,75 @@ class Engine:
 
     # -- decode ----------------------------------------------------------------------
     def _decode(self, reqs: list[Request]) -> None:
+        """One token for every decoding request. Host work is O(batch): each request
+        changes one table entry; the tables themselves stay on the device."""
         ps = self.pool.page_size
-        ready, ids, pos, slots, cu, tables = [], [], [], [], [0], []
+        # pages first: a request whose last page is full needs a new one; if the pool is
+        # exhausted, preempt the most recently started requests (they are recomputed later)
+        for r in list(reqs):
+            if r.row is None:
+                continue
+            last = r.table[-1]
+            if last.length < ps and last.page in r.private_pages:
+                continue
+            while True:
+                pages = self._alloc_private(r, 1)
+                if pages is not None:
+                    r.table.append(_TableEntry(pages[0], r.next_pos, 0, 0))
+                    break
+                victim = self.decode_state.rows[-1]
+                self._preempt(victim)
+                if victim is r:
+                    break
+        reqs = list(self.decode_state.rows)  # rows 0..B-1, compact
+        if not reqs:
+            return
+        updates, ids, pos, slots = [], [], [], []
+        W = 0
         for r in reqs:
             last = r.table[-1]
-            if last.length == ps or last.page not in r.private_pages:
-                pages = self._alloc_private(r, 1)
-                if pages is None:
-                    self._finish(r, error=CacheCapacityError("KV pool exhausted during decoding; raise kv_cache_bytes"))
-                    continue
-                last = _TableEntry(pages[0], r.next_pos, 0, 0)
-                r.table.append(last)
-            slot = last.page * ps + last.length
+            col = len(r.table) - 1
+            slots.append(last.page * ps + last.length)
             last.length += 1
-            ready.append(r)
+            updates.append((r.row, col, last.page, last.pos, last.delta, last.length))
             ids.append(r.generated[-1])
             pos.append(r.next_pos)
-            slots.append(slot)
-            cu.append(cu[-1] + 1)
-            tables.append(r.table)
-        if not ready:
-            return
-        meta = self._metadata(pos, slots, cu, tables, 1)
-        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
-        logits = self.model.forward(ids_t, meta, self.pool.k, self.pool.v)
+            W = max(W, len(r.table))
+        B = len(reqs)
+        Bp, Wp = self.graphs.batch_bucket(B), self.graphs.width_bucket(W)
+        self.decode_state.step_inputs(updates, ids, pos, slots, Bp, self.pool.scratch_page * ps)
+        logits = self.graphs.run(Bp, Wp)[:B]
         self.metrics["decode_steps"] += 1
-        for r, lg in zip(ready, logits):
+        self.metrics["decode_tokens"] += B
+        greedy = [r.params.greedy for r in reqs]
+        picks = torch.argmax(logits, dim=-1).tolist() if any(greedy) else [None] * B
+        for r, lg, g in zip(reqs, logits, picks):
             r.next_pos += 1
-            self._emit(r, lg)
+            self._emit(r, lg, g)
+
+    def _preempt(self, r: Request) -> None:
+        """Give back everything ``r`` holds and queue it again; when readmitted, its
+        generated tokens are prefilled as part of its suffix (same semantics: they attend
+        to everything before them), and decoding continues where it stopped."""
+        self.decode_state.detach(r)
+        self._release(r)
+        if r in self.running:
+            self.running.remove(r)
+        if r.orig_segments is None:
+            r.orig_segments = list(r.segments)
+        base = r.orig_segments
+        r.segments = base[:-1] + [Segment("suffix", base[-1].ids + r.generated)]
+        r.table, r.cached_tokens, r.cached_chunk_tokens = [], 0, 0
+        r.preempted = True
+        self.waiting.insert(0, r)
+        self.metrics["preemptions"] += 1
 
     # -- output ----------------------------------------------------------------------
-    def _emit(self, r: Request, logits: torch.Tensor) -> None:
+    def _emit(self, r: Request, logits: torch.Tensor, greedy_pick: int | None = None) -> None:
         if r.cancelled.is_set():
             self._finish(r, error=RequestCancelled("cancelled"))
             return
-        tok = sample_token(logits, r.params, r.gen)
+        tok = greedy_pick if greedy_pick is not None else sample_token(logits, r.params, r.gen)
         r.generated.append(tok)
         is_eos = tok in self.eos_ids
         delta = r.detok.add(tok) if not is_eos else r.detok.finish()
@@ -580,6 +631,7 @@ class Engine:
             self._finish(r)
 
     def _finish(self, r: Request, error: Exception | None = None) -> None:
+        self.decode_state.detach(r)
         self._release(r)
         if r in self.running:
             self.running.remove(r)
@@ -594,8 +646,9 @@ class Engine:
         out = GenerationOutput(
             text=r.detok.text,
             token_ids=list(r.generated),
-            prompt_segments=[(s.kind, list(s.ids)) for s in r.segments],
-            usage=Usage(prompt_tokens=len(r.prompt_ids), cached_tokens=r.cached_tokens,
+            prompt_segments=[(s.kind, list(s.ids)) for s in (r.orig_segments or r.segments)],
+            usage=Usage(prompt_tokens=sum(len(s.ids) for s in (r.orig_segments or r.segments)),
+                        cached_tokens=r.cached_tokens,
                         completion_tokens=len(r.generated)),
             finish_reason=r.finish_reason or "stop",
             ttft_s=r.first_token_time - r.submit_time,

@@ -1,0 +1,145 @@
+"""Decode steps without per-step host work that grows with context length.
+
+``DecodeState`` keeps the page tables of the running requests on the device, one row per
+request: a request's row is written once when it starts decoding, and each step changes
+exactly one entry per request (its last page's length, or a new page). Rows stay compact
+(``0..B-1``), so a step's metadata is a view of the first ``B`` rows and the first ``W``
+columns.
+
+``GraphRunner`` captures the decode forward in CUDA graphs, one per (batch bucket, table
+width bucket), on first use, and replays them; padded rows have zero queries and write
+their K/V into a scratch page that no request reads.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..model.llama import AttentionMetadata
+
+_PAGE, _POS, _DELTA, _LEN = range(4)
+
+
+def _bucket(n: int, lo: int) -> int:
+    b = lo
+    while b < n:
+        b *= 2
+    return b
+
+
+class DecodeState:
+    """Device-resident decode inputs: page tables ``(4, max_batch, max_entries)`` (page,
+    position, delta, length planes) and the per-token step inputs."""
+
+    def __init__(self, max_batch: int, max_entries: int, device: torch.device):
+        self.max_batch, self.max_entries, self.device = max_batch, max_entries, device
+        i32 = dict(dtype=torch.int32, device=device)
+        self.tables = torch.zeros((4, max_batch, max_entries), **i32)
+        self.ids = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.pos = torch.zeros(max_batch, **i32)
+        self.slots = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.cu = torch.zeros(max_batch + 1, **i32)
+        self.rows: list = []  # requests, in row order
+
+    def attach(self, r, table) -> None:
+        """Give request ``r`` the next row and write its whole table there (once)."""
+        if len(table) > self.max_entries:
+            raise ValueError("page table wider than the decode state")
+        row = len(self.rows)
+        self.rows.append(r)
+        r.row = row
+        host = torch.zeros((4, self.max_entries), dtype=torch.int32)
+        if table:
+            host[:, : len(table)] = torch.tensor([[e.page, e.pos, e.delta, e.length] for e in table],
+                                                 dtype=torch.int32).T
+        self.tables[:, row].copy_(host.to(self.device, non_blocking=False))
+
+    def detach(self, r) -> None:
+        """Free ``r``'s row, moving the last row into it to keep rows compact."""
+        i = getattr(r, "row", None)
+        if i is None:
+            return
+        last = len(self.rows) - 1
+        if i != last:
+            self.tables[:, i].copy_(self.tables[:, last])
+            moved = self.rows[last]
+            self.rows[i] = moved
+            moved.row = i
+        self.rows.pop()
+        r.row = None
+
+    def step_inputs(self, updates: list[tuple[int, int, int, int, int, int]], ids, pos, slots, pad_to: int,
+                    scratch_slot: int) -> None:
+        """Apply this step's table updates (``row, col, page, pos, delta, len``, one per
+        request) and fill the token inputs, padded to ``pad_to`` rows."""
+        B = len(ids)
+        if updates:
+            u = torch.tensor(updates, dtype=torch.int32).to(self.device)
+            rows, cols = u[:, 0].long(), u[:, 1].long()
+            for plane in range(4):
+                self.tables[plane].index_put_((rows, cols), u[:, 2 + plane])
+        n = pad_to
+        host = torch.empty((3, n), dtype=torch.long)
+        host[0, :B] = torch.tensor(ids)
+        host[1, :B] = torch.tensor(pos)
+        host[2, :B] = torch.tensor(slots)
+        host[0, B:], host[1, B:], host[2, B:] = 0, 0, scratch_slot
+        dev = host.to(self.device)
+        self.ids[:n].copy_(dev[0])
+        self.pos[:n].copy_(dev[1])
+        self.slots[:n].copy_(dev[2])
+        cu = torch.arange(n + 1, dtype=torch.int32).clamp_(max=B)
+        self.cu[: n + 1].copy_(cu.to(self.device))
+        if n > B:  # padded rows: no valid entries, so they read nothing
+            self.tables[_LEN, B:n].zero_()
+
+    def metadata(self, B: int, W: int) -> AttentionMetadata:
+        t = self.tables
+        return AttentionMetadata(
+            positions=self.pos[:B], cu_seqlens_q=self.cu[: B + 1], slot_mapping=self.slots[:B],
+            block_table=t[_PAGE, :B, :W], block_pos=t[_POS, :B, :W], block_delta=t[_DELTA, :B, :W],
+            block_len=t[_LEN, :B, :W], max_seqlen_q=1,
+        )
+
+
+class GraphRunner:
+    """Decode forwards through CUDA graphs captured per (batch, width) bucket."""
+
+    def __init__(self, model, state: DecodeState, k_cache, v_cache, enabled: bool):
+        self.model, self.state, self.k, self.v = model, state, k_cache, v_cache
+        self.enabled = enabled and state.device.type == "cuda"
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def batch_bucket(self, B: int) -> int:
+        return min(_bucket(B, 1), self.state.max_batch) if self.enabled else B
+
+    def width_bucket(self, W: int) -> int:
+        return min(_bucket(W, 16), self.state.max_entries) if self.enabled else W
+
+    def run(self, B: int, W: int) -> torch.Tensor:
+        """Logits ``(B, vocab)`` of the step whose inputs ``state`` holds."""
+        st = self.state
+        if not self.enabled:
+            return self.model.forward(st.ids[:B], st.metadata(B, W), self.k, self.v)
+        key = (B, W)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(B, W)
+        g, out = self.graphs[key]
+        g.replay()
+        return out
+
+    def _capture(self, B: int, W: int):
+        st = self.state
+        meta = st.metadata(B, W)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm up (Triton compiles, allocator settles)
+            for _ in range(2):
+                self.model.forward(st.ids[:B], meta, self.k, self.v)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = self.model.forward(st.ids[:B], meta, self.k, self.v)
+        return g, out
