@@ -102,6 +102,7 @@ class Request:
     finish_reason: str | None = None
     warm_only: bool = False  # compute prefix and chunk KV, generate nothing
     row: int | None = None  # row in the decode state while decoding
+    keys: tuple | None = None  # (prefix key, chunk keys), see Engine._segment_keys
     orig_segments: list | None = None  # the segments as submitted, if preemption changed them
     preempted: bool = False
 
@@ -237,7 +238,8 @@ class Engine:
         budget = self.max_batch_tokens
         for r in list(self.waiting):
             n_prompt = sum(len(s.ids) for s in r.segments)
-            if admitted and n_prompt > budget:
+            cost = self._prefill_cost(r)
+            if admitted and cost > budget:
                 break
             if len(self.running) >= self.max_batch_size:
                 break
@@ -259,7 +261,7 @@ class Engine:
             self.waiting.remove(r)
             self.running.append(r)
             admitted.append(r)
-            budget -= n_prompt
+            budget -= cost
             r.admit_time = time.perf_counter()
         return admitted
 
@@ -309,13 +311,37 @@ class Engine:
         self.store.record(False, n)
         return e, True
 
+    def _segment_keys(self, r: Request) -> tuple[bytes, list[bytes]]:
+        """Cache keys of the request's prefix and chunks (computed once per request)."""
+        if r.keys is None or r.keys[0] is None:
+            prefix = r.segments[0]
+            pkey = chunk_key(self.fingerprint, "prefix-segment", prefix.ids)
+            if self.chunk_context == "prefix":
+                ck = [chunk_key(self.fingerprint, "prefix", c.ids, pkey) for c in r.segments[1:-1]]
+            else:
+                ck = [chunk_key(self.fingerprint, "isolated", c.ids) for c in r.segments[1:-1]]
+            r.keys = (pkey, ck)
+        return r.keys
+
+    def _prefill_cost(self, r: Request) -> int:
+        """Tokens admitting ``r`` would prefill now (cached segments cost nothing)."""
+        if self.reuse not in ("lazy", "block"):
+            return sum(len(s.ids) for s in r.segments)
+        pkey, ck = self._segment_keys(r)
+        segs = r.segments
+        cost = len(segs[-1].ids)
+        for key, seg in zip([pkey] + ck, segs[:-1]):
+            if key not in self.store.entries:
+                cost += len(seg.ids)
+        return cost
+
     def _plan_chunked(self, r: Request, decode_pages: int) -> bool:
         segs = r.segments
         prefix, chunks, suffix = segs[0], segs[1:-1], segs[-1]
         P = len(prefix.ids)
         table: list[_TableEntry] = []
         # stage 1: the shared prefix (system prompt and template header), positions 0..P-1
-        pkey = chunk_key(self.fingerprint, "prefix-segment", prefix.ids)
+        pkey, chunk_keys = self._segment_keys(r)
         pe, need = self._lookup_or_create(r, pkey, P, 0, "prefix")
         if pe is None:
             return False
@@ -327,14 +353,9 @@ class Engine:
         table += prefix_entries
         # stage 2: chunks, each encoded alone (isolated) or after the prefix
         pos = P
-        for c in chunks:
+        for c, key in zip(chunks, chunk_keys):
             n = len(c.ids)
-            if self.chunk_context == "prefix":
-                key = chunk_key(self.fingerprint, "prefix", c.ids, pkey)
-                stored = P
-            else:
-                key = chunk_key(self.fingerprint, "isolated", c.ids)
-                stored = 0
+            stored = P if self.chunk_context == "prefix" else 0
             ce, need = self._lookup_or_create(r, key, n, stored, "chunk")
             if ce is None:
                 return False
