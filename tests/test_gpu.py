@@ -54,3 +54,17 @@ def test_triton_engine_full_modes_match_generate(tiny_cuda, tokenizer, reuse):
         out = llm.generate("Which was completed in 1889?", chunks=docs, max_new_tokens=12)
         assert out.token_ids == hf_generate(tiny_cuda, out.prompt_token_ids, 12, llm.eos_token_ids)
     llm.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_256_concurrent_requests_equal_solo_on_gpu(tokenizer, dtype):
+    from tests.test_concurrency import _requests, _run_concurrently
+
+    model = make_tiny("llama", seed=21).to("cuda", dtype)
+    reqs = _requests(256, seed=1)
+    llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=256 << 20, attention_backend="triton")
+    solo = [llm.generate(q, chunks=c, max_new_tokens=n).token_ids for q, c, n in reqs]
+    llm.clear_cache()
+    assert _run_concurrently(llm, reqs, 32) == solo
+    assert llm.engine.graphs.graphs  # decode ran through CUDA graphs
+    llm.close()
