@@ -1,0 +1,496 @@
+"""LlamaIndex adapter: ``LlamaIndexLLM`` (a ``CustomLLM``), ``ChunkSynthesizer`` (a
+response synthesizer that hands each retrieved node to the engine as its own chunk) and
+``MiniLMEmbedding`` (the bundled offline embedding model).
+
+The default ``compact`` synthesizer joins the retrieved texts into one string and
+re-splits it to fit the context window, so no two requests ever share a document's KV.
+``ChunkSynthesizer`` instead passes each node as a ``lazyllm.Chunk`` (node id as chunk id,
+node metadata as chunk metadata), so a document's KV is computed once and reused by any
+later query that retrieves it, in any order::
+
+    from llama_index.core import VectorStoreIndex
+    from lazyllm.integrations.llama_index import ChunkSynthesizer, LlamaIndexLLM, MiniLMEmbedding
+
+    llm = LlamaIndexLLM(max_new_tokens=128)                       # default model, offline
+    index = VectorStoreIndex.from_documents(docs, embed_model=MiniLMEmbedding())
+    engine = index.as_query_engine(llm=llm, response_synthesizer=ChunkSynthesizer(llm))
+    response = engine.query("Who wrote it?")
+    response.metadata["lazyllm"]["cached_tokens"]                # reused chunk tokens
+
+Chunk text is the node content with ``metadata_mode=MetadataMode.NONE`` by default: the
+document text exactly as stored, so the same document shares KV with LangChain chains
+and with ``lazyllm.integrations.chroma.ingest(..., llm=...)`` warm-ups. Pass
+``metadata_mode=MetadataMode.LLM`` to show LlamaIndex's metadata header to the model
+(and warm with ``ChunkSynthesizer.warm(nodes)``, which uses the same conversion).
+
+``LlamaIndexLLM.chat`` takes documents too: a ``DocumentBlock`` with text data in any
+message becomes a chunk, and ``complete``/``chat`` accept ``chunks=[...]`` and
+``system=...`` keyword arguments. Conversation history is folded into the question text
+as described in ``lazyllm.integrations._common``.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, List, Optional, Sequence
+
+from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    DocumentBlock,
+    LLMMetadata,
+    MessageRole,
+    TextBlock,
+)
+from llama_index.core.base.response.schema import (
+    RESPONSE_TYPE,
+    AsyncStreamingResponse,
+    Response,
+    StreamingResponse,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.callbacks import CallbackManager
+from llama_index.core.callbacks.schema import CBEventType, EventPayload
+from llama_index.core.instrumentation.events.synthesis import SynthesizeEndEvent, SynthesizeStartEvent
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.response_synthesizers.base import BaseSynthesizer
+from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
+from llama_index.core.types import RESPONSE_TEXT_TYPE
+import llama_index.core.instrumentation as instrument
+
+from lazyllm import Chunk, GenerationOutput, InvalidRequestError, LazyLLM
+
+from ._common import (
+    GenerationStream,
+    RagRequest,
+    device_from_hf,
+    fold_history,
+    hf_generate_kwargs,
+    join_system,
+    sampling_kwargs,
+    usage_dict,
+)
+from .minilm import DIM, MODEL_NAME, get_encoder
+
+dispatcher = instrument.get_dispatcher(__name__)
+
+_ROLES = {MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system", MessageRole.USER: "user",
+          MessageRole.ASSISTANT: "assistant", MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant",
+          MessageRole.TOOL: "tool", MessageRole.FUNCTION: "tool"}
+
+
+_UNTITLED = "input_document"  # the title DocumentBlock fills in when none is given
+
+
+def _document_block_chunk(block: DocumentBlock) -> Chunk:
+    if block.document_mimetype not in (None, "text/plain", "text/markdown"):
+        raise InvalidRequestError(f"lazyllm reads text documents only, not {block.document_mimetype}")
+    try:
+        text = block.resolve_document().read().decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequestError("a DocumentBlock's data is not UTF-8 text") from None
+    title = block.title if block.title != _UNTITLED else None
+    meta = {"title": title} if title else {}
+    return Chunk(f"{title}\n\n{text}" if title else text, metadata=meta)
+
+
+def chat_to_request(messages: Sequence[ChatMessage], system_prompt: str | None = None) -> RagRequest:
+    """Split LlamaIndex chat messages into ``(question, chunks, system)``: system and
+    developer messages (after ``system_prompt``) form ``system``; text ``DocumentBlock``s
+    become chunks; the last user message with text is the question; other turns are
+    folded into the question text."""
+    system_parts = [system_prompt] if system_prompt else []
+    chunks: list[Chunk] = []
+    turns: list[tuple[str, str]] = []
+    for m in messages:
+        role = _ROLES.get(m.role, str(m.role.value if hasattr(m.role, "value") else m.role))
+        texts = []
+        for b in m.blocks:
+            if isinstance(b, TextBlock):
+                texts.append(b.text)
+            elif isinstance(b, DocumentBlock):
+                chunks.append(_document_block_chunk(b))
+            elif role == "assistant" and getattr(b, "block_type", None) in ("thinking", "tool_call"):
+                continue
+            else:
+                raise InvalidRequestError(
+                    f"lazyllm takes text and text document blocks; got {getattr(b, 'block_type', type(b).__name__)!r}")
+        text = "\n".join(texts)
+        if role == "system":
+            system_parts.append(text)
+        elif text.strip():
+            turns.append((role, text))
+    last_user = max((i for i, (r, _) in enumerate(turns) if r == "user"), default=None)
+    if last_user is None:
+        raise InvalidRequestError("the messages need a user message with text (the question)")
+    history = turns[:last_user] + turns[last_user + 1:]
+    return RagRequest(fold_history(turns[last_user][1], history), chunks, join_system(system_parts))
+
+
+class LlamaIndexLLM(CustomLLM):
+    """LlamaIndex LLM over an in-process ``LazyLLM``. Argument names follow
+    ``HuggingFaceLLM`` (``model_name``, ``context_window``, ``max_new_tokens``,
+    ``generate_kwargs``, ``device_map``, ``model_kwargs``, ``system_prompt``), so
+    swapping it for ours is one line.
+
+    >>> llm = LlamaIndexLLM()                                  # embedded default model
+    >>> llm = LlamaIndexLLM(llm=engine)                        # share a LazyLLM
+    >>> llm.complete("Who?", chunks=["doc one", "doc two"]).additional_kwargs["cached_tokens"]
+
+    Responses carry the usage (``prompt_tokens``, ``cached_tokens``,
+    ``completion_tokens``), ``finish_reason`` and ``ttft_s`` in ``additional_kwargs``,
+    and the full ``lazyllm.GenerationOutput`` in ``raw``.
+    """
+
+    model_name: str = Field(default="", description="Model name or path; empty for the embedded default.")
+    context_window: int = Field(default=0, description="Context length in tokens (default: the model's).")
+    max_new_tokens: int = Field(default=256, description="Tokens to generate at most.")
+    temperature: float = Field(default=0.0, description="0 is greedy.")
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: Optional[int] = None
+    stop: Optional[List[str]] = None
+    timeout: Optional[float] = Field(default=None, description="Seconds before a request is cancelled.")
+    is_chat_model: bool = Field(default=True, description="Use chat() (the model's chat template).")
+    reuse: str = "lazy"
+    chunk_context: str = "isolated"
+
+    _engine: LazyLLM = PrivateAttr()
+
+    def __init__(self, llm: LazyLLM | None = None, model_name: str | None = None, *,
+                 generate_kwargs: dict | None = None, device_map: Any = None, device: Any = None,
+                 model_kwargs: dict | None = None, tokenizer_name: str | None = None,
+                 reuse: str = "lazy", chunk_context: str = "isolated", engine_kwargs: dict | None = None,
+                 **kwargs: Any):
+        gen = hf_generate_kwargs(generate_kwargs)
+        if "stop" in gen:
+            kwargs.setdefault("stop", list(gen.pop("stop")))
+        for k, v in gen.items():
+            kwargs.setdefault(k, v)
+        if tokenizer_name not in (None, model_name):
+            raise InvalidRequestError("lazyllm uses the model's own tokenizer; tokenizer_name must match model_name")
+        if llm is None:
+            ek = dict(engine_kwargs or {})
+            mk = dict(model_kwargs or {})
+            if "trust_remote_code" in mk:
+                ek["trust_remote_code"] = mk.pop("trust_remote_code")
+            dtype = mk.pop("dtype", mk.pop("torch_dtype", None))
+            if mk:
+                raise InvalidRequestError(f"unsupported model_kwargs for lazyllm: {sorted(mk)}")
+            dev = device_from_hf(device) or (device_map if isinstance(device_map, str) else None)
+            llm = LazyLLM(model_name or None, reuse=reuse, chunk_context=chunk_context,
+                          device=dev or "auto", dtype=dtype, **ek)
+        elif model_name not in (None, "", llm.model_name):
+            raise InvalidRequestError("give either llm= or model_name=, not both")
+        kwargs.setdefault("context_window", llm.model.spec.max_context)
+        super().__init__(model_name=str(llm.model_name), reuse=llm.reuse, chunk_context=llm.chunk_context,
+                         **kwargs)
+        self._engine = llm
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "LazyLLM"
+
+    @property
+    def lazyllm(self) -> LazyLLM:
+        """The engine (``cache_stats()``, ``warm()``...)."""
+        return self._engine
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(context_window=self.context_window, num_output=self.max_new_tokens,
+                           is_chat_model=self.is_chat_model, is_function_calling_model=False,
+                           model_name=self.model_name)
+
+    # -- helpers -------------------------------------------------------------------
+    def _sampling(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        kw = dict(kwargs)
+        if "max_tokens" in kw:
+            kw["max_new_tokens"] = kw.pop("max_tokens")
+        unknown = set(kw) - {"max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "timeout"}
+        if unknown:
+            raise InvalidRequestError(f"unsupported options for LlamaIndexLLM: {sorted(unknown)}")
+        base = dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                    top_k=self.top_k, seed=self.seed, stop=self.stop, timeout=self.timeout)
+        base.update(kw)
+        return sampling_kwargs(**base)
+
+    def _completion_request(self, prompt: str, formatted: bool, kwargs: dict) -> tuple[RagRequest, dict]:
+        chunks = list(kwargs.pop("chunks", None) or [])
+        system = kwargs.pop("system", None)
+        if not formatted:
+            prompt = self.completion_to_prompt(prompt)
+        system = join_system([p for p in (self.system_prompt, system) if p])
+        return RagRequest(prompt, chunks, system), self._sampling(kwargs)
+
+    def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict) -> tuple[RagRequest, dict]:
+        extra = list(kwargs.pop("chunks", None) or [])
+        system = kwargs.pop("system", None)
+        req = chat_to_request(messages, join_system([p for p in (self.system_prompt, system) if p]))
+        req.chunks = extra + req.chunks
+        return req, self._sampling(kwargs)
+
+    @staticmethod
+    def _completion(out: GenerationOutput) -> CompletionResponse:
+        return CompletionResponse(text=out.text, raw=out, additional_kwargs=usage_dict(out))
+
+    @staticmethod
+    def _chat(out: GenerationOutput) -> ChatResponse:
+        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=out.text), raw=out,
+                            additional_kwargs=usage_dict(out))
+
+    def _generate(self, req: RagRequest, sampling: dict) -> GenerationOutput:
+        return self._engine.generate(req.question, req.chunks, req.system, **sampling)
+
+    async def _agenerate(self, req: RagRequest, sampling: dict) -> GenerationOutput:
+        return await self._engine.agenerate(req.question, req.chunks, req.system, **sampling)
+
+    # -- completion ----------------------------------------------------------------
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return self._completion(self._generate(*self._completion_request(prompt, formatted, kwargs)))
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        req, sampling = self._completion_request(prompt, formatted, kwargs)
+        stream = GenerationStream(self._engine, req, **sampling)
+
+        def gen() -> CompletionResponseGen:
+            text = ""
+            for delta in stream:
+                text += delta
+                yield CompletionResponse(text=text, delta=delta)
+            yield CompletionResponse(text=text, delta="", raw=stream.output, additional_kwargs=usage_dict(stream.output))
+
+        return gen()
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return self._completion(await self._agenerate(*self._completion_request(prompt, formatted, kwargs)))
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False,
+                               **kwargs: Any) -> CompletionResponseAsyncGen:
+        req, sampling = self._completion_request(prompt, formatted, kwargs)
+        stream = GenerationStream(self._engine, req, **sampling)
+
+        async def gen() -> CompletionResponseAsyncGen:
+            text = ""
+            async for delta in stream:
+                text += delta
+                yield CompletionResponse(text=text, delta=delta)
+            yield CompletionResponse(text=text, delta="", raw=stream.output, additional_kwargs=usage_dict(stream.output))
+
+        return gen()
+
+    # -- chat ----------------------------------------------------------------------
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return self._chat(self._generate(*self._chat_request(messages, kwargs)))
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        req, sampling = self._chat_request(messages, kwargs)
+        stream = GenerationStream(self._engine, req, **sampling)
+
+        def gen() -> ChatResponseGen:
+            text = ""
+            for delta in stream:
+                text += delta
+                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
+            yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta="",
+                               raw=stream.output, additional_kwargs=usage_dict(stream.output))
+
+        return gen()
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return self._chat(await self._agenerate(*self._chat_request(messages, kwargs)))
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        req, sampling = self._chat_request(messages, kwargs)
+        stream = GenerationStream(self._engine, req, **sampling)
+
+        async def gen() -> ChatResponseAsyncGen:
+            text = ""
+            async for delta in stream:
+                text += delta
+                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
+            yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta="",
+                               raw=stream.output, additional_kwargs=usage_dict(stream.output))
+
+        return gen()
+
+
+class ChunkSynthesizer(BaseSynthesizer):
+    """Response synthesizer that hands each retrieved node to the engine as its own
+    chunk, in retrieval order, instead of packing them into one prompt string.
+
+    ``llm`` must be a ``LlamaIndexLLM``. ``system`` is the shared system prompt (default:
+    the LLM's ``system_prompt``); ``metadata_mode`` picks the node content the model
+    reads (see the module docstring); other keyword arguments are generation options
+    (``max_new_tokens``, ``temperature``...). With ``streaming=True`` queries return a
+    ``StreamingResponse``. ``response.metadata["lazyllm"]`` holds the usage (for a
+    streaming response, once the stream is exhausted).
+    """
+
+    def __init__(self, llm: LlamaIndexLLM, *, streaming: bool = False, system: str | None = None,
+                 metadata_mode: MetadataMode = MetadataMode.NONE,
+                 callback_manager: Optional[CallbackManager] = None, **generate_kwargs: Any):
+        if not isinstance(llm, LlamaIndexLLM):
+            raise InvalidRequestError(
+                f"ChunkSynthesizer needs a lazyllm LlamaIndexLLM, got {type(llm).__name__}")
+        super().__init__(llm=llm, callback_manager=callback_manager, streaming=streaming)
+        self._system = system
+        self._metadata_mode = metadata_mode
+        self._generate_kwargs = dict(generate_kwargs)
+        llm._sampling(self._generate_kwargs)  # reject bad options now, not at the first query
+
+    def _get_prompts(self) -> dict:
+        return {}
+
+    def _update_prompts(self, prompts: dict) -> None:
+        return None
+
+    def node_to_chunk(self, node: BaseNode) -> Chunk:
+        """The chunk a node becomes: its content, its id, its metadata."""
+        return Chunk(node.get_content(metadata_mode=self._metadata_mode), id=node.node_id,
+                     metadata=dict(node.metadata or {}))
+
+    def warm(self, nodes: Sequence[BaseNode | NodeWithScore], *, progress: bool | None = None) -> dict:
+        """Precompute the chunk KV of ``nodes`` exactly as queries will use it."""
+        chunks = [self.node_to_chunk(n.node if isinstance(n, NodeWithScore) else n) for n in nodes]
+        return self._llm.lazyllm.warm(chunks, system=self._system, progress=progress)
+
+    def _kwargs(self, chunks: list[Chunk], extra: dict) -> dict:
+        kw = {**self._generate_kwargs, **extra, "chunks": chunks}
+        if self._system is not None:
+            kw["system"] = self._system
+        return kw
+
+    # The abstract text-only entry points: chunks without ids (used only when called
+    # directly; synthesize() below keeps the node ids).
+    def get_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any) -> RESPONSE_TEXT_TYPE:
+        kw = self._kwargs([Chunk(t) for t in text_chunks], response_kwargs)
+        if self._streaming:
+            return (r.delta for r in self._llm.stream_complete(query_str, **kw) if r.delta)
+        return self._llm.complete(query_str, **kw).text
+
+    async def aget_response(self, query_str: str, text_chunks: Sequence[str],
+                            **response_kwargs: Any) -> RESPONSE_TEXT_TYPE:
+        kw = self._kwargs([Chunk(t) for t in text_chunks], response_kwargs)
+        if self._streaming:
+            gen = await self._llm.astream_complete(query_str, **kw)
+            return (r.delta async for r in gen if r.delta)
+        return (await self._llm.acomplete(query_str, **kw)).text
+
+    def _empty(self, query) -> RESPONSE_TYPE:
+        resp = (StreamingResponse(response_gen=self._empty_response_generator()) if self._streaming
+                else Response(self._empty_response))
+        dispatcher.event(SynthesizeEndEvent(query=query, response=resp))
+        return resp
+
+    def synthesize(self, query: Any, nodes: List[NodeWithScore],
+                   additional_source_nodes: Optional[Sequence[NodeWithScore]] = None,
+                   **response_kwargs: Any) -> RESPONSE_TYPE:
+        dispatcher.event(SynthesizeStartEvent(query=query))
+        if not nodes:
+            return self._empty(query)
+        if isinstance(query, str):
+            query = QueryBundle(query_str=query)
+        source_nodes = list(nodes) + list(additional_source_nodes or [])
+        meta: dict[str, Any] = self._get_metadata_for_response([n.node for n in source_nodes]) or {}
+        kw = self._kwargs([self.node_to_chunk(n.node) for n in nodes], response_kwargs)
+        with self._callback_manager.event(CBEventType.SYNTHESIZE,
+                                          payload={EventPayload.QUERY_STR: query.query_str}) as event:
+            if self._streaming:
+                stream = self._llm.stream_complete(query.query_str, **kw)
+
+                def deltas():
+                    for r in stream:
+                        if r.delta:
+                            yield r.delta
+                        if r.raw is not None:
+                            meta["lazyllm"] = dict(r.additional_kwargs)
+
+                response: RESPONSE_TYPE = StreamingResponse(response_gen=deltas(), source_nodes=source_nodes,
+                                                            metadata=meta)
+            else:
+                r = self._llm.complete(query.query_str, **kw)
+                meta["lazyllm"] = dict(r.additional_kwargs)
+                response = Response(r.text, source_nodes=source_nodes, metadata=meta)
+            event.on_end(payload={EventPayload.RESPONSE: response})
+        dispatcher.event(SynthesizeEndEvent(query=query, response=response))
+        return response
+
+    async def asynthesize(self, query: Any, nodes: List[NodeWithScore],
+                          additional_source_nodes: Optional[Sequence[NodeWithScore]] = None,
+                          **response_kwargs: Any) -> RESPONSE_TYPE:
+        dispatcher.event(SynthesizeStartEvent(query=query))
+        if not nodes:
+            if self._streaming:
+                resp = AsyncStreamingResponse(response_gen=self._empty_response_agenerator())
+                dispatcher.event(SynthesizeEndEvent(query=query, response=resp))
+                return resp
+            return self._empty(query)
+        if isinstance(query, str):
+            query = QueryBundle(query_str=query)
+        source_nodes = list(nodes) + list(additional_source_nodes or [])
+        meta: dict[str, Any] = self._get_metadata_for_response([n.node for n in source_nodes]) or {}
+        kw = self._kwargs([self.node_to_chunk(n.node) for n in nodes], response_kwargs)
+        with self._callback_manager.event(CBEventType.SYNTHESIZE,
+                                          payload={EventPayload.QUERY_STR: query.query_str}) as event:
+            if self._streaming:
+                stream = await self._llm.astream_complete(query.query_str, **kw)
+
+                async def deltas():
+                    async for r in stream:
+                        if r.delta:
+                            yield r.delta
+                        if r.raw is not None:
+                            meta["lazyllm"] = dict(r.additional_kwargs)
+
+                response: RESPONSE_TYPE = AsyncStreamingResponse(response_gen=deltas(), source_nodes=source_nodes,
+                                                                 metadata=meta)
+            else:
+                r = await self._llm.acomplete(query.query_str, **kw)
+                meta["lazyllm"] = dict(r.additional_kwargs)
+                response = Response(r.text, source_nodes=source_nodes, metadata=meta)
+            event.on_end(payload={EventPayload.RESPONSE: response})
+        dispatcher.event(SynthesizeEndEvent(query=query, response=response))
+        return response
+
+
+class MiniLMEmbedding(BaseEmbedding):
+    """LlamaIndex embedding model: the bundled all-MiniLM-L6-v2, offline (the same
+    vectors as ``lazyllm.integrations.chroma.BundledMiniLM``)."""
+
+    model_name: str = MODEL_NAME
+    embed_batch_size: int = 32
+    dimensions: int = DIM
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "LazyLLMBundledMiniLM"
+
+    def _get_query_embedding(self, query: str) -> Embedding:
+        return get_encoder().encode([query])[0].tolist()
+
+    async def _aget_query_embedding(self, query: str) -> Embedding:
+        return await asyncio.get_running_loop().run_in_executor(None, self._get_query_embedding, query)
+
+    def _get_text_embedding(self, text: str) -> Embedding:
+        return get_encoder().encode([text])[0].tolist()
+
+    def _get_text_embeddings(self, texts: List[str]) -> List[Embedding]:
+        return [v.tolist() for v in get_encoder().encode(list(texts))]
+
+
+__all__ = ["LlamaIndexLLM", "ChunkSynthesizer", "MiniLMEmbedding", "chat_to_request"]
