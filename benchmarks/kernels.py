@@ -94,7 +94,7 @@ def bench(fn, warmup=10, rep=60):
 
 def sync():
     if torch.cuda.is_available():
-        sync()
+        torch.cuda.synchronize()
 
 
 def relerr(a, b):
@@ -193,7 +193,13 @@ def sdpa_flash(q, k, v, causal):
         mask = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq) if causal else None
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1).float() for t in (k, v))
         return torch.nn.functional.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask, scale=SCALE).to(q.dtype)
-    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal=causal, scale=SCALE)[0]
+    try:
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal=causal, scale=SCALE)[0]
+    except RuntimeError as e:  # no native GQA: expand heads (more bytes for SDPA; reported)
+        log(f"sdpa flash op refused GQA shapes ({e!r:.120}); expanding K/V heads")
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal=causal, scale=SCALE)[0]
 
 
 # ----------------------------------------------------------------------------------------
@@ -229,7 +235,7 @@ def check_prefill(pg, qs, q, q_pos, cu, out, sdpa_out, n_check=64):
     return e_ref, e_sdpa
 
 
-def run_prefill(nq, kv, ps, inv_freq, dev, configs=None, splits=(None,), sdpa=True):
+def run_prefill(nq, kv, ps, inv_freq, dev, configs=None, splits=(None,), sdpa=True, extra=None):
     """Times the launcher (default config unless ``configs``), rope on/off, and SDPA."""
     pg, qs, q, q_pos, cu = prefill_case(nq, kv, ps, inv_freq, dev)
     a = pg.args(q, q_pos, cu)
@@ -244,21 +250,22 @@ def run_prefill(nq, kv, ps, inv_freq, dev, configs=None, splits=(None,), sdpa=Tr
         s_ms = bench(lambda: sdpa_flash(qs, pg.k_sdpa, pg.v_sdpa, True))
     for cfg in configs or [None]:
         for sp in splits:
-            row = dict(kind="prefill", q=nq, kv=kv, page_size=ps, config=cfg, splits=sp, flops=flops)
+            row = dict(kind="prefill", q=nq, kv=kv, page_size=ps, config=cfg, splits=sp, flops=flops, extra=extra)
+            kw = dict(extra or {})
             try:
                 out.fill_(float("nan"))
-                ta.paged_attention_triton(**a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp)
+                ta.paged_attention_triton(**a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, **kw)
                 sync()
                 row["nan"] = bool(torch.isnan(out).any())
                 if s_out is not None:
                     row["err_ref"], row["err_sdpa"] = check_prefill(pg, qs, q, q_pos, cu, out, s_out)
                 row["ms_rope"] = bench(lambda: ta.paged_attention_triton(
-                    **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp))
+                    **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, **kw))
                 row["ms_norope"] = bench(lambda: ta.paged_attention_triton(
-                    **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, use_rope=False))
+                    **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, use_rope=False, **kw))
                 rt = ta.rope_table(pg.block_delta, inv_freq)
                 row["ms_rope_pretable"] = bench(lambda: ta.paged_attention_triton(
-                    **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, rope=rt))
+                    **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, rope=rt, **kw))
             except Exception as e:  # keep the rest of the run
                 row["error"] = repr(e)[:300]
                 traceback.print_exc()
@@ -272,7 +279,7 @@ def run_prefill(nq, kv, ps, inv_freq, dev, configs=None, splits=(None,), sdpa=Tr
     return res
 
 
-def run_decode(batch, kv, ps, inv_freq, dev, configs=None, splits=(None,), sdpa=True, n_check=2):
+def run_decode(batch, kv, ps, inv_freq, dev, configs=None, splits=(None,), sdpa=True, n_check=2, extra=None):
     pg = Paged(batch, kv, 16, ps, inv_freq, seed=batch * 7 + kv, dev=dev)
     torch.manual_seed(3)
     qs = torch.randn(batch, HQ, 1, D, device=dev, dtype=DTYPE)
@@ -292,22 +299,23 @@ def run_decode(batch, kv, ps, inv_freq, dev, configs=None, splits=(None,), sdpa=
     r = ref.paged_attention_ref(**compact_upcast(chk))
     for cfg in configs or [None]:
         for sp in splits:
-            row = dict(kind="decode", batch=batch, kv=kv, page_size=ps, config=cfg, splits=sp, bytes=nbytes)
+            row = dict(kind="decode", batch=batch, kv=kv, page_size=ps, config=cfg, splits=sp, bytes=nbytes, extra=extra)
+            kw = dict(extra or {})
             try:
                 out.fill_(float("nan"))
-                ta.paged_attention_triton(**a, out=out, max_seqlen_q=1, config=cfg, num_splits=sp)
+                ta.paged_attention_triton(**a, out=out, max_seqlen_q=1, config=cfg, num_splits=sp, **kw)
                 sync()
                 row["nan"] = bool(torch.isnan(out).any())
                 row["err_ref"] = relerr(out[:c], r)
                 if s_out is not None:
                     row["err_sdpa"] = relerr(out, s_out)
                 row["ms_rope"] = bench(lambda: ta.paged_attention_triton(
-                    **a, out=out, max_seqlen_q=1, config=cfg, num_splits=sp))
+                    **a, out=out, max_seqlen_q=1, config=cfg, num_splits=sp, **kw))
                 row["ms_norope"] = bench(lambda: ta.paged_attention_triton(
-                    **a, out=out, max_seqlen_q=1, config=cfg, num_splits=sp, use_rope=False))
+                    **a, out=out, max_seqlen_q=1, config=cfg, num_splits=sp, use_rope=False, **kw))
                 rt = ta.rope_table(pg.block_delta, inv_freq)
                 row["ms_rope_pretable"] = bench(lambda: ta.paged_attention_triton(
-                    **a, out=out, max_seqlen_q=1, config=cfg, num_splits=sp, rope=rt))
+                    **a, out=out, max_seqlen_q=1, config=cfg, num_splits=sp, rope=rt, **kw))
             except Exception as e:
                 row["error"] = repr(e)[:300]
                 traceback.print_exc()
@@ -412,8 +420,11 @@ def fmt_row(row):
 def markdown(meta, rows):
     L = [f"Device: {meta['device']}; torch {meta['torch']}, triton {meta['triton']}; {meta['date']}; "
          f"page size {meta['page_size']}; device-to-device copy {meta['copy_tbs']:.2f} TB/s.", ""]
-    pre = [derived(r) for r in rows if r["kind"] == "prefill" and r.get("config") is None and r.get("splits") is None]
-    dec = [derived(r) for r in rows if r["kind"] == "decode" and r.get("config") is None and r.get("splits") is None]
+    def default(r):
+        return r.get("config") is None and r.get("splits") is None and not r.get("extra") and r["page_size"] == meta["page_size"]
+
+    pre = [derived(r) for r in rows if r["kind"] == "prefill" and default(r)]
+    dec = [derived(r) for r in rows if r["kind"] == "decode" and default(r)]
     cp = [derived(r) for r in rows if r["kind"] == "rerotate"]
     if pre:
         L += ["| prefill q | kv | ours ms | ours TFLOP/s | SDPA ms | SDPA TFLOP/s | ours/SDPA | rope off ms | RoPE cost | RoPE cost, table prebuilt | rel err vs ref |",
@@ -483,18 +494,21 @@ def main():
 
     if args.sweep:
         big = not DRY
-        pcfgs = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3),
-                 (128, 32, 4, 3)]
+        pcfgs = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2)]
         for nq, kv in (((512, 8192), (2048, 32768)) if big else ((40, 700),)):
             rows += run_prefill(nq, kv, ps, inv_freq, dev, configs=pcfgs if big else [(16, 16, 4, 1)])
         rows += run_prefill(64 if big else 8, 8192 if big else 700, ps, inv_freq, dev, splits=(1, 4, 8, 16, 32))
         rows += run_prefill(512 if big else 40, 8192 if big else 700, ps, inv_freq, dev, splits=(1, 2, 4))
-        dcfgs = [(16, 32, 4, 3), (16, 64, 4, 2), (16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 8, 3),
-                 (16, 64, 2, 3)]
+        dcfgs = [(16, 32, 4, 3), (16, 64, 4, 2), (16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 8, 3)]
         b32, kv16 = (32, 16384) if big else (3, 700)
         rows += run_decode(b32, kv16, ps, inv_freq, dev, configs=dcfgs if big else [(16, 32, 4, 1)])
         rows += run_decode(1, 32768 if big else 1200, ps, inv_freq, dev, splits=(8, 16, 32, 64, 128))
         rows += run_decode(b32, kv16, ps, inv_freq, dev, splits=(1, 2, 4, 8))
+        save()
+        rows += run_prefill(512 if big else 40, 8192 if big else 700, ps, inv_freq, dev, extra=dict(cs_per_page=False))
+        rows += run_decode(b32, kv16, ps, inv_freq, dev, extra=dict(cs_per_page=False))
+        rows += run_prefill(512 if big else 40, 8192 if big else 700, 64, inv_freq, dev)
+        rows += run_decode(b32, kv16, 64, inv_freq, dev)
         save()
         log(f"sweep done at {time.time() - t0:.0f}s")
     pre = PREFILL if not args.quick else [(512, 8192)]
@@ -513,7 +527,24 @@ def main():
                          **(dict(n_layers=2, n=4) if DRY else {}))
         save()
     log(f"done in {time.time() - t0:.0f}s")
+    compiled_report()
     log(markdown(meta, rows))
+
+
+def compiled_report():
+    """Registers, spills and shared memory of every compiled attention kernel."""
+    try:
+        for fn in (ta._paged_attn_fwd, ta._rerotate_copy):
+            for cache in getattr(fn, "device_caches", {}).values():
+                for kern in cache[0].values():
+                    names = kern.src.fn.arg_names
+                    c = {names[k[0]] if isinstance(k, tuple) else k: v for k, v in kern.src.constants.items()}
+                    key = {k: c.get(k) for k in ("BLOCK_M", "BLOCK_N", "USE_ROPE", "SCAN", "SPLIT_OUT", "PAGE_SIZE",
+                                                 "CS_PER_PAGE", "BLOCK_R")} if c else ""
+                    log(f"{fn.__name__} {key} warps={kern.metadata.num_warps} stages={kern.metadata.num_stages} "
+                        f"regs={kern.n_regs} spills={kern.n_spills} smem={kern.metadata.shared}")
+    except Exception as e:  # diagnostics only
+        log(f"compiled_report: {e!r}")
 
 
 if __name__ == "__main__":

@@ -315,6 +315,123 @@ def _paged_attn_fwd(
 
 
 @triton.jit
+def _paged_decode_fwd(
+    Q, QPos, CuQ, K, V, BT, BPos, BLen, Cos, Sin, PartO, PartLse,
+    qk_scale,
+    stride_qt, stride_qh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_btb, stride_bpb, stride_blb,
+    max_blocks, num_splits,
+    NUM_Q_HEADS: tl.constexpr, G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, PPT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_ROPE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Decode: one query per sequence, the delta applied to the *query*.
+
+    Grid ``(num_kv_heads * num_splits, batch)``. A key tile spans ``PPT`` pages, each with
+    its own delta, so the program keeps ``PPT`` copies of the query group as rows
+    ``p * G + g``: row group ``p`` holds ``R(-delta) q`` for the tile's ``p``-th page and
+    sees only that page's keys. Rotating ``PPT * G`` query rows costs a quarter of
+    rotating the ``BLOCK_N`` keys (G=4, pages of 16), and K goes from shared memory to
+    the tensor cores untouched. Row group ``p`` is a partial softmax over the pages
+    ``p, p + PPT, ...``; all are written as partials ``split * PPT + p`` for
+    ``_merge_splits``.
+    """
+    pid_hs = tl.program_id(0)
+    b = tl.program_id(1)
+    kvh = pid_hs // num_splits
+    split = pid_hs % num_splits
+    q_start = tl.load(CuQ + b).to(tl.int32)
+    if tl.load(CuQ + b + 1).to(tl.int32) == q_start:
+        return
+
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < PPT * G
+    row_page = rows // G
+    head = kvh * G + rows % G
+    qpos = tl.load(QPos + q_start + rows * 0).to(tl.int32)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_row = Q + q_start.to(tl.int64) * stride_qt + head * stride_qh
+    q = tl.load(q_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    if USE_ROPE:
+        # q' = R(-delta) q = q * [c, c, 1] + [q2, -q1, 0] * [s, s, 0]
+        is_lo = offs_d < HALF
+        sw_col = tl.where(is_lo, offs_d + HALF, offs_d - HALF)
+        sw_mask = row_ok[:, None] & (offs_d < ROT)[None, :]
+        qsw = tl.load(q_row[:, None] + sw_col[None, :], mask=sw_mask, other=0.0).to(tl.float32)
+        qsw = tl.where(is_lo[None, :], qsw, -qsw)
+        cs_col = offs_d % HALF
+        in_rot = (offs_d < ROT)[None, :]
+    else:
+        qsw = q
+        cs_col = offs_d
+        in_rot = (offs_d < 0)[None, :]
+
+    BT_row = BT + b.to(tl.int64) * stride_btb
+    BPos_row = BPos + b.to(tl.int64) * stride_bpb
+    BLen_row = BLen + b.to(tl.int64) * stride_blb
+    Cos_row = Cos + b.to(tl.int64) * max_blocks * HALF
+    Sin_row = Sin + b.to(tl.int64) * max_blocks * HALF
+    Kh = K + kvh * stride_kh
+    Vh = V + kvh * stride_vh
+
+    t_hi = (max_blocks * PAGE_SIZE + BLOCK_N - 1) // BLOCK_N
+    per_split = (t_hi + num_splits - 1) // num_splits
+    s_start = split * per_split
+    s_end = tl.minimum(s_start + per_split, t_hi)
+
+    m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
+    for t in range(s_start, s_end):
+        idx = t * BLOCK_N + offs_n
+        ent = idx // PAGE_SIZE
+        slot = idx % PAGE_SIZE
+        ln = tl.load(BLen_row + ent, mask=ent < max_blocks, other=0)
+        kvalid = slot < ln
+        page = tl.load(BT_row + ent, mask=kvalid, other=0).to(tl.int64)
+        k = tl.load((Kh + page * stride_kp + slot * stride_ks)[:, None] + offs_d[None, :],
+                    mask=kvalid[:, None], other=0.0)
+        if USE_ROPE:
+            if PPT > 1:
+                e_row = t * PPT + row_page
+            else:
+                e_row = (t * BLOCK_N) // PAGE_SIZE + row_page * 0
+            cm = (row_ok & (e_row < max_blocks))[:, None] & in_rot
+            cs_off = e_row[:, None] * HALF + cs_col[None, :]
+            c = tl.load(Cos_row + cs_off, mask=cm, other=1.0)
+            s = tl.load(Sin_row + cs_off, mask=cm, other=0.0)
+            qr = (q * c + qsw * s).to(K.dtype.element_ty)
+        else:
+            qr = q.to(K.dtype.element_ty)
+        qk = tl.dot(qr, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        kpos = tl.load(BPos_row + ent, mask=kvalid, other=0).to(tl.int32) + slot
+        seen = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
+        if PPT > 1:
+            seen = seen & ((ent % PPT)[None, :] == row_page[:, None])
+        qk = tl.where(seen, qk, float("-inf"))
+        m_new = tl.maximum(m_i, _max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + _sum(p, 1)
+        v = tl.load((Vh + page * stride_vp + slot * stride_vs)[:, None] + offs_d[None, :],
+                    mask=kvalid[:, None], other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(V.dtype.element_ty), v, acc, input_precision=DOT_PREC)
+        m_i = m_new
+
+    seen_any = l_i > 0.0
+    o = acc / tl.where(seen_any, l_i, 1.0)[:, None]
+    part = (q_start.to(tl.int64) * NUM_Q_HEADS + head) * (num_splits * PPT) + split * PPT + row_page
+    tl.store(PartO + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
+    lse = tl.where(seen_any, m_i + tl.math.log2(tl.where(seen_any, l_i, 1.0)), float("-inf"))
+    tl.store(PartLse + part, lse, mask=row_ok)
+
+
+@triton.jit
 def _merge_splits(
     PartO, PartLse, Out, stride_ot, stride_oh, num_splits,
     NUM_Q_HEADS: tl.constexpr, SPLITS_P: tl.constexpr,
@@ -360,6 +477,16 @@ def rope_table(block_delta: torch.Tensor, inv_freq: torch.Tensor):
 # Launch configurations, chosen on an H200 (bf16, d=128, page 16) by benchmarks/kernels.py.
 # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 _PREFILL_CFG = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)}
+_PREFILL_CFG_LONG = {128: (128, 128, 8, 2)}  # keys >= _LONG_KV: fewer, larger tiles won
+
+
+def _prefill_config(d: int, kv_slots: int):
+    if kv_slots >= _LONG_KV and d in _PREFILL_CFG_LONG:
+        return _PREFILL_CFG_LONG[d]
+    return _PREFILL_CFG.get(d, _PREFILL_CFG[256])
+
+
+_LONG_KV = 16384
 _DECODE_CFG = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 4, 2)}  # BLOCK_N, warps, stages
 _CS_PER_PAGE = True
 _NUM_SMS: dict = {}
@@ -460,26 +587,36 @@ def paged_attention_triton(
     pass_dim = d - 2 * half
 
     rows = max_seqlen_q * group
-    decode = rows <= 64
-    if config is not None:
+    one_query = max_seqlen_q == 1  # decode: query rotated per page (_paged_decode_fwd)
+    short = rows <= 64  # a few queries per sequence: small query tiles, no causal scan
+    if one_query:
+        block_n, num_warps, num_stages = _DECODE_CFG.get(d, _DECODE_CFG[256])
+        if config is not None:
+            _, block_n, num_warps, num_stages = config
+        ppt = max(1, block_n // page_size)
+        block_m = max(16, _next_pow2(ppt * group))
+    elif config is not None:
         block_m, block_n, num_warps, num_stages = config
-    elif decode:
+    elif short:
         block_m = max(16, _next_pow2(rows))
         block_n, num_warps, num_stages = _DECODE_CFG.get(d, _DECODE_CFG[256])
     else:
-        block_m, block_n, num_warps, num_stages = _PREFILL_CFG.get(d, _PREFILL_CFG[256])
+        block_m, block_n, num_warps, num_stages = _prefill_config(d, max_blocks * page_size)
     if _interpreting():
         num_stages = 1
     if cs_per_page is None:
         cs_per_page = _CS_PER_PAGE
-    q_tiles = triton.cdiv(rows, block_m)
+    q_tiles = 1 if one_query else triton.cdiv(rows, block_m)
     kv_tiles = triton.cdiv(max_blocks * page_size, block_n)
     if num_splits is None:
+        # about one program per SM at least; split-K only while there are fewer
         ctas = q_tiles * batch * hkv
         sms = _num_sms(q.device)
         num_splits = 1
-        if ctas < 2 * sms:
-            num_splits = max(1, min(triton.cdiv(4 * sms, ctas), triton.cdiv(kv_tiles, 4), 128))
+        if ctas < sms:
+            num_splits = max(1, min(triton.cdiv(sms, ctas), kv_tiles // 4, 64))
+        elif ctas < 2 * sms and one_query:
+            num_splits = 2
     num_splits = max(1, min(int(num_splits), kv_tiles))
 
     if use_rope:
@@ -488,36 +625,45 @@ def paged_attention_triton(
             raise ValueError(f"rope table of shape {tuple(cos.shape)}, expected {(batch, max_blocks, half)} contiguous")
     else:
         cos = sin = inv_freq  # never read
-    if num_splits > 1:
-        part_o = torch.empty((total_q, hq, num_splits, d), device=q.device, dtype=torch.float32)
-        part_lse = torch.empty((total_q, hq, num_splits), device=q.device, dtype=torch.float32)
+    n_parts = num_splits * (ppt if one_query else 1)
+    if n_parts > 1:
+        part_o = torch.empty((total_q, hq, n_parts, d), device=q.device, dtype=torch.float32)
+        part_lse = torch.empty((total_q, hq, n_parts), device=q.device, dtype=torch.float32)
     else:
         part_o = part_lse = target  # never read
 
-    half_p = max(16, _next_pow2(half)) if half else 16
-    pass_p = max(16, _next_pow2(pass_dim)) if pass_dim else 16
     dot_prec = "ieee" if k_cache.dtype == torch.float32 else "tf32"
-    grid = (q_tiles, hkv * num_splits, batch)
-    _paged_attn_fwd[grid](
-        q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, block_pos, block_len, cos, sin,
-        target, part_o, part_lse,
+    common = (
         float(sm_scale) * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        target.stride(0), target.stride(1),
-        block_table.stride(0), block_pos.stride(0), block_len.stride(0),
-        max_blocks, num_splits,
-        NUM_Q_HEADS=hq, G=group, HEAD_DIM=d, HALF=half, HALF_P=half_p,
-        PASS=pass_dim, PASS_P=pass_p, PAGE_SIZE=page_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_OUT=num_splits > 1,
-        SCAN=not decode, SCAN_BLOCK=256, USE_ROPE=use_rope, CS_PER_PAGE=cs_per_page, DOT_PREC=dot_prec,
-        num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1:
+    tables = (block_table.stride(0), block_pos.stride(0), block_len.stride(0), max_blocks, num_splits)
+    if one_query:
+        _paged_decode_fwd[(hkv * num_splits, batch)](
+            q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, block_pos, block_len, cos, sin,
+            part_o, part_lse, *common, *tables,
+            NUM_Q_HEADS=hq, G=group, HEAD_DIM=d, HALF=half, ROT=2 * half, PAGE_SIZE=page_size,
+            PPT=ppt, BLOCK_M=block_m, BLOCK_N=block_n, USE_ROPE=use_rope, DOT_PREC=dot_prec,
+            num_warps=num_warps, num_stages=num_stages,
+        )
+    else:
+        half_p = max(16, _next_pow2(half)) if half else 16
+        pass_p = max(16, _next_pow2(pass_dim)) if pass_dim else 16
+        _paged_attn_fwd[(q_tiles, hkv * num_splits, batch)](
+            q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, block_pos, block_len, cos, sin,
+            target, part_o, part_lse, *common, target.stride(0), target.stride(1), *tables,
+            NUM_Q_HEADS=hq, G=group, HEAD_DIM=d, HALF=half, HALF_P=half_p,
+            PASS=pass_dim, PASS_P=pass_p, PAGE_SIZE=page_size,
+            BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_OUT=num_splits > 1,
+            SCAN=not short, SCAN_BLOCK=256, USE_ROPE=use_rope, CS_PER_PAGE=cs_per_page, DOT_PREC=dot_prec,
+            num_warps=num_warps, num_stages=num_stages,
+        )
+    if n_parts > 1:
         _merge_splits[(total_q * hq,)](
-            part_o, part_lse, target, target.stride(0), target.stride(1), num_splits,
-            NUM_Q_HEADS=hq, SPLITS_P=max(2, _next_pow2(num_splits)),
+            part_o, part_lse, target, target.stride(0), target.stride(1), n_parts,
+            NUM_Q_HEADS=hq, SPLITS_P=max(2, _next_pow2(n_parts)),
             HEAD_DIM=d, num_warps=4,
         )
     if target is not out:

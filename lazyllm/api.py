@@ -184,6 +184,9 @@ class LazyLLM:
                 seen[c.id] = c.text
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, seed=seed, stop=() if stop is None else stop)
+        if params.max_new_tokens > self.model.spec.max_context:
+            raise InvalidRequestError(f"max_new_tokens={params.max_new_tokens} exceeds the model's context "
+                                      f"({self.model.spec.max_context} tokens)")
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
             raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if warm_only:

@@ -188,7 +188,8 @@ BAD_REQUESTS = [
     dict(chunks="a single string"), dict(chunks=[""]), dict(chunks=["ok", "  \n"]), dict(chunks=[3]),
     dict(chunks=[Chunk("a", id="x"), Chunk("b", id="x")]),
     dict(temperature=-1.0), dict(temperature="hot"), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
-    dict(max_new_tokens=0), dict(max_new_tokens=-5), dict(max_new_tokens=2.5), dict(seed="x"),
+    dict(max_new_tokens=0), dict(max_new_tokens=-5), dict(max_new_tokens=2.5), dict(max_new_tokens=10**9),
+    dict(seed="x"), dict(chunks=["tiny"] * 5000),
     dict(stop=5), dict(stop=[""]), dict(stop=["ok", 3]), dict(question="bad \ud800 surrogate"),
     dict(system=7), dict(timeout=-1),
 ]

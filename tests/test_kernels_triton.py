@@ -278,10 +278,18 @@ def test_use_rope_false_and_precomputed_table():
 # ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", PREFILL_CASES[:5], ids=_case_id)
+DECODE_CASES = PREFILL_CASES + [
+    (4, 64, 32, torch.float16, 64, None),  # a page larger than the key tile: one delta per tile
+    (2, 128, None, torch.float32, 16, (0, 16, 4, 1)),  # key tile == page: one delta per tile
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=_case_id)
 @pytest.mark.parametrize("splits", [None, 1, 5])
 def test_decode_split_k(case, splits):
-    g, d, rd, dtype, ps, _ = case
+    """One query per sequence (the decode kernel: query rotated per page, partial
+    softmaxes per page slot merged by log-sum-exp), split-K over the key range."""
+    g, d, rd, dtype, ps, cfg = case
     gen = random.Random(17)
     seqs = []
     for nc in (5, 0, 2, 8):
@@ -289,7 +297,7 @@ def test_decode_split_k(case, splits):
         seqs.append((chunks + [(pos, gen.randint(1, 40), 0)], 1))
     seqs.insert(2, ([(0, 5, 0)], 0))  # a sequence not decoding this step
     batch = _make_batch(seqs, page_size=ps, hkv=2, group=g, d=d, rotary_dim=rd, dtype=dtype, seed=8)
-    _check_attention(batch, max_seqlen_q=1, num_splits=splits)
+    _check_attention(batch, max_seqlen_q=1, num_splits=splits, config=cfg)
 
 
 def test_decode_auto_splits_are_used():
