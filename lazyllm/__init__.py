@@ -15,12 +15,12 @@ from .errors import (
     RequestCancelled,
     UnsupportedModelError,
 )
-from .types import Chunk, GenerationOutput, SamplingParams, Usage
+from .types import Chunk, GenerationOutput, SamplingParams, ScoreOutput, Usage
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "LazyLLM", "Chunk", "GenerationOutput", "SamplingParams", "Usage",
+    "LazyLLM", "Chunk", "GenerationOutput", "SamplingParams", "ScoreOutput", "Usage",
     "LazyLLMError", "InvalidRequestError", "ContextLengthError", "ModelLoadError",
     "UnsupportedModelError", "CacheCapacityError", "RequestCancelled",
 ]

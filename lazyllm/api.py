@@ -10,12 +10,13 @@ import torch
 
 from .cache.store import ChunkStore, PagePool
 from .engine.engine import CHUNK_CONTEXTS, REUSE_MODES, Engine, Request, check_fits
-from .engine.prompt import PromptBuilder
+from .engine.prompt import PromptBuilder, Segment
+from .engine.prompt import _check_text as check_text
 from .engine.sampler import Detokenizer
 from .errors import InvalidRequestError
 from .model.llama import LlamaFamilyModel
 from .model.loader import fingerprint, load_hf
-from .types import Chunk, GenerationOutput, SamplingParams, as_chunk
+from .types import Chunk, GenerationOutput, SamplingParams, ScoreOutput, as_chunk
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -191,8 +192,6 @@ class LazyLLM:
             raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if warm_only:
             segs = self.prompts.build("warm", chunks, system)[:-1]
-            from .engine.prompt import Segment
-
             segs.append(Segment("suffix", []))
         else:
             segs = self.prompts.build(question, chunks, system)
@@ -310,6 +309,38 @@ class LazyLLM:
         for r in reqs:
             self.engine.submit(r)
         return [self._wait(r) for r in reqs]
+
+    def score(self, question: str, chunks: Sequence[str | Chunk] | None = None, system: str | None = None, *,
+              continuation: Sequence[int] | str, return_logits: bool = False) -> "ScoreOutput":
+        """Teacher-forced log-probabilities of ``continuation`` (token ids, or a string to
+        tokenize) after the request's prompt, under the current reuse and chunk-context
+        settings: for evaluation and reranking.
+
+        Returns a ``ScoreOutput``: ``logprobs`` (one per continuation token), ``token_ids``,
+        and with ``return_logits=True`` the full float32 ``logits`` of shape
+        ``(len(continuation), vocab)``.
+        """
+        if isinstance(continuation, str):
+            _ = check_text(continuation, "continuation")
+            cont = self.prompts.encode(continuation)
+        elif isinstance(continuation, Sequence) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in continuation):
+            cont = list(continuation)
+        else:
+            raise InvalidRequestError("continuation must be a str or a list of token ids")
+        vocab = self.model.spec.vocab_size
+        if not cont or any(t < 0 or t >= vocab for t in cont):
+            raise InvalidRequestError(f"continuation must be non-empty token ids in [0, {vocab})")
+        req = self._request(question, chunks, system, max_new_tokens=1)
+        n = sum(len(sg.ids) for sg in req.segments) + len(cont)
+        check_fits(n, req.params, self.model.spec.max_context)
+        req.orig_segments = list(req.segments)
+        suffix = req.segments[-1]
+        req.segments = req.segments[:-1] + [Segment("suffix", suffix.ids + cont[:-1])]
+        req.score_ids, req.logit_rows, req.score_only = cont, len(cont), True
+        req.return_logits = bool(return_logits)
+        self.engine.submit(req)
+        return self._wait(req)
 
     def warm(self, chunks: Sequence[str | Chunk], system: str | None = None, *, batch_size: int = 16,
              progress: bool | None = None) -> dict:

@@ -136,6 +136,26 @@ class GenerationOutput:
         return (self.total_s - self.ttft_s) / (n - 1) if n > 1 else 0.0
 
 
+@dataclass
+class ScoreOutput:
+    """Teacher-forced scores of a continuation: ``logprobs[i]`` is the log-probability of
+    ``token_ids[i]`` given everything before it; ``logits`` is ``(len(token_ids), vocab)``
+    when asked for. ``prefilled_tokens`` counts the prompt and continuation tokens computed
+    (not reused)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    logits: Any
+    prompt_segments: list[tuple[str, list[int]]]
+    usage: Usage
+    prefilled_tokens: int
+    ttft_s: float
+
+    @property
+    def total_logprob(self) -> float:
+        return float(sum(self.logprobs))
+
+
 def check_stop(stop: Any) -> tuple[str, ...]:
     if stop is None:
         return ()

@@ -276,3 +276,43 @@ def test_fused_projections_compute_the_same(tokenizer):
         assert llm.generate("q?", chunks=DOCS[:2], max_new_tokens=8).token_ids == ref.token_ids
         # the transformers model still works on the re-pointed weights
         assert model.model.layers[0].self_attn.q_proj.weight.data_ptr() == llm.model.layers[0]["wqkv"].data_ptr()
+
+
+@pytest.mark.parametrize("reuse,ctx", [("lazy", "isolated"), ("lazy", "prefix"), ("none", "isolated"),
+                                       ("prefix", "isolated"), ("block", "isolated")])
+def test_score_matches_transformers_teacher_forcing(tiny_model, tokenizer, reuse, ctx):
+    """score() gives the log-probs the reference model assigns to a continuation."""
+    from tests.hf_reference import reference_tokens
+
+    llm = _llm(tiny_model, tokenizer, reuse=reuse, chunk_context=ctx)
+    gen = llm.generate("q?", chunks=DOCS[:3], max_new_tokens=6)
+    cont = gen.token_ids
+    sc = llm.score("q?", chunks=DOCS[:3], continuation=cont, return_logits=True)
+    assert sc.logits.shape == (len(cont), tiny_model.config.vocab_size)
+    # greedy continuation: every token is the argmax of its teacher-forced logits
+    assert sc.logits.argmax(-1).tolist() == cont
+    assert all(lp <= 0 for lp in sc.logprobs)
+    assert sc.prompt_segments == gen.prompt_segments
+    # the cache was warm from generate(): chunked modes reuse all but the suffix
+    if reuse in ("lazy", "block"):
+        assert sc.usage.cached_tokens == sc.usage.prompt_tokens - len(sc.prompt_segments[-1][1])
+    ref = reference_tokens(tiny_model, gen.prompt_segments, reuse, ctx, 6, llm.eos_token_ids)
+    assert ref == cont
+    with pytest.raises(InvalidRequestError):
+        llm.score("q?", chunks=DOCS[:1], continuation=[])
+    with pytest.raises(InvalidRequestError):
+        llm.score("q?", chunks=DOCS[:1], continuation=[10**9])
+    llm.close()
+
+
+def test_score_logprobs_against_transformers_full_attention(tiny_model, tokenizer):
+    llm = _llm(tiny_model, tokenizer, reuse="none")
+    cont = tokenizer("some continuation text", add_special_tokens=False)["input_ids"]
+    sc = llm.score("q?", chunks=DOCS[:2], continuation=cont)
+    ids = sc.prompt_segments
+    prompt = [t for _, seg in ids for t in seg]
+    with torch.inference_mode():
+        logits = tiny_model(torch.tensor([prompt + cont])).logits[0].float()
+    logp = torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(1, torch.tensor(cont)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(sc.logprobs), logp, atol=1e-4, rtol=1e-4)
+    llm.close()

@@ -31,7 +31,7 @@ import torch
 from ..cache.store import ChunkStore, Entry, chunk_key
 from ..errors import CacheCapacityError, ContextLengthError, LazyLLMError, RequestCancelled
 from ..model.llama import AttentionMetadata
-from ..types import GenerationOutput, SamplingParams, Usage
+from ..types import GenerationOutput, SamplingParams, ScoreOutput, Usage
 from .decode import DecodeState, GraphRunner
 from .prompt import Segment
 from .sampler import Detokenizer, sample_token
@@ -58,7 +58,7 @@ class _Job:
     start_pos: int
     own_pages: list[int]
     context: list[_TableEntry]  # cached pages it attends to besides its own
-    want_logits: bool = False
+    logit_rows: int = 0  # how many of its last tokens need logits (1 to sample, more to score)
 
 
 class _Call:
@@ -103,6 +103,10 @@ class Request:
     warm_only: bool = False  # compute prefix and chunk KV, generate nothing
     row: int | None = None  # row in the decode state while decoding
     keys: tuple | None = None  # (prefix key, chunk keys), see Engine._segment_keys
+    logit_rows: int = 1  # >1: a scoring request (teacher forcing), finished after prefill
+    return_logits: bool = False
+    score_only: bool = False
+    score_ids: list | None = None
     orig_segments: list | None = None  # the segments as submitted, if preemption changed them
     preempted: bool = False
 
@@ -395,7 +399,7 @@ class Engine:
             r._copies = copies  # type: ignore[attr-defined]
         if self.pool.num_free + self._evictable() < decode_pages:
             return False
-        r._jobs = _Job(suffix.ids, pos, own, list(table), want_logits=True)  # type: ignore[attr-defined]
+        r._jobs = _Job(suffix.ids, pos, own, list(table), logit_rows=r.logit_rows)  # type: ignore[attr-defined]
         r.table = table + self._own_table(own, pos, S)
         r.next_pos = pos + S
         return True
@@ -433,7 +437,7 @@ class Engine:
             return False
         if self.pool.num_free + self._evictable() < decode_pages:
             return False
-        r._jobs = _Job(rest, m * ps, own, list(table), want_logits=True)  # type: ignore[attr-defined]
+        r._jobs = _Job(rest, m * ps, own, list(table), logit_rows=r.logit_rows)  # type: ignore[attr-defined]
         r._chain = (keys, m)  # type: ignore[attr-defined]
         r.table = table + self._own_table(own, m * ps, len(rest))
         r.next_pos = N
@@ -484,12 +488,13 @@ class Engine:
             r._jobs = None  # type: ignore[attr-defined]
             if self.reuse == "prefix":
                 self._adopt_chain(r)
+            if r.logit_rows > 1 or r.score_only:
+                self._finish_score(r, lg)
+                continue
             if not r.preempted:
                 r.first_token_time = now
-                self._emit(r, lg)
-            else:  # resumed after preemption: the next token continues the stream
-                r.preempted = False
-                self._emit(r, lg)
+            r.preempted = False
+            self._emit(r, lg[-1])
             if r.finish_reason is None and r in self.running:
                 self.decode_state.attach(r, r.table)
 
@@ -529,8 +534,7 @@ class Engine:
             slots += [j.own_pages[i // ps] * ps + i % ps for i in range(n)]
             cu.append(cu[-1] + n)
             tables.append(j.context + self._own_table(j.own_pages, j.start_pos, n))
-            if j.want_logits:
-                logit_rows.append(cu[-1] - 1)
+            logit_rows += range(cu[-1] - j.logit_rows, cu[-1])
         self.metrics["prefill_tokens"] += len(ids)
         meta = self._metadata(pos, slots, cu, tables, max(len(j.ids) for j in jobs))
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -539,8 +543,11 @@ class Engine:
         if logits is None:
             self.model.forward(ids_t, meta, self.pool.k, self.pool.v, logits_index=rows[:0])
             return [None] * len(jobs)  # type: ignore[list-item]
-        it = iter(logits)
-        return [next(it) if j.want_logits else None for j in jobs]  # type: ignore[misc]
+        out, i = [], 0
+        for j in jobs:
+            out.append(logits[i:i + j.logit_rows] if j.logit_rows else None)
+            i += j.logit_rows
+        return out  # type: ignore[return-value]
 
     def _metadata(self, pos, slots, cu, tables, max_q) -> AttentionMetadata:
         dev = self.device
@@ -650,6 +657,28 @@ class Engine:
             if tail:
                 r.events.put(("delta", tail))
             self._finish(r)
+
+    def _finish_score(self, r: Request, logits: torch.Tensor) -> None:
+        """Teacher-forced log-probabilities of the continuation (the last ``logit_rows``
+        tokens of the suffix are the continuation shifted by one)."""
+        cont = r.score_ids
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        idx = torch.tensor(cont, device=logp.device)
+        token_logp = logp.gather(1, idx[:, None])[:, 0]
+        r.first_token_time = time.perf_counter()
+        self._release(r)
+        if r in self.running:
+            self.running.remove(r)
+        self.metrics["requests"] += 1
+        segs = r.orig_segments or r.segments
+        r.events.put(("done", ScoreOutput(
+            token_ids=list(cont), logprobs=token_logp.tolist(),
+            logits=logits.float().cpu() if r.return_logits else None,
+            prompt_segments=[(sg.kind, list(sg.ids)) for sg in segs],
+            usage=Usage(prompt_tokens=sum(len(sg.ids) for sg in segs), cached_tokens=r.cached_tokens,
+                        completion_tokens=0),
+            prefilled_tokens=sum(len(sg.ids) for sg in r.segments) - r.cached_tokens,
+            ttft_s=r.first_token_time - r.submit_time)))
 
     def _finish(self, r: Request, error: Exception | None = None) -> None:
         self.decode_state.detach(r)
