@@ -92,6 +92,11 @@ def bench(fn, warmup=10, rep=60):
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def bench_graph(fn, rep=40):
+    """Median over replays of one CUDA graph of many calls (no launch gaps; L2 not flushed)."""
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+
+
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -279,7 +284,8 @@ def run_prefill(nq, kv, ps, inv_freq, dev, configs=None, splits=(None,), sdpa=Tr
     return res
 
 
-def run_decode(batch, kv, ps, inv_freq, dev, configs=None, splits=(None,), sdpa=True, n_check=2, extra=None):
+def run_decode(batch, kv, ps, inv_freq, dev, configs=None, splits=(None,), sdpa=True, n_check=2, extra=None,
+               graphs=False):
     pg = Paged(batch, kv, 16, ps, inv_freq, seed=batch * 7 + kv, dev=dev)
     torch.manual_seed(3)
     qs = torch.randn(batch, HQ, 1, D, device=dev, dtype=DTYPE)
@@ -316,6 +322,13 @@ def run_decode(batch, kv, ps, inv_freq, dev, configs=None, splits=(None,), sdpa=
                 rt = ta.rope_table(pg.block_delta, inv_freq)
                 row["ms_rope_pretable"] = bench(lambda: ta.paged_attention_triton(
                     **a, out=out, max_seqlen_q=1, config=cfg, num_splits=sp, rope=rt, **kw))
+                if graphs and not DRY:  # as the engine runs decode: one CUDA graph, no launch gaps
+                    row["ms_rope_graph"] = bench_graph(lambda: ta.paged_attention_triton(
+                        **a, out=out, max_seqlen_q=1, config=cfg, num_splits=sp, rope=rt, **kw))
+                    row["ms_norope_graph"] = bench_graph(lambda: ta.paged_attention_triton(
+                        **a, out=out, max_seqlen_q=1, config=cfg, num_splits=sp, use_rope=False, **kw))
+                    if s_ms is not None:
+                        row["ms_sdpa_graph"] = bench_graph(lambda: sdpa_flash(qs, pg.k_sdpa, pg.v_sdpa, False))
             except Exception as e:
                 row["error"] = repr(e)[:300]
                 traceback.print_exc()
@@ -389,6 +402,12 @@ def derived(row):
             r["vs_sdpa"] = r["ms_sdpa"] / r["ms_rope"]
         r["rope_cost"] = r["ms_rope"] / r["ms_norope"] - 1
         r["rope_cost_pretable"] = r["ms_rope_pretable"] / r["ms_norope"] - 1
+        if r.get("ms_rope_graph"):
+            r["tbs_rope_graph"] = r["bytes"] / r["ms_rope_graph"] / 1e9
+            r["rope_cost_graph"] = r["ms_rope_graph"] / r["ms_norope_graph"] - 1
+            if r.get("ms_sdpa_graph"):
+                r["tbs_sdpa_graph"] = r["bytes"] / r["ms_sdpa_graph"] / 1e9
+                r["vs_sdpa_graph"] = r["ms_sdpa_graph"] / r["ms_rope_graph"]
     if r["kind"] == "rerotate" and "ms" in r:
         r["tbs"] = r["bytes"] / r["ms"] / 1e9
         r["tbs_torch_copy"] = r["bytes"] / r["ms_torch_copy"] / 1e9
@@ -411,7 +430,9 @@ def fmt_row(row):
         return (f"decode  b={r['batch']:4d} kv={r['kv']:6d} cfg={r['config']} sp={r['splits']} | ours {r['ms_rope']:.3f} ms "
                 f"{r['tbs_rope']:.2f} TB/s | rope-off {r['ms_norope']:.3f} | sdpa {r.get('ms_sdpa', float('nan')):.3f} ms "
                 f"{r.get('tbs_sdpa', float('nan')):.2f} TB/s | x{r.get('vs_sdpa', float('nan')):.2f} | rope +{100 * r['rope_cost']:.1f}% "
-                f"(pretable +{100 * r['rope_cost_pretable']:.1f}%) | err ref {r['err_ref']:.1e} sdpa {r.get('err_sdpa', float('nan')):.1e} nan={r['nan']}")
+                f"(pretable +{100 * r['rope_cost_pretable']:.1f}%) | err ref {r['err_ref']:.1e} sdpa {r.get('err_sdpa', float('nan')):.1e} nan={r['nan']}"
+                + (f" | graph: ours {r['ms_rope_graph']:.3f} ms {r['tbs_rope_graph']:.2f} TB/s sdpa {r.get('ms_sdpa_graph', float('nan')):.3f} "
+                   f"x{r.get('vs_sdpa_graph', float('nan')):.2f} rope +{100 * r['rope_cost_graph']:.1f}%" if r.get("ms_rope_graph") else ""))
     return (f"rerotate L={r['layers']} pages={r['pages']} rows={r['block_rows']} warps={r['num_warps']} | {r['ms']:.3f} ms "
             f"{r['tbs']:.2f} TB/s | torch copy {r['tbs_torch_copy']:.2f} TB/s | x{r['vs_copy']:.2f} of copy | "
             f"naive torch {r['ms_ref']:.3f} ms | err {r['err_k']:.1e} v_equal={r['v_equal']}")
@@ -448,6 +469,16 @@ def markdown(meta, rows):
                      f"{r['tbs_sdpa']:.2f} | {100 * r['vs_sdpa']:.0f}% | {r['ms_norope']:.3f} | "
                      f"{100 * r['rope_cost']:+.1f}% | {100 * r['rope_cost_pretable']:+.1f}% | {r['err_ref']:.1e} |")
         L.append("")
+        gr = [r for r in dec if r.get("ms_rope_graph")]
+        if gr:
+            L += ["Decode replayed from one CUDA graph (as the engine runs it: no launch gaps, L2 not flushed; cos/sin table prebuilt):", "",
+                  "| decode batch | kv | ours ms | ours TB/s | SDPA ms | SDPA TB/s | ours/SDPA | rope off ms | RoPE cost |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            for r in gr:
+                L.append(f"| {r['batch']} | {r['kv']} | {r['ms_rope_graph']:.3f} | {r['tbs_rope_graph']:.2f} | "
+                         f"{r['ms_sdpa_graph']:.3f} | {r['tbs_sdpa_graph']:.2f} | {100 * r['vs_sdpa_graph']:.0f}% | "
+                         f"{r['ms_norope_graph']:.3f} | {100 * r['rope_cost_graph']:+.1f}% |")
+            L.append("")
     if cp:
         L += ["| re-rotate copy | ms | TB/s | torch copy, same bytes | of copy bandwidth | naive torch ms |",
               "| --- | --- | --- | --- | --- | --- |"]
@@ -494,21 +525,19 @@ def main():
 
     if args.sweep:
         big = not DRY
-        pcfgs = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2)]
+        pcfgs = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2), (64, 64, 4, 2)]
         for nq, kv in (((512, 8192), (2048, 32768)) if big else ((40, 700),)):
             rows += run_prefill(nq, kv, ps, inv_freq, dev, configs=pcfgs if big else [(16, 16, 4, 1)])
-        rows += run_prefill(64 if big else 8, 8192 if big else 700, ps, inv_freq, dev, splits=(1, 4, 8, 16, 32))
-        rows += run_prefill(512 if big else 40, 8192 if big else 700, ps, inv_freq, dev, splits=(1, 2, 4))
-        dcfgs = [(16, 32, 4, 3), (16, 64, 4, 2), (16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 8, 3)]
+        rows += run_prefill(64 if big else 8, 8192 if big else 700, ps, inv_freq, dev, splits=(4, 8, 16))
+        dcfgs = [(0, 32, 4, 3), (0, 64, 4, 2), (0, 64, 4, 3), (0, 64, 4, 4), (0, 128, 4, 3), (0, 64, 8, 3),
+                 (0, 128, 8, 3)]
         b32, kv16 = (32, 16384) if big else (3, 700)
-        rows += run_decode(b32, kv16, ps, inv_freq, dev, configs=dcfgs if big else [(16, 32, 4, 1)])
-        rows += run_decode(1, 32768 if big else 1200, ps, inv_freq, dev, splits=(8, 16, 32, 64, 128))
-        rows += run_decode(b32, kv16, ps, inv_freq, dev, splits=(1, 2, 4, 8))
+        rows += run_decode(b32, kv16, ps, inv_freq, dev, configs=dcfgs if big else [(0, 32, 4, 1)])
+        rows += run_decode(1, 32768 if big else 1200, ps, inv_freq, dev, splits=(8, 16, 32))
+        rows += run_decode(b32, kv16, ps, inv_freq, dev, splits=(1, 2, 4))
         save()
-        rows += run_prefill(512 if big else 40, 8192 if big else 700, ps, inv_freq, dev, extra=dict(cs_per_page=False))
-        rows += run_decode(b32, kv16, ps, inv_freq, dev, extra=dict(cs_per_page=False))
-        rows += run_prefill(512 if big else 40, 8192 if big else 700, 64, inv_freq, dev)
         rows += run_decode(b32, kv16, 64, inv_freq, dev)
+        rows += run_prefill(512 if big else 40, 8192 if big else 700, 64, inv_freq, dev)
         save()
         log(f"sweep done at {time.time() - t0:.0f}s")
     pre = PREFILL if not args.quick else [(512, 8192)]
@@ -519,10 +548,10 @@ def main():
         save()
     if "decode" in sections:
         for b, kv in dec:
-            rows += run_decode(b, kv, ps, inv_freq, dev)
+            rows += run_decode(b, kv, ps, inv_freq, dev, graphs=True)
         save()
     if "copy" in sections:
-        variants = [(None, None)] + ([(32, 4), (64, 4), (128, 4), (128, 8), (256, 8)] if args.sweep else [])
+        variants = [(None, None)]
         rows += run_copy(inv_freq, dev, copy_tbs, ps=ps, variants=variants,
                          **(dict(n_layers=2, n=4) if DRY else {}))
         save()

@@ -126,7 +126,7 @@ def _attn_tiles(
     PASS: tl.constexpr, PASS_P: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_ROPE: tl.constexpr, CS_PER_PAGE: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, IDX64: tl.constexpr,
 ):
     """Online-softmax update of ``acc/l_i/m_i`` over key tiles ``[t_start, t_end)``."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -139,7 +139,8 @@ def _attn_tiles(
         slot = idx % PAGE_SIZE
         ln = tl.load(BLen_row + ent, mask=ent < max_blocks, other=0)
         kvalid = slot < ln  # padding entries have length 0: never read below
-        page = tl.load(BT_row + ent, mask=kvalid, other=0).to(tl.int64)
+        page = tl.load(BT_row + ent, mask=kvalid, other=0)
+        page = page.to(tl.int64) if IDX64 else page.to(tl.int32)  # int32 offsets: fewer registers
         k_row = K + page * stride_kp + slot * stride_ks
         v_row = V + page * stride_vp + slot * stride_vs
         if USE_ROPE:
@@ -208,6 +209,7 @@ def _paged_attn_fwd(
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_OUT: tl.constexpr, SCAN: tl.constexpr, SCAN_BLOCK: tl.constexpr,
     USE_ROPE: tl.constexpr, CS_PER_PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
+    IDX64: tl.constexpr,
 ):
     """Grid ``(q_tiles, num_kv_heads * num_splits, batch)``; see the module docstring.
 
@@ -291,7 +293,7 @@ def _paged_attn_fwd(
         stride_kp, stride_ks, stride_vp, stride_vs,
         max_blocks, s_start, tl.minimum(s_end, t_lo), qk_scale,
         HEAD_DIM, HALF, HALF_P, PASS, PASS_P, PAGE_SIZE, BLOCK_N,
-        USE_ROPE, CS_PER_PAGE, False, DOT_PREC,
+        USE_ROPE, CS_PER_PAGE, False, DOT_PREC, IDX64,
     )
     acc, l_i, m_i = _attn_tiles(
         acc, l_i, m_i, q, q1, q2, qp, qpos,
@@ -299,7 +301,7 @@ def _paged_attn_fwd(
         stride_kp, stride_ks, stride_vp, stride_vs,
         max_blocks, tl.maximum(s_start, t_lo), s_end, qk_scale,
         HEAD_DIM, HALF, HALF_P, PASS, PASS_P, PAGE_SIZE, BLOCK_N,
-        USE_ROPE, CS_PER_PAGE, True, DOT_PREC,
+        USE_ROPE, CS_PER_PAGE, True, DOT_PREC, IDX64,
     )
 
     seen_any = l_i > 0.0
@@ -316,17 +318,18 @@ def _paged_attn_fwd(
 
 @triton.jit
 def _paged_decode_fwd(
-    Q, QPos, CuQ, K, V, BT, BPos, BLen, Cos, Sin, PartO, PartLse,
+    Q, QPos, CuQ, K, V, BT, BPos, BLen, Cos, Sin, Out, PartO, PartLse,
     qk_scale,
     stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
+    stride_ot, stride_oh,
     stride_btb, stride_bpb, stride_blb,
     max_blocks, num_splits,
     NUM_Q_HEADS: tl.constexpr, G: tl.constexpr,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PPT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_ROPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    SPLIT_OUT: tl.constexpr, USE_ROPE: tl.constexpr, DOT_PREC: tl.constexpr, IDX64: tl.constexpr,
 ):
     """Decode: one query per sequence, the delta applied to the *query*.
 
@@ -337,7 +340,7 @@ def _paged_decode_fwd(
     rotating the ``BLOCK_N`` keys (G=4, pages of 16), and K goes from shared memory to
     the tensor cores untouched. Row group ``p`` is a partial softmax over the pages
     ``p, p + PPT, ...``; all are written as partials ``split * PPT + p`` for
-    ``_merge_splits``.
+    ``_merge_splits`` (``SPLIT_OUT``), or straight to ``Out`` when there is one.
     """
     pid_hs = tl.program_id(0)
     b = tl.program_id(1)
@@ -392,7 +395,8 @@ def _paged_decode_fwd(
         slot = idx % PAGE_SIZE
         ln = tl.load(BLen_row + ent, mask=ent < max_blocks, other=0)
         kvalid = slot < ln
-        page = tl.load(BT_row + ent, mask=kvalid, other=0).to(tl.int64)
+        page = tl.load(BT_row + ent, mask=kvalid, other=0)
+        page = page.to(tl.int64) if IDX64 else page.to(tl.int32)  # int32 offsets: fewer registers
         k = tl.load((Kh + page * stride_kp + slot * stride_ks)[:, None] + offs_d[None, :],
                     mask=kvalid[:, None], other=0.0)
         if USE_ROPE:
@@ -425,10 +429,14 @@ def _paged_decode_fwd(
 
     seen_any = l_i > 0.0
     o = acc / tl.where(seen_any, l_i, 1.0)[:, None]
-    part = (q_start.to(tl.int64) * NUM_Q_HEADS + head) * (num_splits * PPT) + split * PPT + row_page
-    tl.store(PartO + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
-    lse = tl.where(seen_any, m_i + tl.math.log2(tl.where(seen_any, l_i, 1.0)), float("-inf"))
-    tl.store(PartLse + part, lse, mask=row_ok)
+    if SPLIT_OUT:
+        part = (q_start.to(tl.int64) * NUM_Q_HEADS + head) * (num_splits * PPT) + split * PPT + row_page
+        tl.store(PartO + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
+        lse = tl.where(seen_any, m_i + tl.math.log2(tl.where(seen_any, l_i, 1.0)), float("-inf"))
+        tl.store(PartLse + part, lse, mask=row_ok)
+    else:
+        o_ptr = Out + q_start.to(tl.int64) * stride_ot + head * stride_oh
+        tl.store(o_ptr[:, None] + offs_d[None, :], o.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -633,6 +641,7 @@ def paged_attention_triton(
         part_o = part_lse = target  # never read
 
     dot_prec = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    idx64 = max(k_cache.numel(), v_cache.numel()) >= 2**31  # element offsets fit in int32 otherwise
     common = (
         float(sm_scale) * _LOG2E,
         q.stride(0), q.stride(1),
@@ -643,9 +652,10 @@ def paged_attention_triton(
     if one_query:
         _paged_decode_fwd[(hkv * num_splits, batch)](
             q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, block_pos, block_len, cos, sin,
-            part_o, part_lse, *common, *tables,
+            target, part_o, part_lse, *common, target.stride(0), target.stride(1), *tables,
             NUM_Q_HEADS=hq, G=group, HEAD_DIM=d, HALF=half, ROT=2 * half, PAGE_SIZE=page_size,
-            PPT=ppt, BLOCK_M=block_m, BLOCK_N=block_n, USE_ROPE=use_rope, DOT_PREC=dot_prec,
+            PPT=ppt, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_OUT=n_parts > 1, USE_ROPE=use_rope,
+            DOT_PREC=dot_prec, IDX64=idx64,
             num_warps=num_warps, num_stages=num_stages,
         )
     else:
@@ -658,6 +668,7 @@ def paged_attention_triton(
             PASS=pass_dim, PASS_P=pass_p, PAGE_SIZE=page_size,
             BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_OUT=num_splits > 1,
             SCAN=not short, SCAN_BLOCK=256, USE_ROPE=use_rope, CS_PER_PAGE=cs_per_page, DOT_PREC=dot_prec,
+            IDX64=idx64,
             num_warps=num_warps, num_stages=num_stages,
         )
     if n_parts > 1:
