@@ -123,8 +123,12 @@ class GenerationStream:
     submitted when iteration starts. Stopping early (``break``, ``close()``, task
     cancellation) cancels the request and frees its pages.
 
-    ``LazyLLM.stream`` yields only text, so this reads the request's event queue
-    itself: see the note on a public streaming-with-result API in the module docs.
+    ``LazyLLM.stream``/``astream`` yield only text and keep the final result to
+    themselves, while the frameworks want usage and TTFT on the last streamed piece. So
+    this uses the engine's request protocol directly (``LazyLLM._request``, then
+    ``engine.submit`` and the request's event queue), the one place in the integrations
+    that reaches below the public API. A public stream object exposing ``.output`` once
+    exhausted would let this class go.
     """
 
     def __init__(self, llm: LazyLLM, request: RagRequest, **sampling: Any):

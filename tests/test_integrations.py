@@ -223,6 +223,12 @@ def test_langchain_stream_callbacks_and_stop(collection, make_engine):
     assert full.usage_metadata["output_tokens"] > 0
     reference = chain.invoke(Q1)
     assert reference.text == full.text  # greedy: streaming changes nothing
+    # streaming=True: invoke streams inside, callbacks see every token
+    seen.clear()
+    streamed = _lc_chain(collection, ChatLazyLLM(llm=engine, max_tokens=NEW_TOKENS, streaming=True)).invoke(
+        Q1, config={"callbacks": [Tokens()]})
+    assert streamed.text == reference.text == "".join(seen)
+    assert streamed.usage_metadata == reference.usage_metadata
     # stop sequences cut the text before the stop string
     word = reference.text.split()[2]
     stopped = _lc_chain(collection, chat.bind(stop=[word])).invoke(Q1)
@@ -433,3 +439,15 @@ def test_llamaindex_in_memory_index_one_liner(make_engine):
     assert "city: " in synth.node_to_chunk(TextNode(text="t", metadata={"city": "x"})).text
     with pytest.raises(InvalidRequestError):
         ChunkSynthesizer(object())
+
+
+@pytest.mark.parametrize("script", ["langchain_rag.py", "llamaindex_rag.py"])
+def test_examples_run(script):
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", script)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    out = subprocess.run([sys.executable, path, "--max-new-tokens", "8"], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    cached = [int(line.split("cached ", 1)[1].split(",", 1)[0]) for line in out.stdout.splitlines()
+              if "cached " in line and "prompt " in line]
+    assert len(cached) >= 2 and cached[0] == 0 and cached[1] > 0, out.stdout
