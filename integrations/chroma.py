@@ -173,4 +173,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["BundledMiniLM", "ingest", "doc_id", "as_llama_index", "ChromaRetriever"]
+__all__ = ["BundledMiniLM", "ingest", "doc_id", "as_llama_index", "ChromaRetriever"]  # noqa: F822 (lazy)

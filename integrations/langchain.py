@@ -465,8 +465,8 @@ class ChatLazyLLM(_EngineParams, BaseChatModel):
     def _result(self, out: GenerationOutput) -> ChatResult:
         msg = AIMessage(content=out.text, usage_metadata=_usage_metadata(out),
                         response_metadata=_response_metadata(self.model_name, out))
-        return ChatResult(generations=[ChatGeneration(message=msg, generation_info={"finish_reason": out.finish_reason})],
-                          llm_output={"model_name": self.model_name, "token_usage": usage_dict(out)})
+        gen = ChatGeneration(message=msg, generation_info={"finish_reason": out.finish_reason})
+        return ChatResult(generations=[gen], llm_output={"model_name": self.model_name, "token_usage": usage_dict(out)})
 
     def _last_chunk(self, out: GenerationOutput) -> ChatGenerationChunk:
         msg = AIMessageChunk(content="", usage_metadata=_usage_metadata(out), chunk_position="last",

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, List, Optional, Sequence
 
+import llama_index.core.instrumentation as instrument
 from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -62,7 +63,6 @@ from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.response_synthesizers.base import BaseSynthesizer
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
 from llama_index.core.types import RESPONSE_TEXT_TYPE
-import llama_index.core.instrumentation as instrument
 
 from lazyllm import Chunk, GenerationOutput, InvalidRequestError, LazyLLM
 
@@ -266,7 +266,8 @@ class LlamaIndexLLM(CustomLLM):
             for delta in stream:
                 text += delta
                 yield CompletionResponse(text=text, delta=delta)
-            yield CompletionResponse(text=text, delta="", raw=stream.output, additional_kwargs=usage_dict(stream.output))
+            yield CompletionResponse(text=text, delta="", raw=stream.output,
+                                     additional_kwargs=usage_dict(stream.output))
 
         return gen()
 
@@ -285,7 +286,8 @@ class LlamaIndexLLM(CustomLLM):
             async for delta in stream:
                 text += delta
                 yield CompletionResponse(text=text, delta=delta)
-            yield CompletionResponse(text=text, delta="", raw=stream.output, additional_kwargs=usage_dict(stream.output))
+            yield CompletionResponse(text=text, delta="", raw=stream.output,
+                                     additional_kwargs=usage_dict(stream.output))
 
         return gen()
 

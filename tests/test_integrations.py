@@ -405,8 +405,8 @@ def test_llamaindex_llm_surface(make_engine):
     streamed = list(llm.stream_complete("Where did gladiators fight?", chunks=chunks))
     assert streamed[-1].text == r.text and "".join(x.delta for x in streamed) == r.text
     assert streamed[-1].additional_kwargs["cached_tokens"] > 0
-    msgs = [ChatMessage(role="user", blocks=[DocumentBlock(data=CORPUS["rome"].encode(), document_mimetype="text/plain"),
-                                             TextBlock(text="Where did gladiators fight?")])]
+    doc = DocumentBlock(data=CORPUS["rome"].encode(), document_mimetype="text/plain")
+    msgs = [ChatMessage(role="user", blocks=[doc, TextBlock(text="Where did gladiators fight?")])]
     c = llm.chat(msgs)
     assert c.message.content == r.text  # same request, whichever way the document came
     assert "".join(x.delta for x in llm.stream_chat(msgs)) == r.text
