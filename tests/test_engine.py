@@ -316,3 +316,21 @@ def test_score_logprobs_against_transformers_full_attention(tiny_model, tokenize
     logp = torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(1, torch.tensor(cont)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(sc.logprobs), logp, atol=1e-4, rtol=1e-4)
     llm.close()
+
+
+def test_incremental_detokenizer_matches_full_decode(tokenizer):
+    from lazyllm.engine.sampler import Detokenizer
+
+    rng = random.Random(0)
+    texts = ["Hello wörld — ünïcode 日本語テキスト, emojis 🎉🚀 and more.", "a b c  d\n\nnew line\ttab end"]
+    texts.append(tokenizer.decode([rng.randrange(tokenizer.vocab_size) for _ in range(200)],
+                                  skip_special_tokens=True))
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        d = Detokenizer(tokenizer, ())
+        assert "".join(d.add(t) for t in ids) + d.finish() == tokenizer.decode(ids, skip_special_tokens=True)
+        full = tokenizer.decode(ids, skip_special_tokens=True)
+        stop = full[len(full) // 2: len(full) // 2 + 3]
+        d = Detokenizer(tokenizer, (stop,))
+        streamed = "".join(d.add(t) for t in ids) + d.finish()
+        assert d.stopped and streamed == full[:full.find(stop)]

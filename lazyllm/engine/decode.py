@@ -38,6 +38,7 @@ class DecodeState:
         self.pos = torch.zeros(max_batch, **i32)
         self.slots = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.cu = torch.zeros(max_batch + 1, **i32)
+        self._arange = torch.arange(max_batch + 1, **i32)
         self.rows: list = []  # requests, in row order
 
     def attach(self, r, table) -> None:
@@ -70,25 +71,28 @@ class DecodeState:
     def step_inputs(self, updates: list[tuple[int, int, int, int, int, int]], ids, pos, slots, pad_to: int,
                     scratch_slot: int) -> None:
         """Apply this step's table updates (``row, col, page, pos, delta, len``, one per
-        request) and fill the token inputs, padded to ``pad_to`` rows."""
-        B = len(ids)
+        request) and fill the token inputs, padded to ``pad_to`` rows: one host-to-device
+        copy and a few tiny kernels, whatever the context length."""
+        B, n, ME = len(ids), pad_to, self.max_entries
+        plane = self.max_batch * ME
+        flat_idx, vals = [], []
+        for row, col, page, p, delta, length in updates:
+            base = row * ME + col
+            flat_idx += (base, plane + base, 2 * plane + base, 3 * plane + base)
+            vals += (page, p, delta, length)
+        pad = n - B
+        host = torch.tensor(list(ids) + [0] * pad + list(pos) + [0] * pad + list(slots) + [scratch_slot] * pad
+                            + flat_idx + vals, dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        self.ids[:n].copy_(dev[:n])
+        self.pos[:n].copy_(dev[n:2 * n])
+        self.slots[:n].copy_(dev[2 * n:3 * n])
         if updates:
-            u = torch.tensor(updates, dtype=torch.int32).to(self.device)
-            rows, cols = u[:, 0].long(), u[:, 1].long()
-            for plane in range(4):
-                self.tables[plane].index_put_((rows, cols), u[:, 2 + plane])
-        n = pad_to
-        host = torch.empty((3, n), dtype=torch.long)
-        host[0, :B] = torch.tensor(ids)
-        host[1, :B] = torch.tensor(pos)
-        host[2, :B] = torch.tensor(slots)
-        host[0, B:], host[1, B:], host[2, B:] = 0, 0, scratch_slot
-        dev = host.to(self.device)
-        self.ids[:n].copy_(dev[0])
-        self.pos[:n].copy_(dev[1])
-        self.slots[:n].copy_(dev[2])
-        cu = torch.arange(n + 1, dtype=torch.int32).clamp_(max=B)
-        self.cu[: n + 1].copy_(cu.to(self.device))
+            k = len(flat_idx)
+            self.tables.view(-1).index_put_((dev[3 * n:3 * n + k],), dev[3 * n + k:].to(torch.int32))
+        torch.clamp(self._arange[: n + 1], max=B, out=self.cu[: n + 1])
         if n > B:  # padded rows: no valid entries, so they read nothing
             self.tables[_LEN, B:n].zero_()
 
@@ -114,7 +118,12 @@ class GraphRunner:
         return min(_bucket(B, 1), self.state.max_batch) if self.enabled else B
 
     def width_bucket(self, W: int) -> int:
-        return min(_bucket(W, 16), self.state.max_entries) if self.enabled else W
+        # powers of two up to 64 entries, then multiples of 64: padding costs the decode
+        # kernel work, each bucket costs one capture
+        if not self.enabled:
+            return W
+        b = _bucket(W, 16) if W <= 64 else -(-W // 64) * 64
+        return min(b, self.state.max_entries)
 
     def run(self, B: int, W: int) -> torch.Tensor:
         """Logits ``(B, vocab)`` of the step whose inputs ``state`` holds."""

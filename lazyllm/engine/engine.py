@@ -26,6 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..cache.store import ChunkStore, Entry, chunk_key
@@ -536,41 +537,44 @@ class Engine:
             tables.append(j.context + self._own_table(j.own_pages, j.start_pos, n))
             logit_rows += range(cu[-1] - j.logit_rows, cu[-1])
         self.metrics["prefill_tokens"] += len(ids)
-        meta = self._metadata(pos, slots, cu, tables, max(len(j.ids) for j in jobs))
-        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
-        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        logits = self.model.forward(ids_t, meta, self.pool.k, self.pool.v, logits_index=rows) if logit_rows else None
-        if logits is None:
-            self.model.forward(ids_t, meta, self.pool.k, self.pool.v, logits_index=rows[:0])
-            return [None] * len(jobs)  # type: ignore[list-item]
+        ids_t, rows, meta = self._metadata(ids, pos, slots, cu, tables, max(len(j.ids) for j in jobs), logit_rows)
+        logits = self.model.forward(ids_t, meta, self.pool.k, self.pool.v, logits_index=rows)
         out, i = [], 0
         for j in jobs:
             out.append(logits[i:i + j.logit_rows] if j.logit_rows else None)
             i += j.logit_rows
         return out  # type: ignore[return-value]
 
-    def _metadata(self, pos, slots, cu, tables, max_q) -> AttentionMetadata:
-        dev = self.device
+    def _metadata(self, ids, pos, slots, cu, tables, max_q, logit_rows):
+        """Token ids, logit rows and attention metadata of a prefill step, sent to the
+        device in one copy."""
         B = len(tables)
-        width = max(1, max(len(t) for t in tables))
-        bt = torch.zeros((B, width), dtype=torch.int32)
-        bp = torch.zeros((B, width), dtype=torch.int32)
-        bd = torch.zeros((B, width), dtype=torch.int32)
-        bl = torch.zeros((B, width), dtype=torch.int32)
+        W = max(1, max(len(t) for t in tables))
+        tab = np.zeros((4, B, W), dtype=np.int64)
         for b, t in enumerate(tables):
             if t:
-                bt[b, : len(t)] = torch.tensor([e.page for e in t], dtype=torch.int32)
-                bp[b, : len(t)] = torch.tensor([e.pos for e in t], dtype=torch.int32)
-                bd[b, : len(t)] = torch.tensor([e.delta for e in t], dtype=torch.int32)
-                bl[b, : len(t)] = torch.tensor([e.length for e in t], dtype=torch.int32)
-        i32 = dict(dtype=torch.int32, device=dev)
-        return AttentionMetadata(
-            positions=torch.tensor(pos, **i32),
-            cu_seqlens_q=torch.tensor(cu, **i32),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_table=bt.to(dev), block_pos=bp.to(dev), block_delta=bd.to(dev), block_len=bl.to(dev),
-            max_seqlen_q=max_q,
+                tab[:, b, : len(t)] = np.array([(e.page, e.pos, e.delta, e.length) for e in t], dtype=np.int64).T
+        n, nr = len(ids), len(logit_rows)
+        host = torch.from_numpy(np.concatenate([
+            np.asarray(ids, dtype=np.int64), np.asarray(pos, dtype=np.int64), np.asarray(slots, dtype=np.int64),
+            np.asarray(cu, dtype=np.int64), np.asarray(logit_rows, dtype=np.int64), tab.ravel()]))
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        o = 0
+
+        def take(k):
+            nonlocal o
+            o += k
+            return dev[o - k:o]
+
+        ids_t, pos_t, slots_t, cu_t, rows_t = take(n), take(n), take(n), take(B + 1), take(nr)
+        tab_t = take(4 * B * W).view(4, B, W).to(torch.int32)
+        meta = AttentionMetadata(
+            positions=pos_t.to(torch.int32), cu_seqlens_q=cu_t.to(torch.int32), slot_mapping=slots_t,
+            block_table=tab_t[0], block_pos=tab_t[1], block_delta=tab_t[2], block_len=tab_t[3], max_seqlen_q=max_q,
         )
+        return ids_t, rows_t, meta
 
     # -- decode ----------------------------------------------------------------------
     def _decode(self, reqs: list[Request]) -> None:
