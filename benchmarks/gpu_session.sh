@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install the working tree, run the GPU tests and the engine
 # benchmark, leave logs under $OUT. Usage there: bash benchmarks/gpu_session.sh [what...]
-# what: tests | engine | kernels | ttft   (default: tests engine)
+# what: tests | engine | profile | kernels   (default: tests engine)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false LAZYLLM_TEST_TOKENIZER=$PWD/.carry/tok
@@ -13,6 +13,7 @@ for w in $what; do
   case $w in
     tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
     engine) python3 benchmarks/engine.py --tokenizer .carry/tok --json "$OUT/engine.json" 2>&1 | tee "$OUT/engine.log" | grep -v Warn | tail -12 ;;
+    profile) python3 benchmarks/profile_engine.py --tokenizer .carry/tok 2>&1 | tee "$OUT/profile.log" | grep -v Warn | tail -70 ;;
     kernels) python3 benchmarks/kernels.py --out "$OUT" 2>&1 | tee "$OUT/kernels.log" | tail -40 ;;
   esac
 done
