@@ -334,3 +334,41 @@ def test_incremental_detokenizer_matches_full_decode(tokenizer):
         d = Detokenizer(tokenizer, (stop,))
         streamed = "".join(d.add(t) for t in ids) + d.finish()
         assert d.stopped and streamed == full[:full.find(stop)]
+
+
+def test_a_failing_prefill_fails_only_its_request(tiny_model, tokenizer):
+    """A request whose forward raises (as a CUDA OOM would) fails alone; the requests it
+    was batched with are retried and answer normally."""
+    llm = _llm(tiny_model, tokenizer)
+    qs = [f"question number {i}?" for i in range(5)]
+    solo = [llm.generate(q, chunks=DOCS[:2], max_new_tokens=4).token_ids for q in qs]
+    bad = llm._request("zebra zebra?", DOCS[:2], None, max_new_tokens=4)
+    others = {t for q in qs + ["go?"] for t in llm._request(q, DOCS[:2], None).prompt_ids}
+    poison = torch.tensor(sorted(set(bad.prompt_ids) - others))
+    assert poison.numel() > 0
+    real_forward = llm.model.forward
+
+    def forward(input_ids, *a, **k):
+        if bool(torch.isin(input_ids, poison).any()):
+            raise RuntimeError("simulated out of memory")
+        return real_forward(input_ids, *a, **k)
+
+    llm.model.forward = forward
+    reqs = [llm._request(q, DOCS[:2], None, max_new_tokens=4) for q in qs[:2]]
+    reqs += [llm._request(q, DOCS[:2], None, max_new_tokens=4) for q in qs[2:]]
+    import threading
+
+    from lazyllm.engine.engine import _Call
+
+    gate = threading.Event()
+    llm.engine.submit(_Call(gate.wait))  # hold the engine thread while the batch is queued
+    for r in reqs[:2] + [bad] + reqs[2:]:
+        llm.engine.submit(r)
+    gate.set()
+    outs = [llm._wait(r).token_ids for r in reqs]
+    with pytest.raises(RuntimeError, match="simulated"):
+        llm._wait(bad)
+    assert outs == solo
+    assert llm.engine.metrics["prefill_retries"] >= 5  # the batch was split and retried
+    assert llm.cache_stats()["pinned_entries"] == 0
+    llm.close()

@@ -110,6 +110,7 @@ class Request:
     score_ids: list | None = None
     orig_segments: list | None = None  # the segments as submitted, if preemption changed them
     preempted: bool = False
+    solo: bool = False  # prefill alone (a batched prefill with it failed)
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -144,7 +145,7 @@ class Engine:
         max_entries = -(-model.spec.max_context // self.pool.page_size) + 2
         self.decode_state = DecodeState(max_batch_size, max_entries, self.device)
         self.graphs = GraphRunner(model, self.decode_state, self.pool.k, self.pool.v, enabled=cuda_graphs)
-        self.metrics = {"requests": 0, "failed": 0, "cancelled": 0, "preemptions": 0, "prefill_tokens": 0,
+        self.metrics = {"requests": 0, "failed": 0, "cancelled": 0, "preemptions": 0, "prefill_retries": 0, "prefill_tokens": 0,
                         "decode_steps": 0, "decode_tokens": 0}
 
     # -- public, any thread ----------------------------------------------------------
@@ -214,8 +215,15 @@ class Engine:
                 self._prefill(admitted)
             except Exception as e:
                 log.exception("prefill failed")
+                if self.device.type == "cuda" and isinstance(e, torch.cuda.OutOfMemoryError):
+                    torch.cuda.empty_cache()
                 for r in admitted:
-                    self._finish(r, error=e)
+                    if r.row is not None or r.finish_reason is not None or r not in self.running:
+                        continue  # already prefilled and decoding, or finished
+                    if len(admitted) > 1:
+                        self._requeue_solo(r)  # retry alone: a bad request fails only itself
+                    else:
+                        self._finish(r, error=e)
         decoding = list(self.decode_state.rows)
         if decoding:
             try:
@@ -248,6 +256,8 @@ class Engine:
                 break
             if len(self.running) >= self.max_batch_size:
                 break
+            if r.solo and admitted:
+                break
             try:
                 ok = self._plan(r)
             except LazyLLMError as e:
@@ -267,6 +277,8 @@ class Engine:
             self.running.append(r)
             admitted.append(r)
             budget -= cost
+            if r.solo:
+                break
             r.admit_time = time.perf_counter()
         return admitted
 
@@ -623,6 +635,15 @@ class Engine:
         for r, lg, g in zip(reqs, logits, picks):
             r.next_pos += 1
             self._emit(r, lg, g)
+
+    def _requeue_solo(self, r: Request) -> None:
+        self.decode_state.detach(r)
+        self._release(r)
+        self.running.remove(r)
+        r.table, r.cached_tokens, r.cached_chunk_tokens = [], 0, 0
+        r.solo = True
+        self.waiting.insert(0, r)
+        self.metrics["prefill_retries"] += 1
 
     def _preempt(self, r: Request) -> None:
         """Give back everything ``r`` holds and queue it again; when readmitted, its
