@@ -24,6 +24,8 @@ into this text: they always travel as chunks, whichever message carried them.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator
 
@@ -102,6 +104,22 @@ def device_from_hf(device: Any) -> str | None:
 
 
 # -- the engine ----------------------------------------------------------------------
+
+def build_engine(*args: Any, **kwargs: Any) -> LazyLLM:
+    """``LazyLLM(*args, **kwargs)`` for an adapter that builds its own engine, stopped at
+    interpreter exit. (An engine left running when Python shuts down can abort the
+    process, exit status 134, "terminate called without an active exception"; closing it
+    first avoids that. Engines the caller passes in stay the caller's to close.)"""
+    engine = LazyLLM(*args, **kwargs)
+    atexit.register(_close_if_alive, weakref.ref(engine))
+    return engine
+
+
+def _close_if_alive(ref: "weakref.ref[LazyLLM]") -> None:
+    engine = ref()
+    if engine is not None:
+        engine.close()
+
 
 def resolve_lazyllm(obj: Any) -> LazyLLM:
     """The ``LazyLLM`` behind ``obj``: a ``LazyLLM`` itself or any of our adapters."""

@@ -85,6 +85,7 @@ from lazyllm import Chunk, GenerationOutput, InvalidRequestError, LazyLLM
 from ._common import (
     GenerationStream,
     RagRequest,
+    build_engine,
     device_from_hf,
     fold_history,
     hf_generate_kwargs,
@@ -335,7 +336,7 @@ class _EngineParams(BaseModel):
     @model_validator(mode="after")
     def _build_engine(self):
         if self.llm is None:
-            self.llm = LazyLLM(self.model_name_or_path, reuse=self.reuse, chunk_context=self.chunk_context,
+            self.llm = build_engine(self.model_name_or_path, reuse=self.reuse, chunk_context=self.chunk_context,
                                device=self.device, dtype=self.dtype, kv_cache_bytes=self.kv_cache_bytes,
                                **self.engine_kwargs)
         else:

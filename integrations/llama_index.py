@@ -69,6 +69,7 @@ from lazyllm import Chunk, GenerationOutput, InvalidRequestError, LazyLLM
 from ._common import (
     GenerationStream,
     RagRequest,
+    build_engine,
     device_from_hf,
     fold_history,
     hf_generate_kwargs,
@@ -184,7 +185,7 @@ class LlamaIndexLLM(CustomLLM):
             if mk:
                 raise InvalidRequestError(f"unsupported model_kwargs for lazyllm: {sorted(mk)}")
             dev = device_from_hf(device) or (device_map if isinstance(device_map, str) else None)
-            llm = LazyLLM(model_name or None, reuse=reuse, chunk_context=chunk_context,
+            llm = build_engine(model_name or None, reuse=reuse, chunk_context=chunk_context,
                           device=dev or "auto", dtype=dtype, **ek)
         elif model_name not in (None, "", llm.model_name):
             raise InvalidRequestError("give either llm= or model_name=, not both")
