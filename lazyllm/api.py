@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import queue
+import weakref
 from typing import Any, AsyncIterator, Iterable, Iterator, Sequence
 
 import torch
@@ -67,6 +69,37 @@ def _attention_backend(name: str, device: torch.device):
         return {"max_seqlen_q": meta.max_seqlen_q, "rope": ta.rope_table(meta.block_delta, inv_freq)}
 
     return ta.paged_attention_triton, ta.rerotate_copy_triton, step_extras, "triton"
+
+
+_LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_engines() -> None:
+    for engine in list(_LIVE_ENGINES):
+        try:
+            engine.close()
+        except Exception:  # best effort at exit
+            pass
+
+
+class TextStream:
+    """Iterator of text deltas of one request; once exhausted, ``output`` holds the
+    ``GenerationOutput`` (usage, TTFT, finish reason). ``close()`` or abandoning it
+    cancels the request and frees its pages."""
+
+    def __init__(self, gen):
+        self._gen = gen
+        self.output: GenerationOutput | None = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        return next(self._gen)
+
+    def close(self) -> None:
+        self._gen.close()
 
 
 class LazyLLM:
@@ -164,6 +197,9 @@ class LazyLLM:
         self.engine = Engine(self.model, tok, self.store, reuse=reuse, chunk_context=chunk_context,
                              fingerprint=self.fingerprint, eos_ids=eos, max_batch_tokens=max_batch_tokens,
                              rerotate=rerotate)
+        # an engine thread still inside torch at interpreter shutdown can abort the
+        # process: stop it first (weakly referenced, so the LazyLLM can still be freed)
+        _LIVE_ENGINES.add(self.engine)
 
     # -- requests ------------------------------------------------------------------
     def _request(self, question, chunks, system, *, max_new_tokens=64, temperature=0.0, top_p=1.0, top_k=0,
@@ -238,13 +274,16 @@ class LazyLLM:
 
     __call__ = generate
 
-    def stream(self, question: str, chunks=None, system=None, **kw) -> Iterator[str]:
-        """Like ``generate`` but yields text deltas as they are decoded. Stopping the
-        iteration (``break``, ``close()``) cancels the request and frees its pages."""
+    def stream(self, question: str, chunks=None, system=None, **kw) -> TextStream:
+        """Like ``generate`` but yields text deltas as they are decoded; the returned
+        ``TextStream`` has ``.output`` (the ``GenerationOutput``) once exhausted. Stopping
+        the iteration (``break``, ``close()``) cancels the request and frees its pages."""
         req = self._request(question, chunks, system, **kw)
-        return self._stream(req)
+        ts = TextStream(None)
+        ts._gen = self._stream(req, ts)
+        return ts
 
-    def _stream(self, req: Request) -> Iterator[str]:
+    def _stream(self, req: Request, ts: TextStream) -> Iterator[str]:
         self.engine.submit(req)
         try:
             while True:
@@ -252,7 +291,7 @@ class LazyLLM:
                 if kind == "delta":
                     yield val
                 elif kind == "done":
-                    req.result = val  # type: ignore[attr-defined]
+                    ts.output = val
                     return
                 else:
                     raise val

@@ -94,11 +94,13 @@ class SamplingParams:
 @dataclass
 class Usage:
     """Token counts of one request. ``cached_tokens`` counts prompt tokens whose KV was
-    reused from the chunk store instead of computed."""
+    reused instead of computed (the shared system prefix included); ``cached_chunk_tokens``
+    only those of chunks."""
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    cached_chunk_tokens: int = 0  # the part of cached_tokens that belongs to chunks
 
     @property
     def total_tokens(self) -> int:

@@ -372,3 +372,44 @@ def test_a_failing_prefill_fails_only_its_request(tiny_model, tokenizer):
     assert llm.engine.metrics["prefill_retries"] >= 5  # the batch was split and retried
     assert llm.cache_stats()["pinned_entries"] == 0
     llm.close()
+
+
+def test_stream_exposes_final_output_and_chunk_usage(tiny_model, tokenizer):
+    llm = _llm(tiny_model, tokenizer)
+    llm.generate("q?", chunks=DOCS[:2], max_new_tokens=2)
+    ts = llm.stream("other?", chunks=DOCS[1::-1], max_new_tokens=5)
+    text = "".join(ts)
+    out = ts.output
+    assert out is not None and out.text == text and out.usage.completion_tokens == 5
+    chunk_tokens = sum(len(ids) for kind, ids in out.prompt_segments if kind == "chunk")
+    assert out.usage.cached_chunk_tokens == chunk_tokens
+    assert out.usage.cached_tokens == chunk_tokens + len(out.prompt_segments[0][1])
+    llm.close()
+
+
+def test_process_exits_cleanly_without_close(tmp_path):
+    """A script that never calls close() must still exit 0 (the engine thread is stopped
+    at interpreter exit)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "s.py"
+    script.write_text(
+        "from lazyllm import LazyLLM\n"
+        "from tests.conftest import make_tiny\n"
+        "from transformers import AutoTokenizer\n"
+        "import os\n"
+        "tok = AutoTokenizer.from_pretrained(os.environ['TOK'])\n"
+        "llm = LazyLLM(model=make_tiny('llama'), tokenizer=tok, kv_cache_bytes=8 << 20)\n"
+        "print(llm.generate('q?', chunks=['a doc'], max_new_tokens=3).usage.completion_tokens)\n")
+    import os
+
+    from lazyllm.model.loader import default_model_dir
+
+    tok = os.environ.get("LAZYLLM_TEST_TOKENIZER") or str(default_model_dir())
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for _ in range(3):
+        p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=root,
+                           env={**os.environ, "TOK": tok, "PYTHONPATH": root}, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert p.stdout.strip().endswith("3")

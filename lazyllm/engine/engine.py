@@ -701,7 +701,7 @@ class Engine:
             logits=logits.float().cpu() if r.return_logits else None,
             prompt_segments=[(sg.kind, list(sg.ids)) for sg in segs],
             usage=Usage(prompt_tokens=sum(len(sg.ids) for sg in segs), cached_tokens=r.cached_tokens,
-                        completion_tokens=0),
+                        completion_tokens=0, cached_chunk_tokens=r.cached_chunk_tokens),
             prefilled_tokens=sum(len(sg.ids) for sg in r.segments) - r.cached_tokens,
             ttft_s=r.first_token_time - r.submit_time)))
 
@@ -724,7 +724,7 @@ class Engine:
             prompt_segments=[(s.kind, list(s.ids)) for s in (r.orig_segments or r.segments)],
             usage=Usage(prompt_tokens=sum(len(s.ids) for s in (r.orig_segments or r.segments)),
                         cached_tokens=r.cached_tokens,
-                        completion_tokens=len(r.generated)),
+                        completion_tokens=len(r.generated), cached_chunk_tokens=r.cached_chunk_tokens),
             finish_reason=r.finish_reason or "stop",
             ttft_s=r.first_token_time - r.submit_time,
             total_s=now - r.submit_time,
