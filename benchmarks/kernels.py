@@ -498,6 +498,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time launch configurations and split counts")
     ap.add_argument("--sections", default="prefill,decode,copy")
     ap.add_argument("--quick", action="store_true", help="a few shapes only")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time: cos/sin prefetch on, and pages of 64 tokens (a few shapes)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, interpreter, tiny shapes: checks the script")
     args = ap.parse_args()
     global DTYPE, PREFILL, DECODE
@@ -549,6 +551,16 @@ def main():
     if "decode" in sections:
         for b, kv in dec:
             rows += run_decode(b, kv, ps, inv_freq, dev, graphs=True)
+        save()
+    if args.variants:
+        big = not DRY
+        for nq, kv in (((512, 8192), (2048, 32768)) if big else ((40, 700),)):
+            rows += run_prefill(nq, kv, ps, inv_freq, dev, extra=dict(prefetch=True))
+            rows += run_prefill(nq, kv, 64, inv_freq, dev)
+        for b, kv in (((32, 16384), (128, 4096)) if big else ((3, 700),)):
+            rows += run_decode(b, kv, ps, inv_freq, dev, extra=dict(prefetch=True))
+        for b, kv in (((1, 32768), (32, 16384), (128, 16384)) if big else ((3, 700),)):
+            rows += run_decode(b, kv, 64, inv_freq, dev, graphs=True)
         save()
     if "copy" in sections:
         variants = [(None, None)]

@@ -116,6 +116,19 @@ def _sum(x, axis: tl.constexpr):
 
 
 @triton.jit
+def _load_cs(Cos_row, Sin_row, t, max_blocks,
+             HALF: tl.constexpr, HALF_P: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+             NPG: tl.constexpr):
+    """cos/sin rows ``(NPG, HALF_P)`` of the ``NPG`` table entries that key tile ``t`` spans."""
+    offs_h = tl.arange(0, HALF_P)
+    pe = (t * BLOCK_N) // PAGE_SIZE + tl.arange(0, NPG)
+    pm = (pe < max_blocks)[:, None] & (offs_h[None, :] < HALF)
+    pc = tl.load(Cos_row + pe[:, None] * HALF + offs_h[None, :], mask=pm, other=0.0)
+    ps = tl.load(Sin_row + pe[:, None] * HALF + offs_h[None, :], mask=pm, other=0.0)
+    return pc, ps
+
+
+@triton.jit
 def _attn_tiles(
     acc, l_i, m_i,
     q, q1, q2, qp, qpos,
@@ -126,13 +139,18 @@ def _attn_tiles(
     PASS: tl.constexpr, PASS_P: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_ROPE: tl.constexpr, CS_PER_PAGE: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-    DOT_PREC: tl.constexpr, IDX64: tl.constexpr,
+    DOT_PREC: tl.constexpr, IDX64: tl.constexpr, NPG: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    """Online-softmax update of ``acc/l_i/m_i`` over key tiles ``[t_start, t_end)``."""
+    """Online-softmax update of ``acc/l_i/m_i`` over key tiles ``[t_start, t_end)``.
+
+    ``PREFETCH``: the cos/sin rows of tile ``t + 1`` are loaded during tile ``t`` (they
+    are not a dot operand, so the software pipeliner leaves them in the loop)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_h = tl.arange(0, HALF_P)
     offs_p = tl.arange(0, PASS_P)
+    pc_n, ps_n = _load_cs(Cos_row, Sin_row, t_start, max_blocks * (USE_ROPE and CS_PER_PAGE and PREFETCH),
+                          HALF, HALF_P, PAGE_SIZE, BLOCK_N, NPG)
     for t in range(t_start, t_end):
         idx = t * BLOCK_N + offs_n  # flat slot index in the table row
         ent = idx // PAGE_SIZE
@@ -145,19 +163,18 @@ def _attn_tiles(
         v_row = V + page * stride_vp + slot * stride_vs
         if USE_ROPE:
             hmask = kvalid[:, None] & (offs_h[None, :] < HALF)
-            if PAGE_SIZE >= BLOCK_N:  # the tile lies in one page: one delta, a vector of cos/sin
-                e0 = (t * BLOCK_N) // PAGE_SIZE
-                cm = (offs_h < HALF) & (e0 < max_blocks)
-                c = tl.load(Cos_row + e0 * HALF + offs_h, mask=cm, other=0.0)[None, :]
-                s = tl.load(Sin_row + e0 * HALF + offs_h, mask=cm, other=0.0)[None, :]
-            elif CS_PER_PAGE:  # load one row per page, broadcast over its slots
-                PPT: tl.constexpr = BLOCK_N // PAGE_SIZE
-                pe = t * PPT + tl.arange(0, PPT)
-                pm = (pe < max_blocks)[:, None] & (offs_h[None, :] < HALF)
-                pc = tl.load(Cos_row + pe[:, None] * HALF + offs_h[None, :], mask=pm, other=0.0)
-                ps = tl.load(Sin_row + pe[:, None] * HALF + offs_h[None, :], mask=pm, other=0.0)
-                c = tl.reshape(tl.broadcast_to(pc[:, None, :], (PPT, PAGE_SIZE, HALF_P)), (BLOCK_N, HALF_P))
-                s = tl.reshape(tl.broadcast_to(ps[:, None, :], (PPT, PAGE_SIZE, HALF_P)), (BLOCK_N, HALF_P))
+            if CS_PER_PAGE:  # one row per page, broadcast over its slots
+                if PREFETCH:
+                    pc, ps = pc_n, ps_n
+                    pc_n, ps_n = _load_cs(Cos_row, Sin_row, t + 1, max_blocks, HALF, HALF_P, PAGE_SIZE, BLOCK_N, NPG)
+                else:
+                    pc, ps = _load_cs(Cos_row, Sin_row, t, max_blocks, HALF, HALF_P, PAGE_SIZE, BLOCK_N, NPG)
+                if NPG == 1:  # the tile lies in one page: one delta, a vector of cos/sin
+                    c = pc
+                    s = ps
+                else:
+                    c = tl.reshape(tl.broadcast_to(pc[:, None, :], (NPG, PAGE_SIZE, HALF_P)), (BLOCK_N, HALF_P))
+                    s = tl.reshape(tl.broadcast_to(ps[:, None, :], (NPG, PAGE_SIZE, HALF_P)), (BLOCK_N, HALF_P))
             else:  # one row per slot (gathered; rows of a page hit the same lines)
                 cs_off = ent[:, None] * HALF + offs_h[None, :]
                 c = tl.load(Cos_row + cs_off, mask=hmask, other=0.0)
@@ -209,7 +226,7 @@ def _paged_attn_fwd(
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_OUT: tl.constexpr, SCAN: tl.constexpr, SCAN_BLOCK: tl.constexpr,
     USE_ROPE: tl.constexpr, CS_PER_PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
-    IDX64: tl.constexpr,
+    IDX64: tl.constexpr, NPG: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Grid ``(q_tiles, num_kv_heads * num_splits, batch)``; see the module docstring.
 
@@ -293,7 +310,7 @@ def _paged_attn_fwd(
         stride_kp, stride_ks, stride_vp, stride_vs,
         max_blocks, s_start, tl.minimum(s_end, t_lo), qk_scale,
         HEAD_DIM, HALF, HALF_P, PASS, PASS_P, PAGE_SIZE, BLOCK_N,
-        USE_ROPE, CS_PER_PAGE, False, DOT_PREC, IDX64,
+        USE_ROPE, CS_PER_PAGE, False, DOT_PREC, IDX64, NPG, PREFETCH,
     )
     acc, l_i, m_i = _attn_tiles(
         acc, l_i, m_i, q, q1, q2, qp, qpos,
@@ -301,7 +318,7 @@ def _paged_attn_fwd(
         stride_kp, stride_ks, stride_vp, stride_vs,
         max_blocks, tl.maximum(s_start, t_lo), s_end, qk_scale,
         HEAD_DIM, HALF, HALF_P, PASS, PASS_P, PAGE_SIZE, BLOCK_N,
-        USE_ROPE, CS_PER_PAGE, True, DOT_PREC, IDX64,
+        USE_ROPE, CS_PER_PAGE, True, DOT_PREC, IDX64, NPG, PREFETCH,
     )
 
     seen_any = l_i > 0.0
@@ -314,6 +331,19 @@ def _paged_attn_fwd(
         tl.store(PartO + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
         lse = tl.where(seen_any, m_i + tl.math.log2(tl.where(seen_any, l_i, 1.0)), float("-inf"))
         tl.store(PartLse + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _load_qcs(Cos_row, Sin_row, t, max_blocks, row_ok, row_page, cs_col, in_rot,
+              HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PPT: tl.constexpr):
+    """Per query row ``(p, g)``: cos/sin ``(BLOCK_M, HEAD_DIM)`` of the ``p``-th page of key
+    tile ``t``, laid out as ``[c, c, 1]`` / ``[s, s, 0]`` over the head dims."""
+    e_row = (t * BLOCK_N) // PAGE_SIZE + row_page
+    cm = (row_ok & (e_row < max_blocks))[:, None] & in_rot
+    cs_off = e_row[:, None] * HALF + cs_col[None, :]
+    c = tl.load(Cos_row + cs_off, mask=cm, other=1.0)
+    s = tl.load(Sin_row + cs_off, mask=cm, other=0.0)
+    return c, s
 
 
 @triton.jit
@@ -330,6 +360,7 @@ def _paged_decode_fwd(
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PPT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_OUT: tl.constexpr, USE_ROPE: tl.constexpr, DOT_PREC: tl.constexpr, IDX64: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Decode: one query per sequence, the delta applied to the *query*.
 
@@ -358,13 +389,15 @@ def _paged_decode_fwd(
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
     q_row = Q + q_start.to(tl.int64) * stride_qt + head * stride_qh
-    q = tl.load(q_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    # q and its rotate-half partner stay in the cache dtype (exact: q is stored in it) until
+    # each tile's rotation, to keep registers for occupancy
+    q = tl.load(q_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(K.dtype.element_ty)
     if USE_ROPE:
         # q' = R(-delta) q = q * [c, c, 1] + [q2, -q1, 0] * [s, s, 0]
         is_lo = offs_d < HALF
         sw_col = tl.where(is_lo, offs_d + HALF, offs_d - HALF)
         sw_mask = row_ok[:, None] & (offs_d < ROT)[None, :]
-        qsw = tl.load(q_row[:, None] + sw_col[None, :], mask=sw_mask, other=0.0).to(tl.float32)
+        qsw = tl.load(q_row[:, None] + sw_col[None, :], mask=sw_mask, other=0.0).to(K.dtype.element_ty)
         qsw = tl.where(is_lo[None, :], qsw, -qsw)
         cs_col = offs_d % HALF
         in_rot = (offs_d < ROT)[None, :]
@@ -389,6 +422,8 @@ def _paged_decode_fwd(
     m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
+    c_n, s_n = _load_qcs(Cos_row, Sin_row, s_start, max_blocks * (USE_ROPE and PREFETCH), row_ok, row_page,
+                         cs_col, in_rot, HALF, PAGE_SIZE, BLOCK_N, PPT)
     for t in range(s_start, s_end):
         idx = t * BLOCK_N + offs_n
         ent = idx // PAGE_SIZE
@@ -400,15 +435,14 @@ def _paged_decode_fwd(
         k = tl.load((Kh + page * stride_kp + slot * stride_ks)[:, None] + offs_d[None, :],
                     mask=kvalid[:, None], other=0.0)
         if USE_ROPE:
-            if PPT > 1:
-                e_row = t * PPT + row_page
+            if PREFETCH:
+                c, s = c_n, s_n
+                c_n, s_n = _load_qcs(Cos_row, Sin_row, t + 1, max_blocks, row_ok, row_page, cs_col, in_rot,
+                                     HALF, PAGE_SIZE, BLOCK_N, PPT)
             else:
-                e_row = (t * BLOCK_N) // PAGE_SIZE + row_page * 0
-            cm = (row_ok & (e_row < max_blocks))[:, None] & in_rot
-            cs_off = e_row[:, None] * HALF + cs_col[None, :]
-            c = tl.load(Cos_row + cs_off, mask=cm, other=1.0)
-            s = tl.load(Sin_row + cs_off, mask=cm, other=0.0)
-            qr = (q * c + qsw * s).to(K.dtype.element_ty)
+                c, s = _load_qcs(Cos_row, Sin_row, t, max_blocks, row_ok, row_page, cs_col, in_rot,
+                                 HALF, PAGE_SIZE, BLOCK_N, PPT)
+            qr = (q.to(tl.float32) * c + qsw.to(tl.float32) * s).to(K.dtype.element_ty)
         else:
             qr = q.to(K.dtype.element_ty)
         qk = tl.dot(qr, tl.trans(k), input_precision=DOT_PREC) * qk_scale
@@ -485,7 +519,7 @@ def rope_table(block_delta: torch.Tensor, inv_freq: torch.Tensor):
 # Launch configurations, chosen on an H200 (bf16, d=128, page 16) by benchmarks/kernels.py.
 # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 _PREFILL_CFG = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)}
-_PREFILL_CFG_LONG = {128: (128, 128, 8, 2)}  # keys >= _LONG_KV: fewer, larger tiles won
+_PREFILL_CFG_LONG: dict = {}  # (128, 128, 8, 2) is faster without RoPE but spills with it
 
 
 def _prefill_config(d: int, kv_slots: int):
@@ -497,6 +531,7 @@ def _prefill_config(d: int, kv_slots: int):
 _LONG_KV = 16384
 _DECODE_CFG = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 4, 2)}  # BLOCK_N, warps, stages
 _CS_PER_PAGE = True
+_PREFETCH = False
 _NUM_SMS: dict = {}
 
 
@@ -529,6 +564,7 @@ def paged_attention_triton(
     num_splits: int | None = None,
     config: tuple[int, int, int, int] | None = None,
     cs_per_page: bool | None = None,
+    prefetch: bool | None = None,
 ) -> torch.Tensor:
     """Deferred-RoPE attention of a varlen batch of queries over paged KV (Triton).
 
@@ -556,6 +592,7 @@ def paged_attention_triton(
     config : ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``, for benchmarks.
     cs_per_page : load the cos/sin table once per page and broadcast it over the page's
         slots (``True``) or gather it per slot (``False``); for benchmarks.
+    prefetch : load the next key tile's cos/sin during this one; for benchmarks.
 
     Returns
     -------
@@ -614,6 +651,8 @@ def paged_attention_triton(
         num_stages = 1
     if cs_per_page is None:
         cs_per_page = _CS_PER_PAGE
+    if prefetch is None:
+        prefetch = _PREFETCH
     q_tiles = 1 if one_query else triton.cdiv(rows, block_m)
     kv_tiles = triton.cdiv(max_blocks * page_size, block_n)
     if num_splits is None:
@@ -655,7 +694,7 @@ def paged_attention_triton(
             target, part_o, part_lse, *common, target.stride(0), target.stride(1), *tables,
             NUM_Q_HEADS=hq, G=group, HEAD_DIM=d, HALF=half, ROT=2 * half, PAGE_SIZE=page_size,
             PPT=ppt, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_OUT=n_parts > 1, USE_ROPE=use_rope,
-            DOT_PREC=dot_prec, IDX64=idx64,
+            DOT_PREC=dot_prec, IDX64=idx64, PREFETCH=prefetch,
             num_warps=num_warps, num_stages=num_stages,
         )
     else:
@@ -668,7 +707,7 @@ def paged_attention_triton(
             PASS=pass_dim, PASS_P=pass_p, PAGE_SIZE=page_size,
             BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_OUT=num_splits > 1,
             SCAN=not short, SCAN_BLOCK=256, USE_ROPE=use_rope, CS_PER_PAGE=cs_per_page, DOT_PREC=dot_prec,
-            IDX64=idx64,
+            IDX64=idx64, NPG=max(1, block_n // page_size), PREFETCH=prefetch,
             num_warps=num_warps, num_stages=num_stages,
         )
     if n_parts > 1:

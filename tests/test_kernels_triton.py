@@ -141,12 +141,12 @@ def _tol(dtype):
     return dict(atol=2e-3, rtol=2e-3) if dtype == torch.float16 else dict(atol=2e-5, rtol=2e-5)
 
 
-def _check_attention(batch, *, max_seqlen_q=None, num_splits=None, config=None, use_rope=True, mod=None):
+def _check_attention(batch, *, max_seqlen_q=None, num_splits=None, config=None, use_rope=True, mod=None, **kw):
     mod = mod or ta
     ref = paged_attention_ref(**batch)
     out = torch.full_like(batch["q"], float("nan"))  # poisoned: every element must be written
     got = mod.paged_attention_triton(**batch, out=out, max_seqlen_q=max_seqlen_q, num_splits=num_splits,
-                                     config=config, use_rope=use_rope)
+                                     config=config, use_rope=use_rope, **kw)
     assert got is out
     assert not torch.isnan(got).any(), "unwritten or NaN output"
     torch.testing.assert_close(got.float(), ref.float(), **_tol(batch["q"].dtype))
@@ -237,6 +237,20 @@ def test_prefill_splits_and_unsorted_table():
             batch[key][b] = batch[key][b][perm]
     for splits in (1, 3, 50):
         _check_attention(batch, num_splits=splits, config=(16, 16, 4, 1))
+
+
+@pytest.mark.parametrize("ps,cfg", [(16, (16, 32, 4, 1)), (64, (16, 32, 4, 1))])
+def test_cos_sin_prefetch_variant(ps, cfg):
+    """The non-default launch variants (cos/sin of the next tile loaded early; per-slot
+    gather) compute the same function."""
+    gen = random.Random(20)
+    chunks, pos = _chunks(gen, 4, 0, lo=20, hi=70)
+    batch = _make_batch([(chunks + [(pos, 30, 0)], 30), (chunks[:2], 1)], page_size=ps, hkv=2, group=2, d=64,
+                        rotary_dim=32, dtype=torch.float32, seed=11)
+    _check_attention(batch, config=cfg, prefetch=True)
+    _check_attention(batch, config=cfg, cs_per_page=False)
+    dec = dict(batch, q=batch["q"][:2], q_pos=batch["q_pos"][:2], cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32))
+    _check_attention(dec, max_seqlen_q=1, prefetch=True)
 
 
 def test_prefill_page_larger_than_tile():
