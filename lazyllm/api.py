@@ -265,6 +265,7 @@ class LazyLLM:
         """
         req = self._request(question, chunks, system, max_new_tokens=max_new_tokens, temperature=temperature,
                             top_p=top_p, top_k=top_k, seed=seed, stop=stop, timeout=timeout)
+        req.streaming = False
         self.engine.submit(req)
         try:
             return self._wait(req)
@@ -301,6 +302,7 @@ class LazyLLM:
     async def agenerate(self, question: str, chunks=None, system=None, **kw) -> GenerationOutput:
         """Async ``generate``: cancelling the task cancels the request."""
         req = self._request(question, chunks, system, **kw)
+        req.streaming = False
         loop = asyncio.get_running_loop()
         self.engine.submit(req)
         try:
@@ -346,6 +348,7 @@ class LazyLLM:
             sy = args.pop("system", None)
             reqs.append(self._request(q, ch, sy, **args))
         for r in reqs:
+            r.streaming = False
             self.engine.submit(r)
         return [self._wait(r) for r in reqs]
 

@@ -196,7 +196,7 @@ class DiskKVStore:
             self._write_file(tmp, data)
             del data
             with self._lock:
-                self._make_room(size, exclude=hexkey)
+                self._make_room(size - self._index.get(hexkey, 0), exclude=hexkey)
                 os.replace(tmp, final)
                 old = self._index.pop(hexkey, None)
                 self._bytes += size - (old or 0)
@@ -232,7 +232,10 @@ class DiskKVStore:
                 data = f.read()
         except FileNotFoundError:
             with self._lock:
-                if self._index.pop(hexkey, None) is not None:  # deleted behind our back
+                # indexed, yet gone: deleted behind our back (our own deletions hold the lock
+                # and drop the index entry; a concurrent put may have renamed it in since)
+                if hexkey in self._index and not os.path.exists(path):
+                    del self._index[hexkey]
                     self._recount()
                     self._rejections["missing"] += 1
                 self._misses += 1
@@ -255,14 +258,19 @@ class DiskKVStore:
             return None
         del data
         with self._lock:
-            size = self._index.pop(hexkey, None)
-            self._index[hexkey] = st.st_size
-            if size is None:  # written by another process, or under a stale index
+            self._hits += 1
+            if hexkey in self._index:
+                self._index.move_to_end(hexkey)
+                if self._index[hexkey] != st.st_size and self._same_file(path, st):
+                    self._index[hexkey] = st.st_size  # replaced by another process
+                    self._recount()
+                    self._make_room(0, exclude=hexkey)
+            elif self._same_file(path, st):
+                # written by another process (or an earlier instance) after our scan
+                self._index[hexkey] = st.st_size
                 self._bytes += st.st_size
                 self._make_room(0, exclude=hexkey)
-            elif size != st.st_size:
-                self._recount()
-            self._hits += 1
+            # else: evicted or replaced while we read it; what we read was valid all the same
         try:
             os.utime(path)  # recency survives a restart (best effort)
         except OSError:
@@ -408,19 +416,22 @@ class DiskKVStore:
     def _reject(self, hexkey: str, path: str, st, reason: str) -> None:
         with self._lock:
             # delete the file we judged, not one that a concurrent put renamed over it since
-            try:
-                cur = os.stat(path)
-                same = st is None or (cur.st_ino, cur.st_dev, cur.st_size, cur.st_mtime_ns) == \
-                    (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns)
-            except OSError:
-                cur, same = None, False
-            if same:
+            if st is None or self._same_file(path, st):
                 self._unlink(path)
                 if self._index.pop(hexkey, None) is not None:
                     self._recount()
             self._rejections[reason] += 1
             self._misses += 1
         log.warning("disk KV tier: rejected %s (%s)", path, reason)
+
+    @staticmethod
+    def _same_file(path: str, st) -> bool:
+        try:
+            cur = os.stat(path)
+        except OSError:
+            return False
+        ident = lambda s: (s.st_ino, s.st_dev, s.st_size, s.st_mtime_ns)  # noqa: E731
+        return ident(cur) == ident(st)
 
     def _make_room(self, size: int, exclude: str) -> None:
         """Evict LRU files until ``size`` more bytes fit (lock held)."""

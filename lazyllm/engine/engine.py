@@ -111,6 +111,7 @@ class Request:
     orig_segments: list | None = None  # the segments as submitted, if preemption changed them
     preempted: bool = False
     solo: bool = False  # prefill alone (a batched prefill with it failed)
+    streaming: bool = True  # emit text deltas as tokens come (False: decode the text once at the end)
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -670,14 +671,19 @@ class Engine:
         tok = greedy_pick if greedy_pick is not None else sample_token(logits, r.params, r.gen)
         r.generated.append(tok)
         is_eos = tok in self.eos_ids
-        delta = r.detok.add(tok) if not is_eos else r.detok.finish()
-        if delta:
-            r.events.put(("delta", delta))
+        if r.streaming or r.params.stop:  # text is needed now: for the caller, or to stop
+            delta = r.detok.add(tok) if not is_eos else r.detok.finish()
+            if delta:
+                r.events.put(("delta", delta))
         if is_eos or r.detok.stopped:
             r.finish_reason = "stop"
         elif len(r.generated) >= r.params.max_new_tokens or r.next_pos >= self.model.spec.max_context:
             r.finish_reason = "length"
         if r.finish_reason:
+            if not (r.streaming or r.params.stop):  # detokenize once, at the end
+                for t in (r.generated[:-1] if is_eos else r.generated):
+                    r.detok.ids.append(t)
+                r.detok.text = self.tok.decode(r.detok.ids, skip_special_tokens=True)
             tail = r.detok.finish()
             if tail:
                 r.events.put(("delta", tail))
