@@ -125,6 +125,10 @@ class LazyLLM:
     page_size : tokens per KV page.
     attention_backend : ``"auto"`` (Triton on CUDA, torch reference on CPU), ``"torch"``
         or ``"triton"`` (on CPU, the kernels run in Triton's interpreter: for tests).
+    recompute_first_tokens : quality recovery: at query time, recompute the first this
+        many tokens of every chunk with full context (their KV replaces the cached one for
+        that request only; the cache stays reusable). 0 switches it off. Only meaningful
+        with ``reuse`` ``lazy`` or ``block``.
     trust_remote_code : passed to transformers; off unless you ask.
     """
 
@@ -142,6 +146,7 @@ class LazyLLM:
         page_size: int = 16,
         attention_backend: str = "auto",
         max_batch_tokens: int = 8192,
+        recompute_first_tokens: int = 0,
         trust_remote_code: bool = False,
         progress: bool = True,
     ):
@@ -151,6 +156,9 @@ class LazyLLM:
             raise InvalidRequestError(f"chunk_context must be one of {CHUNK_CONTEXTS}, got {chunk_context!r}")
         if not isinstance(page_size, int) or page_size < 1 or page_size & (page_size - 1):
             raise InvalidRequestError(f"page_size must be a power of two, got {page_size!r}")
+        if isinstance(recompute_first_tokens, bool) or not isinstance(recompute_first_tokens, int) \
+                or recompute_first_tokens < 0:
+            raise InvalidRequestError(f"recompute_first_tokens must be an int >= 0, got {recompute_first_tokens!r}")
         if kv_cache_bytes is not None and (not isinstance(kv_cache_bytes, int) or kv_cache_bytes <= 0):
             raise InvalidRequestError(f"kv_cache_bytes must be a positive int, got {kv_cache_bytes!r}")
         self.reuse = reuse
@@ -196,7 +204,8 @@ class LazyLLM:
         self.eos_token_ids = eos
         self.engine = Engine(self.model, tok, self.store, reuse=reuse, chunk_context=chunk_context,
                              fingerprint=self.fingerprint, eos_ids=eos, max_batch_tokens=max_batch_tokens,
-                             rerotate=rerotate)
+                             rerotate=rerotate, recompute_first_tokens=recompute_first_tokens)
+        self.recompute_first_tokens = recompute_first_tokens
         # an engine thread still inside torch at interpreter shutdown can abort the
         # process: stop it first (weakly referenced, so the LazyLLM can still be freed)
         _LIVE_ENGINES.add(self.engine)

@@ -60,6 +60,10 @@ class _Job:
     own_pages: list[int]
     context: list[_TableEntry]  # cached pages it attends to besides its own
     logit_rows: int = 0  # how many of its last tokens need logits (1 to sample, more to score)
+    # explicit per-token positions and KV slots (tokens scattered over pages, as in
+    # recomputation); then ``context`` lists every page attended to, its own included
+    positions: list[int] | None = None
+    slots: list[int] | None = None
 
 
 class _Call:
@@ -94,6 +98,8 @@ class Request:
     pinned: list[Entry] = field(default_factory=list)
     cached_tokens: int = 0
     cached_chunk_tokens: int = 0
+    computed_tokens: int = 0  # tokens this request ran through the model in prefill
+    recomputed_tokens: int = 0  # chunk tokens recomputed with full context
     next_pos: int = 0
     generated: list[int] = field(default_factory=list)
     detok: Detokenizer | None = None
@@ -121,7 +127,8 @@ class Request:
 class Engine:
     def __init__(self, model, tokenizer, store: ChunkStore, *, reuse: str, chunk_context: str,
                  fingerprint: str, eos_ids: set[int], max_batch_tokens: int = 8192,
-                 max_batch_size: int = 256, cuda_graphs: bool = True, rerotate=None):
+                 max_batch_size: int = 256, cuda_graphs: bool = True, rerotate=None,
+                 recompute_first_tokens: int = 0):
         self.model = model
         self.tok = tokenizer
         self.store = store
@@ -143,6 +150,7 @@ class Engine:
         self._round1: dict[bytes, tuple[Entry, _Job]] = {}
         self._round2: dict[bytes, tuple[Entry, _Job]] = {}
         self.max_batch_size = max_batch_size
+        self.recompute_first_tokens = recompute_first_tokens
         max_entries = -(-model.spec.max_context // self.pool.page_size) + 2
         self.decode_state = DecodeState(max_batch_size, max_entries, self.device)
         self.graphs = GraphRunner(model, self.decode_state, self.pool.k, self.pool.v, enabled=cuda_graphs)
@@ -325,6 +333,7 @@ class Engine:
         e = self.store.create(key, n, stored_pos, kind)
         if e is None:
             return None, False
+        r.computed_tokens += n
         r.pinned.append(e)
         self.store.record(False, n)
         return e, True
@@ -371,6 +380,7 @@ class Engine:
         table += prefix_entries
         # stage 2: chunks, each encoded alone (isolated) or after the prefix
         pos = P
+        spans = []  # (logical start, ids, first table index, computed now) per chunk
         for c, key in zip(chunks, chunk_keys):
             n = len(c.ids)
             stored = P if self.chunk_context == "prefix" else 0
@@ -383,6 +393,7 @@ class Engine:
             else:
                 r.cached_tokens += n
                 r.cached_chunk_tokens += n
+            spans.append((pos, c.ids, len(table), need))
             table += self._entry_table(ce, pos=pos, delta=pos - stored)
             pos += n
         if r.warm_only:
@@ -411,11 +422,54 @@ class Engine:
                     new_table.append(e)
             table = new_table
             r._copies = copies  # type: ignore[attr-defined]
+        k = self.recompute_first_tokens
+        if k > 0 and spans:
+            ok = self._plan_recompute(r, spans, table, own, suffix.ids, pos, k)
+            if not ok:
+                return False
+        else:
+            r._jobs = _Job(suffix.ids, pos, own, list(table), logit_rows=r.logit_rows)  # type: ignore[attr-defined]
         if self.pool.num_free + self._evictable() < decode_pages:
             return False
-        r._jobs = _Job(suffix.ids, pos, own, list(table), logit_rows=r.logit_rows)  # type: ignore[attr-defined]
+        r.computed_tokens += len(r._jobs.ids)  # type: ignore[attr-defined]
         r.table = table + self._own_table(own, pos, S)
         r.next_pos = pos + S
+        return True
+
+    def _plan_recompute(self, r: Request, spans, table, own, suffix_ids, suffix_pos, k: int) -> bool:
+        """Recompute the first ``k`` tokens of every chunk with full context (EPIC-style),
+        in the same forward as the suffix. The chunk pages holding them are replaced, for
+        this request only, by private copies re-rotated to their logical positions (so the
+        page has one delta, 0), and the recomputed K/V overwrite their slots. ``table``
+        is edited in place."""
+        ps = self.pool.page_size
+        copies = list(getattr(r, "_copies", None) or [])
+        ids, positions, slots = [], [], []
+        for start, cids, t0, computed_now in spans:
+            kk = min(k, len(cids))
+            for j in range(-(-kk // ps)):
+                e = table[t0 + j]
+                if e.page not in r.private_pages:  # lazy: shared page -> private copy
+                    dst = self._alloc_private(r, 1)
+                    if dst is None:
+                        return False
+                    copies.append((e.page, dst[0], e.delta))
+                    table[t0 + j] = e = _TableEntry(dst[0], e.pos, 0, e.length)
+            for i in range(kk):
+                ids.append(cids[i])
+                positions.append(start + i)
+                slots.append(table[t0 + i // ps].page * ps + i % ps)
+            r.recomputed_tokens += kk
+            if not computed_now:  # these tokens were counted as reused: they are not
+                r.cached_tokens -= kk
+                r.cached_chunk_tokens -= kk
+        S = len(suffix_ids)
+        ids += suffix_ids
+        positions += range(suffix_pos, suffix_pos + S)
+        slots += [own[i // ps] * ps + i % ps for i in range(S)]
+        r._copies = copies  # type: ignore[attr-defined]
+        r._jobs = _Job(ids, suffix_pos, [], table + self._own_table(own, suffix_pos, S),  # type: ignore[attr-defined]
+                       logit_rows=r.logit_rows, positions=positions, slots=slots)
         return True
 
     def _plan_full(self, r: Request, decode_pages: int) -> bool:
@@ -452,6 +506,7 @@ class Engine:
         if self.pool.num_free + self._evictable() < decode_pages:
             return False
         r._jobs = _Job(rest, m * ps, own, list(table), logit_rows=r.logit_rows)  # type: ignore[attr-defined]
+        r.computed_tokens = len(rest)
         r._chain = (keys, m)  # type: ignore[attr-defined]
         r.table = table + self._own_table(own, m * ps, len(rest))
         r.next_pos = N
@@ -544,10 +599,15 @@ class Engine:
         for j in jobs:
             n = len(j.ids)
             ids += j.ids
-            pos += range(j.start_pos, j.start_pos + n)
-            slots += [j.own_pages[i // ps] * ps + i % ps for i in range(n)]
+            if j.positions is not None:
+                pos += j.positions
+                slots += j.slots
+                tables.append(j.context)
+            else:
+                pos += range(j.start_pos, j.start_pos + n)
+                slots += [j.own_pages[i // ps] * ps + i % ps for i in range(n)]
+                tables.append(j.context + self._own_table(j.own_pages, j.start_pos, n))
             cu.append(cu[-1] + n)
-            tables.append(j.context + self._own_table(j.own_pages, j.start_pos, n))
             logit_rows += range(cu[-1] - j.logit_rows, cu[-1])
         self.metrics["prefill_tokens"] += len(ids)
         ids_t, rows, meta = self._metadata(ids, pos, slots, cu, tables, max(len(j.ids) for j in jobs), logit_rows)
@@ -708,7 +768,7 @@ class Engine:
             prompt_segments=[(sg.kind, list(sg.ids)) for sg in segs],
             usage=Usage(prompt_tokens=sum(len(sg.ids) for sg in segs), cached_tokens=r.cached_tokens,
                         completion_tokens=0, cached_chunk_tokens=r.cached_chunk_tokens),
-            prefilled_tokens=sum(len(sg.ids) for sg in r.segments) - r.cached_tokens,
+            prefilled_tokens=r.computed_tokens,
             ttft_s=r.first_token_time - r.submit_time)))
 
     def _finish(self, r: Request, error: Exception | None = None) -> None:
