@@ -29,9 +29,22 @@ tiles that need the causal mask. The program finds both bounds with one scan of 
 table row, and never visits tiles past the last entry any of its rows can see. This is
 exact for any table order and tight for the usual order (entries by position).
 
-Decode (one query per sequence) and short prefills split the key range of each sequence
-over ``num_splits`` programs (flash-decoding); a second kernel merges their partial
-outputs by log-sum-exp.
+Decode (one query per sequence, ``_paged_decode_fwd``) rotates the *query* instead: a key
+tile spans ``PPT`` pages with their own deltas, so the program holds ``PPT`` copies of the
+query group, ``R(-delta_p) q`` for each page slot ``p`` of the tile, as extra rows of the
+(anyway padded to 16) MMA, and row group ``p`` sees only its page's keys. Rotating
+``PPT * G`` query rows is a quarter of the work of rotating the keys (G=4, pages of 16),
+and K goes from shared memory to the tensor cores untouched.
+
+Decode and short prefills split the key range of each sequence over ``num_splits``
+programs (flash-decoding); ``_merge_splits`` merges the partial outputs (and decode's
+page-slot row groups) by log-sum-exp.
+
+Measured on an H200 (BENCHMARKS.md, "Kernels (issue 3)"): decode at batch >= 32 runs at
+SDPA's bandwidth; prefill reaches 51-62% of SDPA (flash) and the rotation costs about 20%
+there. The rotated K tile has to go from registers back to shared memory before ``wgmma``
+and the 128x64 tile already sits at 255 registers; cutting that cost needs the rotation
+off the MMA warps' critical path (warp specialization) -- future work.
 
 Every kernel loads in the cache's dtype and computes in float32, so it runs in Triton's
 interpreter (``TRITON_INTERPRET=1``, CPU) with float16/float32 tensors.
@@ -531,7 +544,7 @@ def _prefill_config(d: int, kv_slots: int):
 _LONG_KV = 16384
 _DECODE_CFG = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 4, 2)}  # BLOCK_N, warps, stages
 _CS_PER_PAGE = True
-_PREFETCH = False
+_PREFETCH = True  # measured faster on the H200 at all four shapes tried (BENCHMARKS.md)
 _NUM_SMS: dict = {}
 
 
@@ -592,7 +605,7 @@ def paged_attention_triton(
     config : ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``, for benchmarks.
     cs_per_page : load the cos/sin table once per page and broadcast it over the page's
         slots (``True``) or gather it per slot (``False``); for benchmarks.
-    prefetch : load the next key tile's cos/sin during this one; for benchmarks.
+    prefetch : load the next key tile's cos/sin during this one (default on); for benchmarks.
 
     Returns
     -------
