@@ -129,6 +129,9 @@ class LazyLLM:
         many tokens of every chunk with full context (their KV replaces the cached one for
         that request only; the cache stays reusable). 0 switches it off. Only meaningful
         with ``reuse`` ``lazy`` or ``block``.
+    recompute_ratio : quality recovery: also recompute, with full context, this fraction
+        of the chunk tokens whose keys at an early layer deviate most from full attention
+        (CacheBlend-style selection). 0 switches it off.
     trust_remote_code : passed to transformers; off unless you ask.
     """
 
@@ -147,6 +150,7 @@ class LazyLLM:
         attention_backend: str = "auto",
         max_batch_tokens: int = 8192,
         recompute_first_tokens: int = 0,
+        recompute_ratio: float = 0.0,
         trust_remote_code: bool = False,
         progress: bool = True,
     ):
@@ -159,6 +163,9 @@ class LazyLLM:
         if isinstance(recompute_first_tokens, bool) or not isinstance(recompute_first_tokens, int) \
                 or recompute_first_tokens < 0:
             raise InvalidRequestError(f"recompute_first_tokens must be an int >= 0, got {recompute_first_tokens!r}")
+        if isinstance(recompute_ratio, bool) or not isinstance(recompute_ratio, (int, float)) \
+                or not 0.0 <= recompute_ratio <= 1.0:
+            raise InvalidRequestError(f"recompute_ratio must be in [0, 1], got {recompute_ratio!r}")
         if kv_cache_bytes is not None and (not isinstance(kv_cache_bytes, int) or kv_cache_bytes <= 0):
             raise InvalidRequestError(f"kv_cache_bytes must be a positive int, got {kv_cache_bytes!r}")
         self.reuse = reuse
@@ -204,8 +211,10 @@ class LazyLLM:
         self.eos_token_ids = eos
         self.engine = Engine(self.model, tok, self.store, reuse=reuse, chunk_context=chunk_context,
                              fingerprint=self.fingerprint, eos_ids=eos, max_batch_tokens=max_batch_tokens,
-                             rerotate=rerotate, recompute_first_tokens=recompute_first_tokens)
+                             rerotate=rerotate, recompute_first_tokens=recompute_first_tokens,
+                             recompute_ratio=float(recompute_ratio))
         self.recompute_first_tokens = recompute_first_tokens
+        self.recompute_ratio = float(recompute_ratio)
         # an engine thread still inside torch at interpreter shutdown can abort the
         # process: stop it first (weakly referenced, so the LazyLLM can still be freed)
         _LIVE_ENGINES.add(self.engine)

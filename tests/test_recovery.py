@@ -65,3 +65,52 @@ def test_recompute_leaves_the_shared_cache_untouched(model, tokenizer):
     assert llm.generate("q?", chunks=DOCS[1:4], max_new_tokens=8).token_ids == ref.token_ids
     plain.close()
     llm.close()
+
+
+@pytest.mark.parametrize("reuse,ctx", [("lazy", "isolated"), ("block", "prefix")])
+def test_selective_recompute_of_everything_is_full_attention(model, tokenizer, reuse, ctx):
+    llm = LazyLLM(model=model, tokenizer=tokenizer, reuse=reuse, chunk_context=ctx, recompute_ratio=1.0,
+                  kv_cache_bytes=32 << 20)
+    out = llm.generate("Which item is first?", chunks=DOCS[1:5], max_new_tokens=10)
+    assert out.token_ids == hf_generate(model, out.prompt_token_ids, 10, llm.eos_token_ids)
+    llm.close()
+
+
+def test_selective_recompute_counts_and_reuse(model, tokenizer):
+    kw = dict(model=model, tokenizer=tokenizer, recompute_ratio=0.2, recompute_first_tokens=2,
+              kv_cache_bytes=32 << 20)
+    cold = LazyLLM(**kw)
+    ref = cold.generate("q?", chunks=DOCS[:4], max_new_tokens=8)
+    warm = LazyLLM(**kw)
+    warm.warm(DOCS[:4][::-1])
+    out = warm.generate("q?", chunks=DOCS[:4], max_new_tokens=8)
+    assert out.token_ids == ref.token_ids  # the selection depends only on the chunks' KV
+    lens = [len(ids) for kind, ids in out.prompt_segments if kind == "chunk"]
+    total = sum(lens)
+    recomputed = total - out.usage.cached_chunk_tokens
+    # at least the ratio's share, at most that plus the first-2 tokens of each chunk
+    assert -(-total // 5) <= recomputed <= -(-total // 5) + 2 * len(lens)
+    assert warm.engine.metrics["recovery_skipped"] == 0
+    cold.close()
+    warm.close()
+
+
+def test_key_deviation_is_zero_for_the_first_isolated_chunk_only(model, tokenizer):
+    """In 'prefix' context the first chunk directly follows the prefix, so its cached
+    keys equal full attention's (deviation ~0); later chunks' keys differ."""
+    llm = LazyLLM(model=model, tokenizer=tokenizer, chunk_context="prefix", recompute_ratio=0.1,
+                  kv_cache_bytes=32 << 20)
+    seen = {}
+    real = llm.engine._key_deviation
+
+    def spy(r, spans):
+        d = real(r, spans)
+        seen["dev"], seen["lens"] = d, [len(c) for _, c, _, _, _ in spans]
+        return d
+
+    llm.engine._key_deviation = spy
+    llm.generate("q?", chunks=DOCS[:3], max_new_tokens=1)
+    n0 = seen["lens"][0]
+    assert float(seen["dev"][:n0].max()) < 1e-3
+    assert float(seen["dev"][n0:].max()) > 1e-2
+    llm.close()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import queue
 import threading
 import time
@@ -32,6 +33,7 @@ import torch
 from ..cache.store import ChunkStore, Entry, chunk_key
 from ..errors import CacheCapacityError, ContextLengthError, LazyLLMError, RequestCancelled
 from ..model.llama import AttentionMetadata
+from lazyllm.kernels.reference import rotate_by_delta
 from ..types import GenerationOutput, SamplingParams, ScoreOutput, Usage
 from .decode import DecodeState, GraphRunner
 from .prompt import Segment
@@ -128,7 +130,7 @@ class Engine:
     def __init__(self, model, tokenizer, store: ChunkStore, *, reuse: str, chunk_context: str,
                  fingerprint: str, eos_ids: set[int], max_batch_tokens: int = 8192,
                  max_batch_size: int = 256, cuda_graphs: bool = True, rerotate=None,
-                 recompute_first_tokens: int = 0):
+                 recompute_first_tokens: int = 0, recompute_ratio: float = 0.0, probe_layer: int = 1):
         self.model = model
         self.tok = tokenizer
         self.store = store
@@ -151,10 +153,12 @@ class Engine:
         self._round2: dict[bytes, tuple[Entry, _Job]] = {}
         self.max_batch_size = max_batch_size
         self.recompute_first_tokens = recompute_first_tokens
+        self.recompute_ratio = recompute_ratio
+        self.probe_layer = min(probe_layer, model.spec.num_layers - 1)
         max_entries = -(-model.spec.max_context // self.pool.page_size) + 2
         self.decode_state = DecodeState(max_batch_size, max_entries, self.device)
         self.graphs = GraphRunner(model, self.decode_state, self.pool.k, self.pool.v, enabled=cuda_graphs)
-        self.metrics = {"requests": 0, "failed": 0, "cancelled": 0, "preemptions": 0, "prefill_retries": 0, "prefill_tokens": 0,
+        self.metrics = {"requests": 0, "failed": 0, "cancelled": 0, "preemptions": 0, "prefill_retries": 0, "recovery_skipped": 0, "prefill_tokens": 0,
                         "decode_steps": 0, "decode_tokens": 0}
 
     # -- public, any thread ----------------------------------------------------------
@@ -393,8 +397,9 @@ class Engine:
             else:
                 r.cached_tokens += n
                 r.cached_chunk_tokens += n
-            spans.append((pos, c.ids, len(table), need))
-            table += self._entry_table(ce, pos=pos, delta=pos - stored)
+            entries = self._entry_table(ce, pos=pos, delta=pos - stored)
+            spans.append((pos, c.ids, len(table), need, entries))
+            table += entries
             pos += n
         if r.warm_only:
             r._jobs = None  # type: ignore[attr-defined]
@@ -422,55 +427,92 @@ class Engine:
                     new_table.append(e)
             table = new_table
             r._copies = copies  # type: ignore[attr-defined]
-        k = self.recompute_first_tokens
-        if k > 0 and spans:
-            ok = self._plan_recompute(r, spans, table, own, suffix.ids, pos, k)
-            if not ok:
-                return False
-        else:
-            r._jobs = _Job(suffix.ids, pos, own, list(table), logit_rows=r.logit_rows)  # type: ignore[attr-defined]
         if self.pool.num_free + self._evictable() < decode_pages:
             return False
-        r.computed_tokens += len(r._jobs.ids)  # type: ignore[attr-defined]
+        r._jobs = _Job(suffix.ids, pos, own, list(table), logit_rows=r.logit_rows)  # type: ignore[attr-defined]
+        r._recovery = (spans, table, own, suffix.ids, pos)  # type: ignore[attr-defined]
+        r.computed_tokens += S
         r.table = table + self._own_table(own, pos, S)
         r.next_pos = pos + S
         return True
 
-    def _plan_recompute(self, r: Request, spans, table, own, suffix_ids, suffix_pos, k: int) -> bool:
-        """Recompute the first ``k`` tokens of every chunk with full context (EPIC-style),
-        in the same forward as the suffix. The chunk pages holding them are replaced, for
-        this request only, by private copies re-rotated to their logical positions (so the
-        page has one delta, 0), and the recomputed K/V overwrite their slots. ``table``
-        is edited in place."""
+    def _apply_recovery(self, r: Request) -> None:
+        """Quality recovery, once the request's chunk KV is in the pool: recompute with
+        full context the first ``recompute_first_tokens`` tokens of each chunk and the
+        ``recompute_ratio`` fraction of chunk tokens whose layer-``probe_layer`` keys
+        deviate most from full attention (CacheBlend-style), in the suffix's forward.
+        Pages holding recomputed tokens are replaced, for this request only, by private
+        copies re-rotated to their logical positions (one delta per page: 0); the
+        recomputed K/V overwrite their slots; the shared cache is never written. If the
+        pool cannot give the copies, the request goes ahead without recovery."""
+        spans, table, own, suffix_ids, suffix_pos = r._recovery  # type: ignore[attr-defined]
+        k, ratio = self.recompute_first_tokens, self.recompute_ratio
+        if not spans or (k <= 0 and ratio <= 0):
+            return
+        sel = [set(range(min(k, len(cids)))) for _, cids, _, _, _ in spans]
+        if ratio > 0:
+            dev = self._key_deviation(r, spans)
+            total = sum(len(cids) for _, cids, _, _, _ in spans)
+            n_pick = min(total, int(math.ceil(ratio * total)))
+            flat = [(ci, i) for ci, (_, cids, _, _, _) in enumerate(spans) for i in range(len(cids))]
+            for j in torch.topk(dev, n_pick).indices.tolist():
+                ci, i = flat[j]
+                sel[ci].add(i)
         ps = self.pool.page_size
         copies = list(getattr(r, "_copies", None) or [])
-        ids, positions, slots = [], [], []
-        for start, cids, t0, computed_now in spans:
-            kk = min(k, len(cids))
-            for j in range(-(-kk // ps)):
+        table = list(table)
+        for (start, cids, t0, _, _), chosen in zip(spans, sel):
+            for j in sorted({i // ps for i in chosen}):
                 e = table[t0 + j]
                 if e.page not in r.private_pages:  # lazy: shared page -> private copy
                     dst = self._alloc_private(r, 1)
                     if dst is None:
-                        return False
+                        self.metrics["recovery_skipped"] += 1
+                        return
                     copies.append((e.page, dst[0], e.delta))
-                    table[t0 + j] = e = _TableEntry(dst[0], e.pos, 0, e.length)
-            for i in range(kk):
+                    table[t0 + j] = _TableEntry(dst[0], e.pos, 0, e.length)
+        ids, positions, slots = [], [], []
+        for (start, cids, t0, computed_now, _), chosen in zip(spans, sel):
+            for i in sorted(chosen):
                 ids.append(cids[i])
                 positions.append(start + i)
                 slots.append(table[t0 + i // ps].page * ps + i % ps)
-            r.recomputed_tokens += kk
+            r.recomputed_tokens += len(chosen)
             if not computed_now:  # these tokens were counted as reused: they are not
-                r.cached_tokens -= kk
-                r.cached_chunk_tokens -= kk
+                r.cached_tokens -= len(chosen)
+                r.cached_chunk_tokens -= len(chosen)
+        r.computed_tokens += len(ids)
         S = len(suffix_ids)
         ids += suffix_ids
         positions += range(suffix_pos, suffix_pos + S)
         slots += [own[i // ps] * ps + i % ps for i in range(S)]
         r._copies = copies  # type: ignore[attr-defined]
-        r._jobs = _Job(ids, suffix_pos, [], table + self._own_table(own, suffix_pos, S),  # type: ignore[attr-defined]
-                       logit_rows=r.logit_rows, positions=positions, slots=slots)
-        return True
+        own_table = self._own_table(own, suffix_pos, S)
+        r._jobs = _Job(ids, suffix_pos, [], table + own_table, logit_rows=r.logit_rows,  # type: ignore[attr-defined]
+                       positions=positions, slots=slots)
+        r.table = table + own_table
+
+    def _key_deviation(self, r: Request, spans) -> torch.Tensor:
+        """Per chunk token (in chunk order), the distance between its cached keys at layer
+        ``probe_layer`` and the keys full attention gives it there."""
+        layer = self.probe_layer
+        n_head = spans[-1][0] + len(spans[-1][1])  # prefix + chunks: the suffix is not needed
+        ids = torch.tensor(r.prompt_ids[:n_head], dtype=torch.long, device=self.device)
+        full = self.model.probe_keys(ids, layer)
+        ps = self.pool.page_size
+        pages, slot_idx, deltas, rows = [], [], [], []
+        for start, cids, _, _, entries in spans:
+            for i in range(len(cids)):
+                e = entries[i // ps]
+                pages.append(e.page)
+                slot_idx.append(i % ps)
+                deltas.append(e.delta)
+                rows.append(start + i)
+        dev = self.device
+        cached = self.pool.k[layer][torch.tensor(pages, device=dev), torch.tensor(slot_idx, device=dev)]
+        cached = rotate_by_delta(cached, torch.tensor(deltas, device=dev), self.model.inv_freq)
+        diff = full[torch.tensor(rows, device=dev)].float() - cached.float()
+        return diff.pow(2).sum(dim=(-1, -2)).sqrt()
 
     def _plan_full(self, r: Request, decode_pages: int) -> bool:
         ids = r.prompt_ids
@@ -529,7 +571,6 @@ class Engine:
 
     # -- prefill ---------------------------------------------------------------------
     def _prefill(self, reqs: list[Request]) -> None:
-        stage3 = [(r, r._jobs) for r in reqs if not r.warm_only]  # type: ignore[attr-defined]
         for rnd in (self._round1, self._round2):
             stage = list(rnd.values())
             rnd.clear()
@@ -539,6 +580,11 @@ class Engine:
                 self._run_jobs([j for _, j in stage])
                 for e, _ in stage:
                     e.ready = True
+        for r in reqs:
+            if getattr(r, "_recovery", None) is not None and not r.warm_only:
+                self._apply_recovery(r)
+                r._recovery = None  # type: ignore[attr-defined]
+        stage3 = [(r, r._jobs) for r in reqs if not r.warm_only]  # type: ignore[attr-defined]
         for r in reqs:
             copies = getattr(r, "_copies", None)
             if copies:

@@ -151,6 +151,55 @@ class LlamaFamilyModel:
             bs = [w["bq"], w["bk"], w["bv"]]
             w["bqkv"] = torch.cat([b.data for b in bs]) if all(b is not None for b in bs) else None
 
+    def _qkv(self, h: torch.Tensor, w: dict, cos: torch.Tensor, sin: torch.Tensor):
+        """q ``(n, heads, d)``, k and v ``(n, kv_heads, d)`` of one layer, RoPE applied."""
+        s = self.spec
+        n = h.shape[0]
+        nq, nk = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        x = _rms_norm(h, w["ln1"], s.rms_eps)
+        if "wqkv" in w:
+            qkv = F.linear(x, w["wqkv"], w["bqkv"])
+            q = qkv[:, :nq].view(n, s.num_heads, s.head_dim)
+            k = qkv[:, nq:nq + nk].view(n, s.num_kv_heads, s.head_dim)
+            v = qkv[:, nq + nk:].view(n, s.num_kv_heads, s.head_dim)
+        else:
+            q = F.linear(x, w["wq"], w["bq"]).view(n, s.num_heads, s.head_dim)
+            k = F.linear(x, w["wk"], w["bk"]).view(n, s.num_kv_heads, s.head_dim)
+            v = F.linear(x, w["wv"], w["bv"]).view(n, s.num_kv_heads, s.head_dim)
+        if s.qk_norm:
+            q = _rms_norm(q, w["qn"], s.rms_eps)
+            k = _rms_norm(k, w["kn"], s.rms_eps)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _finish_layer(self, h: torch.Tensor, o: torch.Tensor, w: dict) -> torch.Tensor:
+        """Output projection, residual and MLP of one layer."""
+        s = self.spec
+        h = h + F.linear(o.reshape(h.shape[0], -1), w["wo"], w["bo"])
+        x = _rms_norm(h, w["ln2"], s.rms_eps)
+        if "wgu" in w:
+            g, u = F.linear(x, w["wgu"]).chunk(2, dim=-1)
+            return h + F.linear(F.silu(g) * u, w["wd"])
+        return h + F.linear(F.silu(F.linear(x, w["wg"])) * F.linear(x, w["wu"]), w["wd"])
+
+    @torch.inference_mode()
+    def probe_keys(self, input_ids: torch.Tensor, layer: int) -> torch.Tensor:
+        """Keys of ``layer`` for a token sequence under full causal attention, computed
+        densely (no pages): what CacheBlend compares with cached keys to find the tokens
+        whose KV deviates most. ``input_ids`` ``(n,)`` at positions ``0..n-1``; returns
+        ``(n, num_kv_heads, head_dim)`` rotated at those positions."""
+        s = self.spec
+        n = input_ids.shape[0]
+        pos = torch.arange(n, device=input_ids.device)
+        cos, sin = rope_cos_sin(pos, self.inv_freq, s.rope_scale)
+        h = F.embedding(input_ids, self.embed)
+        for w in self.layers[:layer]:
+            q, k, v = self._qkv(h, w, cos, sin)
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
+                scale=s.sm_scale, enable_gqa=s.num_heads != s.num_kv_heads)[0].transpose(0, 1)
+            h = self._finish_layer(h, o, w)
+        return self._qkv(h, self.layers[layer], cos, sin)[1]
+
     @torch.inference_mode()
     def forward(
         self,
@@ -179,37 +228,15 @@ class LlamaFamilyModel:
         h = F.embedding(input_ids, self.embed)
         cos, sin = rope_cos_sin(meta.positions, self.inv_freq, s.rope_scale)
         extras = self.step_extras(meta, self.inv_freq) if self.step_extras else {}
-        nq, nk = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         for li, w in enumerate(self.layers):
-            x = _rms_norm(h, w["ln1"], s.rms_eps)
-            if "wqkv" in w:
-                qkv = F.linear(x, w["wqkv"], w["bqkv"])
-                q = qkv[:, :nq].view(n, s.num_heads, s.head_dim)
-                k = qkv[:, nq:nq + nk].view(n, s.num_kv_heads, s.head_dim)
-                v = qkv[:, nq + nk:].view(n, s.num_kv_heads, s.head_dim)
-            else:
-                q = F.linear(x, w["wq"], w["bq"]).view(n, s.num_heads, s.head_dim)
-                k = F.linear(x, w["wk"], w["bk"]).view(n, s.num_kv_heads, s.head_dim)
-                v = F.linear(x, w["wv"], w["bv"]).view(n, s.num_kv_heads, s.head_dim)
-            if s.qk_norm:
-                q = _rms_norm(q, w["qn"], s.rms_eps)
-                k = _rms_norm(k, w["kn"], s.rms_eps)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
+            q, k, v = self._qkv(h, w, cos, sin)
             self.write_kv(k_cache[li], v_cache[li], meta.slot_mapping, k, v)
             o = self.attention(
                 q, meta.positions, meta.cu_seqlens_q, k_cache[li], v_cache[li],
                 meta.block_table, meta.block_pos, meta.block_delta, meta.block_len,
                 self.inv_freq, s.sm_scale, **extras,
             )
-            h = h + F.linear(o.reshape(n, -1), w["wo"], w["bo"])
-            x = _rms_norm(h, w["ln2"], s.rms_eps)
-            if "wgu" in w:
-                gu = F.linear(x, w["wgu"])
-                g, u = gu.chunk(2, dim=-1)
-                h = h + F.linear(F.silu(g) * u, w["wd"])
-            else:
-                h = h + F.linear(F.silu(F.linear(x, w["wg"])) * F.linear(x, w["wu"]), w["wd"])
+            h = self._finish_layer(h, o, w)
             if stop_after_layer is not None and li == stop_after_layer:
                 return h
         if logits_index is not None:
