@@ -1,0 +1,84 @@
+"""The quality benchmark's --quick slice (issue 7): sanity of its measurements, and the
+configured default setting against the issue's thresholds.
+
+Runs the real default model on CPU (about a minute and a half on 2 cores)."""
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "quality.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("lazyllm_quality_benchmark", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+quality = _load()
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("quality") / "quick.json"
+    res = quality.main(["--quick", "--quiet", "--json", str(out)])
+    assert "error" not in res, res.get("error")
+    assert out.exists()
+    return res
+
+
+def _rows(result):
+    return {r["setting"]: r for r in result["results"]}
+
+
+def test_full_attention_against_itself_is_exact(result):
+    self_check = [r for r in result["results"] if r["is_reference"]]
+    assert len(self_check) == 1
+    r = self_check[0]
+    assert r["top1"] == 1.0
+    assert abs(r["kl"]) <= 1e-6 and r["kl_max"] <= 1e-6
+    assert r["recompute_frac"] == 0.0
+
+
+def test_every_setting_is_in_range(result):
+    assert result["results"], "no setting was measured"
+    for r in result["results"]:
+        assert 0.0 <= r["top1"] <= 1.0, r["setting"]
+        assert r["kl"] >= 0.0 and math.isfinite(r["kl"]), r["setting"]
+        assert 0.0 <= r["greedy_match"] <= 1.0, r["setting"]
+        assert r["needle_acc"] is None or 0.0 <= r["needle_acc"] <= 1.0, r["setting"]
+        assert r["recompute_frac"] >= 0.0, r["setting"]
+        assert r["tokens"] > 0 and r["ttft_ms"] > 0, r["setting"]
+        # warmed chunks: without recovery nothing but the question and answer is prefilled
+        if r["recovery"] == "none":
+            assert r["uncached_prompts"] == 0, r["setting"]
+
+
+def test_isolated_chunks_without_recovery_differ_from_full_attention(result):
+    r = _rows(result)["lazy/isolated/none"]
+    assert r["kl"] > 0.0
+    assert r["top1"] < 1.0 or r["kl"] > 1e-4
+
+
+def test_default_setting_meets_issue_thresholds(result, request):
+    """The setting ``LazyLLM()`` runs with reaches the issue's targets on this slice."""
+    avail = result["options_available"]
+    if not avail.get("recompute_first_tokens"):
+        # expected to fail only while the engine's recovery option has not landed
+        request.applymarker(pytest.mark.xfail(
+            strict=False, reason="LazyLLM has no recompute_first_tokens option yet (recovery not landed)"))
+    default = [r for r in result["results"] if r["is_default"]]
+    assert len(default) == 1, [r["setting"] for r in result["results"]]
+    d = default[0]
+    t = result["thresholds"]
+    assert d["top1"] >= t["top1"], f"{d['setting']}: top-1 {d['top1']:.3f} < {t['top1']}"
+    assert d["kl"] <= t["kl"], f"{d['setting']}: KL {d['kl']:.4f} > {t['kl']}"
+    assert d["recompute_frac"] <= d["recompute_max"], \
+        f"{d['setting']}: recomputes {d['recompute_frac']:.3f} of chunk tokens > {d['recompute_max']}"
+    if d["needle_rel"] is not None:
+        assert d["needle_rel"] >= t["needle_rel"], f"{d['setting']}: needle {d['needle_rel']:.3f} of full's"
