@@ -106,3 +106,20 @@ def test_prompt_segments_are_the_logical_sequence(tokenizer):
     assert out.usage.prompt_tokens == len(out.prompt_token_ids)
     assert out.chunk_ids == [None, "g"]
     llm.close()
+
+
+@pytest.mark.parametrize("reuse,ctx", [("lazy", "isolated"), ("lazy", "prefix"), ("block", "isolated")])
+def test_triton_backend_on_cpu_interpreter_matches_transformers(tokenizer, reuse, ctx):
+    """attention_backend='triton' on CPU runs the real kernels in Triton's interpreter."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter path is for CPU-only machines")
+    model = make_tiny("qwen3", seed=2)
+    llm = _llm(model, tokenizer, reuse=reuse, chunk_context=ctx, attention_backend="triton")
+    assert llm.attention_backend == "triton"
+    for docs in (DOCS[:2], DOCS[1::-1]):
+        out = llm.generate("Which?", chunks=docs, max_new_tokens=4)
+        ref = reference_tokens(model, out.prompt_segments, reuse, ctx, 4, llm.eos_token_ids)
+        assert out.token_ids == ref
+    llm.close()
