@@ -82,6 +82,7 @@ def main():
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the default model's)")
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from transformers import AutoTokenizer
@@ -102,7 +103,7 @@ def main():
     bw = copy_bandwidth()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - \
         model.model.embed_tokens.weight.numel() * 2  # embeddings: one row per token, not read whole
-    llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=48 << 30, page_size=16)
+    llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=48 << 30, page_size=args.page_size)
     llm.engine.eos_ids = set()  # random weights: run every request to its length
     results = {"device": torch.cuda.get_device_name(), "copy_TBps": bw / 1e12, "date": time.strftime("%Y-%m-%d")}
     chunks = [text_of_tokens(llm, 510, seed=i) for i in range(8)]
@@ -149,8 +150,8 @@ def main():
         results[f"decode_b{batch}_floor_ms"] = floor * 1e3
     results["graphs"] = sorted(llm.engine.graphs.graphs)
     results["metrics"] = llm.engine.metrics
-    print(f"\nEngine on {results['device']}, Llama-3.1-8B shapes, random bf16 weights, {results['date']}; "
-          f"copy {results['copy_TBps']:.2f} TB/s")
+    print(f"\nEngine on {results['device']}, Llama-3.1-8B shapes, random bf16 weights, page size {args.page_size}, "
+          f"{results['date']}; copy {results['copy_TBps']:.2f} TB/s")
     print("| figure | measured | reference |")
     print("| --- | ---: | --- |")
     print(f"| TTFT, {results['cached_tokens']} cached chunk tokens + {results['suffix_tokens']}-token suffix | "

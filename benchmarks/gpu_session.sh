@@ -11,8 +11,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 what=${*:-tests engine}
 for w in $what; do
   case $w in
-    tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
-    engine) python3 benchmarks/engine.py --tokenizer .carry/tok --json "$OUT/engine.json" 2>&1 | tee "$OUT/engine.log" | grep -v Warn | tail -12 ;;
+    tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -6 ;;
+    engine) python3 benchmarks/engine.py --tokenizer .carry/tok --json "$OUT/engine.json" 2>&1 | tee "$OUT/engine.log" | grep -v Warn | tail -9 ;;
+    engine64) python3 benchmarks/engine.py --tokenizer .carry/tok --page-size 64 --json "$OUT/engine64.json" 2>&1 | tee "$OUT/engine64.log" | grep -v Warn | tail -9 ;;
     profile) python3 benchmarks/profile_engine.py --tokenizer .carry/tok 2>&1 | tee "$OUT/profile.log" | grep -v Warn | tail -70 ;;
     kernels) python3 benchmarks/kernels.py --out "$OUT" 2>&1 | tee "$OUT/kernels.log" | tail -40 ;;
   esac
