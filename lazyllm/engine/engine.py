@@ -159,7 +159,7 @@ class Engine:
         self.decode_state = DecodeState(max_batch_size, max_entries, self.device)
         self.graphs = GraphRunner(model, self.decode_state, self.pool.k, self.pool.v, enabled=cuda_graphs)
         self.metrics = {"requests": 0, "failed": 0, "cancelled": 0, "preemptions": 0, "prefill_retries": 0, "recovery_skipped": 0, "prefill_tokens": 0,
-                        "decode_steps": 0, "decode_tokens": 0}
+                        "decode_steps": 0, "decode_tokens": 0, "peak_pages": 0}
 
     # -- public, any thread ----------------------------------------------------------
     def submit(self, req: Request) -> Request:
@@ -223,6 +223,9 @@ class Engine:
     def _step(self) -> None:
         self._drop_cancelled()
         admitted = self._admit()
+        used = self.pool.num_pages - self.pool.num_free
+        if used > self.metrics["peak_pages"]:
+            self.metrics["peak_pages"] = used
         if admitted:
             try:
                 self._prefill(admitted)
@@ -245,6 +248,9 @@ class Engine:
                 log.exception("decode failed")
                 for r in decoding:
                     self._finish(r, error=e)
+        used = self.pool.num_pages - self.pool.num_free
+        if used > self.metrics["peak_pages"]:
+            self.metrics["peak_pages"] = used
 
     def _drop_cancelled(self) -> None:
         now = time.perf_counter()
