@@ -23,13 +23,11 @@ into this text: they always travel as chunks, whichever message carried them.
 """
 from __future__ import annotations
 
-import asyncio
-import atexit
-import weakref
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator
+from typing import Any
 
 from lazyllm import Chunk, GenerationOutput, InvalidRequestError, LazyLLM
+from lazyllm.api import TextStream
 
 HISTORY_HEADER = "Conversation so far:"
 ROLE_LABELS = {"user": "User", "assistant": "Assistant", "tool": "Tool", "system": "System"}
@@ -106,19 +104,9 @@ def device_from_hf(device: Any) -> str | None:
 # -- the engine ----------------------------------------------------------------------
 
 def build_engine(*args: Any, **kwargs: Any) -> LazyLLM:
-    """``LazyLLM(*args, **kwargs)`` for an adapter that builds its own engine, stopped at
-    interpreter exit. (An engine left running when Python shuts down can abort the
-    process, exit status 134, "terminate called without an active exception"; closing it
-    first avoids that. Engines the caller passes in stay the caller's to close.)"""
-    engine = LazyLLM(*args, **kwargs)
-    atexit.register(_close_if_alive, weakref.ref(engine))
-    return engine
-
-
-def _close_if_alive(ref: "weakref.ref[LazyLLM]") -> None:
-    engine = ref()
-    if engine is not None:
-        engine.close()
+    """``LazyLLM(*args, **kwargs)`` for an adapter that builds its own engine (the core
+    stops every engine at interpreter exit)."""
+    return LazyLLM(*args, **kwargs)
 
 
 def resolve_lazyllm(obj: Any) -> LazyLLM:
@@ -133,59 +121,11 @@ def resolve_lazyllm(obj: Any) -> LazyLLM:
         f"expected a LazyLLM or a lazyllm integration model, got {type(obj).__name__}")
 
 
-class GenerationStream:
-    """Text deltas of one request, with the full ``GenerationOutput`` (usage, TTFT,
-    finish reason) in ``.output`` once the iteration ends.
-
-    The request is validated when the stream is made (bad input raises at once), and
-    submitted when iteration starts. Stopping early (``break``, ``close()``, task
-    cancellation) cancels the request and frees its pages.
-
-    ``LazyLLM.stream``/``astream`` yield only text and keep the final result to
-    themselves, while the frameworks want usage and TTFT on the last streamed piece. So
-    this uses the engine's request protocol directly (``LazyLLM._request``, then
-    ``engine.submit`` and the request's event queue), the one place in the integrations
-    that reaches below the public API. A public stream object exposing ``.output`` once
-    exhausted would let this class go.
-    """
-
-    def __init__(self, llm: LazyLLM, request: RagRequest, **sampling: Any):
-        self._llm = llm
-        self._req = llm._request(request.question, request.chunks, request.system, **sampling)
-        self.output: GenerationOutput | None = None
-
-    def __iter__(self) -> Iterator[str]:
-        req = self._req
-        self._llm.engine.submit(req)
-        try:
-            while True:
-                kind, val = req.events.get()
-                if kind == "delta":
-                    yield val
-                elif kind == "done":
-                    self.output = val
-                    return
-                else:
-                    raise val
-        finally:
-            req.cancelled.set()  # no-op once finished
-
-    async def __aiter__(self) -> AsyncIterator[str]:
-        req = self._req
-        loop = asyncio.get_running_loop()
-        self._llm.engine.submit(req)
-        try:
-            while True:
-                kind, val = await loop.run_in_executor(None, req.events.get)
-                if kind == "delta":
-                    yield val
-                elif kind == "done":
-                    self.output = val
-                    return
-                else:
-                    raise val
-        finally:
-            req.cancelled.set()
+def GenerationStream(llm: LazyLLM, request: RagRequest, **sampling: Any) -> TextStream:
+    """Text deltas of one request (``for`` or ``async for``), with the full
+    ``GenerationOutput`` (usage, TTFT, finish reason) in ``.output`` once the iteration
+    ends: ``LazyLLM.stream``, taking a ``RagRequest``."""
+    return llm.stream(request.question, request.chunks, request.system, **sampling)
 
 
 def usage_dict(out: GenerationOutput) -> dict[str, Any]:

@@ -84,22 +84,68 @@ def _close_engines() -> None:
 
 
 class TextStream:
-    """Iterator of text deltas of one request; once exhausted, ``output`` holds the
-    ``GenerationOutput`` (usage, TTFT, finish reason). ``close()`` or abandoning it
-    cancels the request and frees its pages."""
+    """Text deltas of one request, for ``for`` or ``async for``; once the iteration ends,
+    ``output`` holds the ``GenerationOutput`` (usage, TTFT, finish reason).
 
-    def __init__(self, gen):
-        self._gen = gen
+    The request is validated when the stream is made (bad input raises at once) and
+    submitted when iteration starts. Stopping early (``break``, ``close()``, task
+    cancellation) cancels the request and frees its pages.
+    """
+
+    def __init__(self, engine: Engine, req: Request):
+        self._engine, self._req = engine, req
+        self._sync: Iterator[str] | None = None
         self.output: GenerationOutput | None = None
 
-    def __iter__(self):
+    def _handle(self, kind, val) -> bool:
+        """True when the stream is over; raises the request's error."""
+        if kind == "done":
+            self.output = val
+            return True
+        if kind == "error":
+            raise val
+        return False
+
+    def _iterate(self) -> Iterator[str]:
+        req = self._req
+        self._engine.submit(req)
+        try:
+            while True:
+                kind, val = req.events.get()
+                if kind == "delta":
+                    yield val
+                elif self._handle(kind, val):
+                    return
+        finally:
+            req.cancelled.set()  # no-op once finished
+
+    def __iter__(self) -> "TextStream":
         return self
 
     def __next__(self) -> str:
-        return next(self._gen)
+        if self._sync is None:
+            self._sync = self._iterate()
+        return next(self._sync)
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        req = self._req
+        loop = asyncio.get_running_loop()
+        self._engine.submit(req)
+        try:
+            while True:
+                kind, val = await loop.run_in_executor(None, req.events.get)
+                if kind == "delta":
+                    yield val
+                elif self._handle(kind, val):
+                    return
+        finally:
+            req.cancelled.set()
 
     def close(self) -> None:
-        self._gen.close()
+        if self._sync is not None:
+            self._sync.close()
+        else:
+            self._req.cancelled.set()
 
 
 class LazyLLM:
@@ -295,27 +341,10 @@ class LazyLLM:
 
     def stream(self, question: str, chunks=None, system=None, **kw) -> TextStream:
         """Like ``generate`` but yields text deltas as they are decoded; the returned
-        ``TextStream`` has ``.output`` (the ``GenerationOutput``) once exhausted. Stopping
-        the iteration (``break``, ``close()``) cancels the request and frees its pages."""
-        req = self._request(question, chunks, system, **kw)
-        ts = TextStream(None)
-        ts._gen = self._stream(req, ts)
-        return ts
-
-    def _stream(self, req: Request, ts: TextStream) -> Iterator[str]:
-        self.engine.submit(req)
-        try:
-            while True:
-                kind, val = req.events.get()
-                if kind == "delta":
-                    yield val
-                elif kind == "done":
-                    ts.output = val
-                    return
-                else:
-                    raise val
-        finally:
-            req.cancelled.set()  # no-op if finished; frees pages if the caller stopped early
+        ``TextStream`` also works with ``async for``, and has ``.output`` (the
+        ``GenerationOutput``) once exhausted. Stopping the iteration (``break``,
+        ``close()``) cancels the request and frees its pages."""
+        return TextStream(self.engine, self._request(question, chunks, system, **kw))
 
     async def agenerate(self, question: str, chunks=None, system=None, **kw) -> GenerationOutput:
         """Async ``generate``: cancelling the task cancels the request."""
@@ -329,22 +358,9 @@ class LazyLLM:
             req.cancelled.set()
             raise
 
-    async def astream(self, question: str, chunks=None, system=None, **kw) -> AsyncIterator[str]:
-        """Async ``stream``."""
-        req = self._request(question, chunks, system, **kw)
-        loop = asyncio.get_running_loop()
-        self.engine.submit(req)
-        try:
-            while True:
-                kind, val = await loop.run_in_executor(None, req.events.get)
-                if kind == "delta":
-                    yield val
-                elif kind == "done":
-                    return
-                else:
-                    raise val
-        finally:
-            req.cancelled.set()
+    def astream(self, question: str, chunks=None, system=None, **kw) -> TextStream:
+        """Async ``stream``: ``async for delta in llm.astream(...)``."""
+        return self.stream(question, chunks, system, **kw)
 
     def generate_batch(self, requests: Sequence[dict | str], **common) -> list[GenerationOutput]:
         """Run many requests together (batched prefill and decode). Each item is a

@@ -186,7 +186,11 @@ class ChunkStore:
         with self._lock:
             c = self.counters
             lookups = c.hits + c.misses
-            resident_pages = sum(len(e.pages) for e in self.entries.values())
+            # one snapshot, taken by C code without releasing the GIL: the engine thread
+            # mutates ``entries`` without this lock, and iterating it live from another
+            # thread raises "OrderedDict mutated during iteration"
+            entries = list(self.entries.values())
+            resident_pages = sum(len(e.pages) for e in entries)
             page_bytes = self.pool.k[0, 0].numel() * self.pool.k.element_size() * 2 * self.pool.k.shape[0]
             return {
                 "hits": c.hits,
@@ -196,9 +200,9 @@ class ChunkStore:
                 "computed_tokens": c.computed_tokens,
                 "evictions": c.evictions,
                 "evicted_tokens": c.evicted_tokens,
-                "entries": len(self.entries),
-                "pinned_entries": sum(1 for e in self.entries.values() if e.pins > 0),
-                "resident_tokens": sum(e.num_tokens for e in self.entries.values()),
+                "entries": len(entries),
+                "pinned_entries": sum(1 for e in entries if e.pins > 0),
+                "resident_tokens": sum(e.num_tokens for e in entries),
                 "resident_bytes": resident_pages * page_bytes,
                 "pool_pages": self.pool.num_pages,
                 "free_pages": self.pool.num_free,

@@ -224,7 +224,6 @@ class LlamaFamilyModel:
         ``(len(logits_index), vocab)`` float32 logits.
         """
         s = self.spec
-        n = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)
         cos, sin = rope_cos_sin(meta.positions, self.inv_freq, s.rope_scale)
         extras = self.step_extras(meta, self.inv_freq) if self.step_extras else {}
