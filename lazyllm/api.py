@@ -178,6 +178,10 @@ class LazyLLM:
     recompute_ratio : quality recovery: also recompute, with full context, this fraction
         of the chunk tokens whose keys at an early layer deviate most from full attention
         (CacheBlend-style selection). 0 switches it off.
+    kv_disk_dir, kv_disk_bytes : an optional persistent tier for chunk KV (safetensors
+        files, validated against the model fingerprint, settings and a checksum; atomic
+        writes; LRU size cap): chunks computed once survive restarts. Written in the
+        background; ``close()`` waits for pending writes.
     trust_remote_code : passed to transformers; off unless you ask.
     """
 
@@ -197,6 +201,8 @@ class LazyLLM:
         max_batch_tokens: int = 8192,
         recompute_first_tokens: int = 0,
         recompute_ratio: float = 0.0,
+        kv_disk_dir: str | os.PathLike | None = None,
+        kv_disk_bytes: int = 16 << 30,
         trust_remote_code: bool = False,
         progress: bool = True,
     ):
@@ -258,12 +264,24 @@ class LazyLLM:
         self.engine = Engine(self.model, tok, self.store, reuse=reuse, chunk_context=chunk_context,
                              fingerprint=self.fingerprint, eos_ids=eos, max_batch_tokens=max_batch_tokens,
                              rerotate=rerotate, recompute_first_tokens=recompute_first_tokens,
-                             recompute_ratio=float(recompute_ratio))
+                             recompute_ratio=float(recompute_ratio), disk=self._open_disk(kv_disk_dir, kv_disk_bytes))
         self.recompute_first_tokens = recompute_first_tokens
         self.recompute_ratio = float(recompute_ratio)
         # an engine thread still inside torch at interpreter shutdown can abort the
         # process: stop it first (weakly referenced, so the LazyLLM can still be freed)
         _LIVE_ENGINES.add(self.engine)
+
+    def _open_disk(self, directory, max_bytes):
+        if directory is None:
+            return None
+        from .cache.disk import DiskKVStore
+
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+            raise InvalidRequestError(f"kv_disk_bytes must be a positive int, got {max_bytes!r}")
+        if self.reuse not in ("lazy", "block"):
+            raise InvalidRequestError("kv_disk_dir needs reuse='lazy' or 'block' (the modes that cache chunks)")
+        return DiskKVStore(directory, max_bytes, fingerprint=self.fingerprint,
+                           settings={"chunk_context": self.chunk_context, "dtype": str(self.dtype)})
 
     # -- requests ------------------------------------------------------------------
     def _request(self, question, chunks, system, *, max_new_tokens=64, temperature=0.0, top_p=1.0, top_k=0,

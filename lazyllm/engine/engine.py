@@ -130,7 +130,8 @@ class Engine:
     def __init__(self, model, tokenizer, store: ChunkStore, *, reuse: str, chunk_context: str,
                  fingerprint: str, eos_ids: set[int], max_batch_tokens: int = 8192,
                  max_batch_size: int = 256, cuda_graphs: bool = True, rerotate=None,
-                 recompute_first_tokens: int = 0, recompute_ratio: float = 0.0, probe_layer: int = 1):
+                 recompute_first_tokens: int = 0, recompute_ratio: float = 0.0, probe_layer: int = 1,
+                 disk=None):
         self.model = model
         self.tok = tokenizer
         self.store = store
@@ -153,12 +154,16 @@ class Engine:
         self._round2: dict[bytes, tuple[Entry, _Job]] = {}
         self.max_batch_size = max_batch_size
         self.recompute_first_tokens = recompute_first_tokens
+        self.disk = disk  # optional DiskKVStore: chunk KV that survives restarts
+        if disk is not None:
+            self._disk_queue: queue.Queue = queue.Queue()
+            threading.Thread(target=self._disk_writer, name="lazyllm-disk", daemon=True).start()
         self.recompute_ratio = recompute_ratio
         self.probe_layer = min(probe_layer, model.spec.num_layers - 1)
         max_entries = -(-model.spec.max_context // self.pool.page_size) + 2
         self.decode_state = DecodeState(max_batch_size, max_entries, self.device)
         self.graphs = GraphRunner(model, self.decode_state, self.pool.k, self.pool.v, enabled=cuda_graphs)
-        self.metrics = {"requests": 0, "failed": 0, "cancelled": 0, "preemptions": 0, "prefill_retries": 0, "recovery_skipped": 0, "prefill_tokens": 0,
+        self.metrics = {"requests": 0, "failed": 0, "cancelled": 0, "preemptions": 0, "prefill_retries": 0, "recovery_skipped": 0, "disk_hits": 0, "prefill_tokens": 0,
                         "decode_steps": 0, "decode_tokens": 0, "peak_pages": 0}
 
     # -- public, any thread ----------------------------------------------------------
@@ -187,6 +192,7 @@ class Engine:
         return self.call(clear)
 
     def close(self) -> None:
+        self.flush_disk()
         self._stop = True
         self.inbox.put(None)  # type: ignore[arg-type]
         if self._thread is not None:
@@ -343,10 +349,62 @@ class Engine:
         e = self.store.create(key, n, stored_pos, kind)
         if e is None:
             return None, False
-        r.computed_tokens += n
         r.pinned.append(e)
+        if self.disk is not None and self._load_from_disk(e):
+            self.store.record(True, n)
+            self.metrics["disk_hits"] += 1
+            return e, False
+        r.computed_tokens += n
         self.store.record(False, n)
         return e, True
+
+    # -- persistent tier --------------------------------------------------------------
+    def _load_from_disk(self, e: Entry) -> bool:
+        """Fill a fresh entry's pages from the disk tier; False if it has no valid file."""
+        got = self.disk.get(e.key)
+        if got is None:
+            return False
+        k, v, n, stored = got
+        if n != e.num_tokens or stored != e.stored_pos or k.dtype != self.pool.k.dtype:
+            return False
+        L, _, ps, h, d = self.pool.k.shape
+        idx = torch.tensor(e.pages, device=self.device)
+        for cache, t in ((self.pool.k, k), (self.pool.v, v)):
+            buf = torch.zeros((L, len(e.pages) * ps, h, d), dtype=cache.dtype)
+            buf[:, :n] = t
+            cache[:, idx] = buf.view(L, len(e.pages), ps, h, d).to(self.device)
+        e.ready = True
+        return True
+
+    def _save_to_disk(self, entries: list[Entry]) -> None:
+        """Queue freshly computed segments for the disk tier's writer thread (the copy to
+        host happens here; the file write, fsync included, off the engine thread)."""
+        for e in entries:
+            if e.kind not in ("chunk", "prefix") or e.key in self.disk:
+                continue
+            idx = torch.tensor(e.pages, device=self.device)
+            L, _, ps, h, d = self.pool.k.shape
+            k = self.pool.k[:, idx].reshape(L, -1, h, d)[:, : e.num_tokens].to("cpu", copy=True)
+            v = self.pool.v[:, idx].reshape(L, -1, h, d)[:, : e.num_tokens].to("cpu", copy=True)
+            self._disk_queue.put((e.key, k, v, e.num_tokens, e.stored_pos))
+
+    def _disk_writer(self) -> None:
+        while True:
+            item = self._disk_queue.get()
+            try:
+                if item is None:
+                    return
+                key, k, v, n, stored = item
+                self.disk.put(key, k, v, num_tokens=n, stored_pos=stored)
+            except Exception:  # a failed write only loses a cache file
+                log.exception("disk tier write failed")
+            finally:
+                self._disk_queue.task_done()
+
+    def flush_disk(self) -> None:
+        """Wait until every queued disk write has finished."""
+        if self.disk is not None:
+            self._disk_queue.join()
 
     def _segment_keys(self, r: Request) -> tuple[bytes, list[bytes]]:
         """Cache keys of the request's prefix and chunks (computed once per request)."""
@@ -586,6 +644,8 @@ class Engine:
                 self._run_jobs([j for _, j in stage])
                 for e, _ in stage:
                     e.ready = True
+                if self.disk is not None:
+                    self._save_to_disk([e for e, _ in stage])
         for r in reqs:
             if getattr(r, "_recovery", None) is not None and not r.warm_only:
                 self._apply_recovery(r)
