@@ -38,3 +38,24 @@ def test_gguf_file_and_cached_default_agree(default_llm_parts):
     assert a.generate("What is the capital of France?", **q).token_ids == \
         b.generate("What is the capital of France?", **q).token_ids
     assert a.fingerprint == b.fingerprint
+
+
+def test_safe_defaults_no_remote_code_and_no_network(tmp_path, tokenizer, monkeypatch):
+    """trust_remote_code is off unless asked for, and local loading never needs the network
+    (with the hub forced offline, a local folder and the default model still load)."""
+    import inspect
+
+    import huggingface_hub
+
+    assert inspect.signature(LazyLLM.__init__).parameters["trust_remote_code"].default is False
+    calls = []
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download",
+                        lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(OSError("network")))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = make_tiny("llama", seed=6)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    llm = LazyLLM(str(tmp_path), device="cpu", kv_cache_bytes=8 << 20)
+    assert llm.generate("q?", max_new_tokens=1).usage.completion_tokens == 1
+    llm.close()
+    assert calls == []
