@@ -55,3 +55,16 @@ def test_get_ignores_entries_not_yet_written():
     assert s.get(b"x") is None
     e.ready = True
     assert s.get(b"x") is e
+
+
+def test_double_free_and_key_overwrite_are_refused():
+    s = _store(pages=4)
+    pages = s.pool.alloc(2)
+    s.pool.free(pages)
+    with pytest.raises(RuntimeError, match="twice"):
+        s.pool.free(pages[:1])
+    s.create(b"x", 4, 0, "chunk")
+    with pytest.raises(ValueError):
+        s.create(b"x", 4, 0, "chunk")
+    with pytest.raises(ValueError):
+        s.adopt(b"x", [3], 4, 0, "page")

@@ -74,6 +74,7 @@ class PagePool:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.scratch_page = num_pages
         self._free = list(range(num_pages - 1, -1, -1))
+        self._is_free = bytearray(b"\x01") * num_pages  # catches a double free at once
 
     @staticmethod
     def page_bytes(num_layers, num_kv_heads, head_dim, page_size, dtype) -> int:
@@ -86,9 +87,16 @@ class PagePool:
     def alloc(self, n: int) -> list[int] | None:
         if n > len(self._free):
             return None
-        return [self._free.pop() for _ in range(n)]
+        out = [self._free.pop() for _ in range(n)]
+        for p in out:
+            self._is_free[p] = 0
+        return out
 
     def free(self, pages: list[int]) -> None:
+        for p in pages:
+            if self._is_free[p]:
+                raise RuntimeError(f"page {p} freed twice")
+            self._is_free[p] = 1
         self._free.extend(pages)
 
 
@@ -151,6 +159,8 @@ class ChunkStore:
 
     def create(self, key: bytes, num_tokens: int, stored_pos: int, kind: str) -> Entry | None:
         """Allocate a new (not yet ready) pinned entry; ``None`` if the pool is full."""
+        if key in self.entries:  # replacing it would leak the old entry's pages
+            raise ValueError("a cache entry with this key exists")
         ps = self.pool.page_size
         pages = self.alloc_pages(-(-num_tokens // ps))
         if pages is None:
@@ -162,6 +172,8 @@ class ChunkStore:
     def adopt(self, key: bytes, pages: list[int], num_tokens: int, stored_pos: int, kind: str) -> Entry:
         """Register already-written pages (e.g. a full page of a request's prompt) as a
         cached entry, pinned once for the caller."""
+        if key in self.entries:
+            raise ValueError("a cache entry with this key exists")
         e = Entry(key=key, pages=pages, num_tokens=num_tokens, stored_pos=stored_pos, kind=kind, pins=1, ready=True)
         self.entries[key] = e
         return e
