@@ -31,8 +31,9 @@ per setting:
 - TTFT: median over ``--ttft-prompts`` solo requests (one new token): cold for full
   attention (it caches nothing), warm chunk cache for the chunked settings.
 
-Greedy answers are generated with ``generate_batch`` (one batch per setting, the same
-prompts in the same order); scores and TTFT requests run one at a time.
+Greedy answers are generated with ``generate_batch``, and ``--score-workers`` score requests
+are in flight at once so that the engine batches them (the full-attention self-check row
+would show it if batching changed the numbers); the TTFT requests run one at a time.
 
     python benchmarks/quality.py                      # full run, default model, CPU
     python benchmarks/quality.py --quick              # a small slice (CI)
@@ -58,6 +59,7 @@ import statistics
 import sys
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -78,9 +80,16 @@ THRESHOLDS = {"top1": 0.97, "kl": 0.01, "recompute": 0.15, "recompute_long": 0.0
 # recovery options of the contract: LazyLLM keyword -> setting label prefix
 RECOVERY_OPTIONS = {"recompute_first_tokens": "first", "recompute_ratio": "ratio"}
 _OFF = {"recompute_first_tokens": 0, "recompute_ratio": 0.0}
-# LazyLLM keywords that do not change what the model computes
+# LazyLLM keywords that do not change what the model computes (by name, or by these name
+# fragments: storage, batching and loading options)
 _NEUTRAL_KW = {"self", "model_name_or_path", "model", "tokenizer", "device", "dtype", "kv_cache_bytes",
                "page_size", "attention_backend", "max_batch_tokens", "trust_remote_code", "progress"}
+_NEUTRAL_PARTS = ("bytes", "disk", "dir", "path", "cache", "page", "batch", "backend", "thread", "timeout",
+                  "progress", "trust", "log")
+
+
+def _neutral(name: str) -> bool:
+    return name in _NEUTRAL_KW or any(part in name for part in _NEUTRAL_PARTS)
 
 MODULES = [
     "abc", "argparse", "base64", "bisect", "calendar", "configparser", "contextlib", "copy", "csv",
@@ -307,7 +316,7 @@ def recovery_available(opts: dict | None = None) -> dict:
 
 def default_setting(opts: dict) -> Setting:
     """The setting ``LazyLLM()`` runs with when nothing is asked for."""
-    quality = {k: v for k, v in opts.items() if k not in _NEUTRAL_KW}
+    quality = {k: v for k, v in opts.items() if not _neutral(k)}
     rec = [f"{RECOVERY_OPTIONS.get(k, k)}-{v}" for k, v in quality.items()
            if k not in ("reuse", "chunk_context") and v not in (None, 0, 0.0, False)]
     return Setting(name="default", kwargs={}, reuse=quality.get("reuse", "lazy"),
@@ -347,7 +356,7 @@ def build_settings(modes, contexts, recoveries, opts) -> tuple[list[Setting], li
     d = default_setting(opts)
     # the default is one of the grid settings when it sets nothing beyond reuse, chunk
     # context and the known recovery options, with the same values
-    quality = {k: v for k, v in opts.items() if k not in _NEUTRAL_KW}
+    quality = {k: v for k, v in opts.items() if not _neutral(k)}
     unknown = {k: v for k, v in quality.items() if k not in ("reuse", "chunk_context", *RECOVERY_OPTIONS)
                and v not in (None, 0, 0.0, False)}
     for s in settings:
@@ -378,6 +387,20 @@ def _gen_items(prompts, args):
             for p in prompts]
 
 
+def _score_all(llm, prompts, continuations, workers: int) -> list:
+    """``score`` of every prompt (logits included), ``workers`` requests in flight at once so
+    that the engine batches their prefills; results in prompt order."""
+    def one(i):
+        p = prompts[i]
+        return llm.score(p.question, chunks=p.chunks, system=SYSTEM, continuation=continuations[i],
+                         return_logits=True)
+
+    if workers <= 1:
+        return [one(i) for i in range(len(prompts))]
+    with ThreadPoolExecutor(workers) as ex:
+        return list(ex.map(one, range(len(prompts))))
+
+
 def _ttft(llm, prompts, n: int) -> list[float]:
     out = []
     for p in prompts[:n]:
@@ -389,9 +412,8 @@ def run_reference(llm, prompts, args, log) -> list[dict]:
     t0 = time.perf_counter()
     gens = llm.generate_batch(_gen_items(prompts, args))
     refs = []
-    for p, g in zip(prompts, gens):
-        sc = llm.score(p.question, chunks=p.chunks, system=SYSTEM, continuation=list(g.token_ids),
-                       return_logits=True)
+    scores = _score_all(llm, prompts, [list(g.token_ids) for g in gens], args.score_workers)
+    for p, g, sc in zip(prompts, gens, scores):
         segs = g.prompt_segments
         refs.append(dict(ids=list(g.token_ids), text=g.text, logits=sc.logits, prefilled=sc.prefilled_tokens,
                          suffix_tokens=len(segs[-1][1]), chunk_tokens=sum(len(s) for k, s in segs if k == "chunk"),
@@ -409,8 +431,8 @@ def run_setting(llm, setting: Setting, prompts, refs, canonical, args, log) -> d
     kls, agrees, per_prompt, argmaxes = [], [], [], []
     extra_total = chunk_total = 0
     unexpected = 0
-    for p, ref in zip(prompts, refs):
-        sc = llm.score(p.question, chunks=p.chunks, system=SYSTEM, continuation=ref["ids"], return_logits=True)
+    scores = _score_all(llm, prompts, [r["ids"] for r in refs], args.score_workers)
+    for p, ref, sc in zip(prompts, refs, scores):
         kl, ag = _kl_and_agree(ref["logits"], sc.logits)
         kls += kl
         agrees += ag
@@ -535,6 +557,8 @@ def parse_args(argv=None):
     ap.add_argument("--contexts", default="isolated,prefix")
     ap.add_argument("--recoveries", default="none,first-4,first-16,first-32,ratio-0.05,ratio-0.15",
                     help="none, first-K (recompute_first_tokens=K), ratio-R (recompute_ratio=R)")
+    ap.add_argument("--score-workers", type=int, default=8,
+                    help="score requests in flight at once (batched by the engine; 1: one at a time)")
     ap.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool per engine")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true",
@@ -595,7 +619,7 @@ def main(argv=None) -> dict:
     settings, skipped = build_settings(args.modes.split(","), args.contexts.split(","),
                                        args.recoveries.split(","), opts)
     for k, v in opts.items():
-        if k not in _NEUTRAL_KW and k not in ("reuse", "chunk_context", *RECOVERY_OPTIONS) \
+        if not _neutral(k) and k not in ("reuse", "chunk_context", *RECOVERY_OPTIONS) \
                 and v not in (None, 0, 0.0, False):
             log(f"note: LazyLLM option `{k}` defaults to {v!r}; this benchmark does not vary it, so every "
                 f"chunked setting runs with it")
@@ -646,7 +670,7 @@ def main(argv=None) -> dict:
         torch_threads=torch.get_num_threads(), python=platform.python_version(), corpus_hash=corpus_hash,
         config={k: v for k, v in vars(args).items() if k not in ("json", "quiet")},
         thresholds=THRESHOLDS, options_available=rec_avail,
-        lazyllm_defaults={k: v for k, v in opts.items() if k not in _NEUTRAL_KW},
+        lazyllm_defaults={k: v for k, v in opts.items() if not _neutral(k)},
         n_prompts=len(prompts), n_chunks=len(canonical), reference=reference, results=results, skipped=skipped,
         wall_s=None,
     )
