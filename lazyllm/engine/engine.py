@@ -332,9 +332,23 @@ class Engine:
         total_new = self._pages_for(r.params.max_new_tokens + 1)
         ok = (self._plan_chunked if self.reuse in ("lazy", "block") else self._plan_full)(r, total_new)
         if not ok:
-            self._release(r)
-            r.table, r.cached_tokens, r._jobs = [], 0, None  # type: ignore[attr-defined]
+            self._unplan(r)
         return ok
+
+    def _unplan(self, r: Request) -> None:
+        """Give back what planning reserved and forget what it counted, so the request
+        can be planned again from scratch."""
+        self.decode_state.detach(r)
+        self._release(r)
+        r.table, r._jobs, r._copies, r._recovery = [], None, None, None  # type: ignore[attr-defined]
+        r.cached_tokens = r.cached_chunk_tokens = r.computed_tokens = r.recomputed_tokens = 0
+
+    def _requeue(self, r: Request) -> None:
+        """Back to the front of the queue, holding nothing."""
+        self._unplan(r)
+        if r in self.running:
+            self.running.remove(r)
+        self.waiting.insert(0, r)
 
     def _lookup_or_create(self, r: Request, key: bytes, n: int, stored_pos: int, kind: str):
         """Pinned entry for ``key`` and whether it still needs computing."""
@@ -810,29 +824,20 @@ class Engine:
             self._emit(r, lg, g)
 
     def _requeue_solo(self, r: Request) -> None:
-        self.decode_state.detach(r)
-        self._release(r)
-        self.running.remove(r)
-        r.table, r.cached_tokens, r.cached_chunk_tokens = [], 0, 0
+        self._requeue(r)
         r.solo = True
-        self.waiting.insert(0, r)
         self.metrics["prefill_retries"] += 1
 
     def _preempt(self, r: Request) -> None:
         """Give back everything ``r`` holds and queue it again; when readmitted, its
         generated tokens are prefilled as part of its suffix (same semantics: they attend
         to everything before them), and decoding continues where it stopped."""
-        self.decode_state.detach(r)
-        self._release(r)
-        if r in self.running:
-            self.running.remove(r)
+        self._requeue(r)
         if r.orig_segments is None:
             r.orig_segments = list(r.segments)
         base = r.orig_segments
         r.segments = base[:-1] + [Segment("suffix", base[-1].ids + r.generated)]
-        r.table, r.cached_tokens, r.cached_chunk_tokens = [], 0, 0
         r.preempted = True
-        self.waiting.insert(0, r)
         self.metrics["preemptions"] += 1
 
     # -- output ----------------------------------------------------------------------
