@@ -94,6 +94,9 @@ def paged_attention_ref(
     inv_freq: torch.Tensor,
     sm_scale: float,
     out: torch.Tensor | None = None,
+    *,
+    window: int | None = None,
+    max_seqlen_q: int | None = None,
 ) -> torch.Tensor:
     """Deferred-RoPE attention of a varlen batch of queries over paged KV.
 
@@ -115,6 +118,9 @@ def paged_attention_ref(
     inv_freq : ``(rotary_dim // 2,)`` float32.
     sm_scale : softmax scale (usually ``head_dim ** -0.5``).
     out : optional ``(total_q, num_q_heads, head_dim)`` output buffer.
+    window : sliding window (Gemma 3, Mistral): a query at ``p`` also needs
+        ``p - key_pos < window``. ``None``: no window.
+    max_seqlen_q : accepted for signature parity with the Triton launcher; unused.
 
     Returns
     -------
@@ -148,7 +154,10 @@ def paged_attention_ref(
         k, v, kpos, delta = k[valid], v[valid], kpos[valid], delta[valid]
         if bool((delta != 0).any()):
             k = rotate_by_delta(k, delta, inv_freq)
-        allowed = kpos[None, :] <= q_pos[q0:q1].long()[:, None]  # (nq, nk)
+        qp = q_pos[q0:q1].long()[:, None]
+        allowed = kpos[None, :] <= qp  # (nq, nk)
+        if window is not None:
+            allowed &= qp - kpos[None, :] < window
         qb = q[q0:q1].to(torch.float32).transpose(0, 1)  # (hq, nq, d)
         kb = k.to(torch.float32).transpose(0, 1)  # (hkv, nk, d)
         vb = v.to(torch.float32).transpose(0, 1)

@@ -13,22 +13,29 @@ FAMILIES = {
     "mistral": {},
     "qwen2": {},
     "qwen3": {},
+    "gemma3": {},
 }
 
 
-def make_tiny(family: str, seed: int = 0):
+def make_tiny(family: str, seed: int = 0, window: int | None = None):
     """A small random model of a supported family, with weights scaled up so its greedy
     choices are decisive (near-ties would make exact-token comparisons flaky)."""
     import transformers
 
     model_type = {"llama3-rope": "llama"}.get(family, family)
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[model_type]
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "gemma3": transformers.Gemma3TextConfig}[model_type]
     kw = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
               tie_word_embeddings=False, initializer_range=0.15, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     if model_type == "mistral":
         kw["sliding_window"] = None
+    if model_type == "gemma3":  # local and global layers with their own RoPE; a window past the test prompts
+        kw.update(layer_types=["sliding_attention", "full_attention", "sliding_attention"], num_hidden_layers=3,
+                  sliding_window=window or 4096, query_pre_attn_scalar=16, tie_word_embeddings=True,
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
     kw.update(FAMILIES[family])
     cfg = cls(**kw)
     torch.manual_seed(seed)

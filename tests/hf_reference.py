@@ -97,10 +97,15 @@ def hf_greedy_prefix_context(model, segments, max_new_tokens: int, eos_ids=()) -
         shift[seg == si] = off
         off += len(s)
     rot = model.model.rotary_emb
-    scale = float(getattr(rot, "attention_scaling", 1.0))
-    for layer in cache.layers:
+    types = getattr(model.config, "layer_types", None)
+    for li, layer in enumerate(cache.layers):
         k = layer.keys  # (1, heads, n, head_dim)
-        cos, sin = rot(k, shift[None].to(dev))
+        if types and hasattr(rot, f"{types[li]}_inv_freq"):  # per-layer-type RoPE (Gemma 3)
+            cos, sin = rot(k, shift[None].to(dev), types[li])
+            scale = float(getattr(rot, f"{types[li]}_attention_scaling", 1.0))
+        else:
+            cos, sin = rot(k, shift[None].to(dev))
+            scale = float(getattr(rot, "attention_scaling", 1.0))
         cos, sin = (cos / scale)[:, None].to(k.dtype), (sin / scale)[:, None].to(k.dtype)
         layer.keys.copy_(k * cos + rotate_half(k) * sin)
     ids = list(segments[-1][1])

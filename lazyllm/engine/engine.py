@@ -588,7 +588,8 @@ class Engine:
                 rows.append(start + i)
         dev = self.device
         cached = self.pool.k[layer][torch.tensor(pages, device=dev), torch.tensor(slot_idx, device=dev)]
-        cached = rotate_by_delta(cached, torch.tensor(deltas, device=dev), self.model.inv_freq)
+        inv = self.model.inv_freqs[self.model.freq_index[layer]]
+        cached = rotate_by_delta(cached, torch.tensor(deltas, device=dev), inv)
         diff = full[torch.tensor(rows, device=dev)].float() - cached.float()
         return diff.pow(2).sum(dim=(-1, -2)).sqrt()
 
@@ -670,7 +671,7 @@ class Engine:
             if copies:
                 src, dst, delta = zip(*copies)
                 t = lambda x: torch.tensor(x, dtype=torch.int32, device=self.device)  # noqa: E731
-                self.rerotate(self.pool.k, self.pool.v, t(src), t(dst), t(delta), self.model.inv_freq)
+                self._rerotate(t(src), t(dst), t(delta))
         for r in reqs:
             if r.warm_only:
                 r.first_token_time = time.perf_counter()
@@ -692,6 +693,16 @@ class Engine:
             self._emit(r, lg[-1])
             if r.finish_reason is None and r in self.running:
                 self.decode_state.attach(r, r.table)
+
+    def _rerotate(self, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor) -> None:
+        """Copy pages ``src -> dst`` with keys rotated by ``delta``, every layer with its
+        own RoPE frequencies (one launch when all layers share them)."""
+        m = self.model
+        if len(m.inv_freqs) == 1:
+            self.rerotate(self.pool.k, self.pool.v, src, dst, delta, m.inv_freqs[0])
+            return
+        for li, fi in enumerate(m.freq_index):
+            self.rerotate(self.pool.k[li:li + 1], self.pool.v[li:li + 1], src, dst, delta, m.inv_freqs[fi])
 
     def _adopt_chain(self, r: Request) -> None:
         """Identical-prefix mode: hand the request's full prompt pages to the store."""

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ..errors import UnsupportedModelError
 from lazyllm.kernels.reference import apply_rope, paged_attention_ref, rope_cos_sin, write_kv_ref
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 
 @dataclass
@@ -58,6 +58,14 @@ class ModelSpec:
     sm_scale: float
     rope_scale: float
     qk_norm: bool
+    gemma: bool = False  # Gemma 3: (1 + w) norms around attention and MLP, gelu-tanh, scaled embeddings
+
+
+def _gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same arithmetic as transformers' Gemma3RMSNorm: (x * (1 + w)) in fp32, then x.dtype.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).to(x.dtype)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -79,14 +87,38 @@ class LlamaFamilyModel:
                 f"model_type {mt!r} is not supported; lazyllm supports {', '.join(SUPPORTED_MODEL_TYPES)} "
                 "(Llama 2/3/3.1/3.2, SmolLM2, Mistral, Qwen2/2.5, Qwen3)"
             )
-        act = getattr(cfg, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")
+        gemma = mt == "gemma3_text"
+        act = getattr(cfg, "hidden_activation", None) if gemma else getattr(cfg, "hidden_act", "silu")
+        if act not in (("gelu_pytorch_tanh",) if gemma else ("silu", "swish")):
+            raise UnsupportedModelError(f"hidden activation {act!r} is not supported for {mt}")
+        if getattr(cfg, "use_bidirectional_attention", False) or getattr(cfg, "attn_logit_softcapping", None):
+            raise UnsupportedModelError("bidirectional attention and attention logit soft-capping are not supported")
         base = hf_model.model
         rot = base.rotary_emb
-        if getattr(rot, "rope_type", "default") == "dynamic":
-            raise UnsupportedModelError("dynamic NTK RoPE changes with sequence length and cannot be deferred")
-        self.inv_freq = rot.inv_freq.detach().to(torch.float32).clone()
+        # RoPE per layer: an inv_freq vector and a cos/sin scale, read off the transformers
+        # rotary module (one per layer type for Gemma 3: local and global layers differ)
+        types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
+        self.inv_freqs, self.rope_scales, freq_of = [], [], {}
+        for t in types:
+            if t in freq_of:
+                continue
+            if hasattr(rot, f"{t}_inv_freq"):
+                inv, sc, rtype = (getattr(rot, f"{t}_inv_freq"), getattr(rot, f"{t}_attention_scaling", 1.0),
+                                  getattr(rot, "rope_type", {}).get(t, "default"))
+            else:
+                inv, sc, rtype = rot.inv_freq, getattr(rot, "attention_scaling", 1.0), getattr(rot, "rope_type", "default")
+            if rtype == "dynamic":
+                raise UnsupportedModelError("dynamic NTK RoPE changes with sequence length and cannot be deferred")
+            freq_of[t] = len(self.inv_freqs)
+            self.inv_freqs.append(inv.detach().to(torch.float32).clone())
+            self.rope_scales.append(float(sc))
+        window = getattr(cfg, "sliding_window", None)
+        if mt == "mistral" and window and "layer_types" not in cfg.to_dict():
+            types = ["sliding_attention"] * cfg.num_hidden_layers
+        self.windows = [int(window) if (t == "sliding_attention" and window) else None for t in types]
+        self.freq_index = [freq_of.get(t, 0) for t in types]
+        # the global layers' RoPE: what the engine uses for single-frequency operations
+        self.inv_freq = self.inv_freqs[freq_of.get("full_attention", 0)]
         n_heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
         attn0 = base.layers[0].self_attn
@@ -101,9 +133,12 @@ class LlamaFamilyModel:
             max_context=int(getattr(cfg, "max_position_embeddings", 2048)),
             rms_eps=float(cfg.rms_norm_eps),
             sm_scale=float(getattr(attn0, "scaling", head_dim ** -0.5)),
-            rope_scale=float(getattr(rot, "attention_scaling", 1.0)),
+            rope_scale=self.rope_scales[freq_of.get("full_attention", 0)],
             qk_norm=hasattr(attn0, "q_norm"),
+            gemma=gemma,
         )
+        self._norm = _gemma_norm if gemma else _rms_norm
+        self.embed_scale = float(cfg.hidden_size ** 0.5) if gemma else None
         self.embed = base.embed_tokens.weight
         self.final_norm = base.norm.weight
         self.lm_head = hf_model.lm_head.weight
@@ -121,11 +156,17 @@ class LlamaFamilyModel:
                     qn=a.q_norm.weight if self.spec.qk_norm else None,
                     kn=a.k_norm.weight if self.spec.qk_norm else None,
                     wg=m.gate_proj.weight, wu=m.up_proj.weight, wd=m.down_proj.weight,
+                    post_attn=layer.post_attention_layernorm.weight if gemma else None,
+                    pre_ff=layer.pre_feedforward_layernorm.weight if gemma else None,
+                    post_ff=layer.post_feedforward_layernorm.weight if gemma else None,
+                    window=self.windows[len(self.layers)], freq=self.freq_index[len(self.layers)],
                 )
             )
         self.device = self.embed.device
         self.dtype = self.embed.dtype
-        self.inv_freq = self.inv_freq.to(self.device)
+        self.inv_freqs = [f.to(self.device) for f in self.inv_freqs]
+        self.inv_freq = self.inv_freqs[self.freq_index[0]] if len(self.inv_freqs) == 1 else \
+            self.inv_freq.to(self.device)
         self.attention = attention or paged_attention_ref
         # per-step extras for the attention launcher (e.g. the Triton rope table, built
         # once per step instead of once per layer); None for the torch reference
@@ -156,7 +197,7 @@ class LlamaFamilyModel:
         s = self.spec
         n = h.shape[0]
         nq, nk = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        x = _rms_norm(h, w["ln1"], s.rms_eps)
+        x = self._norm(h, w["ln1"], s.rms_eps)
         if "wqkv" in w:
             qkv = F.linear(x, w["wqkv"], w["bqkv"])
             q = qkv[:, :nq].view(n, s.num_heads, s.head_dim)
@@ -167,13 +208,22 @@ class LlamaFamilyModel:
             k = F.linear(x, w["wk"], w["bk"]).view(n, s.num_kv_heads, s.head_dim)
             v = F.linear(x, w["wv"], w["bv"]).view(n, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
-            q = _rms_norm(q, w["qn"], s.rms_eps)
-            k = _rms_norm(k, w["kn"], s.rms_eps)
+            q = self._norm(q, w["qn"], s.rms_eps)
+            k = self._norm(k, w["kn"], s.rms_eps)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _finish_layer(self, h: torch.Tensor, o: torch.Tensor, w: dict) -> torch.Tensor:
         """Output projection, residual and MLP of one layer."""
         s = self.spec
+        if s.gemma:  # sandwich norms around attention and MLP, gelu-tanh
+            h = h + self._norm(F.linear(o.reshape(h.shape[0], -1), w["wo"], w["bo"]), w["post_attn"], s.rms_eps)
+            x = self._norm(h, w["pre_ff"], s.rms_eps)
+            if "wgu" in w:
+                g, u = F.linear(x, w["wgu"]).chunk(2, dim=-1)
+            else:
+                g, u = F.linear(x, w["wg"]), F.linear(x, w["wu"])
+            m = F.linear(F.gelu(g, approximate="tanh") * u, w["wd"])
+            return h + self._norm(m, w["post_ff"], s.rms_eps)
         h = h + F.linear(o.reshape(h.shape[0], -1), w["wo"], w["bo"])
         x = _rms_norm(h, w["ln2"], s.rms_eps)
         if "wgu" in w:
@@ -190,15 +240,25 @@ class LlamaFamilyModel:
         s = self.spec
         n = input_ids.shape[0]
         pos = torch.arange(n, device=input_ids.device)
-        cos, sin = rope_cos_sin(pos, self.inv_freq, s.rope_scale)
-        h = F.embedding(input_ids, self.embed)
+        tables = [rope_cos_sin(pos, f, sc) for f, sc in zip(self.inv_freqs, self.rope_scales)]
+        h = self._embed(input_ids)
         for w in self.layers[:layer]:
-            q, k, v = self._qkv(h, w, cos, sin)
+            q, k, v = self._qkv(h, w, *tables[w["freq"]])
+            mask = pos[None, :] <= pos[:, None]
+            if w["window"] is not None:
+                mask &= pos[:, None] - pos[None, :] < w["window"]
             o = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
                 scale=s.sm_scale, enable_gqa=s.num_heads != s.num_kv_heads)[0].transpose(0, 1)
             h = self._finish_layer(h, o, w)
-        return self._qkv(h, self.layers[layer], cos, sin)[1]
+        w = self.layers[layer]
+        return self._qkv(h, w, *tables[w["freq"]])[1]
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(input_ids, self.embed)
+        if self.embed_scale is not None:  # Gemma: scaled by sqrt(hidden), in the weights' dtype
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        return h
 
     @torch.inference_mode()
     def forward(
@@ -224,21 +284,23 @@ class LlamaFamilyModel:
         ``(len(logits_index), vocab)`` float32 logits.
         """
         s = self.spec
-        h = F.embedding(input_ids, self.embed)
-        cos, sin = rope_cos_sin(meta.positions, self.inv_freq, s.rope_scale)
-        extras = self.step_extras(meta, self.inv_freq) if self.step_extras else {}
+        h = self._embed(input_ids)
+        tables = [rope_cos_sin(meta.positions, f, sc) for f, sc in zip(self.inv_freqs, self.rope_scales)]
+        extras = [self.step_extras(meta, f) if self.step_extras else {} for f in self.inv_freqs]
         for li, w in enumerate(self.layers):
-            q, k, v = self._qkv(h, w, cos, sin)
+            fi = w["freq"]
+            q, k, v = self._qkv(h, w, *tables[fi])
             self.write_kv(k_cache[li], v_cache[li], meta.slot_mapping, k, v)
-            o = self.attention(
-                q, meta.positions, meta.cu_seqlens_q, k_cache[li], v_cache[li],
-                meta.block_table, meta.block_pos, meta.block_delta, meta.block_len,
-                self.inv_freq, s.sm_scale, **extras,
-            )
+            args = (q, meta.positions, meta.cu_seqlens_q, k_cache[li], v_cache[li], meta.block_table,
+                    meta.block_pos, meta.block_delta, meta.block_len, self.inv_freqs[fi], s.sm_scale)
+            if w["window"] is None:
+                o = self.attention(*args, **extras[fi])
+            else:  # sliding-window layers: the torch reference (the Triton kernels have no window yet)
+                o = paged_attention_ref(*args, window=w["window"])
             h = self._finish_layer(h, o, w)
             if stop_after_layer is not None and li == stop_after_layer:
                 return h
         if logits_index is not None:
             h = h[logits_index]
-        h = _rms_norm(h, self.final_norm, s.rms_eps)
+        h = self._norm(h, self.final_norm, s.rms_eps)
         return F.linear(h, self.lm_head).float()

