@@ -84,3 +84,18 @@ def test_default_setting_meets_issue_thresholds(result, request):
         f"{d['setting']}: recomputes {d['recompute_frac']:.3f} of chunk tokens > {d['recompute_max']}"
     if d["needle_rel"] is not None:
         assert d["needle_rel"] >= t["needle_rel"], f"{d['setting']}: needle {d['needle_rel']:.3f} of full's"
+
+
+def test_unsupported_model_is_reported(tmp_path, tokenizer):
+    """A model lazyllm cannot run gives a clear 'not supported' result, not a traceback."""
+    import transformers
+
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=len(tokenizer), n_positions=512,
+                                  bos_token_id=0, eos_token_id=0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
+    tokenizer.save_pretrained(tmp_path / "gpt2")
+    out = tmp_path / "r.json"
+    res = quality.main(["--quick", "--quiet", "--model", str(tmp_path / "gpt2"), "--json", str(out)])
+    assert res["unsupported"] is True
+    assert "not supported" in res["error"] and "gpt2" in res["error"]
+    assert out.exists()
