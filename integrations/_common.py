@@ -53,6 +53,17 @@ def fold_history(question: str, history: list[tuple[str, str]]) -> str:
     return f"{question.strip()}\n\n{HISTORY_HEADER}\n" + "\n".join(lines)
 
 
+def request_from_turns(turns: list[tuple[str, str]], chunks: list[Chunk], system_parts: list[str],
+                       user: str = "user") -> RagRequest:
+    """The request a chat transcript asks: the last ``user`` turn is the question, the
+    other turns are folded into it (``fold_history``), system texts are joined."""
+    last_user = max((i for i, (r, _) in enumerate(turns) if r == "user"), default=None)
+    if last_user is None:
+        raise InvalidRequestError(f"the messages need a {user} message with text (the question)")
+    history = turns[:last_user] + turns[last_user + 1:]
+    return RagRequest(fold_history(turns[last_user][1], history), chunks, join_system(system_parts))
+
+
 def join_system(parts: list[str]) -> str | None:
     parts = [p.strip() for p in parts if p and p.strip()]
     return "\n\n".join(parts) if parts else None

@@ -87,9 +87,9 @@ from ._common import (
     RagRequest,
     build_engine,
     device_from_hf,
-    fold_history,
     hf_generate_kwargs,
     join_system,
+    request_from_turns,
     usage_dict,
 )
 
@@ -229,12 +229,7 @@ def messages_to_request(messages: Sequence[BaseMessage]) -> RagRequest:
             system_parts.append(text)
         elif text.strip():
             turns.append((role, text))
-    last_user = max((i for i, (r, _) in enumerate(turns) if r == "user"), default=None)
-    if last_user is None:
-        raise InvalidRequestError("the messages need a human message with text (the question)")
-    question = turns[last_user][1]
-    history = turns[:last_user] + turns[last_user + 1:]
-    return RagRequest(fold_history(question, history), chunks, join_system(system_parts))
+    return request_from_turns(turns, chunks, system_parts, user="human")
 
 
 # -- requests <-> tagged strings (for the string LLM) ------------------------------
@@ -384,6 +379,16 @@ class _EngineParams(BaseModel):
         return cls(model_name_or_path=model_id, engine_kwargs=engine, **kwargs)
 
     # -- per-call options ------------------------------------------------------------
+    def _ls_params(self, model_type: str, stop: list[str] | None, kwargs: dict[str, Any]) -> LangSmithParams:
+        params = LangSmithParams(ls_provider=PROVIDER, ls_model_type=model_type,
+                                 ls_model_name=kwargs.get("model") or self.model_name,
+                                 ls_temperature=kwargs.get("temperature", self.temperature),
+                                 ls_max_tokens=kwargs.get("max_tokens", self.max_tokens))
+        stop = stop if stop is not None else self.stop
+        if stop:
+            params["ls_stop"] = list(stop)
+        return params
+
     def _sampling(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         unknown = set(kwargs) - _CALL_KEYS
         if unknown:
@@ -454,14 +459,7 @@ class ChatLazyLLM(_EngineParams, BaseChatModel):
         return self._engine_params()
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = LangSmithParams(ls_provider=PROVIDER, ls_model_type="chat",
-                                 ls_model_name=kwargs.get("model") or self.model_name,
-                                 ls_temperature=kwargs.get("temperature", self.temperature),
-                                 ls_max_tokens=kwargs.get("max_tokens", self.max_tokens))
-        stop = stop if stop is not None else self.stop
-        if stop:
-            params["ls_stop"] = list(stop)
-        return params
+        return self._ls_params("chat", stop, kwargs)
 
     def _result(self, out: GenerationOutput) -> ChatResult:
         msg = AIMessage(content=out.text, usage_metadata=_usage_metadata(out),
@@ -538,14 +536,7 @@ class LazyLLMText(_EngineParams, BaseLLM):
         return self._engine_params()
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = LangSmithParams(ls_provider=PROVIDER, ls_model_type="llm",
-                                 ls_model_name=kwargs.get("model") or self.model_name,
-                                 ls_temperature=kwargs.get("temperature", self.temperature),
-                                 ls_max_tokens=kwargs.get("max_tokens", self.max_tokens))
-        stop = stop if stop is not None else self.stop
-        if stop:
-            params["ls_stop"] = list(stop)
-        return params
+        return self._ls_params("llm", stop, kwargs)
 
     def _convert_input(self, model_input: Any) -> PromptValue:
         # Messages: render documents as tagged sections rather than dropping them.

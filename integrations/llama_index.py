@@ -71,9 +71,9 @@ from ._common import (
     RagRequest,
     build_engine,
     device_from_hf,
-    fold_history,
     hf_generate_kwargs,
     join_system,
+    request_from_turns,
     sampling_kwargs,
     usage_dict,
 )
@@ -127,11 +127,7 @@ def chat_to_request(messages: Sequence[ChatMessage], system_prompt: str | None =
             system_parts.append(text)
         elif text.strip():
             turns.append((role, text))
-    last_user = max((i for i, (r, _) in enumerate(turns) if r == "user"), default=None)
-    if last_user is None:
-        raise InvalidRequestError("the messages need a user message with text (the question)")
-    history = turns[:last_user] + turns[last_user + 1:]
-    return RagRequest(fold_history(turns[last_user][1], history), chunks, join_system(system_parts))
+    return request_from_turns(turns, chunks, system_parts)
 
 
 class LlamaIndexLLM(CustomLLM):
