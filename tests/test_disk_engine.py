@@ -45,3 +45,17 @@ def test_kv_survives_restart_and_bad_files_are_recomputed(tmp_path, tokenizer):
     assert fourth.engine.metrics["disk_hits"] == 0
     fourth.close()
     fresh.close()
+
+
+def test_engines_with_different_contexts_share_a_directory(tmp_path, tokenizer):
+    """Each chunk context keys its own prefix files, so neither rejects the other's."""
+    model = make_tiny("llama", seed=8)
+    for ctx in ("isolated", "prefix"):
+        llm = _llm(model, tokenizer, tmp_path, chunk_context=ctx)
+        llm.generate("q?", chunks=DOCS[:2], max_new_tokens=2)
+        llm.close()
+    again = _llm(model, tokenizer, tmp_path, chunk_context="isolated")
+    again.generate("q?", chunks=DOCS[:2], max_new_tokens=2)
+    assert again.engine.metrics["disk_hits"] == 3  # the prefix and both chunks
+    assert sum(again.engine.disk.stats()["rejections"].values()) == 0
+    again.close()

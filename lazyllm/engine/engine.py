@@ -424,7 +424,7 @@ class Engine:
         """Cache keys of the request's prefix and chunks (computed once per request)."""
         if r.keys is None or r.keys[0] is None:
             prefix = r.segments[0]
-            pkey = chunk_key(self.fingerprint, "prefix-segment", prefix.ids)
+            pkey = chunk_key(self.fingerprint, f"prefix-segment:{self.chunk_context}", prefix.ids)
             if self.chunk_context == "prefix":
                 ck = [chunk_key(self.fingerprint, "prefix", c.ids, pkey) for c in r.segments[1:-1]]
             else:
