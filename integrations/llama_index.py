@@ -396,17 +396,23 @@ class ChunkSynthesizer(BaseSynthesizer):
         dispatcher.event(SynthesizeEndEvent(query=query, response=resp))
         return resp
 
+    def _prepare(self, query: Any, nodes: List[NodeWithScore], additional_source_nodes, response_kwargs):
+        """Query bundle, source nodes, response metadata and engine arguments (one chunk per
+        node), shared by ``synthesize`` and ``asynthesize``."""
+        if isinstance(query, str):
+            query = QueryBundle(query_str=query)
+        source_nodes = list(nodes) + list(additional_source_nodes or [])
+        meta: dict[str, Any] = self._get_metadata_for_response([n.node for n in source_nodes]) or {}
+        kw = self._kwargs([self.node_to_chunk(n.node) for n in nodes], response_kwargs)
+        return query, source_nodes, meta, kw
+
     def synthesize(self, query: Any, nodes: List[NodeWithScore],
                    additional_source_nodes: Optional[Sequence[NodeWithScore]] = None,
                    **response_kwargs: Any) -> RESPONSE_TYPE:
         dispatcher.event(SynthesizeStartEvent(query=query))
         if not nodes:
             return self._empty(query)
-        if isinstance(query, str):
-            query = QueryBundle(query_str=query)
-        source_nodes = list(nodes) + list(additional_source_nodes or [])
-        meta: dict[str, Any] = self._get_metadata_for_response([n.node for n in source_nodes]) or {}
-        kw = self._kwargs([self.node_to_chunk(n.node) for n in nodes], response_kwargs)
+        query, source_nodes, meta, kw = self._prepare(query, nodes, additional_source_nodes, response_kwargs)
         with self._callback_manager.event(CBEventType.SYNTHESIZE,
                                           payload={EventPayload.QUERY_STR: query.query_str}) as event:
             if self._streaming:
@@ -439,11 +445,7 @@ class ChunkSynthesizer(BaseSynthesizer):
                 dispatcher.event(SynthesizeEndEvent(query=query, response=resp))
                 return resp
             return self._empty(query)
-        if isinstance(query, str):
-            query = QueryBundle(query_str=query)
-        source_nodes = list(nodes) + list(additional_source_nodes or [])
-        meta: dict[str, Any] = self._get_metadata_for_response([n.node for n in source_nodes]) or {}
-        kw = self._kwargs([self.node_to_chunk(n.node) for n in nodes], response_kwargs)
+        query, source_nodes, meta, kw = self._prepare(query, nodes, additional_source_nodes, response_kwargs)
         with self._callback_manager.event(CBEventType.SYNTHESIZE,
                                           payload={EventPayload.QUERY_STR: query.query_str}) as event:
             if self._streaming:
