@@ -82,7 +82,7 @@ def main():
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the default model's)")
     ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--page-size", type=int, default=None, help="default: the engine's (64 on CUDA)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from transformers import AutoTokenizer
@@ -150,8 +150,8 @@ def main():
         results[f"decode_b{batch}_floor_ms"] = floor * 1e3
     results["graphs"] = sorted(llm.engine.graphs.graphs)
     results["metrics"] = llm.engine.metrics
-    print(f"\nEngine on {results['device']}, Llama-3.1-8B shapes, random bf16 weights, page size {args.page_size}, "
-          f"{results['date']}; copy {results['copy_TBps']:.2f} TB/s")
+    print(f"\nEngine on {results['device']}, Llama-3.1-8B shapes, random bf16 weights, page size "
+          f"{llm.page_size}, {results['date']}; copy {results['copy_TBps']:.2f} TB/s")
     print("| figure | measured | reference |")
     print("| --- | ---: | --- |")
     print(f"| TTFT, {results['cached_tokens']} cached chunk tokens + {results['suffix_tokens']}-token suffix | "

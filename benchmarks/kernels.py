@@ -500,6 +500,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="a few shapes only")
     ap.add_argument("--variants", action="store_true",
                     help="also time: cos/sin prefetch on, and pages of 64 tokens (a few shapes)")
+    ap.add_argument("--qrot", action="store_true",
+                    help="query rotated once per run of equal deltas (pages >= key tile): configs and page sizes")
     ap.add_argument("--dry-run", action="store_true", help="CPU, interpreter, tiny shapes: checks the script")
     args = ap.parse_args()
     global DTYPE, PREFILL, DECODE
@@ -562,6 +564,28 @@ def main():
         for b, kv in (((1, 32768), (32, 16384), (128, 16384)) if big else ((3, 700),)):
             rows += run_decode(b, kv, 64, inv_freq, dev, graphs=True)
         save()
+    if args.qrot:
+        big = not DRY
+        pq = (((512, 8192), (2048, 32768)) if big else ((40, 700),))
+        for nq, kv in pq:  # the old path (key tiles rotated), then the query-rotating kernel
+            rows += run_prefill(nq, kv, 16, inv_freq, dev, extra=dict(qrot=False))
+            rows += run_prefill(nq, kv, 64, inv_freq, dev,
+                                configs=[(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3)]
+                                if big else [(16, 16, 4, 1)])
+            rows += run_prefill(nq, kv, 128, inv_freq, dev,
+                                configs=[(128, 128, 8, 2), (128, 128, 8, 3)] if big else [(16, 32, 4, 1)])
+            save()
+        for nq, kv in (PREFILL if big else ((40, 700),)):
+            rows += run_prefill(nq, kv, 64, inv_freq, dev)
+        save()
+        for b, kv in (DECODE if big else ((3, 700),)):
+            rows += run_decode(b, kv, 64, inv_freq, dev, graphs=True)
+        save()
+        for b, kv in (((32, 16384), (128, 16384)) if big else ((3, 700),)):
+            rows += run_decode(b, kv, 128, inv_freq, dev, graphs=True)
+            rows += run_decode(b, kv, 64, inv_freq, dev, graphs=True,
+                               configs=[(0, 64, 4, 2), (0, 64, 8, 3), (0, 32, 4, 3)] if big else [(0, 32, 4, 1)])
+        save()
     if "copy" in sections:
         variants = [(None, None)]
         rows += run_copy(inv_freq, dev, copy_tbs, ps=ps, variants=variants,
@@ -581,7 +605,7 @@ def compiled_report():
                     names = kern.src.fn.arg_names
                     c = {names[k[0]] if isinstance(k, tuple) else k: v for k, v in kern.src.constants.items()}
                     key = {k: c.get(k) for k in ("BLOCK_M", "BLOCK_N", "USE_ROPE", "SCAN", "SPLIT_OUT", "PAGE_SIZE",
-                                                 "CS_PER_PAGE", "BLOCK_R")} if c else ""
+                                                 "CS_PER_PAGE", "BLOCK_R", "QROT")} if c else ""
                     log(f"{fn.__name__} {key} warps={kern.metadata.num_warps} stages={kern.metadata.num_stages} "
                         f"regs={kern.n_regs} spills={kern.n_spills} smem={kern.metadata.shared}")
     except Exception as e:  # diagnostics only

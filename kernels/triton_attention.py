@@ -62,6 +62,7 @@ __all__ = [
     "rerotate_copy_triton",
     "write_kv_triton",
     "rope_table",
+    "delta_runs",
 ]
 
 _LOG2E = 1.4426950408889634
@@ -224,8 +225,82 @@ def _attn_tiles(
 
 
 @triton.jit
+def _attn_runs(
+    acc, l_i, m_i,
+    q_row, row_ok, qpos,
+    K, V, BT_row, BPos_row, BLen_row, Cos_row, Sin_row, Runs_row,
+    stride_kp, stride_ks, stride_vp, stride_vs,
+    t_start, t_end, qk_scale,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, DOT_PREC: tl.constexpr, IDX64: tl.constexpr,
+):
+    """Online-softmax update over key tiles ``[t_start, t_end)``, the delta applied to the
+    *query*, once per run of table entries that share one delta.
+
+    Needs ``PAGE_SIZE >= BLOCK_N`` (a key tile lies in one page, so it has one delta).
+    ``Runs_row[e]`` is the first entry after ``e`` whose delta differs (``delta_runs``).
+    The outer loop walks the runs: it rotates the query group once, ``R(-delta) q``
+    (reloaded from global memory, so only the rotated copy lives across tiles), and the
+    inner loop over the run's tiles is a plain flash-attention loop: K goes from global
+    to shared memory to the tensor cores untouched, and the loop has no branch, so it is
+    software-pipelined as the RoPE-free kernel is. A chunk's pages form one run, so the
+    rotation costs one ``(BLOCK_M, HEAD_DIM)`` FMA pass per chunk instead of one per key
+    tile."""
+    TPE: tl.constexpr = PAGE_SIZE // BLOCK_N  # key tiles per table entry
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if ROT > 0:
+        is_lo = offs_d < HALF
+        in_rot = offs_d < ROT
+        sw_col = tl.where(is_lo, offs_d + HALF, offs_d - HALF)
+        cs_col = tl.where(in_rot, offs_d % HALF, 0)
+    t = t_start
+    while t < t_end:
+        e = t // TPE
+        r_end = tl.minimum(tl.load(Runs_row + e).to(tl.int32) * TPE, t_end)
+        qv = tl.load(q_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        if ROT > 0:
+            # q' = R(-delta) q = q * [c, c, 1] + [q2, -q1, 0] * [s, s, 0]
+            c = tl.load(Cos_row + e * HALF + cs_col, mask=in_rot, other=1.0)
+            s = tl.load(Sin_row + e * HALF + cs_col, mask=in_rot, other=0.0)
+            qs = tl.load(q_row[:, None] + sw_col[None, :], mask=row_ok[:, None] & in_rot[None, :], other=0.0)
+            qs = tl.where(is_lo[None, :], qs.to(tl.float32), -qs.to(tl.float32))
+            qr = (qv.to(tl.float32) * c[None, :] + qs * s[None, :]).to(K.dtype.element_ty)
+        else:
+            qr = qv.to(K.dtype.element_ty)
+        for tt in range(t, r_end):
+            ent = (tt * BLOCK_N) // PAGE_SIZE
+            slot = (tt * BLOCK_N) % PAGE_SIZE + offs_n
+            ln = tl.load(BLen_row + ent)
+            kvalid = slot < ln
+            page = tl.load(BT_row + ent)
+            page = page.to(tl.int64) if IDX64 else page.to(tl.int32)
+            k = tl.load((K + page * stride_kp + slot * stride_ks)[:, None] + offs_d[None, :],
+                        mask=kvalid[:, None], other=0.0)
+            qk = tl.dot(qr, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+            if CAUSAL_MASK:
+                kpos = tl.load(BPos_row + ent).to(tl.int32) + slot
+                seen = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
+                qk = tl.where(seen, qk, float("-inf"))
+            else:
+                qk = qk + tl.where(kvalid, 0.0, float("-inf"))[None, :]
+            m_new = tl.maximum(m_i, _max(qk, 1))
+            p = tl.math.exp2(qk - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + _sum(p, 1)
+            v = tl.load((V + page * stride_vp + slot * stride_vs)[:, None] + offs_d[None, :],
+                        mask=kvalid[:, None], other=0.0)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(V.dtype.element_ty), v, acc, input_precision=DOT_PREC)
+            m_i = m_new
+        t = r_end
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _paged_attn_fwd(
-    Q, QPos, CuQ, K, V, BT, BPos, BLen, Cos, Sin, Out, PartO, PartLse,
+    Q, QPos, CuQ, K, V, BT, BPos, BLen, Cos, Sin, Runs, Out, PartO, PartLse,
     qk_scale,
     stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kh,
@@ -239,9 +314,12 @@ def _paged_attn_fwd(
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_OUT: tl.constexpr, SCAN: tl.constexpr, SCAN_BLOCK: tl.constexpr,
     USE_ROPE: tl.constexpr, CS_PER_PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
-    IDX64: tl.constexpr, NPG: tl.constexpr, PREFETCH: tl.constexpr,
+    IDX64: tl.constexpr, NPG: tl.constexpr, PREFETCH: tl.constexpr, QROT: tl.constexpr,
 ):
     """Grid ``(q_tiles, num_kv_heads * num_splits, batch)``; see the module docstring.
+
+    ``QROT``: apply the deltas to the query once per run of equal deltas (``_attn_runs``;
+    needs ``PAGE_SIZE >= BLOCK_N``) instead of to every key tile (``_attn_tiles``).
 
     ``SPLIT_OUT``: write normalized partial outputs and their log2-sum-exp to
     ``PartO/PartLse`` for ``_merge_splits`` instead of the output."""
@@ -266,7 +344,12 @@ def _paged_attn_fwd(
     offs_d = tl.arange(0, HEAD_DIM)
     offs_h = tl.arange(0, HALF_P)
     offs_p = tl.arange(0, PASS_P)
-    if USE_ROPE:
+    if QROT:
+        q = qpos  # unused: _attn_runs loads the query itself
+        q1 = qpos
+        q2 = qpos
+        qp = qpos
+    elif USE_ROPE:
         hm = row_ok[:, None] & (offs_h[None, :] < HALF)
         q1 = tl.load(q_row[:, None] + offs_h[None, :], mask=hm, other=0.0).to(K.dtype.element_ty)
         q2 = tl.load(q_row[:, None] + HALF + offs_h[None, :], mask=hm, other=0.0).to(K.dtype.element_ty)
@@ -317,22 +400,40 @@ def _paged_attn_fwd(
     m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
-    acc, l_i, m_i = _attn_tiles(
-        acc, l_i, m_i, q, q1, q2, qp, qpos,
-        Kh, Vh, BT_row, BPos_row, BLen_row, Cos_row, Sin_row,
-        stride_kp, stride_ks, stride_vp, stride_vs,
-        max_blocks, s_start, tl.minimum(s_end, t_lo), qk_scale,
-        HEAD_DIM, HALF, HALF_P, PASS, PASS_P, PAGE_SIZE, BLOCK_N,
-        USE_ROPE, CS_PER_PAGE, False, DOT_PREC, IDX64, NPG, PREFETCH,
-    )
-    acc, l_i, m_i = _attn_tiles(
-        acc, l_i, m_i, q, q1, q2, qp, qpos,
-        Kh, Vh, BT_row, BPos_row, BLen_row, Cos_row, Sin_row,
-        stride_kp, stride_ks, stride_vp, stride_vs,
-        max_blocks, tl.maximum(s_start, t_lo), s_end, qk_scale,
-        HEAD_DIM, HALF, HALF_P, PASS, PASS_P, PAGE_SIZE, BLOCK_N,
-        USE_ROPE, CS_PER_PAGE, True, DOT_PREC, IDX64, NPG, PREFETCH,
-    )
+    if QROT:
+        ROT_Q: tl.constexpr = 2 * HALF if USE_ROPE else 0
+        Runs_row = Runs + b.to(tl.int64) * max_blocks
+        acc, l_i, m_i = _attn_runs(
+            acc, l_i, m_i, q_row, row_ok, qpos,
+            Kh, Vh, BT_row, BPos_row, BLen_row, Cos_row, Sin_row, Runs_row,
+            stride_kp, stride_ks, stride_vp, stride_vs,
+            s_start, tl.minimum(s_end, t_lo), qk_scale,
+            HEAD_DIM, HALF, ROT_Q, PAGE_SIZE, BLOCK_N, False, DOT_PREC, IDX64,
+        )
+        acc, l_i, m_i = _attn_runs(
+            acc, l_i, m_i, q_row, row_ok, qpos,
+            Kh, Vh, BT_row, BPos_row, BLen_row, Cos_row, Sin_row, Runs_row,
+            stride_kp, stride_ks, stride_vp, stride_vs,
+            tl.maximum(s_start, t_lo), s_end, qk_scale,
+            HEAD_DIM, HALF, ROT_Q, PAGE_SIZE, BLOCK_N, True, DOT_PREC, IDX64,
+        )
+    else:
+        acc, l_i, m_i = _attn_tiles(
+            acc, l_i, m_i, q, q1, q2, qp, qpos,
+            Kh, Vh, BT_row, BPos_row, BLen_row, Cos_row, Sin_row,
+            stride_kp, stride_ks, stride_vp, stride_vs,
+            max_blocks, s_start, tl.minimum(s_end, t_lo), qk_scale,
+            HEAD_DIM, HALF, HALF_P, PASS, PASS_P, PAGE_SIZE, BLOCK_N,
+            USE_ROPE, CS_PER_PAGE, False, DOT_PREC, IDX64, NPG, PREFETCH,
+        )
+        acc, l_i, m_i = _attn_tiles(
+            acc, l_i, m_i, q, q1, q2, qp, qpos,
+            Kh, Vh, BT_row, BPos_row, BLen_row, Cos_row, Sin_row,
+            stride_kp, stride_ks, stride_vp, stride_vs,
+            max_blocks, tl.maximum(s_start, t_lo), s_end, qk_scale,
+            HEAD_DIM, HALF, HALF_P, PASS, PASS_P, PAGE_SIZE, BLOCK_N,
+            USE_ROPE, CS_PER_PAGE, True, DOT_PREC, IDX64, NPG, PREFETCH,
+        )
 
     seen_any = l_i > 0.0
     o = acc / tl.where(seen_any, l_i, 1.0)[:, None]  # rows that saw nothing: acc == 0
@@ -510,8 +611,34 @@ def _merge_splits(
     tl.store(Out + t * stride_ot + h * stride_oh + offs_d, res.to(Out.dtype.element_ty))
 
 
+def delta_runs(block_delta: torch.Tensor) -> torch.Tensor:
+    """For each table entry, the index of the next entry whose delta differs.
+
+    Parameters
+    ----------
+    block_delta : ``(batch, max_blocks)`` int.
+
+    Returns
+    -------
+    ``(batch, max_blocks)`` int32, contiguous: ``runs[b, e]`` is the smallest ``e' > e``
+    with ``block_delta[b, e'] != block_delta[b, e]`` (``max_blocks`` if none). The query-
+    rotating kernel walks a row's entries run by run with it. Device ops only (no host
+    sync), so it can be built inside a CUDA graph.
+    """
+    bsz, n = block_delta.shape
+    idx = torch.arange(n, device=block_delta.device, dtype=torch.int32).expand(bsz, n)
+    starts = torch.ones((bsz, n), dtype=torch.bool, device=block_delta.device)
+    starts[:, 1:] = block_delta[:, 1:] != block_delta[:, :-1]
+    cand = torch.where(starts, idx, torch.full_like(idx, n))  # a run starts at e'
+    nxt = torch.full_like(idx, n)
+    if n > 1:
+        # smallest run start strictly after e: a reverse running minimum of cand[e + 1:]
+        nxt[:, :-1] = cand[:, 1:].flip(-1).cummin(-1).values.flip(-1)
+    return nxt.contiguous()
+
+
 def rope_table(block_delta: torch.Tensor, inv_freq: torch.Tensor):
-    """cos and sin of every table entry's delta rotation.
+    """cos and sin of every table entry's delta rotation, and the runs of equal deltas.
 
     Parameters
     ----------
@@ -521,12 +648,13 @@ def rope_table(block_delta: torch.Tensor, inv_freq: torch.Tensor):
     Returns
     -------
     cos, sin : ``(batch, max_blocks, rotary_dim // 2)`` float32, contiguous; the same
-    arithmetic as ``reference.rope_cos_sin``. The table depends only on the step's
-    metadata, so an engine can build it once per step and pass it to every layer's
-    ``paged_attention_triton(..., rope=...)``.
+    arithmetic as ``reference.rope_cos_sin``.
+    runs : ``delta_runs(block_delta)``.
+    The table depends only on the step's metadata, so an engine can build it once per step
+    and pass it to every layer's ``paged_attention_triton(..., rope=...)``.
     """
     ang = block_delta.to(torch.float32)[..., None] * inv_freq.to(torch.float32)
-    return ang.cos().contiguous(), ang.sin().contiguous()
+    return ang.cos().contiguous(), ang.sin().contiguous(), delta_runs(block_delta)
 
 
 # Launch configurations, chosen on an H200 (bf16, d=128, page 16) by benchmarks/kernels.py.
@@ -578,6 +706,7 @@ def paged_attention_triton(
     config: tuple[int, int, int, int] | None = None,
     cs_per_page: bool | None = None,
     prefetch: bool | None = None,
+    qrot: bool | None = None,
 ) -> torch.Tensor:
     """Deferred-RoPE attention of a varlen batch of queries over paged KV (Triton).
 
@@ -600,12 +729,15 @@ def paged_attention_triton(
         1 (or a few rows per KV head) selects the decode path.
     use_rope : ``False`` ignores ``block_delta`` (no rotation in the kernel): for batches
         whose deltas are all 0, models without RoPE, and measuring the rotation's cost.
-    rope : optional ``rope_table(block_delta, inv_freq)``, to build it once per step.
+    rope : optional ``rope_table(block_delta, inv_freq)``, to build it once per step
+        (a ``(cos, sin)`` pair is accepted too: the runs are then derived here).
     num_splits : key-range splits per sequence (flash-decoding); default by occupancy.
     config : ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``, for benchmarks.
     cs_per_page : load the cos/sin table once per page and broadcast it over the page's
         slots (``True``) or gather it per slot (``False``); for benchmarks.
     prefetch : load the next key tile's cos/sin during this one (default on); for benchmarks.
+    qrot : rotate the query once per run of equal deltas (default whenever a key tile lies
+        in one page, ``page_size >= BLOCK_N``) instead of every key tile; for benchmarks.
 
     Returns
     -------
@@ -645,9 +777,17 @@ def paged_attention_triton(
     pass_dim = d - 2 * half
 
     rows = max_seqlen_q * group
-    one_query = max_seqlen_q == 1  # decode: query rotated per page (_paged_decode_fwd)
+    one_query = max_seqlen_q == 1
     short = rows <= 64  # a few queries per sequence: small query tiles, no causal scan
-    if one_query:
+    dec_n = (config[1] if config is not None else _DECODE_CFG.get(d, _DECODE_CFG[256])[0])
+    if qrot is None:
+        qrot = page_size >= dec_n if short else page_size >= (
+            config[1] if config is not None else _prefill_config(d, max_blocks * page_size)[1])
+    qrot = bool(qrot)
+    # decode with pages smaller than the key tile: query rotated per page (_paged_decode_fwd);
+    # with a tile inside one page the general kernel's run loop serves decode too
+    decode_kernel = one_query and not qrot
+    if decode_kernel:
         block_n, num_warps, num_stages = _DECODE_CFG.get(d, _DECODE_CFG[256])
         if config is not None:
             _, block_n, num_warps, num_stages = config
@@ -655,6 +795,8 @@ def paged_attention_triton(
         block_m = max(16, _next_pow2(ppt * group))
     elif config is not None:
         block_m, block_n, num_warps, num_stages = config
+        if block_m <= 0:  # a decode config (the tile of rows is derived)
+            block_m = max(16, _next_pow2(rows))
     elif short:
         block_m = max(16, _next_pow2(rows))
         block_n, num_warps, num_stages = _DECODE_CFG.get(d, _DECODE_CFG[256])
@@ -666,7 +808,9 @@ def paged_attention_triton(
         cs_per_page = _CS_PER_PAGE
     if prefetch is None:
         prefetch = _PREFETCH
-    q_tiles = 1 if one_query else triton.cdiv(rows, block_m)
+    if qrot and page_size < block_n:
+        raise ValueError(f"qrot needs page_size >= BLOCK_N, got {page_size} < {block_n}")
+    q_tiles = 1 if decode_kernel else triton.cdiv(rows, block_m)
     kv_tiles = triton.cdiv(max_blocks * page_size, block_n)
     if num_splits is None:
         # about one program per SM at least; split-K only while there are fewer
@@ -679,13 +823,23 @@ def paged_attention_triton(
             num_splits = 2
     num_splits = max(1, min(int(num_splits), kv_tiles))
 
+    runs = inv_freq  # never read unless qrot
     if use_rope:
-        cos, sin = rope if rope is not None else rope_table(block_delta, inv_freq.to(q.device))
+        if rope is None:
+            rope = rope_table(block_delta, inv_freq.to(q.device))
+        cos, sin = rope[0], rope[1]
         if cos.shape != (batch, max_blocks, half) or not (cos.is_contiguous() and sin.is_contiguous()):
             raise ValueError(f"rope table of shape {tuple(cos.shape)}, expected {(batch, max_blocks, half)} contiguous")
+        if qrot:
+            runs = rope[2] if len(rope) > 2 else delta_runs(block_delta)
+            if runs.shape != (batch, max_blocks) or not runs.is_contiguous():
+                raise ValueError(f"runs table of shape {tuple(runs.shape)}, expected {(batch, max_blocks)} contiguous")
     else:
         cos = sin = inv_freq  # never read
-    n_parts = num_splits * (ppt if one_query else 1)
+        if qrot:  # one run per row: no rotation at all
+            runs = torch.full((1,), max_blocks, dtype=torch.int32, device=q.device).expand(batch, max_blocks)
+            runs = runs.contiguous()
+    n_parts = num_splits * (ppt if decode_kernel else 1)
     if n_parts > 1:
         part_o = torch.empty((total_q, hq, n_parts, d), device=q.device, dtype=torch.float32)
         part_lse = torch.empty((total_q, hq, n_parts), device=q.device, dtype=torch.float32)
@@ -701,7 +855,7 @@ def paged_attention_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
     )
     tables = (block_table.stride(0), block_pos.stride(0), block_len.stride(0), max_blocks, num_splits)
-    if one_query:
+    if decode_kernel:
         _paged_decode_fwd[(hkv * num_splits, batch)](
             q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, block_pos, block_len, cos, sin,
             target, part_o, part_lse, *common, target.stride(0), target.stride(1), *tables,
@@ -714,13 +868,13 @@ def paged_attention_triton(
         half_p = max(16, _next_pow2(half)) if half else 16
         pass_p = max(16, _next_pow2(pass_dim)) if pass_dim else 16
         _paged_attn_fwd[(q_tiles, hkv * num_splits, batch)](
-            q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, block_pos, block_len, cos, sin,
+            q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, block_pos, block_len, cos, sin, runs,
             target, part_o, part_lse, *common, target.stride(0), target.stride(1), *tables,
             NUM_Q_HEADS=hq, G=group, HEAD_DIM=d, HALF=half, HALF_P=half_p,
             PASS=pass_dim, PASS_P=pass_p, PAGE_SIZE=page_size,
             BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_OUT=num_splits > 1,
             SCAN=not short, SCAN_BLOCK=256, USE_ROPE=use_rope, CS_PER_PAGE=cs_per_page, DOT_PREC=dot_prec,
-            IDX64=idx64, NPG=max(1, block_n // page_size), PREFETCH=prefetch,
+            IDX64=idx64, NPG=max(1, block_n // page_size), PREFETCH=prefetch, QROT=qrot,
             num_warps=num_warps, num_stages=num_stages,
         )
     if n_parts > 1:

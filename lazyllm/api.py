@@ -168,7 +168,9 @@ class LazyLLM:
         the shared system prefix and itself).
     kv_cache_bytes : byte budget of the KV page pool (default: 1 GiB on CPU, 40% of free
         memory on CUDA).
-    page_size : tokens per KV page.
+    page_size : tokens per KV page (default: 64 with the Triton kernels on CUDA, where a key
+        tile then lies in one page and the kernels rotate the query once per chunk instead
+        of every key tile; 16 otherwise).
     attention_backend : ``"auto"`` (Triton on CUDA, torch reference on CPU), ``"torch"``
         or ``"triton"`` (on CPU, the kernels run in Triton's interpreter: for tests).
     recompute_first_tokens : quality recovery: at query time, recompute the first this
@@ -196,7 +198,7 @@ class LazyLLM:
         reuse: str = "lazy",
         chunk_context: str = "isolated",
         kv_cache_bytes: int | None = None,
-        page_size: int = 16,
+        page_size: int | None = None,
         attention_backend: str = "auto",
         max_batch_tokens: int = 8192,
         recompute_first_tokens: int = 0,
@@ -210,7 +212,8 @@ class LazyLLM:
             raise InvalidRequestError(f"reuse must be one of {REUSE_MODES}, got {reuse!r}")
         if chunk_context not in CHUNK_CONTEXTS:
             raise InvalidRequestError(f"chunk_context must be one of {CHUNK_CONTEXTS}, got {chunk_context!r}")
-        if not isinstance(page_size, int) or page_size < 1 or page_size & (page_size - 1):
+        if page_size is not None and (isinstance(page_size, bool) or not isinstance(page_size, int)
+                                      or page_size < 1 or page_size & (page_size - 1)):
             raise InvalidRequestError(f"page_size must be a power of two, got {page_size!r}")
         if isinstance(recompute_first_tokens, bool) or not isinstance(recompute_first_tokens, int) \
                 or recompute_first_tokens < 0:
@@ -238,6 +241,9 @@ class LazyLLM:
                 model_name_or_path, device=str(self.device), dtype=self.dtype,
                 trust_remote_code=trust_remote_code, progress=progress)
         attn, rerotate, extras, self.attention_backend = _attention_backend(attention_backend, self.device)
+        if page_size is None:
+            page_size = 64 if self.device.type == "cuda" and self.attention_backend == "triton" else 16
+        self.page_size = page_size
         self.hf_model = hf
         self.tokenizer = tok
         self.model = LlamaFamilyModel(hf, attention=attn, step_extras=extras)

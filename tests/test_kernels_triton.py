@@ -279,12 +279,66 @@ def test_use_rope_false_and_precomputed_table():
     chunks, pos = _chunks(gen, 3, 0)
     batch = _make_batch([(chunks + [(pos, 20, 0)], 20)], page_size=16, hkv=2, group=2, d=64,
                         dtype=torch.float32, seed=7)
-    cos, sin = ta.rope_table(batch["block_delta"], batch["inv_freq"])
+    cos, sin, runs = ta.rope_table(batch["block_delta"], batch["inv_freq"])
     ref = paged_attention_ref(**batch)
     got = ta.paged_attention_triton(**batch, rope=(cos, sin))
     torch.testing.assert_close(got, ref, **_tol(torch.float32))
     batch["block_delta"].zero_()  # all deltas 0: rotation off is the same function
     _check_attention(batch, use_rope=False)
+
+
+def test_delta_runs_matches_naive():
+    gen = torch.Generator().manual_seed(3)
+    for n in (1, 2, 7, 33):
+        d = torch.randint(0, 3, (4, n), generator=gen, dtype=torch.int32)
+        got = ta.delta_runs(d)
+        for b in range(4):
+            for e in range(n):
+                nxt = next((j for j in range(e + 1, n) if d[b, j] != d[b, e]), n)
+                assert int(got[b, e]) == nxt, (b, e, d[b].tolist(), got[b].tolist())
+
+
+# (group, head_dim, rotary_dim, dtype, page_size, config): key tiles inside one page, so
+# the kernel rotates the query once per run of equal deltas (qrot); 1, 2 and 4 tiles per page
+QROT_CASES = [
+    (4, 128, None, torch.float16, 64, (32, 64, 4, 1)),
+    (3, 64, 32, torch.float32, 32, (16, 16, 4, 1)),
+    (1, 64, 48, torch.float16, 64, (16, 16, 4, 1)),
+    (8, 64, None, torch.float32, 16, (32, 16, 4, 1)),
+]
+
+
+@pytest.mark.parametrize("case", QROT_CASES, ids=_case_id)
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_query_rotation_per_run(case, splits):
+    """Prefix, chunks at random deltas (two neighbours sharing one delta, so a run spans
+    chunks), then the queries' own pages; prefill, decode, split key ranges."""
+    g, d, rd, dtype, ps, cfg = case
+    gen = random.Random(21)
+    seqs = []
+    for nc, nq in ((4, 17), (0, 5), (3, 1)):
+        chunks, pos = _chunks(gen, nc, 9, lo=3, hi=80)
+        if len(chunks) > 2:
+            chunks[2] = (chunks[2][0], chunks[2][1], chunks[1][2])  # encoded together: one delta
+        seqs.append(([(0, 9, 0)] + chunks + [(pos, nq + gen.randint(0, 20), 0)], nq))
+    batch = _make_batch(seqs, page_size=ps, hkv=2, group=g, d=d, rotary_dim=rd, dtype=dtype, seed=21)
+    _check_attention(batch, config=cfg, num_splits=splits, qrot=True)
+    one = [([(0, 9, 0)] + _chunks(gen, 5, 9, lo=3, hi=80)[0], 1) for _ in range(3)]
+    for s_, _ in one:
+        last = s_[-1]
+        s_.append((last[0] + last[1], 4, 0))
+    dec = _make_batch(one, page_size=ps, hkv=2, group=g, d=d, rotary_dim=rd, dtype=dtype, seed=22)
+    _check_attention(dec, max_seqlen_q=1, num_splits=splits, qrot=True, config=cfg)
+    if ps >= 64:  # the default decode tile (64 keys) fits a page: qrot is the default
+        _check_attention(dec, max_seqlen_q=1, num_splits=splits)
+
+
+def test_qrot_needs_tile_inside_page():
+    gen = random.Random(22)
+    chunks, pos = _chunks(gen, 2, 0)
+    batch = _make_batch([(chunks, 3)], page_size=16, hkv=2, group=2, d=64, dtype=torch.float32, seed=23)
+    with pytest.raises(ValueError, match="qrot"):
+        ta.paged_attention_triton(**batch, config=(16, 32, 4, 1), qrot=True)
 
 
 # ----------------------------------------------------------------------------------------
