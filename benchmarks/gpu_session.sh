@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 what=${*:-tests engine}
 for w in $what; do
   case $w in
-    tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -6 ;;
+    tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_kernels_triton.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -12 ;;
     engine) python3 benchmarks/engine.py --tokenizer .carry/tok --json "$OUT/engine.json" 2>&1 | tee "$OUT/engine.log" | grep -v Warn | tail -9 ;;
     engine64) python3 benchmarks/engine.py --tokenizer .carry/tok --page-size 64 --json "$OUT/engine64.json" 2>&1 | tee "$OUT/engine64.log" | grep -v Warn | tail -9 ;;
     profile) python3 benchmarks/profile_engine.py --tokenizer .carry/tok 2>&1 | tee "$OUT/profile.log" | grep -v Warn | tail -70 ;;

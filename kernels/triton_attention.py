@@ -51,7 +51,7 @@ interpreter (``TRITON_INTERPRET=1``, CPU) with float16/float32 tensors.
 """
 from __future__ import annotations
 
-import math
+import warnings
 
 import torch
 import triton
@@ -637,6 +637,11 @@ def delta_runs(block_delta: torch.Tensor) -> torch.Tensor:
     return nxt.contiguous()
 
 
+def _cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor):
+    ang = delta.to(torch.float32)[..., None] * inv_freq.to(torch.float32)
+    return ang.cos().contiguous(), ang.sin().contiguous()
+
+
 def rope_table(block_delta: torch.Tensor, inv_freq: torch.Tensor):
     """cos and sin of every table entry's delta rotation, and the runs of equal deltas.
 
@@ -653,8 +658,7 @@ def rope_table(block_delta: torch.Tensor, inv_freq: torch.Tensor):
     The table depends only on the step's metadata, so an engine can build it once per step
     and pass it to every layer's ``paged_attention_triton(..., rope=...)``.
     """
-    ang = block_delta.to(torch.float32)[..., None] * inv_freq.to(torch.float32)
-    return ang.cos().contiguous(), ang.sin().contiguous(), delta_runs(block_delta)
+    return (*_cos_sin(block_delta, inv_freq), delta_runs(block_delta))
 
 
 # Launch configurations, chosen on an H200 (bf16, d=128, page 16) by benchmarks/kernels.py.
@@ -663,7 +667,16 @@ _PREFILL_CFG = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)}
 _PREFILL_CFG_LONG: dict = {}  # (128, 128, 8, 2) is faster without RoPE but spills with it
 
 
-def _prefill_config(d: int, kv_slots: int):
+# With pages of at least the key tile the query-rotating kernel runs; on the H200 its best
+# tile for d=128 was 64x64, 4 warps, 3 stages (95% of SDPA at q=512 over 8k, 82% at q=2048
+# over 32k; the 128x64 tile spills there).
+_PREFILL_CFG_QROT = {128: (64, 64, 4, 3)}
+
+
+def _prefill_config(d: int, kv_slots: int, page_size: int = 0):
+    qc = _PREFILL_CFG_QROT.get(d)
+    if qc is not None and page_size >= qc[1]:
+        return qc
     if kv_slots >= _LONG_KV and d in _PREFILL_CFG_LONG:
         return _PREFILL_CFG_LONG[d]
     return _PREFILL_CFG.get(d, _PREFILL_CFG[256])
@@ -674,6 +687,7 @@ _DECODE_CFG = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 4, 2)}  # BLOCK_N, war
 _CS_PER_PAGE = True
 _PREFETCH = True  # measured faster on the H200 at all four shapes tried (BENCHMARKS.md)
 _NUM_SMS: dict = {}
+_QROT_FAILED: set = set()  # shapes whose query-rotating kernel did not compile
 
 
 def _num_sms(device: torch.device) -> int:
@@ -780,9 +794,11 @@ def paged_attention_triton(
     one_query = max_seqlen_q == 1
     short = rows <= 64  # a few queries per sequence: small query tiles, no causal scan
     dec_n = (config[1] if config is not None else _DECODE_CFG.get(d, _DECODE_CFG[256])[0])
+    qkey = (d, k_cache.dtype, short, page_size, config)
     if qrot is None:
         qrot = page_size >= dec_n if short else page_size >= (
-            config[1] if config is not None else _prefill_config(d, max_blocks * page_size)[1])
+            config[1] if config is not None else _prefill_config(d, max_blocks * page_size, page_size)[1])
+        qrot = qrot and qkey not in _QROT_FAILED
     qrot = bool(qrot)
     # decode with pages smaller than the key tile: query rotated per page (_paged_decode_fwd);
     # with a tile inside one page the general kernel's run loop serves decode too
@@ -801,7 +817,7 @@ def paged_attention_triton(
         block_m = max(16, _next_pow2(rows))
         block_n, num_warps, num_stages = _DECODE_CFG.get(d, _DECODE_CFG[256])
     else:
-        block_m, block_n, num_warps, num_stages = _prefill_config(d, max_blocks * page_size)
+        block_m, block_n, num_warps, num_stages = _prefill_config(d, max_blocks * page_size, page_size if qrot else 0)
     if _interpreting():
         num_stages = 1
     if cs_per_page is None:
@@ -867,16 +883,31 @@ def paged_attention_triton(
     else:
         half_p = max(16, _next_pow2(half)) if half else 16
         pass_p = max(16, _next_pow2(pass_dim)) if pass_dim else 16
-        _paged_attn_fwd[(q_tiles, hkv * num_splits, batch)](
-            q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, block_pos, block_len, cos, sin, runs,
-            target, part_o, part_lse, *common, target.stride(0), target.stride(1), *tables,
-            NUM_Q_HEADS=hq, G=group, HEAD_DIM=d, HALF=half, HALF_P=half_p,
-            PASS=pass_dim, PASS_P=pass_p, PAGE_SIZE=page_size,
-            BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_OUT=num_splits > 1,
-            SCAN=not short, SCAN_BLOCK=256, USE_ROPE=use_rope, CS_PER_PAGE=cs_per_page, DOT_PREC=dot_prec,
-            IDX64=idx64, NPG=max(1, block_n // page_size), PREFETCH=prefetch, QROT=qrot,
-            num_warps=num_warps, num_stages=num_stages,
-        )
+        try:
+            _paged_attn_fwd[(q_tiles, hkv * num_splits, batch)](
+                q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, block_pos, block_len, cos, sin, runs,
+                target, part_o, part_lse, *common, target.stride(0), target.stride(1), *tables,
+                NUM_Q_HEADS=hq, G=group, HEAD_DIM=d, HALF=half, HALF_P=half_p,
+                PASS=pass_dim, PASS_P=pass_p, PAGE_SIZE=page_size,
+                BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_OUT=num_splits > 1,
+                SCAN=not short, SCAN_BLOCK=256, USE_ROPE=use_rope, CS_PER_PAGE=cs_per_page, DOT_PREC=dot_prec,
+                IDX64=idx64, NPG=max(1, block_n // page_size), PREFETCH=prefetch, QROT=qrot,
+                num_warps=num_warps, num_stages=num_stages,
+            )
+        except Exception as e:  # noqa: BLE001
+            if not qrot or _interpreting() or torch.cuda.is_current_stream_capturing():
+                raise
+            # A Triton compiler failure on this shape (seen for tiny head dims in float32):
+            # remember it and serve the shape with the key-rotating kernel, which computes
+            # the same function.
+            _QROT_FAILED.add(qkey)
+            warnings.warn(f"query-rotating attention kernel failed to compile for head_dim={d}, "
+                          f"{k_cache.dtype}, pages of {page_size} ({type(e).__name__}); using the "
+                          "key-rotating kernel for this shape", RuntimeWarning, stacklevel=2)
+            return paged_attention_triton(
+                q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, block_pos, block_delta, block_len,
+                inv_freq, sm_scale, out, max_seqlen_q=max_seqlen_q, use_rope=use_rope,
+                rope=None if rope is None else (rope[0], rope[1]), config=config, qrot=False)
     if n_parts > 1:
         _merge_splits[(total_q * hq,)](
             part_o, part_lse, target, target.stride(0), target.stride(1), n_parts,
@@ -976,7 +1007,7 @@ def rerotate_copy_triton(
         raise ValueError("k_cache/v_cache need a contiguous last dim")
     half = int(inv_freq.numel())
     pass_dim = d - 2 * half
-    cos, sin = rope_table(delta.reshape(-1), inv_freq.to(k_cache.device))
+    cos, sin = _cos_sin(delta.reshape(-1), inv_freq.to(k_cache.device))
     rows = page_size * hkv
     if block_rows is None:
         block_rows = min(_next_pow2(rows), max(16, 8192 // d))

@@ -465,3 +465,31 @@ def test_gpu_compiled_matches_reference(dtype):
         up = dict(dec, q=dec["q"].float(), k_cache=up["k_cache"], v_cache=up["v_cache"])
         got = mod.paged_attention_triton(**dec, max_seqlen_q=1)
         assert _relerr(got, paged_attention_ref(**up)) < (1e-4 if dtype == torch.float32 else 1e-2)
+    assert not mod._QROT_FAILED, f"fell back to the key-rotating kernel for {mod._QROT_FAILED}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compiled kernels run only on a GPU)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+def test_gpu_compiled_query_rotation(dtype, d):
+    """The query-rotating path (pages of 64 and 128, the default tiles) compiled for each
+    head dim, prefill and decode, against the reference."""
+    mod = _load_kernels(interpret=False)
+    gen = random.Random(23)
+    seqs = []
+    for nc, nq in ((5, 70), (2, 1), (1, 9)):
+        chunks, pos = _chunks(gen, nc, 0, lo=20, hi=200)
+        seqs.append((chunks + [(pos, nq + 5, 0)], nq))
+    for ps in (64, 128):
+        batch = _make_batch(seqs, page_size=ps, hkv=2, group=4, d=d, dtype=dtype, seed=24)
+        batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
+        up = dict(batch, q=batch["q"].float(), k_cache=batch["k_cache"].float(), v_cache=batch["v_cache"].float())
+        got = mod.paged_attention_triton(**batch)
+        assert _relerr(got, paged_attention_ref(**up)) < (1e-4 if dtype == torch.float32 else 1e-2)
+        dec = dict(batch, q=batch["q"][: len(seqs)].contiguous(), q_pos=batch["q_pos"][: len(seqs)],
+                   cu_seqlens_q=torch.arange(len(seqs) + 1, device="cuda", dtype=torch.int32))
+        up = dict(dec, q=dec["q"].float(), k_cache=up["k_cache"], v_cache=up["v_cache"])
+        got = mod.paged_attention_triton(**dec, max_seqlen_q=1)
+        assert _relerr(got, paged_attention_ref(**up)) < (1e-4 if dtype == torch.float32 else 1e-2)
+    assert not mod._QROT_FAILED, f"fell back to the key-rotating kernel for {mod._QROT_FAILED}"
