@@ -79,7 +79,7 @@ class LlamaFamilyModel:
     """Inference-only forward of a Llama-family causal LM over paged KV."""
 
     def __init__(self, hf_model, attention: Callable | None = None, step_extras: Callable | None = None,
-                 fuse: bool | None = None):
+                 fuse: bool | None = None, fused_kernels: bool | None = None):
         cfg = hf_model.config
         mt = getattr(cfg, "model_type", None)
         if mt not in SUPPORTED_MODEL_TYPES:
@@ -174,6 +174,17 @@ class LlamaFamilyModel:
         self.write_kv = write_kv_ref
         if fuse if fuse is not None else self.device.type == "cuda":
             self._fuse_projections()
+        # Fused Triton elementwise kernels (kernels/fused.py: RMSNorm with the residual add,
+        # RoPE + K/V write, SiLU * up) on CUDA for the plain Llama layer; the same arithmetic
+        # as the torch code they replace.
+        # ``fused_kernels``: None (on for CUDA), a bool, or a module with the same functions
+        # (tests pass an interpreted copy).
+        self.fused = None
+        want = fused_kernels if fused_kernels is not None else self.device.type == "cuda"
+        if want and not (self.spec.gemma or self.spec.qk_norm) and "wqkv" in self.layers[0]:
+            if want is True:
+                from lazyllm.kernels import fused as want
+            self.fused = want
 
     def _fuse_projections(self) -> None:
         """One GEMM for q/k/v and one for gate/up. The fused tensor becomes the storage
@@ -287,6 +298,8 @@ class LlamaFamilyModel:
         h = self._embed(input_ids)
         tables = [rope_cos_sin(meta.positions, f, sc) for f, sc in zip(self.inv_freqs, self.rope_scales)]
         extras = [self.step_extras(meta, f) if self.step_extras else {} for f in self.inv_freqs]
+        if self.fused is not None and stop_after_layer is None:
+            return self._forward_fused(h, meta, k_cache, v_cache, tables, extras, logits_index)
         for li, w in enumerate(self.layers):
             fi = w["freq"]
             q, k, v = self._qkv(h, w, *tables[fi])
@@ -304,3 +317,33 @@ class LlamaFamilyModel:
             h = h[logits_index]
         h = self._norm(h, self.final_norm, s.rms_eps)
         return F.linear(h, self.lm_head).float()
+
+    def _forward_fused(self, h, meta, k_cache, v_cache, tables, extras, logits_index):
+        """``forward`` with the fused kernels: per layer one RMSNorm (+ residual add), the
+        QKV GEMM, one RoPE + K/V write, attention, the output GEMM, one add + RMSNorm, the
+        gate/up GEMM, one SiLU * up, the down GEMM (its residual add is fused into the
+        next layer's norm)."""
+        s, fk = self.spec, self.fused
+        n = h.shape[0]
+        pending = None
+        for li, w in enumerate(self.layers):
+            fi = w["freq"]
+            if pending is None:
+                x = fk.rms_norm(h, w["ln1"], s.rms_eps)
+            else:
+                h, x = fk.add_rms_norm(h, pending, w["ln1"], s.rms_eps)
+            qkv = F.linear(x, w["wqkv"], w["bqkv"])
+            q = fk.rope_qkv_write(qkv, *tables[fi], k_cache[li], v_cache[li], meta.slot_mapping,
+                                  s.num_heads, s.num_kv_heads)
+            args = (q, meta.positions, meta.cu_seqlens_q, k_cache[li], v_cache[li], meta.block_table,
+                    meta.block_pos, meta.block_delta, meta.block_len, self.inv_freqs[fi], s.sm_scale)
+            if w["window"] is None:
+                o = self.attention(*args, **extras[fi])
+            else:
+                o = paged_attention_ref(*args, window=w["window"])
+            h, x = fk.add_rms_norm(h, F.linear(o.reshape(n, -1), w["wo"], w["bo"]), w["ln2"], s.rms_eps)
+            pending = F.linear(fk.silu_mul(F.linear(x, w["wgu"])), w["wd"])
+        if logits_index is not None:
+            h, pending = h[logits_index], pending[logits_index]
+        _, x = fk.add_rms_norm(h, pending, self.final_norm, s.rms_eps)
+        return F.linear(x, self.lm_head).float()
