@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import torch
 
+import logging
+
+import numpy as np
+
 from ..model.llama import AttentionMetadata
 
 _PAGE, _POS, _DELTA, _LEN = range(4)
+log = logging.getLogger("lazyllm")
 
 
 def _bucket(n: int, lo: int) -> int:
@@ -151,4 +156,101 @@ class GraphRunner:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(g, pool=self.pool):
             out = self.model.forward(st.ids[:B], meta, self.k, self.v)
+        return g, out
+
+
+class PrefillGraphs:
+    """Single-sequence prefills of up to ``max_tokens`` new tokens through CUDA graphs.
+
+    A warm RAG request prefills only its question (tens of tokens) over cached chunks;
+    launched eagerly, that forward is ~300 kernels and its host time dwarfs the GPU time.
+    Graphs are captured per (token bucket, table width bucket) on first use: powers of two
+    from 16 tokens, widths as for decode. Padded tokens sit past ``cu_seqlens_q`` (no query
+    row reads or is read by them) and write their K/V into the scratch page; only the last
+    real token's logits are computed."""
+
+    def __init__(self, model, k_cache, v_cache, max_entries: int, device: torch.device, scratch_slot: int,
+                 enabled: bool, max_tokens: int = 256):
+        self.model, self.k, self.v = model, k_cache, v_cache
+        self.enabled = enabled and device.type == "cuda"
+        self.max_tokens, self.max_entries, self.scratch_slot = max_tokens, max_entries, scratch_slot
+        self.device = device
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        if self.enabled:
+            T = max_tokens
+            self.buf = torch.zeros(3 * T + 3 + 4 * max_entries, dtype=torch.long, device=device)
+            self.tables = torch.zeros((4, 1, max_entries), dtype=torch.int32, device=device)
+            self.pos = torch.zeros(T, dtype=torch.int32, device=device)
+            self.cu = torch.zeros(2, dtype=torch.int32, device=device)
+
+    def accepts(self, n_tokens: int, n_entries: int, logit_rows: int) -> bool:
+        return self.enabled and 0 < n_tokens <= self.max_tokens and logit_rows == 1 and \
+            0 < n_entries <= self.max_entries
+
+    def _width(self, W: int) -> int:
+        b = 16
+        while b < W and b < 64:
+            b *= 2
+        if W > 64:
+            b = -(-W // 64) * 64
+        return min(b, self.max_entries)
+
+    def run(self, ids, pos, slots, table) -> torch.Tensor | None:
+        """Logits ``(1, vocab)`` of the last of ``ids``; ``table`` lists ``(page, pos, delta,
+        len)`` entries (cached context first, then the sequence's own pages). ``None`` if
+        the graph could not be captured (graphs are then switched off)."""
+        n, W = len(ids), len(table)
+        T = 16
+        while T < n:
+            T *= 2
+        Wb = self._width(W)
+        pad = T - n
+        tab = np.zeros((4, Wb), dtype=np.int64)
+        tab[:, :W] = np.asarray(table, dtype=np.int64).T
+        host = torch.from_numpy(np.concatenate([
+            np.asarray(list(ids) + [0] * pad, dtype=np.int64),
+            np.asarray(list(pos) + [pos[-1]] * pad, dtype=np.int64),
+            np.asarray(list(slots) + [self.scratch_slot] * pad, dtype=np.int64),
+            np.asarray([0, n, n - 1], dtype=np.int64), tab.ravel()])).pin_memory()
+        m = host.numel()
+        self.buf[:m].copy_(host, non_blocking=True)
+        b = self.buf
+        self.pos[:T].copy_(b[T:2 * T])
+        self.cu.copy_(b[3 * T:3 * T + 2])
+        self.tables[:, 0, :Wb].copy_(b[3 * T + 3:m].view(4, Wb))
+        key = (T, Wb)
+        if key not in self.graphs:
+            try:
+                self.graphs[key] = self._capture(T, Wb)
+            except Exception as e:  # an op that cannot be captured: stay correct, run eagerly
+                log.warning("prefill CUDA graph capture failed (%r); prefills run eagerly from now on", e)
+                self.enabled = False
+                torch.cuda.synchronize()
+                return None
+        g, out = self.graphs[key]
+        g.replay()
+        return out
+
+    def _meta(self, T: int, Wb: int) -> AttentionMetadata:
+        t = self.tables
+        return AttentionMetadata(
+            positions=self.pos[:T], cu_seqlens_q=self.cu, slot_mapping=self.buf[2 * T:3 * T],
+            block_table=t[_PAGE, :, :Wb], block_pos=t[_POS, :, :Wb], block_delta=t[_DELTA, :, :Wb],
+            block_len=t[_LEN, :, :Wb], max_seqlen_q=T)
+
+    def _capture(self, T: int, Wb: int):
+        meta = self._meta(T, Wb)
+        ids, rows = self.buf[:T], self.buf[3 * T + 2:3 * T + 3]
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm up: the real inputs, so its K/V writes are the real ones
+            for _ in range(2):
+                self.model.forward(ids, meta, self.k, self.v, logits_index=rows)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = self.model.forward(ids, meta, self.k, self.v, logits_index=rows)
         return g, out

@@ -35,7 +35,7 @@ from ..errors import CacheCapacityError, ContextLengthError, LazyLLMError, Reque
 from ..model.llama import AttentionMetadata
 from lazyllm.kernels.reference import rotate_by_delta
 from ..types import GenerationOutput, SamplingParams, ScoreOutput, Usage
-from .decode import DecodeState, GraphRunner
+from .decode import DecodeState, GraphRunner, PrefillGraphs
 from .prompt import Segment
 from .sampler import Detokenizer, sample_token
 
@@ -162,7 +162,14 @@ class Engine:
         self.probe_layer = min(probe_layer, model.spec.num_layers - 1)
         max_entries = -(-model.spec.max_context // self.pool.page_size) + 2
         self.decode_state = DecodeState(max_batch_size, max_entries, self.device)
-        self.graphs = GraphRunner(model, self.decode_state, self.pool.k, self.pool.v, enabled=cuda_graphs)
+        # sliding-window layers (Gemma 3's local layers) run the torch reference attention,
+        # which reads the batch layout on the host: not capturable, so no CUDA graphs there
+        windowed = any(w.get("window") is not None for w in getattr(model, "layers", []))
+        self.graphs = GraphRunner(model, self.decode_state, self.pool.k, self.pool.v,
+                                  enabled=cuda_graphs and not windowed)
+        self.prefill_graphs = PrefillGraphs(model, self.pool.k, self.pool.v, max_entries, self.device,
+                                            self.pool.scratch_page * self.pool.page_size,
+                                            enabled=cuda_graphs and not windowed)
         self.metrics = {"requests": 0, "failed": 0, "cancelled": 0, "preemptions": 0, "prefill_retries": 0, "recovery_skipped": 0, "disk_hits": 0, "prefill_tokens": 0,
                         "decode_steps": 0, "decode_tokens": 0, "peak_pages": 0}
 
@@ -679,7 +686,6 @@ class Engine:
                 r.finish_reason = "warm"
                 self._finish(r)
         logits = self._run_jobs([j for _, j in stage3]) if stage3 else []
-        now = time.perf_counter()
         for (r, _), lg in zip(stage3, logits):
             r._jobs = None  # type: ignore[attr-defined]
             if self.reuse == "prefix":
@@ -687,8 +693,6 @@ class Engine:
             if r.logit_rows > 1 or r.score_only:
                 self._finish_score(r, lg)
                 continue
-            if not r.preempted:
-                r.first_token_time = now
             r.preempted = False
             self._emit(r, lg[-1])
             if r.finish_reason is None and r in self.running:
@@ -747,6 +751,12 @@ class Engine:
             cu.append(cu[-1] + n)
             logit_rows += range(cu[-1] - j.logit_rows, cu[-1])
         self.metrics["prefill_tokens"] += len(ids)
+        if len(jobs) == 1 and self.prefill_graphs.accepts(len(ids), len(tables[0]), jobs[0].logit_rows):
+            # a short single-sequence prefill (a question over cached chunks): one graph replay
+            table = [(e.page, e.pos, e.delta, e.length) for e in tables[0]]
+            out = self.prefill_graphs.run(ids, pos, slots, table)
+            if out is not None:  # None: the capture failed and graphs are off; run eagerly
+                return [out]
         ids_t, rows, meta = self._metadata(ids, pos, slots, cu, tables, max(len(j.ids) for j in jobs), logit_rows)
         logits = self.model.forward(ids_t, meta, self.pool.k, self.pool.v, logits_index=rows)
         out, i = [], 0
@@ -857,6 +867,10 @@ class Engine:
             self._finish(r, error=RequestCancelled("cancelled"))
             return
         tok = greedy_pick if greedy_pick is not None else sample_token(logits, r.params, r.gen)
+        if not r.generated and not r.first_token_time:
+            # the first token exists once it is sampled (the forward before it may still have
+            # been running on the GPU when the host got here); a recomputed request keeps its own
+            r.first_token_time = time.perf_counter()
         r.generated.append(tok)
         is_eos = tok in self.eos_ids
         if r.streaming or r.params.stop:  # text is needed now: for the caller, or to stop
