@@ -164,7 +164,8 @@ class Engine:
         self.decode_state = DecodeState(max_batch_size, max_entries, self.device)
         self.graphs = GraphRunner(model, self.decode_state, self.pool.k, self.pool.v, enabled=cuda_graphs)
         self.metrics = {"requests": 0, "failed": 0, "cancelled": 0, "preemptions": 0, "prefill_retries": 0, "recovery_skipped": 0, "disk_hits": 0, "prefill_tokens": 0,
-                        "decode_steps": 0, "decode_tokens": 0, "peak_pages": 0}
+                        "decode_steps": 0, "decode_tokens": 0, "peak_pages": 0,
+                        "copied_pages": 0}  # pages copied re-rotated (block copies, recovery)
 
     # -- public, any thread ----------------------------------------------------------
     def submit(self, req: Request) -> Request:
@@ -672,6 +673,7 @@ class Engine:
                 src, dst, delta = zip(*copies)
                 t = lambda x: torch.tensor(x, dtype=torch.int32, device=self.device)  # noqa: E731
                 self._rerotate(t(src), t(dst), t(delta))
+                self.metrics["copied_pages"] += len(copies)
         for r in reqs:
             if r.warm_only:
                 r.first_token_time = time.perf_counter()
