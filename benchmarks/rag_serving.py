@@ -12,7 +12,8 @@ Arrivals: ``--rates`` in requests/s. A rate ``r > 0`` is a Poisson process (expo
 gaps) rescaled so that the last of the N requests arrives exactly at ``N / r``: a short run
 then offers exactly its nominal rate. Rate ``0`` is a closed loop at ``--concurrency`` (each
 client sends its next request when the last one finished): the saturation throughput.
-``--rates`` and ``--budgets`` may differ per alpha: ``"2.1=2,4,8;0=1,2"``.
+``--rates`` and ``--budgets`` may differ per alpha: ``"2.1=2,4,8;0=1,2"``, and rates per
+(alpha, budget): ``"2.1=2,4,8;0=1,2;2.1@0.12=0"``.
 
 Measurement. Per system and KV budget one engine is built; per alpha it first serves
 ``--warm-requests`` requests of a separate warm-up stream (same documents and distribution)
@@ -23,8 +24,9 @@ previous point left: the steady state of a server that runs this workload (``--c
 the cache before each point instead, counting every first use as a miss).
 
 Metrics per point: TTFT p50/p95, TPOT (median), req/s and output tok/s over the wall time
-(first arrival to last completion), finish rate ((N-1) / span of completions: the service
-rate, insensitive to the latency of the last request), **chunk hit rate** (chunk tokens served
+(start to last completion), finish rate (completions per second: 1 / the least-squares slope
+of the sorted completion times against their rank; the service rate, insensitive to the
+latency of the first and last requests), **chunk hit rate** (chunk tokens served
 from the cache / chunk tokens requested; the system prefix and the question are excluded, as
 the prefix is always a hit and the question never is), prompt hit rate (cached prompt tokens /
 prompt tokens, the prefix included), prefilled tokens, peak KV pool use, pages copied
@@ -35,11 +37,12 @@ rate is at least 90% of ``r`` (a stable queue drains as fast as it fills; an ove
 completes at its capacity, below ``r``) and (3) its TTFT p95 is at most ``--sustain-p95-factor``
 (default 3) times its own TTFT p95 at the lowest rate of the same alpha and budget (the tail
 does not explode as the queue builds up). The summary gives, per (alpha, budget): the highest
-rate each of lazy and block sustains; at block's highest sustained rate the lazy/block ratios
-of TTFT p50 (block / lazy) and of req/s (at one offered rate both complete about that rate, so
-this is about 1 by construction); the sustained-throughput ratio (lazy's finish rate at its
-highest sustained rate / block's at its own); the closed-loop (saturation) throughput and TTFT
-ratios; the chunk hit-rate ratio lazy / block (pooled over the points). Per alpha with `hf`
+rate each of lazy and block sustains (with every lower swept rate sustained too); at block's
+highest sustained rate, the lazy/block ratios of TTFT p50 (block / lazy) and of req/s (both
+complete about what is offered there, so this one is about 1 by construction); the
+sustained-throughput ratio (lazy's finish rate at its highest sustained rate / block's at its
+own); the closed-loop (saturation) throughput and TTFT ratios; the chunk hit-rate ratio
+lazy / block (pooled over the points). Per alpha with `hf`
 rows: lazy against `hf` at the same rate (the largest budget lazy ran).
 
     # CPU, default model, small (what CI runs):
@@ -67,9 +70,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 PRESETS = {
     "ci": dict(docs=12, doc_tokens=48, k=2, requests=6, output_tokens=3, budgets="0.6,1.0", rates="0",
                concurrency=2, alphas="2.1", systems="lazy,block,prefix,none,hf", warm_requests=2),
-    "h200": dict(docs=100, doc_tokens=2048, k=5, requests=32, output_tokens=16, budgets="2.1=0.2,0.33;0=0.33",
-                 rates="2.1=0,2,4,6,9,13;0=0,1.5,3", concurrency=16, alphas="2.1,0", systems="lazy,block,hf",
-                 hf_rates="0", random_8b=True, warm_requests=32, warm_concurrency=32),
+    # what benchmarks/gpu_serving.sh runs
+    "h200": dict(docs=100, doc_tokens=2048, k=5, requests=32, output_tokens=16, budgets="2.1=0.33,0.2,0.12;0=0.33",
+                 rates="2.1=0,3,5,7,10,14;0=0,1.5,3;2.1@0.12=0", hf_rates="2.1=0;0=", concurrency=16,
+                 alphas="2.1,0", systems="lazy,block,hf", random_8b=True, warm_requests=32, warm_concurrency=32),
 }
 WORDS = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta", "lambda", "zeta"]
 
@@ -239,6 +243,19 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(math.ceil(q * len(xs))) - 1)] if xs else float("nan")
 
 
+def finish_rate(done: list[float], fallback: float) -> float:
+    """Completions per second: 1 / the least-squares slope of the sorted completion times
+    against their rank (all completions weigh in, not just the first and the last, whose
+    latencies would add their noise to a short run)."""
+    n = len(done)
+    if n < 2:
+        return fallback
+    mi, mt = (n - 1) / 2, sum(done) / n
+    cov = sum((i - mi) * (t - mt) for i, t in enumerate(done))
+    var = sum((i - mi) ** 2 for i in range(n))
+    return var / cov if cov > 0 else fallback
+
+
 def summarize_point(system, budget, rate, alpha, res, wall, extra) -> dict:
     failed = [x for x, _ in res if "error" in x]
     ok = [(x, t) for x, t in res if "error" not in x]
@@ -258,8 +275,8 @@ def summarize_point(system, budget, rate, alpha, res, wall, extra) -> dict:
     row.update(ttft_p50_ms=statistics.median(ttft) * 1e3, ttft_p95_ms=pct(ttft, 0.95) * 1e3,
                tpot_ms=statistics.median(x["tpot"] for x in xs) * 1e3, req_per_s=len(xs) / wall,
                out_tok_per_s=sum(x["out"] for x in xs) / wall,
-               finish_rate=(len(done) - 1) / (done[-1] - done[0]) if len(done) > 1 and done[-1] > done[0]
-               else len(xs) / wall,
+               # Poisson only: a closed loop's clients finish in waves, its rate is req/s
+               finish_rate=finish_rate(done, len(xs) / wall) if rate > 0 else len(xs) / wall,
                hit_rate=cached_chunk / max(chunk, 1), chunk_tokens=chunk, cached_chunk_tokens=cached_chunk,
                prompt_hit_rate=sum(x["cached"] for x in xs) / max(sum(x["prompt"] for x in xs), 1))
     return row
@@ -324,16 +341,19 @@ class LazyRunner:
             torch.cuda.empty_cache()
 
 
-def per_alpha(spec: str, alphas: list[float]) -> dict[float, list[float]]:
-    """``"1,2"`` (every alpha) or ``"2.1=1,2;0=3"`` -> {alpha: [values]}."""
+def per_alpha(spec: str, alphas: list[float]) -> dict:
+    """``"1,2"`` (every alpha) or ``"2.1=1,2;0=3"`` -> {alpha: [values]}; a key
+    ``alpha@budget`` (``"2.1@0.12=0"``) overrides the alpha's values at that budget, under
+    the key ``(alpha, budget)``."""
     if "=" not in spec:
         vals = [float(v) for v in spec.split(",") if v.strip()]
         return {a: vals for a in alphas}
-    out = {}
+    out: dict = {}
     for part in spec.split(";"):
         if part.strip():
-            a, vals = part.split("=")
-            out[float(a)] = [float(v) for v in vals.split(",") if v.strip()]
+            key, vals = part.split("=")
+            k = tuple(float(x) for x in key.split("@")) if "@" in key else float(key)
+            out[k] = [float(v) for v in vals.split(",") if v.strip()]
     missing = [a for a in alphas if a not in out]
     if missing:
         raise SystemExit(f"no values given for alpha {missing} in {spec!r}")
@@ -373,9 +393,13 @@ def summarize(rows) -> list[dict]:
             continue
         s = dict(alpha=alpha, budget=budget)
 
-        def best(system):
-            ok = [r for r in sel[system] if r["sustained"]]
-            return max(ok, key=lambda r: r["rate"]) if ok else None
+        def best(system):  # the highest rate below which every swept rate is sustained
+            out = None
+            for r in sorted((r for r in sel[system] if r["rate"] > 0), key=lambda r: r["rate"]):
+                if not r["sustained"]:
+                    break
+                out = r
+            return out
 
         lb, bb = best("lazy"), best("block")
         s["lazy_max_sustained_rate"] = lb["rate"] if lb else None
@@ -425,12 +449,14 @@ def print_summary(summary) -> None:
             print(f"- alpha {s['alpha']}, rate {s['rate'] or 'closed loop'}: lazy (budget {s['lazy_budget']}) vs hf: "
                   f"throughput {fmt(s['throughput_ratio'])}x, TTFT p50 {fmt(s['ttft_p50_ratio'])}x lower")
             continue
-        line = (f"- alpha {s['alpha']}, budget {s['budget']}: block sustains up to {fmt(s['block_max_sustained_rate'], 'g')}"
-                f" req/s, lazy up to {fmt(s['lazy_max_sustained_rate'], 'g')} req/s")
+        line = (f"- alpha {s['alpha']}, budget {s['budget']}: block sustains up to "
+                f"{fmt(s['block_max_sustained_rate'], 'g')} req/s, lazy up to "
+                f"{fmt(s['lazy_max_sustained_rate'], 'g')} req/s")
         if "at_block_max" in s:
             a = s["at_block_max"]
             line += (f"; at {a['rate']:g} req/s: TTFT p50 {fmt(a['ttft_p50_ratio'])}x lower "
-                     f"({a['lazy_ttft_p50_ms']:.0f} vs {a['block_ttft_p50_ms']:.0f} ms), req/s {fmt(a['req_per_s_ratio'])}x")
+                     f"({a['lazy_ttft_p50_ms']:.0f} vs {a['block_ttft_p50_ms']:.0f} ms), "
+                     f"req/s {fmt(a['req_per_s_ratio'])}x")
         if "sustained_throughput_ratio" in s:
             line += f"; sustained throughput {fmt(s['sustained_throughput_ratio'])}x"
         if "closed_loop" in s:
@@ -542,7 +568,8 @@ def main(argv=None):
     ap.add_argument("--alphas", default="2.1")
     ap.add_argument("--requests", type=int, default=64, help="requests per measured point")
     ap.add_argument("--output-tokens", type=int, default=32)
-    ap.add_argument("--rates", default="0", help="Poisson rates in requests/s, 0 = closed loop; per alpha: '2.1=2,4;0=1'")
+    ap.add_argument("--rates", default="0",
+                    help="Poisson rates in requests/s, 0 = closed loop; per alpha: '2.1=2,4;0=1'")
     ap.add_argument("--hf-rates", default=None, help="the rates at which hf runs (default: every rate)")
     ap.add_argument("--concurrency", type=int, default=8, help="clients of the closed loop")
     ap.add_argument("--budgets", default="0.2,0.33,1.0",
@@ -586,36 +613,30 @@ def main(argv=None):
     rates, budgets = per_alpha(args.rates, alphas), per_alpha(args.budgets, alphas)
     hf_rates = per_alpha(args.hf_rates, alphas) if args.hf_rates is not None else rates
     docs = make_docs(tok, args)
-    points = {(a, r): make_requests(tok, args, a, f"rate{r:g}", args.requests) for a in alphas for r in rates[a]}
-    for a in alphas:
-        for r in hf_rates[a]:
-            points.setdefault((a, r), make_requests(tok, args, a, f"rate{r:g}", args.requests))
+    points = {}
+    for key, rs in list(rates.items()) + list(hf_rates.items()):
+        a = key[0] if isinstance(key, tuple) else key
+        if a in alphas:
+            for r in rs:
+                points.setdefault((a, r), make_requests(tok, args, a, f"rate{r:g}", args.requests))
     warm = {a: make_requests(tok, args, a, "warm", args.warm_requests) for a in alphas}
     print(f"model and workload ready in {time.perf_counter() - t_start:.1f} s", flush=True)
     pool_bytes = args.docs * args.doc_tokens * kv_bytes_per_token(hf.config, next(hf.parameters()).dtype)
-    rows = []
-    for system in args.systems.split(","):
-        if system == "hf":
-            from lazyllm.engine.prompt import PromptBuilder
+    rows: list = []
 
-            server = HFServer(hf, tok, PromptBuilder(tok))
-            r0 = warm[alphas[0]][0]
-            server.run(r0.question, [docs[i] for i in r0.doc_ids], 2)  # warm-up
-            for a in alphas:
-                for rate in hf_rates[a]:
-                    t = time.perf_counter()
-                    res, wall = drive(lambda r: server.run(r.question, [docs[i] for i in r.doc_ids],
-                                                           args.output_tokens),
-                                      points[(a, rate)], rate, args.concurrency, f"{args.seed}/{a}/{rate}")
-                    extra = dict(prefill_tokens=sum(x["prompt"] for x, _ in res), peak_kv_gib=float("nan"),
-                                 copied_gib=float("nan"), evictions=0, preemptions=0, store_lookup_hit_rate=0.0)
-                    row = summarize_point("hf", 1.0, rate, a, res, wall, extra)
-                    rows.append(row)
-                    print(f"  hf     alpha={a:g} rate={rate:g}: ttft p50 {row['ttft_p50_ms']:.1f} ms, "
-                          f"{row['req_per_s']:.2f} req/s ({time.perf_counter() - t:.1f} s)", flush=True)
-            continue
-        all_budgets = sorted({b for a in alphas for b in budgets[a]})
-        for b in all_budgets:
+    def save():  # after every point: a run cut short still leaves its figures
+        if args.json:
+            rs = [dict(r) for r in rows]
+            mark_sustained(rs, args.sustain_p95_factor)
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "device": dev_name, "model": name, "rows": rs,
+                           "summary": summarize(rs)}, f, indent=2)
+
+    dev_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    systems = args.systems.split(",")
+    budget_order = list(dict.fromkeys(b for a in alphas for b in budgets[a]))  # as given: most wanted first
+    for b in budget_order:  # budget-major: lazy and block of one budget run back to back
+        for system in [s for s in systems if s != "hf"]:
             runner = LazyRunner(system, hf, tok, args, b, pool_bytes)
             try:
                 for a in alphas:
@@ -624,18 +645,37 @@ def main(argv=None):
                     t = time.perf_counter()
                     runner.warm(warm[a], docs)
                     print(f"  {system:6s} alpha={a:g} budget={b}: warm-up {time.perf_counter() - t:.1f} s", flush=True)
-                    for rate in rates[a]:
+                    for rate in rates.get((a, b), rates[a]):
                         t = time.perf_counter()
                         row = runner.measure(points[(a, rate)], docs, rate, a)
                         rows.append(row)
+                        save()
                         print(f"  {system:6s} alpha={a:g} budget={b} rate={rate:g}: ttft p50 {row['ttft_p50_ms']:.1f} "
                               f"ms, {row['req_per_s']:.2f} req/s, chunk hit rate {row['hit_rate']:.2f} "
                               f"({time.perf_counter() - t:.1f} s)", flush=True)
             finally:
                 runner.close()
+    if "hf" in systems:
+        from lazyllm.engine.prompt import PromptBuilder
+
+        server = HFServer(hf, tok, PromptBuilder(tok))
+        r0 = warm[alphas[0]][0]
+        server.run(r0.question, [docs[i] for i in r0.doc_ids], 2)  # warm-up
+        for a in alphas:
+            for rate in hf_rates[a]:
+                t = time.perf_counter()
+                res, wall = drive(lambda r: server.run(r.question, [docs[i] for i in r.doc_ids], args.output_tokens),
+                                  points[(a, rate)], rate, args.concurrency, f"{args.seed}/{a}/{rate}")
+                extra = dict(prefill_tokens=sum(x["prompt"] for x, _ in res if "error" not in x),
+                             peak_kv_gib=float("nan"), copied_gib=float("nan"), evictions=0, preemptions=0,
+                             store_lookup_hit_rate=0.0)
+                row = summarize_point("hf", 1.0, rate, a, res, wall, extra)
+                rows.append(row)
+                save()
+                print(f"  hf     alpha={a:g} rate={rate:g}: ttft p50 {row['ttft_p50_ms']:.1f} ms, "
+                      f"{row['req_per_s']:.2f} req/s ({time.perf_counter() - t:.1f} s)", flush=True)
     mark_sustained(rows, args.sustain_p95_factor)
     summary = summarize(rows)
-    dev_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"\nRAG serving, {name} on {dev_name}, {args.docs} docs x {args.doc_tokens} tokens, k={args.k}, "
           f"{args.requests} requests per point, {args.output_tokens} output tokens, "
           f"{'cold' if args.cold else 'steady-state'} cache, {time.strftime('%Y-%m-%d')}, "

@@ -17,9 +17,19 @@ def test_arrivals_offer_exactly_the_nominal_rate():
     assert a == rag_serving.arrivals(20, 4.0, "s")  # seeded
 
 
+def test_finish_rate_is_the_completion_slope():
+    assert rag_serving.finish_rate([1 + 0.25 * i for i in range(12)], 0.0) == pytest.approx(4.0)
+    # slow first and last requests move it less than they move (n-1) / span; one completion: the fallback
+    noisy = [0.5] + [1 + 0.25 * i for i in range(1, 11)] + [4.5]
+    assert abs(rag_serving.finish_rate(noisy, 0.0) - 4) < abs(11 / (4.5 - 0.5) - 4)
+    assert rag_serving.finish_rate([3.0], 7.0) == 7.0
+
+
 def test_per_alpha_specs():
     assert rag_serving.per_alpha("1,2", [2.1, 0.0]) == {2.1: [1.0, 2.0], 0.0: [1.0, 2.0]}
     assert rag_serving.per_alpha("2.1=0,4;0=", [2.1, 0.0]) == {2.1: [0.0, 4.0], 0.0: []}
+    assert rag_serving.per_alpha("2.1=0,4;0=1;2.1@0.12=0", [2.1, 0.0]) == {2.1: [0.0, 4.0], 0.0: [1.0],
+                                                                           (2.1, 0.12): [0.0]}
     with pytest.raises(SystemExit):
         rag_serving.per_alpha("2.1=1", [2.1, 0.0])
 
@@ -58,6 +68,9 @@ def test_sustained_and_summary():
     assert s["hit_rate_ratio"] == pytest.approx(2.0)
     assert hf["vs"] == "hf" and hf["throughput_ratio"] == pytest.approx(18.0)
     assert hf["ttft_p50_ratio"] == pytest.approx(25.0)
+    # the highest sustained rate is the top of the sustained run from the lowest rate up
+    rows[1]["sustained"] = False
+    assert rag_serving.summarize(rows)[0]["block_max_sustained_rate"] == 2
 
 
 @pytest.mark.slow
