@@ -331,9 +331,15 @@ class Engine:
     def _plan(self, r: Request) -> bool:
         """Reserve everything request ``r`` needs; on failure undo and return False."""
         total_new = self._pages_for(r.params.max_new_tokens + 1)
+        c = self.store.counters
+        counted = (c.hits, c.misses, c.reused_tokens, c.computed_tokens)
         ok = (self._plan_chunked if self.reuse in ("lazy", "block") else self._plan_full)(r, total_new)
         if not ok:
             self._unplan(r)
+            # a request waiting for pages is planned again every step: count its lookups
+            # once, when it is admitted, or cache_stats' hit rate counts the waiting
+            with self.store._lock:
+                c.hits, c.misses, c.reused_tokens, c.computed_tokens = counted
         return ok
 
     def _unplan(self, r: Request) -> None:
