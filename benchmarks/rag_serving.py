@@ -328,8 +328,8 @@ class LazyRunner:
                      peak_kv_gib=m["peak_pages"] * self.page_bytes / 2**30,
                      copied_gib=(m.get("copied_pages", 0) - m0.get("copied_pages", 0)) * self.page_bytes / 2**30,
                      evictions=c.evictions - c0["evictions"], preemptions=m["preemptions"] - m0["preemptions"],
-                     # store lookups, re-planning attempts of waiting requests included: not a rate
-                     # of requests; kept for comparison with earlier runs
+                     # cache_stats' rate over segment lookups (the prefix included), as earlier runs
+                     # reported it (then inflated: each re-planning of a waiting request counted)
                      store_lookup_hit_rate=(c.hits - c0["hits"]) / max(lookups, 1))
         return summarize_point(self.system, self.budget, rate, alpha, res, wall, extra)
 
