@@ -73,7 +73,8 @@ PRESETS = {
     # what benchmarks/gpu_serving.sh runs
     "h200": dict(docs=100, doc_tokens=2048, k=5, requests=32, output_tokens=16, budgets="2.1=0.33,0.2,0.12;0=0.33",
                  rates="2.1=0,3,5,7,10,14;0=0,1.5,3;2.1@0.12=0", hf_rates="2.1=0;0=", concurrency=16,
-                 alphas="2.1,0", systems="lazy,block,hf", random_8b=True, warm_requests=32, warm_concurrency=32),
+                 alphas="2.1,0", systems="lazy,block,hf", random_8b=True, warm_requests=32, warm_concurrency=32,
+                 deadline_s=420.0),
 }
 WORDS = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta", "lambda", "zeta"]
 
@@ -145,7 +146,10 @@ def drive(run_one, reqs, rate: float, concurrency: int, seed):
     t0 = time.perf_counter()
 
     def call(i):
-        res = run_one(reqs[i])
+        try:
+            res = run_one(reqs[i])
+        except Exception as e:  # e.g. out of memory in transformers: reported as a failed request
+            res = dict(error=repr(e))
         results[i] = (res, time.perf_counter() - t0)
 
     if rate > 0:
@@ -580,6 +584,8 @@ def main(argv=None):
     ap.add_argument("--cold", action="store_true", help="clear the cache before each measured point")
     ap.add_argument("--sustain-p95-factor", type=float, default=3.0)
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="start no new point after this many seconds (the skipped ones are listed)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--plots", default=None, help="folder for PNG plots")
@@ -635,17 +641,33 @@ def main(argv=None):
     dev_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     systems = args.systems.split(",")
     budget_order = list(dict.fromkeys(b for a in alphas for b in budgets[a]))  # as given: most wanted first
+    skipped: list = []  # points not started because --deadline-s had passed
+
+    def late(what: list) -> bool:
+        if args.deadline_s is not None and time.perf_counter() - t_start > args.deadline_s:
+            skipped.extend(what)
+            return True
+        return False
+
     for b in budget_order:  # budget-major: lazy and block of one budget run back to back
         for system in [s for s in systems if s != "hf"]:
+            todo = [(a, r) for a in alphas if b in budgets[a] for r in rates.get((a, b), rates[a])]
+            if late([f"{system} alpha={a:g} budget={b} rate={r:g}" for a, r in todo]):
+                continue
             runner = LazyRunner(system, hf, tok, args, b, pool_bytes)
             try:
                 for a in alphas:
                     if b not in budgets[a]:
                         continue
+                    mine = rates.get((a, b), rates[a])
+                    if late([f"{system} alpha={a:g} budget={b} rate={r:g}" for r in mine]):
+                        continue
                     t = time.perf_counter()
                     runner.warm(warm[a], docs)
                     print(f"  {system:6s} alpha={a:g} budget={b}: warm-up {time.perf_counter() - t:.1f} s", flush=True)
-                    for rate in rates.get((a, b), rates[a]):
+                    for rate in mine:
+                        if late([f"{system} alpha={a:g} budget={b} rate={rate:g}"]):
+                            continue
                         t = time.perf_counter()
                         row = runner.measure(points[(a, rate)], docs, rate, a)
                         rows.append(row)
@@ -655,25 +677,27 @@ def main(argv=None):
                               f"({time.perf_counter() - t:.1f} s)", flush=True)
             finally:
                 runner.close()
-    if "hf" in systems:
+    hf_todo = [(a, r) for a in alphas for r in hf_rates[a]]
+    if "hf" in systems and hf_todo and not late([f"hf alpha={a:g} rate={r:g}" for a, r in hf_todo]):
         from lazyllm.engine.prompt import PromptBuilder
 
         server = HFServer(hf, tok, PromptBuilder(tok))
         r0 = warm[alphas[0]][0]
         server.run(r0.question, [docs[i] for i in r0.doc_ids], 2)  # warm-up
-        for a in alphas:
-            for rate in hf_rates[a]:
-                t = time.perf_counter()
-                res, wall = drive(lambda r: server.run(r.question, [docs[i] for i in r.doc_ids], args.output_tokens),
-                                  points[(a, rate)], rate, args.concurrency, f"{args.seed}/{a}/{rate}")
-                extra = dict(prefill_tokens=sum(x["prompt"] for x, _ in res if "error" not in x),
-                             peak_kv_gib=float("nan"), copied_gib=float("nan"), evictions=0, preemptions=0,
-                             store_lookup_hit_rate=0.0)
-                row = summarize_point("hf", 1.0, rate, a, res, wall, extra)
-                rows.append(row)
-                save()
-                print(f"  hf     alpha={a:g} rate={rate:g}: ttft p50 {row['ttft_p50_ms']:.1f} ms, "
-                      f"{row['req_per_s']:.2f} req/s ({time.perf_counter() - t:.1f} s)", flush=True)
+        for a, rate in hf_todo:
+            if late([f"hf alpha={a:g} rate={rate:g}"]):
+                continue
+            t = time.perf_counter()
+            res, wall = drive(lambda r: server.run(r.question, [docs[i] for i in r.doc_ids], args.output_tokens),
+                              points[(a, rate)], rate, args.concurrency, f"{args.seed}/{a}/{rate}")
+            extra = dict(prefill_tokens=sum(x["prompt"] for x, _ in res if "error" not in x),
+                         peak_kv_gib=float("nan"), copied_gib=float("nan"), evictions=0, preemptions=0,
+                         store_lookup_hit_rate=0.0)
+            row = summarize_point("hf", 1.0, rate, a, res, wall, extra)
+            rows.append(row)
+            save()
+            print(f"  hf     alpha={a:g} rate={rate:g}: ttft p50 {row['ttft_p50_ms']:.1f} ms, "
+                  f"{row['req_per_s']:.2f} req/s ({time.perf_counter() - t:.1f} s)", flush=True)
     mark_sustained(rows, args.sustain_p95_factor)
     summary = summarize(rows)
     print(f"\nRAG serving, {name} on {dev_name}, {args.docs} docs x {args.doc_tokens} tokens, k={args.k}, "
@@ -682,10 +706,12 @@ def main(argv=None):
           f"{time.perf_counter() - t_start:.0f} s in all")
     print_table(rows)
     print_summary(summary)
+    if skipped:
+        print(f"\nSkipped (past --deadline-s {args.deadline_s:g}): " + "; ".join(skipped))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "device": dev_name, "model": name, "rows": rows, "summary": summary},
-                      f, indent=2)
+            json.dump({"args": vars(args), "device": dev_name, "model": name, "rows": rows, "summary": summary,
+                       "skipped": skipped}, f, indent=2)
     if args.plots:
         plot(rows, args.plots)
     return rows, summary

@@ -117,3 +117,13 @@ def test_rag_serving_ci_preset(tmp_path):
         assert (tmp_path / name).stat().st_size > 1000
     saved = json.loads((tmp_path / "r.json").read_text())
     assert len(saved["rows"]) == len(rows) and len(saved["summary"]) == len(summary)
+
+
+@pytest.mark.slow
+def test_deadline_skips_and_lists_points(tmp_path):
+    rows, summary = rag_serving.main(["--preset", "ci", "--systems", "lazy,hf", "--budgets", "1.0", "--requests", "2",
+                                      "--rates", "0,5", "--deadline-s", "0", "--json", str(tmp_path / "r.json")])
+    assert rows == [] and summary == []
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["skipped"] == ["lazy alpha=2.1 budget=1.0 rate=0", "lazy alpha=2.1 budget=1.0 rate=5",
+                                "hf alpha=2.1 rate=0", "hf alpha=2.1 rate=5"]
