@@ -171,7 +171,8 @@ class Engine:
                                             self.pool.scratch_page * self.pool.page_size,
                                             enabled=cuda_graphs and not windowed)
         self.metrics = {"requests": 0, "failed": 0, "cancelled": 0, "preemptions": 0, "prefill_retries": 0, "recovery_skipped": 0, "disk_hits": 0, "prefill_tokens": 0,
-                        "decode_steps": 0, "decode_tokens": 0, "peak_pages": 0}
+                        "decode_steps": 0, "decode_tokens": 0, "peak_pages": 0,
+                        "copied_pages": 0}  # pages copied re-rotated (block copies, recovery)
 
     # -- public, any thread ----------------------------------------------------------
     def submit(self, req: Request) -> Request:
@@ -337,9 +338,15 @@ class Engine:
     def _plan(self, r: Request) -> bool:
         """Reserve everything request ``r`` needs; on failure undo and return False."""
         total_new = self._pages_for(r.params.max_new_tokens + 1)
+        c = self.store.counters
+        counted = (c.hits, c.misses, c.reused_tokens, c.computed_tokens)
         ok = (self._plan_chunked if self.reuse in ("lazy", "block") else self._plan_full)(r, total_new)
         if not ok:
             self._unplan(r)
+            # a request waiting for pages is planned again every step: count its lookups
+            # once, when it is admitted, or cache_stats' hit rate counts the waiting
+            with self.store._lock:
+                c.hits, c.misses, c.reused_tokens, c.computed_tokens = counted
         return ok
 
     def _unplan(self, r: Request) -> None:
@@ -679,6 +686,7 @@ class Engine:
                 src, dst, delta = zip(*copies)
                 t = lambda x: torch.tensor(x, dtype=torch.int32, device=self.device)  # noqa: E731
                 self._rerotate(t(src), t(dst), t(delta))
+                self.metrics["copied_pages"] += len(copies)
         for r in reqs:
             if r.warm_only:
                 r.first_token_time = time.perf_counter()

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue 5 on one H200 in one call: skewed RAG serving, lazy against block (Poisson rate
+# sweeps), uniform popularity, and lazy against transformers generate. Usage there:
+#   bash benchmarks/gpu_serving.sh        (figures, table, summary and plots under $OUT)
+# Expected wall time on an H200: about 7-8 min (model load and workload ~25 s; per engine a
+# warm-up of 32 requests, the first one paying the Triton compiles; Poisson points take about
+# 32/rate s each; hf about 45 s). No new point starts after DEADLINE_S (default 420 s from
+# the start of the Python run; the skipped points are listed at the end and in the JSON), and
+# the JSON is rewritten after every point, so a run cut short still leaves what it measured.
+# The sweep, in the order it runs (most wanted first):
+#   budget 0.33: lazy, block at alpha 2.1 (closed loop + 3,5,7,10,14 req/s) and alpha 0
+#                (closed loop + 1.5,3 req/s)
+#   budget 0.2:  lazy, block at alpha 2.1 (same rates)
+#   budget 0.12: lazy, block at alpha 2.1, closed loop only (the hit-rate capacity point)
+#   hf at alpha 2.1, closed loop (compared with lazy at the same point)
+# The same command on CPU with the default model, tiny, as a dry run:
+#   DRY_RUN=1 PY=.venv2/bin/python MODEL_ARGS= SIZE_ARGS="--docs 40 --doc-tokens 320 --k 2 \
+#     --requests 4 --output-tokens 2 --warm-requests 4 --warm-concurrency 4" OUT=/tmp/dry \
+#     bash benchmarks/gpu_serving.sh     (about 3 min on 2 CPU cores; nothing sustains there)
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if [ -z "${DRY_RUN:-}" ]; then
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || \
+    python3 -m pip install -q --no-deps --no-build-isolation . >>"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+fi
+PY=${PY:-python3}
+MODEL_ARGS=${MODEL_ARGS---random-8b --tokenizer .carry/tok}
+SIZE_ARGS=${SIZE_ARGS:---docs 100 --doc-tokens 2048 --k 5 --requests 32 --output-tokens 16 --warm-requests 32 --warm-concurrency 32}
+# shellcheck disable=SC2086
+time $PY benchmarks/rag_serving.py $MODEL_ARGS $SIZE_ARGS \
+  --systems lazy,block,hf --concurrency 16 --alphas 2.1,0 \
+  --budgets "2.1=0.33,0.2,0.12;0=0.33" \
+  --rates "2.1=0,3,5,7,10,14;0=0,1.5,3;2.1@0.12=0" --hf-rates "2.1=0;0=" \
+  --deadline-s "${DEADLINE_S:-420}" --json "$OUT/rag_serving.json" --plots "$OUT" 2>&1 | tee "$OUT/rag_serving.log" | grep -v Warn
