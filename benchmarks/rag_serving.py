@@ -296,7 +296,7 @@ class LazyRunner:
         self.llm = LazyLLM(model=hf, tokenizer=tok, reuse=system,
                            kv_cache_bytes=max(int(budget_frac * pool_bytes), 1 << 20), page_size=args.page_size)
         self.llm.engine.eos_ids = set()  # every request runs to its length: same work for every system
-        self.page_bytes = pool_bytes / max(args.docs * args.doc_tokens, 1) * args.page_size
+        self.page_bytes = pool_bytes / max(args.docs * args.doc_tokens, 1) * self.llm.page_size
 
     def one(self, r, docs):
         from lazyllm import LazyLLMError
@@ -583,7 +583,7 @@ def main(argv=None):
     ap.add_argument("--warm-concurrency", type=int, default=None, help="(default: --concurrency)")
     ap.add_argument("--cold", action="store_true", help="clear the cache before each measured point")
     ap.add_argument("--sustain-p95-factor", type=float, default=3.0)
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--page-size", type=int, default=None, help="default: the engine's (64 on CUDA, 16 on CPU)")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="start no new point after this many seconds (the skipped ones are listed)")
     ap.add_argument("--seed", type=int, default=0)
