@@ -502,6 +502,8 @@ def main():
                     help="also time: cos/sin prefetch on, and pages of 64 tokens (a few shapes)")
     ap.add_argument("--qrot", action="store_true",
                     help="query rotated once per run of equal deltas (pages >= key tile): configs and page sizes")
+    ap.add_argument("--flat", action="store_true",
+                    help="the query-rotating kernel as one flat loop (qrot=2) against the run loop")
     ap.add_argument("--dry-run", action="store_true", help="CPU, interpreter, tiny shapes: checks the script")
     args = ap.parse_args()
     global DTYPE, PREFILL, DECODE
@@ -563,6 +565,14 @@ def main():
             rows += run_decode(b, kv, ps, inv_freq, dev, extra=dict(prefetch=True))
         for b, kv in (((1, 32768), (32, 16384), (128, 16384)) if big else ((3, 700),)):
             rows += run_decode(b, kv, 64, inv_freq, dev, graphs=True)
+        save()
+    if args.flat:
+        big = not DRY
+        for nq, kv in ([s_ for s_ in PREFILL if s_[0] >= 512] if big else ((40, 700),)):
+            rows += run_prefill(nq, kv, 64, inv_freq, dev, extra=dict(qrot=2))
+        save()
+        for b, kv in ([s_ for s_ in DECODE if s_[0] >= 32] if big else ((3, 700),)):
+            rows += run_decode(b, kv, 64, inv_freq, dev, graphs=True, extra=dict(qrot=2))
         save()
     if args.qrot:
         big = not DRY

@@ -225,6 +225,61 @@ def _attn_tiles(
 
 
 @triton.jit
+def _rot_q(q_row, row_ok, Cos_row, Sin_row, e, K,
+           HEAD_DIM: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr):
+    """The query group rotated by table entry ``e``'s delta, ``R(-delta) q``, in K's dtype:
+    ``q * [c, c, 1] + [q2, -q1, 0] * [s, s, 0]`` (reloaded from global memory)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    qv = tl.load(q_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    if ROT > 0:
+        is_lo = offs_d < HALF
+        in_rot = offs_d < ROT
+        sw_col = tl.where(is_lo, offs_d + HALF, offs_d - HALF)
+        cs_col = tl.where(in_rot, offs_d % HALF, 0)
+        c = tl.load(Cos_row + e * HALF + cs_col, mask=in_rot, other=1.0)
+        s = tl.load(Sin_row + e * HALF + cs_col, mask=in_rot, other=0.0)
+        qs = tl.load(q_row[:, None] + sw_col[None, :], mask=row_ok[:, None] & in_rot[None, :], other=0.0)
+        qs = tl.where(is_lo[None, :], qs.to(tl.float32), -qs.to(tl.float32))
+        return (qv.to(tl.float32) * c[None, :] + qs * s[None, :]).to(K.dtype.element_ty)
+    else:
+        return qv.to(K.dtype.element_ty)
+
+
+@triton.jit
+def _tile_update(acc, l_i, m_i, qr, qpos, K, V, BT_row, BPos_row, BLen_row,
+                 stride_kp, stride_ks, stride_vp, stride_vs, tt, qk_scale,
+                 HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CAUSAL_MASK: tl.constexpr, DOT_PREC: tl.constexpr, IDX64: tl.constexpr):
+    """Online-softmax update with key tile ``tt`` (which lies in one page)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ent = (tt * BLOCK_N) // PAGE_SIZE
+    slot = (tt * BLOCK_N) % PAGE_SIZE + offs_n
+    ln = tl.load(BLen_row + ent)
+    kvalid = slot < ln
+    page = tl.load(BT_row + ent)
+    page = page.to(tl.int64) if IDX64 else page.to(tl.int32)
+    k = tl.load((K + page * stride_kp + slot * stride_ks)[:, None] + offs_d[None, :],
+                mask=kvalid[:, None], other=0.0)
+    qk = tl.dot(qr, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    if CAUSAL_MASK:
+        kpos = tl.load(BPos_row + ent).to(tl.int32) + slot
+        seen = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
+        qk = tl.where(seen, qk, float("-inf"))
+    else:
+        qk = qk + tl.where(kvalid, 0.0, float("-inf"))[None, :]
+    m_new = tl.maximum(m_i, _max(qk, 1))
+    p = tl.math.exp2(qk - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + _sum(p, 1)
+    v = tl.load((V + page * stride_vp + slot * stride_vs)[:, None] + offs_d[None, :],
+                mask=kvalid[:, None], other=0.0)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(V.dtype.element_ty), v, acc, input_precision=DOT_PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _attn_runs(
     acc, l_i, m_i,
     q_row, row_ok, qpos,
@@ -233,68 +288,43 @@ def _attn_runs(
     t_start, t_end, qk_scale,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL_MASK: tl.constexpr, DOT_PREC: tl.constexpr, IDX64: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, DOT_PREC: tl.constexpr, IDX64: tl.constexpr, FLAT: tl.constexpr,
 ):
     """Online-softmax update over key tiles ``[t_start, t_end)``, the delta applied to the
     *query*, once per run of table entries that share one delta.
 
     Needs ``PAGE_SIZE >= BLOCK_N`` (a key tile lies in one page, so it has one delta).
     ``Runs_row[e]`` is the first entry after ``e`` whose delta differs (``delta_runs``).
-    The outer loop walks the runs: it rotates the query group once, ``R(-delta) q``
-    (reloaded from global memory, so only the rotated copy lives across tiles), and the
-    inner loop over the run's tiles is a plain flash-attention loop: K goes from global
-    to shared memory to the tensor cores untouched, and the loop has no branch, so it is
-    software-pipelined as the RoPE-free kernel is. A chunk's pages form one run, so the
-    rotation costs one ``(BLOCK_M, HEAD_DIM)`` FMA pass per chunk instead of one per key
-    tile."""
+    The query group is rotated once per run, ``R(-delta) q`` (reloaded from global memory,
+    so only the rotated copy lives across tiles), and K goes from global to shared memory
+    to the tensor cores untouched, as in the RoPE-free kernel. A chunk's pages form one
+    run, so the rotation costs one ``(BLOCK_M, HEAD_DIM)`` FMA pass per chunk instead of one
+    per key tile. ``FLAT=False``: an outer loop over runs around a plain, software-pipelined
+    inner loop over the run's tiles (the pipeline restarts at each run). ``FLAT=True``: one
+    loop over all tiles that rotates the query when a new run starts (a scalar branch)."""
     TPE: tl.constexpr = PAGE_SIZE // BLOCK_N  # key tiles per table entry
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    if ROT > 0:
-        is_lo = offs_d < HALF
-        in_rot = offs_d < ROT
-        sw_col = tl.where(is_lo, offs_d + HALF, offs_d - HALF)
-        cs_col = tl.where(in_rot, offs_d % HALF, 0)
-    t = t_start
-    while t < t_end:
-        e = t // TPE
-        r_end = tl.minimum(tl.load(Runs_row + e).to(tl.int32) * TPE, t_end)
-        qv = tl.load(q_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        if ROT > 0:
-            # q' = R(-delta) q = q * [c, c, 1] + [q2, -q1, 0] * [s, s, 0]
-            c = tl.load(Cos_row + e * HALF + cs_col, mask=in_rot, other=1.0)
-            s = tl.load(Sin_row + e * HALF + cs_col, mask=in_rot, other=0.0)
-            qs = tl.load(q_row[:, None] + sw_col[None, :], mask=row_ok[:, None] & in_rot[None, :], other=0.0)
-            qs = tl.where(is_lo[None, :], qs.to(tl.float32), -qs.to(tl.float32))
-            qr = (qv.to(tl.float32) * c[None, :] + qs * s[None, :]).to(K.dtype.element_ty)
-        else:
-            qr = qv.to(K.dtype.element_ty)
-        for tt in range(t, r_end):
-            ent = (tt * BLOCK_N) // PAGE_SIZE
-            slot = (tt * BLOCK_N) % PAGE_SIZE + offs_n
-            ln = tl.load(BLen_row + ent)
-            kvalid = slot < ln
-            page = tl.load(BT_row + ent)
-            page = page.to(tl.int64) if IDX64 else page.to(tl.int32)
-            k = tl.load((K + page * stride_kp + slot * stride_ks)[:, None] + offs_d[None, :],
-                        mask=kvalid[:, None], other=0.0)
-            qk = tl.dot(qr, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-            if CAUSAL_MASK:
-                kpos = tl.load(BPos_row + ent).to(tl.int32) + slot
-                seen = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
-                qk = tl.where(seen, qk, float("-inf"))
-            else:
-                qk = qk + tl.where(kvalid, 0.0, float("-inf"))[None, :]
-            m_new = tl.maximum(m_i, _max(qk, 1))
-            p = tl.math.exp2(qk - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + _sum(p, 1)
-            v = tl.load((V + page * stride_vp + slot * stride_vs)[:, None] + offs_d[None, :],
-                        mask=kvalid[:, None], other=0.0)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(V.dtype.element_ty), v, acc, input_precision=DOT_PREC)
-            m_i = m_new
-        t = r_end
+    if FLAT:
+        r_end = t_start
+        qr = _rot_q(q_row, row_ok, Cos_row, Sin_row, t_start // TPE, K, HEAD_DIM, HALF, ROT)
+        for tt in range(t_start, t_end):
+            if tt >= r_end:
+                e = tt // TPE
+                r_end = tl.load(Runs_row + e).to(tl.int32) * TPE
+                qr = _rot_q(q_row, row_ok, Cos_row, Sin_row, e, K, HEAD_DIM, HALF, ROT)
+            acc, l_i, m_i = _tile_update(acc, l_i, m_i, qr, qpos, K, V, BT_row, BPos_row, BLen_row,
+                                         stride_kp, stride_ks, stride_vp, stride_vs, tt, qk_scale,
+                                         HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL_MASK, DOT_PREC, IDX64)
+    else:
+        t = t_start
+        while t < t_end:
+            e = t // TPE
+            r_end = tl.minimum(tl.load(Runs_row + e).to(tl.int32) * TPE, t_end)
+            qr = _rot_q(q_row, row_ok, Cos_row, Sin_row, e, K, HEAD_DIM, HALF, ROT)
+            for tt in range(t, r_end):
+                acc, l_i, m_i = _tile_update(acc, l_i, m_i, qr, qpos, K, V, BT_row, BPos_row, BLen_row,
+                                             stride_kp, stride_ks, stride_vp, stride_vs, tt, qk_scale,
+                                             HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL_MASK, DOT_PREC, IDX64)
+            t = r_end
     return acc, l_i, m_i
 
 
@@ -408,14 +438,14 @@ def _paged_attn_fwd(
             Kh, Vh, BT_row, BPos_row, BLen_row, Cos_row, Sin_row, Runs_row,
             stride_kp, stride_ks, stride_vp, stride_vs,
             s_start, tl.minimum(s_end, t_lo), qk_scale,
-            HEAD_DIM, HALF, ROT_Q, PAGE_SIZE, BLOCK_N, False, DOT_PREC, IDX64,
+            HEAD_DIM, HALF, ROT_Q, PAGE_SIZE, BLOCK_N, False, DOT_PREC, IDX64, QROT == 2,
         )
         acc, l_i, m_i = _attn_runs(
             acc, l_i, m_i, q_row, row_ok, qpos,
             Kh, Vh, BT_row, BPos_row, BLen_row, Cos_row, Sin_row, Runs_row,
             stride_kp, stride_ks, stride_vp, stride_vs,
             tl.maximum(s_start, t_lo), s_end, qk_scale,
-            HEAD_DIM, HALF, ROT_Q, PAGE_SIZE, BLOCK_N, True, DOT_PREC, IDX64,
+            HEAD_DIM, HALF, ROT_Q, PAGE_SIZE, BLOCK_N, True, DOT_PREC, IDX64, QROT == 2,
         )
     else:
         acc, l_i, m_i = _attn_tiles(
@@ -688,6 +718,7 @@ _CS_PER_PAGE = True
 _PREFETCH = True  # measured faster on the H200 at all four shapes tried (BENCHMARKS.md)
 _NUM_SMS: dict = {}
 _QROT_FAILED: set = set()  # shapes whose query-rotating kernel did not compile
+_QROT_FLAT = False  # the run loop as one flat loop (qrot=2); see _attn_runs
 
 
 def _num_sms(device: torch.device) -> int:
@@ -751,7 +782,8 @@ def paged_attention_triton(
         slots (``True``) or gather it per slot (``False``); for benchmarks.
     prefetch : load the next key tile's cos/sin during this one (default on); for benchmarks.
     qrot : rotate the query once per run of equal deltas (default whenever a key tile lies
-        in one page, ``page_size >= BLOCK_N``) instead of every key tile; for benchmarks.
+        in one page, ``page_size >= BLOCK_N``) instead of every key tile; ``2``: the same in
+        one flat loop (see ``_attn_runs``); for benchmarks.
 
     Returns
     -------
@@ -799,7 +831,9 @@ def paged_attention_triton(
         qrot = page_size >= dec_n if short else page_size >= (
             config[1] if config is not None else _prefill_config(d, max_blocks * page_size, page_size)[1])
         qrot = qrot and qkey not in _QROT_FAILED
-    qrot = bool(qrot)
+    qrot = int(qrot) if qrot in (0, 1, 2, False, True) else int(bool(qrot))
+    if qrot == 1 and _QROT_FLAT:
+        qrot = 2
     # decode with pages smaller than the key tile: query rotated per page (_paged_decode_fwd);
     # with a tile inside one page the general kernel's run loop serves decode too
     decode_kernel = one_query and not qrot
