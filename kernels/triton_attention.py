@@ -718,7 +718,12 @@ _CS_PER_PAGE = True
 _PREFETCH = True  # measured faster on the H200 at all four shapes tried (BENCHMARKS.md)
 _NUM_SMS: dict = {}
 _QROT_FAILED: set = set()  # shapes whose query-rotating kernel did not compile
-_QROT_FLAT = False  # the run loop as one flat loop (qrot=2); see _attn_runs
+# The run loop as one flat loop (qrot=2, see _attn_runs). On the H200 (BENCHMARKS.md) the
+# flat loop made decode faster and its RoPE cost 1.4-2.9% (the run loop: 3.5-7.4%), while
+# for prefill the run loop was faster (83-97% of SDPA against 70-81%): flat for the short
+# path (decode and a few queries per sequence), runs for prefill.
+_QROT_FLAT = False
+_QROT_FLAT_SHORT = True
 
 
 def _num_sms(device: torch.device) -> int:
@@ -832,7 +837,7 @@ def paged_attention_triton(
             config[1] if config is not None else _prefill_config(d, max_blocks * page_size, page_size)[1])
         qrot = qrot and qkey not in _QROT_FAILED
     qrot = int(qrot) if qrot in (0, 1, 2, False, True) else int(bool(qrot))
-    if qrot == 1 and _QROT_FLAT:
+    if qrot == 1 and (_QROT_FLAT or (short and _QROT_FLAT_SHORT)):
         qrot = 2
     # decode with pages smaller than the key tile: query rotated per page (_paged_decode_fwd);
     # with a tile inside one page the general kernel's run loop serves decode too
@@ -924,7 +929,7 @@ def paged_attention_triton(
                 NUM_Q_HEADS=hq, G=group, HEAD_DIM=d, HALF=half, HALF_P=half_p,
                 PASS=pass_dim, PASS_P=pass_p, PAGE_SIZE=page_size,
                 BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_OUT=num_splits > 1,
-                SCAN=not short, SCAN_BLOCK=256, USE_ROPE=use_rope, CS_PER_PAGE=cs_per_page, DOT_PREC=dot_prec,
+                SCAN=not short or bool(qrot), SCAN_BLOCK=256, USE_ROPE=use_rope, CS_PER_PAGE=cs_per_page, DOT_PREC=dot_prec,
                 IDX64=idx64, NPG=max(1, block_n // page_size), PREFETCH=prefetch, QROT=qrot,
                 num_warps=num_warps, num_stages=num_stages,
             )
