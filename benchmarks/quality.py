@@ -80,6 +80,9 @@ THRESHOLDS = {"top1": 0.97, "kl": 0.01, "recompute": 0.15, "recompute_long": 0.0
 # recovery options of the contract: LazyLLM keyword -> setting label prefix
 RECOVERY_OPTIONS = {"recompute_first_tokens": "first", "recompute_ratio": "ratio"}
 _OFF = {"recompute_first_tokens": 0, "recompute_ratio": 0.0}
+# how recompute_ratio picks its tokens; "attn-R" settings ask for "attention", the others
+# for "deviation" (both explicitly, so a changed default cannot leak into a grid setting)
+SELECTION = "recompute_selection"
 # LazyLLM keywords that do not change what the model computes (by name, or by these name
 # fragments: storage, batching and loading options)
 _NEUTRAL_KW = {"self", "model_name_or_path", "model", "tokenizer", "device", "dtype", "kv_cache_bytes",
@@ -317,8 +320,10 @@ def recovery_available(opts: dict | None = None) -> dict:
 def default_setting(opts: dict) -> Setting:
     """The setting ``LazyLLM()`` runs with when nothing is asked for."""
     quality = {k: v for k, v in opts.items() if not _neutral(k)}
-    rec = [f"{RECOVERY_OPTIONS.get(k, k)}-{v}" for k, v in quality.items()
-           if k not in ("reuse", "chunk_context") and v not in (None, 0, 0.0, False)]
+    attn = quality.get(SELECTION) == "attention"
+    rec = [f"{'attn' if (k == 'recompute_ratio' and attn) else RECOVERY_OPTIONS.get(k, k)}-{v}"
+           for k, v in quality.items()
+           if k not in ("reuse", "chunk_context", SELECTION) and v not in (None, 0, 0.0, False)]
     return Setting(name="default", kwargs={}, reuse=quality.get("reuse", "lazy"),
                    chunk_context=quality.get("chunk_context", "isolated"), recovery="+".join(rec) or "none",
                    is_default=True)
@@ -329,7 +334,9 @@ def build_settings(modes, contexts, recoveries, opts) -> tuple[list[Setting], li
     the settings skipped because the engine lacks their option.
 
     A recovery is ``none``, ``first-K`` (``recompute_first_tokens=K``), ``ratio-R``
-    (``recompute_ratio=R``) or a combination joined by ``+`` (``first-4+ratio-0.05``).
+    (``recompute_ratio=R``, tokens chosen by key deviation), ``attn-R`` (``recompute_ratio=R``
+    with ``recompute_selection="attention"``) or a combination joined by ``+``
+    (``first-4+ratio-0.05``).
     A recovery option that defaults to on is passed as off when unused, so a grid setting
     does not silently inherit a changed default."""
     settings = [Setting("full (self-check)", {"reuse": "none"}, "none", "-", is_reference=True)]
@@ -343,10 +350,17 @@ def build_settings(modes, contexts, recoveries, opts) -> tuple[list[Setting], li
                 missing = []
                 for part in ([] if rec == "none" else rec.split("+")):
                     kind, val = part.split("-", 1)
-                    opt = {"first": "recompute_first_tokens", "ratio": "recompute_ratio"}[kind]
+                    opt = {"first": "recompute_first_tokens", "ratio": "recompute_ratio",
+                           "attn": "recompute_ratio"}[kind]
                     if opt not in opts:
                         missing.append(opt)
                     kw[opt] = int(val) if kind == "first" else float(val)
+                    if kind in ("ratio", "attn"):
+                        if SELECTION not in opts:
+                            if kind == "attn":
+                                missing.append(SELECTION)
+                        else:
+                            kw[SELECTION] = "attention" if kind == "attn" else "deviation"
                 if missing:
                     skipped.append({"setting": f"{reuse}/{ctx}/{rec}",
                                     "reason": "LazyLLM has no " + ", ".join(f"`{m}`" for m in missing)
@@ -357,13 +371,15 @@ def build_settings(modes, contexts, recoveries, opts) -> tuple[list[Setting], li
     # the default is one of the grid settings when it sets nothing beyond reuse, chunk
     # context and the known recovery options, with the same values
     quality = {k: v for k, v in opts.items() if not _neutral(k)}
-    unknown = {k: v for k, v in quality.items() if k not in ("reuse", "chunk_context", *RECOVERY_OPTIONS)
+    unknown = {k: v for k, v in quality.items() if k not in ("reuse", "chunk_context", SELECTION, *RECOVERY_OPTIONS)
                and v not in (None, 0, 0.0, False)}
     for s in settings:
         if s.is_reference or unknown:
             continue
         same = s.reuse == d.reuse and s.chunk_context == d.chunk_context and all(
-            (s.kwargs.get(k) or 0) == (quality.get(k) or 0) for k in RECOVERY_OPTIONS if k in quality)
+            (s.kwargs.get(k) or 0) == (quality.get(k) or 0) for k in RECOVERY_OPTIONS if k in quality) and (
+            not quality.get("recompute_ratio")
+            or s.kwargs.get(SELECTION, "deviation") == quality.get(SELECTION, "deviation"))
         if same:
             s.is_default = True
             return settings, skipped
@@ -556,7 +572,8 @@ def parse_args(argv=None):
     ap.add_argument("--modes", default="lazy,block")
     ap.add_argument("--contexts", default="isolated,prefix")
     ap.add_argument("--recoveries", default="none,first-4,first-16,first-32,ratio-0.05,ratio-0.15",
-                    help="none, first-K (recompute_first_tokens=K), ratio-R (recompute_ratio=R)")
+                    help="none, first-K (recompute_first_tokens=K), ratio-R (recompute_ratio=R, key deviation), "
+                         "attn-R (recompute_ratio=R, recompute_selection='attention'), joined by +")
     ap.add_argument("--score-workers", type=int, default=8,
                     help="score requests in flight at once (batched by the engine; 1: one at a time)")
     ap.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool per engine")
@@ -619,7 +636,7 @@ def main(argv=None) -> dict:
     settings, skipped = build_settings(args.modes.split(","), args.contexts.split(","),
                                        args.recoveries.split(","), opts)
     for k, v in opts.items():
-        if not _neutral(k) and k not in ("reuse", "chunk_context", *RECOVERY_OPTIONS) \
+        if not _neutral(k) and k not in ("reuse", "chunk_context", SELECTION, *RECOVERY_OPTIONS) \
                 and v not in (None, 0, 0.0, False):
             log(f"note: LazyLLM option `{k}` defaults to {v!r}; this benchmark does not vary it, so every "
                 f"chunked setting runs with it")

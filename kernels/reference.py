@@ -36,6 +36,7 @@ __all__ = [
     "apply_rope",
     "rotate_by_delta",
     "paged_attention_ref",
+    "paged_attention_mass_ref",
     "rerotate_copy_ref",
     "write_kv_ref",
 ]
@@ -166,6 +167,68 @@ def paged_attention_ref(
         o = o.masked_fill(~allowed.any(-1)[None, :, None], 0.0)  # rows with no visible key
         out[q0:q1] = o.transpose(0, 1).to(out.dtype)
     return out
+
+
+def paged_attention_mass_ref(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    block_pos: torch.Tensor,
+    block_delta: torch.Tensor,
+    block_len: torch.Tensor,
+    inv_freq: torch.Tensor,
+    sm_scale: float,
+    *,
+    window: int | None = None,
+    max_seqlen_q: int | None = None,
+) -> torch.Tensor:
+    """Attention mass each key slot receives: the softmax probabilities of
+    ``paged_attention_ref`` (same arguments, same masking), summed over query heads and
+    over the sequence's queries. Used to choose which cached chunk tokens to recompute
+    (the ones the question attends to most).
+
+    Returns
+    -------
+    ``(batch, max_blocks, page_size)`` float32; padding entries and invalid slots get 0.
+    """
+    total_q, hq, d = q.shape
+    B, W = block_table.shape
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    mass = torch.zeros(B, W, page_size, dtype=torch.float32, device=q.device)
+    cu = cu_seqlens_q.tolist()
+    slots = torch.arange(page_size, device=q.device)
+    for b in range(len(cu) - 1):
+        q0, q1 = cu[b], cu[b + 1]
+        lens = block_len[b]
+        used = lens > 0
+        if q1 == q0 or not bool(used.any()):
+            continue
+        ent = torch.nonzero(used).flatten()
+        pages = block_table[b][used].long()
+        n_lens = lens[used].long()
+        valid = (slots[None, :] < n_lens[:, None]).reshape(-1)
+        kpos = (block_pos[b][used].long()[:, None] + slots[None, :]).reshape(-1)
+        delta = block_delta[b][used].long()[:, None].expand(-1, page_size).reshape(-1)
+        flat = (ent[:, None] * page_size + slots[None, :]).reshape(-1)
+        k = k_cache[pages].reshape(-1, hkv, d)
+        k, kpos, delta, flat = k[valid], kpos[valid], delta[valid], flat[valid]
+        if bool((delta != 0).any()):
+            k = rotate_by_delta(k, delta, inv_freq)
+        qp = q_pos[q0:q1].long()[:, None]
+        allowed = kpos[None, :] <= qp
+        if window is not None:
+            allowed &= qp - kpos[None, :] < window
+        qb = q[q0:q1].to(torch.float32).transpose(0, 1)  # (hq, nq, d)
+        kb = k.to(torch.float32).transpose(0, 1).repeat_interleave(group, dim=0)  # (hq, nk, d)
+        s = torch.matmul(qb, kb.transpose(1, 2)) * sm_scale
+        s = s.masked_fill(~allowed[None], float("-inf"))
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key: 0
+        mass.view(B, -1)[b].index_add_(0, flat, p.sum(dim=(0, 1)))
+    return mass
 
 
 def rerotate_copy_ref(

@@ -180,6 +180,11 @@ class LazyLLM:
     recompute_ratio : quality recovery: also recompute, with full context, this fraction
         of the chunk tokens whose keys at an early layer deviate most from full attention
         (CacheBlend-style selection). 0 switches it off.
+    recompute_selection : how ``recompute_ratio`` picks its tokens: ``"deviation"``
+        (default, CacheBlend: layer-1 keys farthest from full attention's) or
+        ``"attention"`` (the tokens the question attends to most in a first pass over the
+        cached KV; costs one extra forward of the question; on the default model the more
+        faithful of the two at every budget measured, BENCHMARKS.md "Quality").
     kv_disk_dir, kv_disk_bytes : an optional persistent tier for chunk KV (safetensors
         files, validated against the model fingerprint, settings and a checksum; atomic
         writes; LRU size cap): chunks computed once survive restarts. Written in the
@@ -203,6 +208,7 @@ class LazyLLM:
         max_batch_tokens: int = 8192,
         recompute_first_tokens: int = 0,
         recompute_ratio: float = 0.0,
+        recompute_selection: str = "deviation",
         kv_disk_dir: str | os.PathLike | None = None,
         kv_disk_bytes: int = 16 << 30,
         trust_remote_code: bool = False,
@@ -221,6 +227,9 @@ class LazyLLM:
         if isinstance(recompute_ratio, bool) or not isinstance(recompute_ratio, (int, float)) \
                 or not 0.0 <= recompute_ratio <= 1.0:
             raise InvalidRequestError(f"recompute_ratio must be in [0, 1], got {recompute_ratio!r}")
+        if recompute_selection not in ("deviation", "attention"):
+            raise InvalidRequestError(
+                f"recompute_selection must be 'deviation' or 'attention', got {recompute_selection!r}")
         if kv_cache_bytes is not None and (not isinstance(kv_cache_bytes, int) or kv_cache_bytes <= 0):
             raise InvalidRequestError(f"kv_cache_bytes must be a positive int, got {kv_cache_bytes!r}")
         self.reuse = reuse
@@ -270,9 +279,11 @@ class LazyLLM:
         self.engine = Engine(self.model, tok, self.store, reuse=reuse, chunk_context=chunk_context,
                              fingerprint=self.fingerprint, eos_ids=eos, max_batch_tokens=max_batch_tokens,
                              rerotate=rerotate, recompute_first_tokens=recompute_first_tokens,
-                             recompute_ratio=float(recompute_ratio), disk=self._open_disk(kv_disk_dir, kv_disk_bytes))
+                             recompute_ratio=float(recompute_ratio), recompute_selection=recompute_selection,
+                             disk=self._open_disk(kv_disk_dir, kv_disk_bytes))
         self.recompute_first_tokens = recompute_first_tokens
         self.recompute_ratio = float(recompute_ratio)
+        self.recompute_selection = recompute_selection
         # an engine thread still inside torch at interpreter shutdown can abort the
         # process: stop it first (weakly referenced, so the LazyLLM can still be freed)
         _LIVE_ENGINES.add(self.engine)

@@ -95,6 +95,70 @@ def test_selective_recompute_counts_and_reuse(model, tokenizer):
     warm.close()
 
 
+@pytest.mark.parametrize("reuse,ctx", [("lazy", "isolated"), ("lazy", "prefix"), ("block", "prefix")])
+def test_attention_selected_recompute_of_everything_is_full_attention(model, tokenizer, reuse, ctx):
+    llm = LazyLLM(model=model, tokenizer=tokenizer, reuse=reuse, chunk_context=ctx, recompute_ratio=1.0,
+                  recompute_selection="attention", kv_cache_bytes=32 << 20)
+    out = llm.generate("Which item is first?", chunks=DOCS[1:5], max_new_tokens=10)
+    assert out.token_ids == hf_generate(model, out.prompt_token_ids, 10, llm.eos_token_ids)
+    llm.close()
+
+
+@pytest.mark.parametrize("reuse", ["lazy", "block"])
+def test_attention_selected_recompute_counts_and_reuse(model, tokenizer, reuse):
+    kw = dict(model=model, tokenizer=tokenizer, reuse=reuse, chunk_context="prefix", recompute_ratio=0.2,
+              recompute_selection="attention", kv_cache_bytes=32 << 20)
+    cold = LazyLLM(**kw)
+    ref = cold.generate("q?", chunks=DOCS[:4], max_new_tokens=8)
+    warm = LazyLLM(**kw)
+    warm.warm(DOCS[:4][::-1])
+    out = warm.generate("q?", chunks=DOCS[:4], max_new_tokens=8)
+    assert out.token_ids == ref.token_ids  # cached KV reused at other positions: same selection, same answer
+    lens = [len(ids) for kind, ids in out.prompt_segments if kind == "chunk"]
+    total = sum(lens)
+    assert total - out.usage.cached_chunk_tokens == -(-total // 5)
+    assert warm.engine.metrics["recovery_skipped"] == 0
+    # the first pass wrote nothing into the shared cache: a plain engine on it agrees
+    warm.engine.recompute_ratio = 0.0
+    plain = LazyLLM(model=model, tokenizer=tokenizer, reuse=reuse, chunk_context="prefix", kv_cache_bytes=32 << 20)
+    assert warm.generate("q?", chunks=DOCS[:4], max_new_tokens=8).token_ids == \
+        plain.generate("q?", chunks=DOCS[:4], max_new_tokens=8).token_ids
+    for x in (cold, warm, plain):
+        x.close()
+
+
+def test_attention_selection_picks_what_the_question_attends_to(model, tokenizer):
+    """The engine's selection scores are the question's attention mass over the cached KV:
+    non-negative, summing to (layers x heads x question tokens) less the mass on the prefix
+    and on the question itself."""
+    llm = LazyLLM(model=model, tokenizer=tokenizer, recompute_ratio=0.1, recompute_selection="attention",
+                  kv_cache_bytes=32 << 20)
+    seen = {}
+    real = llm.engine._question_attention
+
+    def spy(r, spans, *a):
+        d = real(r, spans, *a)
+        seen["mass"] = d
+        seen["n"] = sum(len(c) for _, c, _, _, _ in spans)
+        return d
+
+    llm.engine._question_attention = spy
+    out = llm.generate("q?", chunks=DOCS[:3], max_new_tokens=1)
+    s = len(out.prompt_segments[-1][1])
+    spec = llm.model.spec
+    assert seen["mass"].shape == (seen["n"],)
+    assert float(seen["mass"].min()) >= 0.0
+    assert 0.0 < float(seen["mass"].sum()) < spec.num_layers * spec.num_heads * s
+    llm.close()
+
+
+def test_recompute_selection_is_validated(model, tokenizer):
+    from lazyllm.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError):
+        LazyLLM(model=model, tokenizer=tokenizer, recompute_selection="random", kv_cache_bytes=32 << 20)
+
+
 def test_key_deviation_is_zero_for_the_first_isolated_chunk_only(model, tokenizer):
     """In 'prefix' context the first chunk directly follows the prefix, so its cached
     keys equal full attention's (deviation ~0); later chunks' keys differ."""

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from lazyllm.kernels.reference import (
-    apply_rope, paged_attention_ref, rerotate_copy_ref, rope_cos_sin, rotate_by_delta, write_kv_ref,
+    apply_rope, paged_attention_mass_ref, paged_attention_ref, rerotate_copy_ref, rope_cos_sin, rotate_by_delta, write_kv_ref,
 )
 
 
@@ -110,3 +110,37 @@ def test_rerotate_copy_and_write_kv():
     kn, vn = torch.randn(3, h, d, generator=g), torch.randn(3, h, d, generator=g)
     write_kv_ref(k[0], v[0], torch.tensor([1, 6, 23]), kn, vn)
     assert torch.equal(k[0, 0, 1], kn[0]) and torch.equal(k[0, 1, 2], kn[1]) and torch.equal(v[0, 5, 3], vn[2])
+
+
+@pytest.mark.parametrize("hq,hkv,window", [(4, 2, None), (3, 3, 5)])
+def test_attention_mass_is_the_reference_softmax(hq, hkv, window):
+    """Mass per slot = the probabilities paged_attention_ref applies to it: with one-hot
+    values (one dimension per slot), the reference output summed over heads and queries is
+    exactly the mass."""
+    g = torch.Generator().manual_seed(hq + hkv)
+    ps, d, inv = 4, 64, _inv_freq(16)
+    n_pages = 12
+    k_cache = torch.randn(n_pages, ps, hkv, d, generator=g)
+    v_cache = torch.zeros(n_pages, ps, hkv, d)
+    for p in range(n_pages):
+        for s in range(ps):
+            v_cache[p, s, :, p * ps + s] = 1.0  # slot id as a one-hot value
+    # two sequences: pages with shifted rotations, partial last pages, padding
+    table = torch.tensor([[3, 7, 1, 0], [5, 9, 11, 2]], dtype=torch.int32)
+    pos = torch.tensor([[0, 4, 8, 0], [0, 2, 6, 10]], dtype=torch.int32)
+    delta = torch.tensor([[0, 9, -3, 0], [0, 5, 0, 2]], dtype=torch.int32)
+    blen = torch.tensor([[4, 4, 3, 0], [2, 4, 4, 3]], dtype=torch.int32)
+    q_pos = torch.tensor([9, 10, 11, 13, 14], dtype=torch.int32)
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    q = torch.randn(5, hq, d, generator=g)
+    args = (q, q_pos, cu, k_cache, v_cache, table, pos, delta, blen, inv, d ** -0.5)
+    out = paged_attention_ref(*args, window=window)
+    mass = paged_attention_mass_ref(*args, window=window)
+    for b in range(2):
+        summed = out[cu[b]:cu[b + 1]].sum(dim=(0, 1))  # (d,): mass per slot id
+        for j in range(table.shape[1]):
+            for s in range(ps):
+                want = float(summed[int(table[b, j]) * ps + s]) if s < int(blen[b, j]) else 0.0
+                assert abs(float(mass[b, j, s]) - want) < 1e-4, (b, j, s)
+        # every query's probabilities sum to 1 over the slots it sees
+        assert abs(float(mass[b].sum()) - hq * int(cu[b + 1] - cu[b])) < 1e-3

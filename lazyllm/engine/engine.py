@@ -131,7 +131,7 @@ class Engine:
                  fingerprint: str, eos_ids: set[int], max_batch_tokens: int = 8192,
                  max_batch_size: int = 256, cuda_graphs: bool = True, rerotate=None,
                  recompute_first_tokens: int = 0, recompute_ratio: float = 0.0, probe_layer: int = 1,
-                 disk=None):
+                 recompute_selection: str = "deviation", disk=None):
         self.model = model
         self.tok = tokenizer
         self.store = store
@@ -159,6 +159,7 @@ class Engine:
             self._disk_queue: queue.Queue = queue.Queue()
             threading.Thread(target=self._disk_writer, name="lazyllm-disk", daemon=True).start()
         self.recompute_ratio = recompute_ratio
+        self.recompute_selection = recompute_selection
         self.probe_layer = min(probe_layer, model.spec.num_layers - 1)
         max_entries = -(-model.spec.max_context // self.pool.page_size) + 2
         self.decode_state = DecodeState(max_batch_size, max_entries, self.device)
@@ -531,8 +532,11 @@ class Engine:
     def _apply_recovery(self, r: Request) -> None:
         """Quality recovery, once the request's chunk KV is in the pool: recompute with
         full context the first ``recompute_first_tokens`` tokens of each chunk and the
-        ``recompute_ratio`` fraction of chunk tokens whose layer-``probe_layer`` keys
-        deviate most from full attention (CacheBlend-style), in the suffix's forward.
+        ``recompute_ratio`` fraction of chunk tokens chosen by ``recompute_selection``:
+        ``"deviation"``, those whose layer-``probe_layer`` keys deviate most from full
+        attention (CacheBlend-style); ``"attention"``, those the question's queries attend
+        to most in a first pass over the cached KV (all layers and heads); then in the
+        suffix's forward.
         Pages holding recomputed tokens are replaced, for this request only, by private
         copies re-rotated to their logical positions (one delta per page: 0); the
         recomputed K/V overwrite their slots; the shared cache is never written. If the
@@ -543,7 +547,10 @@ class Engine:
             return
         sel = [set(range(min(k, len(cids)))) for _, cids, _, _, _ in spans]
         if ratio > 0:
-            dev = self._key_deviation(r, spans)
+            if self.recompute_selection == "attention":
+                dev = self._question_attention(r, spans, table, own, suffix_ids, suffix_pos)
+            else:
+                dev = self._key_deviation(r, spans)
             total = sum(len(cids) for _, cids, _, _, _ in spans)
             n_pick = min(total, int(math.ceil(ratio * total)))
             flat = [(ci, i) for ci, (_, cids, _, _, _) in enumerate(spans) for i in range(len(cids))]
@@ -583,6 +590,29 @@ class Engine:
         r._jobs = _Job(ids, suffix_pos, [], table + own_table, logit_rows=r.logit_rows,  # type: ignore[attr-defined]
                        positions=positions, slots=slots)
         r.table = table + own_table
+
+    def _question_attention(self, r: Request, spans, table, own, suffix_ids, suffix_pos) -> torch.Tensor:
+        """Per chunk token (in chunk order), the attention mass the question's queries give
+        it (summed over layers, heads and queries) in a forward of the suffix over the
+        cached prefix and chunk KV as they are (nothing recomputed yet). The suffix's K/V
+        go to its own pages and are overwritten by the real pass."""
+        t_first = spans[0][2]
+        probe = list(table[:t_first])  # the prefix (never shifted, never copied)
+        offsets = []
+        for _, _, _, _, entries in spans:  # the shared chunk pages with their rotations
+            offsets.append(len(probe))
+            probe += entries
+        S = len(suffix_ids)
+        ps = self.pool.page_size
+        slots = [own[i // ps] * ps + i % ps for i in range(S)]
+        tables = [probe + self._own_table(own, suffix_pos, S)]
+        ids_t, _, meta = self._metadata(list(suffix_ids), list(range(suffix_pos, suffix_pos + S)), slots, [0, S],
+                                        tables, S, [])
+        self.metrics["prefill_tokens"] += S
+        mass = self.model.attention_mass(ids_t, meta, self.pool.k, self.pool.v)[0].reshape(-1)
+        idx = [(off + i // ps) * ps + i % ps for off, (_, cids, _, _, _) in zip(offsets, spans)
+               for i in range(len(cids))]
+        return mass[torch.tensor(idx, device=mass.device)].float()
 
     def _key_deviation(self, r: Request, spans) -> torch.Tensor:
         """Per chunk token (in chunk order), the distance between its cached keys at layer

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
-from lazyllm.kernels.reference import apply_rope, paged_attention_ref, rope_cos_sin, write_kv_ref
+from lazyllm.kernels.reference import (apply_rope, paged_attention_mass_ref, paged_attention_ref, rope_cos_sin,
+                                       write_kv_ref)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
@@ -264,6 +265,30 @@ class LlamaFamilyModel:
             h = self._finish_layer(h, o, w)
         w = self.layers[layer]
         return self._qkv(h, w, *tables[w["freq"]])[1]
+
+    @torch.inference_mode()
+    def attention_mass(self, input_ids: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor) -> torch.Tensor:
+        """Run new tokens (a question) through every layer like ``forward``, writing their
+        K/V at ``meta.slot_mapping``, and return the attention mass each table slot gets
+        from them: softmax probabilities summed over layers, heads and queries,
+        ``(batch, max_blocks, page_size)`` float32 (``paged_attention_mass_ref``). Torch
+        reference path on every device: what attention-guided recompute selection reads."""
+        s = self.spec
+        h = self._embed(input_ids)
+        tables = [rope_cos_sin(meta.positions, f, sc) for f, sc in zip(self.inv_freqs, self.rope_scales)]
+        mass = None
+        for li, w in enumerate(self.layers):
+            fi = w["freq"]
+            q, k, v = self._qkv(h, w, *tables[fi])
+            self.write_kv(k_cache[li], v_cache[li], meta.slot_mapping, k, v)
+            args = (q, meta.positions, meta.cu_seqlens_q, k_cache[li], v_cache[li], meta.block_table,
+                    meta.block_pos, meta.block_delta, meta.block_len, self.inv_freqs[fi], s.sm_scale)
+            o = paged_attention_ref(*args, window=w["window"])
+            m = paged_attention_mass_ref(*args, window=w["window"])
+            mass = m if mass is None else mass + m
+            h = self._finish_layer(h, o, w)
+        return mass
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed)
