@@ -413,3 +413,18 @@ def test_process_exits_cleanly_without_close(tmp_path):
                            env={**os.environ, "TOK": tok, "PYTHONPATH": root}, timeout=300)
         assert p.returncode == 0, p.stderr[-2000:]
         assert p.stdout.strip().endswith("3")
+
+
+def test_decode_step_log_records_batch_sizes(tiny_model, tokenizer):
+    """Each decode step logs (batch, seconds): the engine benchmark reads the step time at
+    an exact batch size from it."""
+    llm = _llm(tiny_model, tokenizer)
+    llm.engine.eos_ids = set()
+    llm.engine.decode_step_log.clear()
+    outs = llm.generate_batch([{"question": f"q{i}?", "chunks": DOCS[i:i + 2]} for i in range(3)],
+                              max_new_tokens=5)
+    assert all(len(o.token_ids) == 5 for o in outs)
+    log = list(llm.engine.decode_step_log)
+    assert log and all(1 <= b <= 3 and dt > 0 for b, dt in log)
+    assert sum(b for b, _ in log) == 3 * 4  # the first token of each comes from its prefill
+    llm.close()

@@ -19,6 +19,7 @@ token prefix under full attention; ``none`` computes everything.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import math
@@ -174,6 +175,10 @@ class Engine:
         self.metrics = {"requests": 0, "failed": 0, "cancelled": 0, "preemptions": 0, "prefill_retries": 0, "recovery_skipped": 0, "disk_hits": 0, "prefill_tokens": 0,
                         "decode_steps": 0, "decode_tokens": 0, "peak_pages": 0,
                         "copied_pages": 0}  # pages copied re-rotated (block copies, recovery)
+        # (batch, seconds) of the most recent decode steps, the host's wall time from the step's
+        # inputs to its sampled tokens: the time per output token at each batch size, free of
+        # the prefills that interleave with decoding while requests arrive
+        self.decode_step_log: collections.deque = collections.deque(maxlen=4096)
 
     # -- public, any thread ----------------------------------------------------------
     def submit(self, req: Request) -> Request:
@@ -871,6 +876,7 @@ class Engine:
             pos.append(r.next_pos)
             W = max(W, len(r.table))
         B = len(reqs)
+        t_step = time.perf_counter()
         Bp, Wp = self.graphs.batch_bucket(B), self.graphs.width_bucket(W)
         self.decode_state.step_inputs(updates, ids, pos, slots, Bp, self.pool.scratch_page * ps)
         logits = self.graphs.run(Bp, Wp)[:B]
@@ -878,6 +884,11 @@ class Engine:
         self.metrics["decode_tokens"] += B
         greedy = [r.params.greedy for r in reqs]
         picks = torch.argmax(logits, dim=-1).tolist() if any(greedy) else [None] * B
+        if any(greedy) or self.device.type != "cuda":
+            # logged before the tokens are handed out, so a caller that got its output sees its
+            # last step in the log (on CUDA only when the argmax above waited for the GPU; a
+            # sampled-only batch waits inside _emit)
+            self.decode_step_log.append((B, time.perf_counter() - t_step))
         for r, lg, g in zip(reqs, logits, picks):
             r.next_pos += 1
             self._emit(r, lg, g)
