@@ -58,14 +58,28 @@ import math
 import os
 import random
 import statistics
-import sys
 import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# benchmarks/ is deliberately not put on sys.path: its kernels.py would shadow the name
+# ``kernels``, which transformers imports when present (the Hugging Face kernels hub), and
+# that module imports the Triton kernels at import time. Siblings are loaded by path.
+
+
+def _sibling(name: str):
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_lazyllm_bench_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    import sys
+
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 PRESETS = {
     "ci": dict(docs=12, doc_tokens=48, k=2, requests=6, output_tokens=3, budgets="0.6,1.0", rates="0",
@@ -605,9 +619,8 @@ def main(argv=None):
 
     t_start = time.perf_counter()
     if args.random_8b:
-        from engine import llama31_8b_config, random_model
-
-        hf = random_model(llama31_8b_config(32))
+        eng = _sibling("engine")
+        hf = eng.random_model(eng.llama31_8b_config(32))
         tok = AutoTokenizer.from_pretrained(args.tokenizer or str(default_model_dir()))
         name = "random Llama-3.1-8B shapes, bf16"
     else:
