@@ -189,12 +189,10 @@ class PrefillGraphs:
             0 < n_entries <= self.max_entries
 
     def _width(self, W: int) -> int:
-        b = 16
-        while b < W and b < 64:
-            b *= 2
-        if W > 64:
-            b = -(-W // 64) * 64
-        return min(b, self.max_entries)
+        # powers of two: each new bucket costs a capture (two forwards and the capture, a
+        # stall for the request that meets it), while padding entries cost the prefill kernel
+        # only a scan (it stops at the last real entry)
+        return min(_bucket(W, 16), self.max_entries)
 
     def run(self, ids, pos, slots, table) -> torch.Tensor | None:
         """Logits ``(1, vocab)`` of the last of ``ids``; ``table`` lists ``(page, pos, delta,
