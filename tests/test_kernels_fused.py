@@ -4,38 +4,17 @@ Run in Triton's interpreter on CPU (a private copy of the module, as in
 ``test_kernels_triton.py``), on random inputs, float32 and float16."""
 from __future__ import annotations
 
-import importlib.util
-import os
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from lazyllm.kernels.reference import apply_rope, rope_cos_sin, write_kv_ref
 from lazyllm.model.llama import _rms_norm
+from tests._triton_load import load_kernel_module
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-_SRC = Path(__file__).resolve().parents[1] / "kernels" / "fused.py"
-
-
-def _load():
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        spec = importlib.util.spec_from_file_location("_lazyllm_fused_interp", _SRC)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-    return mod
-
-
-fk = _load()
+fk = load_kernel_module("fused.py", interpret=True)
 DTYPES = [torch.float32, torch.float16]
 
 

@@ -8,39 +8,20 @@ Tests marked ``gpu`` run the compiled kernels on CUDA.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
-from pathlib import Path
 
 import pytest
 import torch
 
 from lazyllm.kernels.reference import paged_attention_ref, rerotate_copy_ref, write_kv_ref
+from tests._triton_load import load_kernel_module
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
-_SRC = Path(__file__).resolve().parents[1] / "kernels" / "triton_attention.py"
-
 
 def _load_kernels(interpret: bool):
-    """A private copy of the kernel module, compiled (``interpret=False``) or interpreted."""
-    name = "_lazyllm_triton_attention_" + ("interp" if interpret else "compiled")
-    old = os.environ.get("TRITON_INTERPRET")
-    if interpret:
-        os.environ["TRITON_INTERPRET"] = "1"
-    else:
-        os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        spec = importlib.util.spec_from_file_location(name, _SRC)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-    return mod
+    """A private copy of ``kernels/triton_attention.py``, compiled or interpreted."""
+    return load_kernel_module("triton_attention.py", interpret)
 
 
 ta = _load_kernels(interpret=True)
@@ -443,30 +424,41 @@ def _relerr(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+def _check_compiled(mod, seqs, dtype, **batch_kw):
+    """Compiled kernels on CUDA against the float32 reference: the prefill of ``seqs`` and a
+    decode step of one query per sequence over the same tables."""
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    batch = _make_batch(seqs, hkv=2, dtype=dtype, **batch_kw)
+    batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
+    up = dict(batch, q=batch["q"].float(), k_cache=batch["k_cache"].float(), v_cache=batch["v_cache"].float())
+    got = mod.paged_attention_triton(**batch)
+    assert not torch.isnan(got).any()
+    assert _relerr(got, paged_attention_ref(**up)) < tol
+    dec = dict(batch, q=batch["q"][: len(seqs)].contiguous(), q_pos=batch["q_pos"][: len(seqs)],
+               cu_seqlens_q=torch.arange(len(seqs) + 1, device="cuda", dtype=torch.int32))
+    up = dict(dec, q=dec["q"].float(), k_cache=up["k_cache"], v_cache=up["v_cache"])
+    got = mod.paged_attention_triton(**dec, max_seqlen_q=1)
+    assert _relerr(got, paged_attention_ref(**up)) < tol
+
+
+def _gpu_seqs(seed, shapes, lo, hi):
+    gen = random.Random(seed)
+    seqs = []
+    for nc, nq in shapes:
+        chunks, pos = _chunks(gen, nc, 0, lo=lo, hi=hi)
+        seqs.append((chunks + [(pos, nq + 5, 0)], nq))
+    return seqs
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compiled kernels run only on a GPU)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gpu_compiled_matches_reference(dtype):
+    """The key-rotating kernels (pages of 16) compiled, for head dims 64, 128 and 256."""
     mod = _load_kernels(interpret=False)
-    gen = random.Random(19)
-    seqs = []
-    for nc, nq in ((6, 70), (3, 1), (9, 130)):
-        chunks, pos = _chunks(gen, nc, 0, lo=30, hi=300)
-        seqs.append((chunks + [(pos, nq + 5, 0)], nq))
+    seqs = _gpu_seqs(19, ((6, 70), (3, 1), (9, 130)), 30, 300)
     for g, d, rd in ((4, 128, None), (3, 64, 32), (8, 256, None)):
-        batch = _make_batch(seqs, page_size=16, hkv=2, group=g, d=d, rotary_dim=rd, dtype=dtype, seed=10)
-        batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
-        up = dict(batch, q=batch["q"].float(), k_cache=batch["k_cache"].float(), v_cache=batch["v_cache"].float())
-        ref = paged_attention_ref(**up)
-        got = mod.paged_attention_triton(**batch)
-        assert not torch.isnan(got).any()
-        assert _relerr(got, ref) < (1e-4 if dtype == torch.float32 else 1e-2)
-        dec = dict(batch, q=batch["q"][: len(seqs)].contiguous(), q_pos=batch["q_pos"][: len(seqs)],
-                   cu_seqlens_q=torch.arange(len(seqs) + 1, device="cuda", dtype=torch.int32))
-        up = dict(dec, q=dec["q"].float(), k_cache=up["k_cache"], v_cache=up["v_cache"])
-        got = mod.paged_attention_triton(**dec, max_seqlen_q=1)
-        assert _relerr(got, paged_attention_ref(**up)) < (1e-4 if dtype == torch.float32 else 1e-2)
-    assert not mod._QROT_FAILED, f"fell back to the key-rotating kernel for {mod._QROT_FAILED}"
+        _check_compiled(mod, seqs, dtype, page_size=16, group=g, d=d, rotary_dim=rd, seed=10)
 
 
 @pytest.mark.gpu
@@ -475,22 +467,9 @@ def test_gpu_compiled_matches_reference(dtype):
 @pytest.mark.parametrize("d", [16, 32, 64, 128])
 def test_gpu_compiled_query_rotation(dtype, d):
     """The query-rotating path (pages of 64 and 128, the default tiles) compiled for each
-    head dim, prefill and decode, against the reference."""
+    head dim, prefill and decode, against the reference; no fallback taken."""
     mod = _load_kernels(interpret=False)
-    gen = random.Random(23)
-    seqs = []
-    for nc, nq in ((5, 70), (2, 1), (1, 9)):
-        chunks, pos = _chunks(gen, nc, 0, lo=20, hi=200)
-        seqs.append((chunks + [(pos, nq + 5, 0)], nq))
+    seqs = _gpu_seqs(23, ((5, 70), (2, 1), (1, 9)), 20, 200)
     for ps in (64, 128):
-        batch = _make_batch(seqs, page_size=ps, hkv=2, group=4, d=d, dtype=dtype, seed=24)
-        batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
-        up = dict(batch, q=batch["q"].float(), k_cache=batch["k_cache"].float(), v_cache=batch["v_cache"].float())
-        got = mod.paged_attention_triton(**batch)
-        assert _relerr(got, paged_attention_ref(**up)) < (1e-4 if dtype == torch.float32 else 1e-2)
-        dec = dict(batch, q=batch["q"][: len(seqs)].contiguous(), q_pos=batch["q_pos"][: len(seqs)],
-                   cu_seqlens_q=torch.arange(len(seqs) + 1, device="cuda", dtype=torch.int32))
-        up = dict(dec, q=dec["q"].float(), k_cache=up["k_cache"], v_cache=up["v_cache"])
-        got = mod.paged_attention_triton(**dec, max_seqlen_q=1)
-        assert _relerr(got, paged_attention_ref(**up)) < (1e-4 if dtype == torch.float32 else 1e-2)
+        _check_compiled(mod, seqs, dtype, page_size=ps, group=4, d=d, seed=24)
     assert not mod._QROT_FAILED, f"fell back to the key-rotating kernel for {mod._QROT_FAILED}"

@@ -243,6 +243,18 @@ class LlamaFamilyModel:
             return h + F.linear(F.silu(g) * u, w["wd"])
         return h + F.linear(F.silu(F.linear(x, w["wg"])) * F.linear(x, w["wu"]), w["wd"])
 
+    def _attn_args(self, q, meta: AttentionMetadata, k_cache, v_cache, li: int) -> tuple:
+        """Positional arguments of the paged attention (kernel or reference) for layer ``li``."""
+        return (q, meta.positions, meta.cu_seqlens_q, k_cache[li], v_cache[li], meta.block_table,
+                meta.block_pos, meta.block_delta, meta.block_len, self.inv_freqs[self.layers[li]["freq"]],
+                self.spec.sm_scale)
+
+    def _attend(self, args: tuple, w: dict, extras: dict) -> torch.Tensor:
+        if w["window"] is None:
+            return self.attention(*args, **extras)
+        # sliding-window layers: the torch reference (the Triton kernels have no window yet)
+        return paged_attention_ref(*args, window=w["window"])
+
     @torch.inference_mode()
     def probe_keys(self, input_ids: torch.Tensor, layer: int) -> torch.Tensor:
         """Keys of ``layer`` for a token sequence under full causal attention, computed
@@ -274,7 +286,6 @@ class LlamaFamilyModel:
         from them: softmax probabilities summed over layers, heads and queries,
         ``(batch, max_blocks, page_size)`` float32 (``paged_attention_mass_ref``). Torch
         reference path on every device: what attention-guided recompute selection reads."""
-        s = self.spec
         h = self._embed(input_ids)
         tables = [rope_cos_sin(meta.positions, f, sc) for f, sc in zip(self.inv_freqs, self.rope_scales)]
         mass = None
@@ -282,8 +293,7 @@ class LlamaFamilyModel:
             fi = w["freq"]
             q, k, v = self._qkv(h, w, *tables[fi])
             self.write_kv(k_cache[li], v_cache[li], meta.slot_mapping, k, v)
-            args = (q, meta.positions, meta.cu_seqlens_q, k_cache[li], v_cache[li], meta.block_table,
-                    meta.block_pos, meta.block_delta, meta.block_len, self.inv_freqs[fi], s.sm_scale)
+            args = self._attn_args(q, meta, k_cache, v_cache, li)
             o = paged_attention_ref(*args, window=w["window"])
             m = paged_attention_mass_ref(*args, window=w["window"])
             mass = m if mass is None else mass + m
@@ -329,12 +339,8 @@ class LlamaFamilyModel:
             fi = w["freq"]
             q, k, v = self._qkv(h, w, *tables[fi])
             self.write_kv(k_cache[li], v_cache[li], meta.slot_mapping, k, v)
-            args = (q, meta.positions, meta.cu_seqlens_q, k_cache[li], v_cache[li], meta.block_table,
-                    meta.block_pos, meta.block_delta, meta.block_len, self.inv_freqs[fi], s.sm_scale)
-            if w["window"] is None:
-                o = self.attention(*args, **extras[fi])
-            else:  # sliding-window layers: the torch reference (the Triton kernels have no window yet)
-                o = paged_attention_ref(*args, window=w["window"])
+            args = self._attn_args(q, meta, k_cache, v_cache, li)
+            o = self._attend(args, w, extras[fi])
             h = self._finish_layer(h, o, w)
             if stop_after_layer is not None and li == stop_after_layer:
                 return h
@@ -360,12 +366,8 @@ class LlamaFamilyModel:
             qkv = F.linear(x, w["wqkv"], w["bqkv"])
             q = fk.rope_qkv_write(qkv, *tables[fi], k_cache[li], v_cache[li], meta.slot_mapping,
                                   s.num_heads, s.num_kv_heads)
-            args = (q, meta.positions, meta.cu_seqlens_q, k_cache[li], v_cache[li], meta.block_table,
-                    meta.block_pos, meta.block_delta, meta.block_len, self.inv_freqs[fi], s.sm_scale)
-            if w["window"] is None:
-                o = self.attention(*args, **extras[fi])
-            else:
-                o = paged_attention_ref(*args, window=w["window"])
+            args = self._attn_args(q, meta, k_cache, v_cache, li)
+            o = self._attend(args, w, extras[fi])
             h, x = fk.add_rms_norm(h, F.linear(o.reshape(n, -1), w["wo"], w["bo"]), w["ln2"], s.rms_eps)
             pending = F.linear(fk.silu_mul(F.linear(x, w["wgu"])), w["wd"])
         if logits_index is not None:
