@@ -82,6 +82,42 @@ def rotate_by_delta(k: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor
     return apply_rope(k, cos, sin)
 
 
+def _sequence_keys(b, k_cache, v_cache, block_table, block_pos, block_delta, block_len, inv_freq,
+                   slot_ids: bool = False):
+    """Sequence ``b``'s valid key slots, in table order: keys rotated by their entry's delta,
+    values (``None`` without ``v_cache``), positions, and (with ``slot_ids``, else ``None``)
+    flat slot indices ``entry * page_size + slot``. ``None`` when its table has no valid
+    entry."""
+    page_size, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    lens = block_len[b]
+    used = lens > 0
+    if not bool(used.any()):
+        return None
+    slots = torch.arange(page_size, device=k_cache.device)
+    pages = block_table[b][used].long()
+    valid = (slots[None, :] < lens[used].long()[:, None]).reshape(-1)  # (n_entries * page_size,)
+    kpos = (block_pos[b][used].long()[:, None] + slots[None, :]).reshape(-1)[valid]
+    delta = block_delta[b][used].long()[:, None].expand(-1, page_size).reshape(-1)[valid]
+    flat = None
+    if slot_ids:
+        ent = torch.nonzero(used).flatten()
+        flat = (ent[:, None] * page_size + slots[None, :]).reshape(-1)[valid]
+    k = k_cache[pages].reshape(-1, hkv, d)[valid]
+    v = None if v_cache is None else v_cache[pages].reshape(-1, hkv, d)[valid]
+    if bool((delta != 0).any()):
+        k = rotate_by_delta(k, delta, inv_freq)
+    return k, v, kpos, flat
+
+
+def _visible(q_pos, kpos, window):
+    """``(nq, nk)``: query ``i`` sees key ``j`` (causal by position, and within ``window``)."""
+    qp = q_pos.long()[:, None]
+    allowed = kpos[None, :] <= qp
+    if window is not None:
+        allowed &= qp - kpos[None, :] < window
+    return allowed
+
+
 def paged_attention_ref(
     q: torch.Tensor,
     q_pos: torch.Tensor,
@@ -128,37 +164,23 @@ def paged_attention_ref(
     ``(total_q, num_q_heads, head_dim)`` in ``q.dtype``. A query that sees no key gets 0.
     """
     total_q, hq, d = q.shape
-    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    hkv = k_cache.shape[2]
     if hq % hkv:
         raise ValueError(f"num_q_heads {hq} is not a multiple of num_kv_heads {hkv}")
     group = hq // hkv
     if out is None:
         out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
-    slots = torch.arange(page_size, device=q.device)
     for b in range(len(cu) - 1):
         q0, q1 = cu[b], cu[b + 1]
         if q1 == q0:
             continue
-        lens = block_len[b]
-        used = lens > 0
-        pages = block_table[b][used].long()
-        if pages.numel() == 0:
+        keys = _sequence_keys(b, k_cache, v_cache, block_table, block_pos, block_delta, block_len, inv_freq)
+        if keys is None:
             out[q0:q1] = 0
             continue
-        n_lens = lens[used].long()
-        valid = (slots[None, :] < n_lens[:, None]).reshape(-1)  # (n_blocks * page_size,)
-        kpos = (block_pos[b][used].long()[:, None] + slots[None, :]).reshape(-1)
-        delta = block_delta[b][used].long()[:, None].expand(-1, page_size).reshape(-1)
-        k = k_cache[pages].reshape(-1, hkv, d)
-        v = v_cache[pages].reshape(-1, hkv, d)
-        k, v, kpos, delta = k[valid], v[valid], kpos[valid], delta[valid]
-        if bool((delta != 0).any()):
-            k = rotate_by_delta(k, delta, inv_freq)
-        qp = q_pos[q0:q1].long()[:, None]
-        allowed = kpos[None, :] <= qp  # (nq, nk)
-        if window is not None:
-            allowed &= qp - kpos[None, :] < window
+        k, v, kpos, _ = keys
+        allowed = _visible(q_pos[q0:q1], kpos, window)  # (nq, nk)
         qb = q[q0:q1].to(torch.float32).transpose(0, 1)  # (hq, nq, d)
         kb = k.to(torch.float32).transpose(0, 1)  # (hkv, nk, d)
         vb = v.to(torch.float32).transpose(0, 1)
@@ -200,28 +222,16 @@ def paged_attention_mass_ref(
     group = hq // hkv
     mass = torch.zeros(B, W, page_size, dtype=torch.float32, device=q.device)
     cu = cu_seqlens_q.tolist()
-    slots = torch.arange(page_size, device=q.device)
     for b in range(len(cu) - 1):
         q0, q1 = cu[b], cu[b + 1]
-        lens = block_len[b]
-        used = lens > 0
-        if q1 == q0 or not bool(used.any()):
+        if q1 == q0:
             continue
-        ent = torch.nonzero(used).flatten()
-        pages = block_table[b][used].long()
-        n_lens = lens[used].long()
-        valid = (slots[None, :] < n_lens[:, None]).reshape(-1)
-        kpos = (block_pos[b][used].long()[:, None] + slots[None, :]).reshape(-1)
-        delta = block_delta[b][used].long()[:, None].expand(-1, page_size).reshape(-1)
-        flat = (ent[:, None] * page_size + slots[None, :]).reshape(-1)
-        k = k_cache[pages].reshape(-1, hkv, d)
-        k, kpos, delta, flat = k[valid], kpos[valid], delta[valid], flat[valid]
-        if bool((delta != 0).any()):
-            k = rotate_by_delta(k, delta, inv_freq)
-        qp = q_pos[q0:q1].long()[:, None]
-        allowed = kpos[None, :] <= qp
-        if window is not None:
-            allowed &= qp - kpos[None, :] < window
+        keys = _sequence_keys(b, k_cache, None, block_table, block_pos, block_delta, block_len, inv_freq,
+                              slot_ids=True)
+        if keys is None:
+            continue
+        k, _, kpos, flat = keys
+        allowed = _visible(q_pos[q0:q1], kpos, window)
         qb = q[q0:q1].to(torch.float32).transpose(0, 1)  # (hq, nq, d)
         kb = k.to(torch.float32).transpose(0, 1).repeat_interleave(group, dim=0)  # (hq, nk, d)
         s = torch.matmul(qb, kb.transpose(1, 2)) * sm_scale
