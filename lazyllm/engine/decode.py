@@ -31,6 +31,21 @@ def _bucket(n: int, lo: int) -> int:
     return b
 
 
+def _capture_graph(forward, pool):
+    """``(graph, output)`` of ``forward()`` captured in a CUDA graph in memory pool ``pool``,
+    after two warm-up calls on a side stream (Triton compiles, the allocator settles)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        out = forward()
+    return g, out
+
+
 class DecodeState:
     """Device-resident decode inputs: page tables ``(4, max_batch, max_entries)`` (page,
     position, delta, length planes) and the per-token step inputs."""
@@ -145,18 +160,9 @@ class GraphRunner:
     def _capture(self, B: int, W: int):
         st = self.state
         meta = st.metadata(B, W)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # warm up (Triton compiles, allocator settles)
-            for _ in range(2):
-                self.model.forward(st.ids[:B], meta, self.k, self.v)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(g, pool=self.pool):
-            out = self.model.forward(st.ids[:B], meta, self.k, self.v)
-        return g, out
+        return _capture_graph(lambda: self.model.forward(st.ids[:B], meta, self.k, self.v), self.pool)
 
 
 class PrefillGraphs:
@@ -240,15 +246,7 @@ class PrefillGraphs:
     def _capture(self, T: int, Wb: int):
         meta = self._meta(T, Wb)
         ids, rows = self.buf[:T], self.buf[3 * T + 2:3 * T + 3]
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # warm up: the real inputs, so its K/V writes are the real ones
-            for _ in range(2):
-                self.model.forward(ids, meta, self.k, self.v, logits_index=rows)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(g, pool=self.pool):
-            out = self.model.forward(ids, meta, self.k, self.v, logits_index=rows)
-        return g, out
+        # the warm-up runs on the real inputs, so its K/V writes are the real ones
+        return _capture_graph(lambda: self.model.forward(ids, meta, self.k, self.v, logits_index=rows), self.pool)
