@@ -718,12 +718,6 @@ _CS_PER_PAGE = True
 _PREFETCH = True  # measured faster on the H200 at all four shapes tried (BENCHMARKS.md)
 _NUM_SMS: dict = {}
 _QROT_FAILED: set = set()  # shapes whose query-rotating kernel did not compile
-# The run loop as one flat loop (qrot=2, see _attn_runs). On the H200 (BENCHMARKS.md) the
-# flat loop made decode faster and its RoPE cost 1.4-2.9% (the run loop: 3.5-7.4%), while
-# for prefill the run loop was faster (83-97% of SDPA against 70-81%): flat for the short
-# path (decode and a few queries per sequence), runs for prefill.
-_QROT_FLAT = False
-_QROT_FLAT_SHORT = True
 
 
 def _num_sms(device: torch.device) -> int:
@@ -836,8 +830,12 @@ def paged_attention_triton(
         qrot = page_size >= dec_n if short else page_size >= (
             config[1] if config is not None else _prefill_config(d, max_blocks * page_size, page_size)[1])
         qrot = qrot and qkey not in _QROT_FAILED
-    qrot = int(qrot) if qrot in (0, 1, 2, False, True) else int(bool(qrot))
-    if qrot == 1 and (_QROT_FLAT or (short and _QROT_FLAT_SHORT)):
+    qrot = int(qrot) if qrot in (0, 1, 2) else int(bool(qrot))
+    if qrot == 1 and short:
+        # the run loop as one flat loop (qrot=2, see _attn_runs). On the H200 (BENCHMARKS.md)
+        # the flat loop made decode faster and its RoPE cost 1.4-2.9% (the run loop: 3.5-7.4%),
+        # while for prefill the run loop was faster (83-97% of SDPA against 70-81%): flat for
+        # the short path (decode and a few queries per sequence), runs for prefill
         qrot = 2
     # decode with pages smaller than the key tile: query rotated per page (_paged_decode_fwd);
     # with a tile inside one page the general kernel's run loop serves decode too
