@@ -69,7 +69,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from lazyllm import LazyLLM  # noqa: E402
-from lazyllm.errors import LazyLLMError, ModelLoadError, UnsupportedModelError  # noqa: E402
+from lazyllm.errors import LazyLLMError, UnsupportedModelError  # noqa: E402
 
 SYSTEM = "You are a helpful assistant. Answer the question briefly, using only the documents."
 
@@ -533,8 +533,8 @@ def _pct(x, d=1):
 def markdown_table(out: dict) -> str:
     n_ans = out["config"]["answer_tokens"]
     lines = [
-        f"| setting | top-1 agree | KL nats/tok | greedy match | needle acc (vs full) | recomputed chunk tokens "
-        f"| prefill tok/query | TTFT ms (median) | meets issue 7 |",
+        "| setting | top-1 agree | KL nats/tok | greedy match | needle acc (vs full) | recomputed chunk tokens "
+        "| prefill tok/query | TTFT ms (median) | meets issue 7 |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     ref = out["reference"]
@@ -605,18 +605,12 @@ def main(argv=None) -> dict:
     try:
         ref_llm = LazyLLM(args.model, device=args.device, dtype=args.dtype, reuse="none", kv_cache_bytes=kv_bytes,
                           progress=False)
-    except UnsupportedModelError as e:
-        msg = f"model {args.model or 'default'!r} is not supported by lazyllm: {e}"
-        print(f"UNSUPPORTED: {msg}", file=sys.stderr)
-        out = dict(error=msg, unsupported=True, model=args.model)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=2)
-        return out
-    except (ModelLoadError, LazyLLMError) as e:
-        msg = f"model {args.model or 'default'!r} could not be loaded: {e}"
-        print(f"ERROR: {msg}", file=sys.stderr)
-        out = dict(error=msg, unsupported=False, model=args.model)
+    except LazyLLMError as e:  # UnsupportedModelError, ModelLoadError, ...
+        unsupported = isinstance(e, UnsupportedModelError)
+        what = "is not supported by lazyllm" if unsupported else "could not be loaded"
+        msg = f"model {args.model or 'default'!r} {what}: {e}"
+        print(f"{'UNSUPPORTED' if unsupported else 'ERROR'}: {msg}", file=sys.stderr)
+        out = dict(error=msg, unsupported=unsupported, model=args.model)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=2)
