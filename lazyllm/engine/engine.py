@@ -102,6 +102,7 @@ class Request:
     cached_tokens: int = 0
     cached_chunk_tokens: int = 0
     computed_tokens: int = 0  # tokens this request ran through the model in prefill
+    lookups: list = field(default_factory=list)  # (hit, tokens) of the plan being made
     recomputed_tokens: int = 0  # chunk tokens recomputed with full context
     next_pos: int = 0
     generated: list[int] = field(default_factory=list)
@@ -344,15 +345,16 @@ class Engine:
     def _plan(self, r: Request) -> bool:
         """Reserve everything request ``r`` needs; on failure undo and return False."""
         total_new = self._pages_for(r.params.max_new_tokens + 1)
-        c = self.store.counters
-        counted = (c.hits, c.misses, c.reused_tokens, c.computed_tokens)
+        r.lookups = []
         ok = (self._plan_chunked if self.reuse in ("lazy", "block") else self._plan_full)(r, total_new)
         if not ok:
             self._unplan(r)
-            # a request waiting for pages is planned again every step: count its lookups
-            # once, when it is admitted, or cache_stats' hit rate counts the waiting
-            with self.store._lock:
-                c.hits, c.misses, c.reused_tokens, c.computed_tokens = counted
+        else:
+            # a request waiting for pages is planned again every step: its lookups count
+            # once, when it is admitted, or cache_stats' hit rate would count the waiting
+            for hit, n in r.lookups:
+                self.store.record(hit, n)
+        r.lookups = []
         return ok
 
     def _unplan(self, r: Request) -> None:
@@ -377,7 +379,7 @@ class Engine:
             self.store.pin(e)
             self.store.entries.move_to_end(key)
             r.pinned.append(e)
-            self.store.record(True, n)
+            r.lookups.append((True, n))
             e.hits += 1
             return e, False  # ready, or computed once in this round for whoever created it
         e = self.store.create(key, n, stored_pos, kind)
@@ -385,11 +387,11 @@ class Engine:
             return None, False
         r.pinned.append(e)
         if self.disk is not None and self._load_from_disk(e):
-            self.store.record(True, n)
+            r.lookups.append((True, n))
             self.metrics["disk_hits"] += 1
             return e, False
         r.computed_tokens += n
-        self.store.record(False, n)
+        r.lookups.append((False, n))
         return e, True
 
     # -- persistent tier --------------------------------------------------------------
@@ -665,11 +667,11 @@ class Engine:
                 table.append(_TableEntry(e.pages[0], m * ps, 0, ps))
                 m += 1
             if m:
-                self.store.record(True, m * ps)
+                r.lookups.append((True, m * ps))
             r.cached_tokens = m * ps
         rest = ids[m * ps:]
         if self.reuse == "prefix":
-            self.store.record(False, len(rest))
+            r.lookups.append((False, len(rest)))
         own = self._alloc_private(r, self._pages_for(len(rest)))
         if own is None:
             return False
@@ -882,9 +884,9 @@ class Engine:
         logits = self.graphs.run(Bp, Wp)[:B]
         self.metrics["decode_steps"] += 1
         self.metrics["decode_tokens"] += B
-        greedy = [r.params.greedy for r in reqs]
-        picks = torch.argmax(logits, dim=-1).tolist() if any(greedy) else [None] * B
-        if any(greedy) or self.device.type != "cuda":
+        any_greedy = any(r.params.greedy for r in reqs)
+        picks = torch.argmax(logits, dim=-1).tolist() if any_greedy else [None] * B
+        if any_greedy or self.device.type != "cuda":
             # logged before the tokens are handed out, so a caller that got its output sees its
             # last step in the log (on CUDA only when the argmax above waited for the GPU; a
             # sampled-only batch waits inside _emit)
