@@ -108,6 +108,20 @@ def test_sampling_seed_topk_topp(tiny_model, tokenizer):
     llm.close()
 
 
+def test_sampled_request_batched_with_a_greedy_one_keeps_sampling(tiny_model, tokenizer):
+    """In a decode batch that mixes greedy and sampled requests, the sampled one still
+    samples (with its own seed), as it does alone."""
+    llm = _llm(tiny_model, tokenizer)
+    kw = dict(chunks=DOCS[:2], max_new_tokens=12)
+    solo = llm.generate("q?", temperature=1.5, seed=5, **kw)
+    greedy = llm.generate("q?", **kw)
+    assert solo.token_ids != greedy.token_ids  # the seed really samples something else
+    mixed = llm.generate_batch([{"question": "q?"}, {"question": "q?", "temperature": 1.5, "seed": 5}], **kw)
+    assert mixed[0].token_ids == greedy.token_ids
+    assert mixed[1].token_ids == solo.token_ids
+    llm.close()
+
+
 def test_stop_strings_and_max_new_tokens(default_llm_parts):
     model, tok = default_llm_parts
     llm = _llm(model, tok)

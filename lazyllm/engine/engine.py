@@ -893,7 +893,7 @@ class Engine:
             self.decode_step_log.append((B, time.perf_counter() - t_step))
         for r, lg, g in zip(reqs, logits, picks):
             r.next_pos += 1
-            self._emit(r, lg, g)
+            self._emit(r, lg, g if r.params.greedy else None)  # a sampled request samples
 
     def _requeue_solo(self, r: Request) -> None:
         self._requeue(r)
