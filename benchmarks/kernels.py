@@ -504,6 +504,8 @@ def main():
                     help="query rotated once per run of equal deltas (pages >= key tile): configs and page sizes")
     ap.add_argument("--flat", action="store_true",
                     help="the query-rotating kernel as one flat loop (qrot=2) against the run loop")
+    ap.add_argument("--small-batch", action="store_true",
+                    help="decode at batch 1-8 over pages of 64: split counts and key tiles")
     ap.add_argument("--dry-run", action="store_true", help="CPU, interpreter, tiny shapes: checks the script")
     args = ap.parse_args()
     global DTYPE, PREFILL, DECODE
@@ -565,6 +567,13 @@ def main():
             rows += run_decode(b, kv, ps, inv_freq, dev, extra=dict(prefetch=True))
         for b, kv in (((1, 32768), (32, 16384), (128, 16384)) if big else ((3, 700),)):
             rows += run_decode(b, kv, 64, inv_freq, dev, graphs=True)
+        save()
+    if args.small_batch:  # decode at batch 1-8 (the engine's batch-1 step): split counts, key tiles
+        big = not DRY
+        for b, kv in (((1, 4096), (1, 16384), (8, 4096)) if big else ((1, 700),)):
+            rows += run_decode(b, kv, 64, inv_freq, dev, graphs=True, splits=(None, 8, 32, 64) if big else (None, 4))
+            rows += run_decode(b, kv, 64, inv_freq, dev, graphs=True, configs=[(0, 32, 4, 3), (0, 32, 4, 2)] if big
+                               else [(0, 32, 4, 1)], splits=(None, 64) if big else (None,))
         save()
     if args.flat:
         big = not DRY

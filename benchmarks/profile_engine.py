@@ -92,6 +92,13 @@ def main():
             ev[1].record()
             torch.cuda.synchronize()
             print(f"graph replay alone, bucket {max(keys)}: {ev[0].elapsed_time(ev[1]) / 20:.2f} ms")
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                t = time.perf_counter()
+                for _ in range(10):
+                    graph.replay()
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - t
+            summarize(prof, f"graph replay alone, batch bucket {max(keys)[0]}, width {max(keys)[1]}", 10, wall)
 
 
 if __name__ == "__main__":
