@@ -751,6 +751,7 @@ def paged_attention_triton(
     cs_per_page: bool | None = None,
     prefetch: bool | None = None,
     qrot: bool | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Deferred-RoPE attention of a varlen batch of queries over paged KV (Triton).
 
@@ -783,6 +784,11 @@ def paged_attention_triton(
     qrot : rotate the query once per run of equal deltas (default whenever a key tile lies
         in one page, ``page_size >= BLOCK_N``) instead of every key tile; ``2``: the same in
         one flat loop (see ``_attn_runs``); for benchmarks.
+    batch_invariant : one launch configuration for every call, prefill or decode, whatever
+        the batch: the general kernel, 64-row query tiles, a fixed key tile, no split-K.
+        A query row then sees its keys in the same tiles, in the same order, through the same
+        instructions, so its output does not depend on the other rows of the batch, nor on
+        whether it is decoded or prefilled (slower for decode; for reproducible serving).
 
     Returns
     -------
@@ -821,8 +827,12 @@ def paged_attention_triton(
     use_rope = bool(use_rope) and half > 0
     pass_dim = d - 2 * half
 
+    if batch_invariant:
+        bn = 64 if d <= 128 else 32
+        config, num_splits = (64, bn, 4, 2), 1
+        qrot = 2 if page_size >= bn else 0
     rows = max_seqlen_q * group
-    one_query = max_seqlen_q == 1
+    one_query = max_seqlen_q == 1 and not batch_invariant
     short = rows <= 64  # a few queries per sequence: small query tiles, no causal scan
     dec_n = (config[1] if config is not None else _DECODE_CFG.get(d, _DECODE_CFG[256])[0])
     qkey = (d, k_cache.dtype, short, page_size, config)
@@ -944,7 +954,8 @@ def paged_attention_triton(
             return paged_attention_triton(
                 q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, block_pos, block_delta, block_len,
                 inv_freq, sm_scale, out, max_seqlen_q=max_seqlen_q, use_rope=use_rope,
-                rope=None if rope is None else (rope[0], rope[1]), config=config, qrot=False)
+                rope=None if rope is None else (rope[0], rope[1]), config=config, qrot=False,
+                num_splits=num_splits if batch_invariant else None)
     if n_parts > 1:
         _merge_splits[(total_q * hq,)](
             part_o, part_lse, target, target.stride(0), target.stride(1), n_parts,

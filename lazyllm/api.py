@@ -49,7 +49,7 @@ def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     raise InvalidRequestError(f"unsupported dtype {dtype!r}; use float32, float16 or bfloat16")
 
 
-def _attention_backend(name: str, device: torch.device):
+def _attention_backend(name: str, device: torch.device, batch_invariant: bool = False):
     """(attention, rerotate_copy, step_extras, name) for the chosen backend."""
     from lazyllm.kernels import reference
 
@@ -66,7 +66,10 @@ def _attention_backend(name: str, device: torch.device):
     except ImportError as e:
         raise InvalidRequestError(f"attention_backend='triton' needs triton: {e}") from None
     def step_extras(meta, inv_freq):
-        return {"max_seqlen_q": meta.max_seqlen_q, "rope": ta.rope_table(meta.block_delta, inv_freq)}
+        extras = {"max_seqlen_q": meta.max_seqlen_q, "rope": ta.rope_table(meta.block_delta, inv_freq)}
+        if batch_invariant:
+            extras["batch_invariant"] = True
+        return extras
 
     return ta.paged_attention_triton, ta.rerotate_copy_triton, step_extras, "triton"
 
@@ -185,6 +188,12 @@ class LazyLLM:
         ``"attention"`` (the tokens the question attends to most in a first pass over the
         cached KV; costs one extra forward of the question; on the default model the more
         faithful of the two at every budget measured, BENCHMARKS.md "Quality").
+    batch_invariant : compute every token exactly as it would be computed alone: projections
+        in fixed blocks of 128 rows and one attention launch configuration for prefill and
+        decode (no split-K). In bfloat16/float16, GEMM libraries otherwise pick kernels by batch
+        size, so a greedy answer can change in rare near-ties depending on what else runs in the
+        same step. Costs speed (decode at batch 1 and long prefills are slower); off by
+        default. float32 answers were batch-independent in our tests without it.
     kv_disk_dir, kv_disk_bytes : an optional persistent tier for chunk KV (safetensors
         files, validated against the model fingerprint, settings and a checksum; atomic
         writes; LRU size cap): chunks computed once survive restarts. Written in the
@@ -213,6 +222,7 @@ class LazyLLM:
         kv_disk_bytes: int = 16 << 30,
         trust_remote_code: bool = False,
         progress: bool = True,
+        batch_invariant: bool = False,
     ):
         if reuse not in REUSE_MODES:
             raise InvalidRequestError(f"reuse must be one of {REUSE_MODES}, got {reuse!r}")
@@ -249,13 +259,17 @@ class LazyLLM:
             hf, tok, self.model_name = load_hf(
                 model_name_or_path, device=str(self.device), dtype=self.dtype,
                 trust_remote_code=trust_remote_code, progress=progress)
-        attn, rerotate, extras, self.attention_backend = _attention_backend(attention_backend, self.device)
+        if not isinstance(batch_invariant, bool):
+            raise InvalidRequestError(f"batch_invariant must be a bool, got {batch_invariant!r}")
+        self.batch_invariant = batch_invariant
+        attn, rerotate, extras, self.attention_backend = _attention_backend(attention_backend, self.device,
+                                                                            batch_invariant)
         if page_size is None:
             page_size = 64 if self.device.type == "cuda" and self.attention_backend == "triton" else 16
         self.page_size = page_size
         self.hf_model = hf
         self.tokenizer = tok
-        self.model = LlamaFamilyModel(hf, attention=attn, step_extras=extras)
+        self.model = LlamaFamilyModel(hf, attention=attn, step_extras=extras, batch_invariant=batch_invariant)
         spec = self.model.spec
         self.fingerprint = fingerprint(self.model)
         page_bytes = PagePool.page_bytes(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, self.dtype)

@@ -442,3 +442,19 @@ def test_decode_step_log_records_batch_sizes(tiny_model, tokenizer):
     assert log and all(1 <= b <= 3 and dt > 0 for b, dt in log)
     assert sum(b for b, _ in log) == 3 * 4  # the first token of each comes from its prefill
     llm.close()
+
+
+def test_batch_invariant_mode_matches_transformers(tokenizer):
+    """``batch_invariant=True`` (fixed-size GEMM row blocks) keeps the model's function:
+    greedy tokens of a full-attention request equal transformers' ``generate``; bad values
+    are refused."""
+    from tests.hf_reference import hf_generate
+
+    model = make_tiny("llama", seed=3)
+    llm = LazyLLM(model=model, tokenizer=tokenizer, reuse="none", batch_invariant=True)
+    assert llm.model.batch_invariant
+    out = llm.generate("What is the capital?", chunks=["Paris is the capital of France."], max_new_tokens=8)
+    assert out.token_ids == hf_generate(model, out.prompt_token_ids, 8, llm.eos_token_ids)
+    llm.close()
+    with pytest.raises(InvalidRequestError):
+        LazyLLM(model=model, tokenizer=tokenizer, batch_invariant="yes")

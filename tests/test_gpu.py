@@ -56,15 +56,43 @@ def test_triton_engine_full_modes_match_generate(tiny_cuda, tokenizer, reuse):
     llm.close()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_256_concurrent_requests_equal_solo_on_gpu(tokenizer, dtype):
+@pytest.mark.parametrize("dtype,invariant", [(torch.float32, False), (torch.bfloat16, True), (torch.float16, True)])
+def test_256_concurrent_requests_equal_solo_on_gpu(tokenizer, dtype, invariant):
+    """No cross-talk: 256 requests from 32 threads give each request's solo tokens. In
+    16-bit floats this needs ``batch_invariant=True`` (cuBLAS picks GEMM kernels by batch
+    size); float32 holds without it."""
     from tests.test_concurrency import _requests, _run_concurrently
 
     model = make_tiny("llama", seed=21).to("cuda", dtype)
     reqs = _requests(256, seed=1)
-    llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=256 << 20, attention_backend="triton")
+    llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=256 << 20, attention_backend="triton",
+                  batch_invariant=invariant)
     solo = [llm.generate(q, chunks=c, max_new_tokens=n).token_ids for q, c, n in reqs]
     llm.clear_cache()
     assert _run_concurrently(llm, reqs, 32) == solo
     assert llm.engine.graphs.graphs  # decode ran through CUDA graphs
+    llm.close()
+
+
+def test_batch_invariant_8b_layer_shapes_equal_solo(tokenizer):
+    """Llama-3.1-8B-shaped layers (4 of them, random bf16 weights), ``batch_invariant=True``:
+    greedy tokens of 64 requests over shared chunks, run from 32 threads at once, equal each
+    request run alone (with random weights, near-ties are common: a strict check)."""
+    import transformers
+
+    from tests.test_concurrency import _requests, _run_concurrently
+
+    cfg = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=4096, intermediate_size=14336,
+                                   num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
+                                   head_dim=128, rope_theta=500000.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    reqs = _requests(64, seed=5)
+    llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=2 << 30, batch_invariant=True)
+    llm.engine.eos_ids = set()  # random weights: every request runs to its length
+    solo = [llm.generate(q, chunks=c, max_new_tokens=n).token_ids for q, c, n in reqs]
+    llm.clear_cache()
+    assert _run_concurrently(llm, reqs, 32) == solo
+    assert llm.engine.metrics["decode_steps"] < sum(n for _, _, n in reqs)  # decode really batched
     llm.close()

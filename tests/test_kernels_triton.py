@@ -473,3 +473,56 @@ def test_gpu_compiled_query_rotation(dtype, d):
     for ps in (64, 128):
         _check_compiled(mod, seqs, dtype, page_size=ps, group=4, d=d, seed=24)
     assert not mod._QROT_FAILED, f"fell back to the key-rotating kernel for {mod._QROT_FAILED}"
+
+
+# ----------------------------------------------------------------------------------------
+# batch-invariant launches
+# ----------------------------------------------------------------------------------------
+
+
+def _invariant_batches(dtype, device="cpu", d=64, page_size=64, seed=31):
+    """A prefill batch of three sequences over cached chunks, and the same tables decoding
+    one query each: the query at each sequence's last position, ``q`` shared."""
+    gen = random.Random(seed)
+    seqs = []
+    for nc, nq in ((4, 7), (1, 1), (6, 12)):
+        chunks, pos = _chunks(gen, nc, 0, lo=20, hi=90)
+        seqs.append((chunks + [(pos, nq + 3, 0)], nq))
+    b = _make_batch(seqs, page_size=page_size, hkv=2, group=4, d=d, dtype=dtype, seed=seed, pad_extra=0)
+    cu = b["cu_seqlens_q"]
+    last = cu[1:] - 1
+    dec = dict(b, q=b["q"][last].contiguous(), q_pos=b["q_pos"][last],
+               cu_seqlens_q=torch.arange(len(seqs) + 1, dtype=torch.int32))
+    b = {k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()}
+    dec = {k: v.to(device) if torch.is_tensor(v) else v for k, v in dec.items()}
+    return b, dec, last.to(device)
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_batch_invariant_launch_matches_reference(page_size):
+    """``batch_invariant=True`` (one launch configuration, no split-K) computes the same
+    function: prefill and decode against the reference, pages smaller and larger than the
+    fixed key tile."""
+    b, dec, _ = _invariant_batches(torch.float32, page_size=page_size)
+    _check_attention(b, max_seqlen_q=12, batch_invariant=True)
+    _check_attention(dec, max_seqlen_q=1, batch_invariant=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compiled kernels run only on a GPU)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d,page_size", [(128, 64), (64, 16), (16, 64)])
+def test_gpu_batch_invariant_bitwise(dtype, d, page_size):
+    """Compiled, ``batch_invariant=True``: a query's output is bit-for-bit the same decoded
+    alone, decoded in a batch, and as the last row of a prefill batch."""
+    mod = _load_kernels(interpret=False)
+    b, dec, last = _invariant_batches(dtype, "cuda", d=d, page_size=page_size)
+    pre = mod.paged_attention_triton(**b, max_seqlen_q=12, batch_invariant=True)
+    batched = mod.paged_attention_triton(**dec, max_seqlen_q=1, batch_invariant=True)
+    for i in range(len(last)):
+        one = {k: (v[i:i + 1] if k in ("q", "q_pos", "block_table", "block_pos", "block_delta", "block_len")
+                   else v) for k, v in dec.items()}
+        one["cu_seqlens_q"] = torch.tensor([0, 1], device="cuda", dtype=torch.int32)
+        alone = mod.paged_attention_triton(**one, max_seqlen_q=1, batch_invariant=True)
+        assert torch.equal(alone[0], batched[i])
+        assert torch.equal(alone[0], pre[last[i]])

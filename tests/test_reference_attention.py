@@ -144,3 +144,23 @@ def test_attention_mass_is_the_reference_softmax(hq, hkv, window):
                 assert abs(float(mass[b, j, s]) - want) < 1e-4, (b, j, s)
         # every query's probabilities sum to 1 over the slots it sees
         assert abs(float(mass[b].sum()) - hq * int(cu[b + 1] - cu[b])) < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_rows_is_batch_invariant(dtype):
+    """``linear_rows`` (the ``batch_invariant`` projections): a row's output is bit-for-bit
+    the same whatever rows share the call, and equals ``F.linear`` up to rounding."""
+    from lazyllm.model.llama import linear_rows
+
+    torch.manual_seed(0)
+    w = torch.randn(96, 64).to(dtype)
+    bias = torch.randn(96).to(dtype)
+    x = torch.randn(300, 64).to(dtype)
+    full = linear_rows(x, w, bias, rows=32)
+    assert full.shape == (300, 96) and full.dtype == dtype
+    for lo, hi in ((0, 1), (5, 6), (7, 40), (31, 33), (250, 300)):
+        assert torch.equal(linear_rows(x[lo:hi], w, bias, rows=32), full[lo:hi])
+        assert torch.equal(linear_rows(torch.cat([x[lo:hi], -x[:3]]), w, bias, rows=32)[: hi - lo], full[lo:hi])
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)
+    torch.testing.assert_close(full, torch.nn.functional.linear(x, w, bias), **tol)
+    assert linear_rows(x[:0], w, None, rows=32).shape == (0, 96)

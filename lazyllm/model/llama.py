@@ -26,6 +26,40 @@ from lazyllm.kernels.reference import (apply_rope, paged_attention_mass_ref, pag
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 
+BATCH_INVARIANT_ROWS = 128
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                rows: int = BATCH_INVARIANT_ROWS) -> torch.Tensor:
+    """``F.linear`` computed in blocks of exactly ``rows`` rows (the last one zero-padded).
+
+    A GEMM library picks its kernel, tiling and split of the reduction by the shape of the
+    call, so one token's output can differ in the last bits depending on how many other
+    tokens share the call. Here every GEMM has the same shape, ``(rows, in) x (in, out)``,
+    so a row's result depends on that row alone: batch-invariant, and the same in prefill
+    and decode. Costs one weight read per block (small next to the padding-free call for
+    decode batches, about 10% for long prefills on an H200).
+
+    ``x`` ``(n, in)``, ``weight`` ``(out, in)``; returns ``(n, out)`` in ``x.dtype``.
+    """
+    n, k = x.shape
+    nb = -(-n // rows)
+    if n != nb * rows:
+        xp = x.new_zeros((nb * rows, k))
+        xp[:n] = x
+    else:
+        xp = x.contiguous()
+    out = x.new_empty((nb * rows, weight.shape[0]))
+    wt = weight.t()
+    for i in range(nb):
+        blk = slice(i * rows, (i + 1) * rows)
+        if bias is None:
+            torch.mm(xp[blk], wt, out=out[blk])
+        else:
+            torch.addmm(bias, xp[blk], wt, out=out[blk])
+    return out[:n]
+
+
 @dataclass
 class AttentionMetadata:
     """Per-step attention inputs, built once by the engine and shared by every layer.
@@ -80,7 +114,7 @@ class LlamaFamilyModel:
     """Inference-only forward of a Llama-family causal LM over paged KV."""
 
     def __init__(self, hf_model, attention: Callable | None = None, step_extras: Callable | None = None,
-                 fuse: bool | None = None, fused_kernels: bool | None = None):
+                 fuse: bool | None = None, fused_kernels: bool | None = None, batch_invariant: bool = False):
         cfg = hf_model.config
         mt = getattr(cfg, "model_type", None)
         if mt not in SUPPORTED_MODEL_TYPES:
@@ -165,6 +199,10 @@ class LlamaFamilyModel:
             )
         self.device = self.embed.device
         self.dtype = self.embed.dtype
+        # batch_invariant: every projection in fixed-size row blocks (``linear_rows``), so a
+        # token's logits do not depend on what else shares its step
+        self.batch_invariant = bool(batch_invariant)
+        self._linear = linear_rows if self.batch_invariant else F.linear
         self.inv_freqs = [f.to(self.device) for f in self.inv_freqs]
         self.inv_freq = self.inv_freqs[self.freq_index[0]] if len(self.inv_freqs) == 1 else \
             self.inv_freq.to(self.device)
@@ -211,14 +249,14 @@ class LlamaFamilyModel:
         nq, nk = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         x = self._norm(h, w["ln1"], s.rms_eps)
         if "wqkv" in w:
-            qkv = F.linear(x, w["wqkv"], w["bqkv"])
+            qkv = self._linear(x, w["wqkv"], w["bqkv"])
             q = qkv[:, :nq].view(n, s.num_heads, s.head_dim)
             k = qkv[:, nq:nq + nk].view(n, s.num_kv_heads, s.head_dim)
             v = qkv[:, nq + nk:].view(n, s.num_kv_heads, s.head_dim)
         else:
-            q = F.linear(x, w["wq"], w["bq"]).view(n, s.num_heads, s.head_dim)
-            k = F.linear(x, w["wk"], w["bk"]).view(n, s.num_kv_heads, s.head_dim)
-            v = F.linear(x, w["wv"], w["bv"]).view(n, s.num_kv_heads, s.head_dim)
+            q = self._linear(x, w["wq"], w["bq"]).view(n, s.num_heads, s.head_dim)
+            k = self._linear(x, w["wk"], w["bk"]).view(n, s.num_kv_heads, s.head_dim)
+            v = self._linear(x, w["wv"], w["bv"]).view(n, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
             q = self._norm(q, w["qn"], s.rms_eps)
             k = self._norm(k, w["kn"], s.rms_eps)
@@ -228,20 +266,20 @@ class LlamaFamilyModel:
         """Output projection, residual and MLP of one layer."""
         s = self.spec
         if s.gemma:  # sandwich norms around attention and MLP, gelu-tanh
-            h = h + self._norm(F.linear(o.reshape(h.shape[0], -1), w["wo"], w["bo"]), w["post_attn"], s.rms_eps)
+            h = h + self._norm(self._linear(o.reshape(h.shape[0], -1), w["wo"], w["bo"]), w["post_attn"], s.rms_eps)
             x = self._norm(h, w["pre_ff"], s.rms_eps)
             if "wgu" in w:
-                g, u = F.linear(x, w["wgu"]).chunk(2, dim=-1)
+                g, u = self._linear(x, w["wgu"]).chunk(2, dim=-1)
             else:
-                g, u = F.linear(x, w["wg"]), F.linear(x, w["wu"])
-            m = F.linear(F.gelu(g, approximate="tanh") * u, w["wd"])
+                g, u = self._linear(x, w["wg"]), self._linear(x, w["wu"])
+            m = self._linear(F.gelu(g, approximate="tanh") * u, w["wd"])
             return h + self._norm(m, w["post_ff"], s.rms_eps)
-        h = h + F.linear(o.reshape(h.shape[0], -1), w["wo"], w["bo"])
+        h = h + self._linear(o.reshape(h.shape[0], -1), w["wo"], w["bo"])
         x = _rms_norm(h, w["ln2"], s.rms_eps)
         if "wgu" in w:
-            g, u = F.linear(x, w["wgu"]).chunk(2, dim=-1)
-            return h + F.linear(F.silu(g) * u, w["wd"])
-        return h + F.linear(F.silu(F.linear(x, w["wg"])) * F.linear(x, w["wu"]), w["wd"])
+            g, u = self._linear(x, w["wgu"]).chunk(2, dim=-1)
+            return h + self._linear(F.silu(g) * u, w["wd"])
+        return h + self._linear(F.silu(self._linear(x, w["wg"])) * self._linear(x, w["wu"]), w["wd"])
 
     def _attn_args(self, q, meta: AttentionMetadata, k_cache, v_cache, li: int) -> tuple:
         """Positional arguments of the paged attention (kernel or reference) for layer ``li``."""
@@ -347,7 +385,7 @@ class LlamaFamilyModel:
         if logits_index is not None:
             h = h[logits_index]
         h = self._norm(h, self.final_norm, s.rms_eps)
-        return F.linear(h, self.lm_head).float()
+        return self._linear(h, self.lm_head).float()
 
     def _forward_fused(self, h, meta, k_cache, v_cache, tables, extras, logits_index):
         """``forward`` with the fused kernels: per layer one RMSNorm (+ residual add), the
@@ -363,14 +401,14 @@ class LlamaFamilyModel:
                 x = fk.rms_norm(h, w["ln1"], s.rms_eps)
             else:
                 h, x = fk.add_rms_norm(h, pending, w["ln1"], s.rms_eps)
-            qkv = F.linear(x, w["wqkv"], w["bqkv"])
+            qkv = self._linear(x, w["wqkv"], w["bqkv"])
             q = fk.rope_qkv_write(qkv, *tables[fi], k_cache[li], v_cache[li], meta.slot_mapping,
                                   s.num_heads, s.num_kv_heads)
             args = self._attn_args(q, meta, k_cache, v_cache, li)
             o = self._attend(args, w, extras[fi])
-            h, x = fk.add_rms_norm(h, F.linear(o.reshape(n, -1), w["wo"], w["bo"]), w["ln2"], s.rms_eps)
-            pending = F.linear(fk.silu_mul(F.linear(x, w["wgu"])), w["wd"])
+            h, x = fk.add_rms_norm(h, self._linear(o.reshape(n, -1), w["wo"], w["bo"]), w["ln2"], s.rms_eps)
+            pending = self._linear(fk.silu_mul(self._linear(x, w["wgu"])), w["wd"])
         if logits_index is not None:
             h, pending = h[logits_index], pending[logits_index]
         _, x = fk.add_rms_norm(h, pending, self.final_norm, s.rms_eps)
-        return F.linear(x, self.lm_head).float()
+        return self._linear(x, self.lm_head).float()
