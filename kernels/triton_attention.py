@@ -880,7 +880,12 @@ def paged_attention_triton(
         ctas = q_tiles * batch * hkv
         sms = _num_sms(q.device)
         num_splits = 1
-        if ctas < sms:
+        if one_query and ctas < sms:
+            # decode at small batch is latency-bound: about two programs per SM, at least two
+            # key tiles each (H200, batch 1 over 4k-16k keys: 12-29 us against 14-38 us with
+            # one program per SM; BENCHMARKS.md)
+            num_splits = max(1, min(triton.cdiv(2 * sms, ctas), kv_tiles // 2, 64))
+        elif ctas < sms:
             num_splits = max(1, min(triton.cdiv(sms, ctas), kv_tiles // 4, 64))
         elif ctas < 2 * sms and one_query:
             num_splits = 2

@@ -47,19 +47,40 @@ def _capture_graph(forward, pool):
 
 
 class DecodeState:
-    """Device-resident decode inputs: page tables ``(4, max_batch, max_entries)`` (page,
-    position, delta, length planes) and the per-token step inputs."""
+    """Device-resident decode inputs: page tables ``(4, max_batch + 1, max_entries)`` (page,
+    position, delta, length planes; the last row is a dump for padded rows' updates) and the
+    per-token step inputs.
+
+    A step's host inputs go into one pinned staging buffer (``stage``); ``load(n)`` copies it
+    to the device and scatters it (token ids, positions, KV slots, one table entry per
+    request, ``cu_seqlens``). ``load`` has a fixed shape per batch bucket ``n`` and reads the
+    real batch size from the buffer, so a CUDA graph captures it together with the forward:
+    a decode step is then one host write and one graph launch."""
 
     def __init__(self, max_batch: int, max_entries: int, device: torch.device):
         self.max_batch, self.max_entries, self.device = max_batch, max_entries, device
         i32 = dict(dtype=torch.int32, device=device)
-        self.tables = torch.zeros((4, max_batch, max_entries), **i32)
+        self.tables = torch.zeros((4, max_batch + 1, max_entries), **i32)
         self.ids = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.pos = torch.zeros(max_batch, **i32)
         self.slots = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.cu = torch.zeros(max_batch + 1, **i32)
         self._arange = torch.arange(max_batch + 1, **i32)
+        self._rows = torch.arange(max_batch, **i32)
+        n = 11 * max_batch + 1  # ids, pos, slots (n each), B, 4 indices and 4 values per row
+        self._host = torch.zeros(n, dtype=torch.long, pin_memory=device.type == "cuda")
+        self._host_np = self._host.numpy()
+        self._dev = torch.zeros(n, dtype=torch.long, device=device)
+        self._loaded = None  # CUDA event: the last load's host-to-device copy is done after it
         self.rows: list = []  # requests, in row order
+
+    def mark_loaded(self) -> None:
+        """Record that a load was enqueued: ``stage`` waits for it before rewriting the
+        staging buffer (normally long done: the host read the step's tokens since)."""
+        if self.device.type == "cuda":
+            if self._loaded is None:
+                self._loaded = torch.cuda.Event()
+            self._loaded.record()
 
     def attach(self, r, table) -> None:
         """Give request ``r`` the next row and write its whole table there (once)."""
@@ -88,33 +109,54 @@ class DecodeState:
         self.rows.pop()
         r.row = None
 
-    def step_inputs(self, updates: list[tuple[int, int, int, int, int, int]], ids, pos, slots, pad_to: int,
-                    scratch_slot: int) -> None:
-        """Apply this step's table updates (``row, col, page, pos, delta, len``, one per
-        request) and fill the token inputs, padded to ``pad_to`` rows: one host-to-device
-        copy and a few tiny kernels, whatever the context length."""
+    def stage(self, updates: list[tuple[int, int, int, int, int, int]], ids, pos, slots, pad_to: int,
+              scratch_slot: int) -> None:
+        """Write this step's inputs into the pinned staging buffer for ``load(pad_to)``: the
+        token inputs, padded to ``pad_to`` rows (padded rows write their K/V into
+        ``scratch_slot``), and the table updates (``row, col, page, pos, delta, len``, one
+        per request; padded rows update the dump row). Host work O(batch), whatever the
+        context length. The caller makes sure the previous step is done with the buffer."""
         B, n, ME = len(ids), pad_to, self.max_entries
-        plane = self.max_batch * ME
-        flat_idx, vals = [], []
-        for row, col, page, p, delta, length in updates:
-            base = row * ME + col
-            flat_idx += (base, plane + base, 2 * plane + base, 3 * plane + base)
-            vals += (page, p, delta, length)
-        pad = n - B
-        host = torch.tensor(list(ids) + [0] * pad + list(pos) + [0] * pad + list(slots) + [scratch_slot] * pad
-                            + flat_idx + vals, dtype=torch.long)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(self.device, non_blocking=True)
+        plane = (self.max_batch + 1) * ME
+        if self._loaded is not None:
+            self._loaded.synchronize()
+        h = self._host_np
+        h[:B] = ids
+        h[B:n] = 0
+        h[n:n + B] = pos
+        h[n + B:2 * n] = 0
+        h[2 * n:2 * n + B] = slots
+        h[2 * n + B:3 * n] = scratch_slot
+        h[3 * n] = B
+        u = np.full((n, 6), 0, dtype=np.int64)
+        u[:, 0] = self.max_batch  # the dump row
+        if updates:
+            u[:B] = np.asarray(updates, dtype=np.int64)
+        base = u[:, 0] * ME + u[:, 1]
+        o = 3 * n + 1
+        h[o:o + 4 * n] = (base[:, None] + plane * np.arange(4)[None, :]).ravel()
+        h[o + 4 * n:o + 8 * n] = u[:, 2:].ravel()
+
+    def load(self, n: int) -> None:
+        """Device side of ``stage(..., pad_to=n)``: fixed shapes for a given ``n``, the real
+        batch size read from the buffer (capturable in a CUDA graph)."""
+        m = 11 * n + 1
+        dev = self._dev[:m]
+        dev.copy_(self._host[:m], non_blocking=True)
         self.ids[:n].copy_(dev[:n])
         self.pos[:n].copy_(dev[n:2 * n])
         self.slots[:n].copy_(dev[2 * n:3 * n])
-        if updates:
-            k = len(flat_idx)
-            self.tables.view(-1).index_put_((dev[3 * n:3 * n + k],), dev[3 * n + k:].to(torch.int32))
-        torch.clamp(self._arange[: n + 1], max=B, out=self.cu[: n + 1])
-        if n > B:  # padded rows: no valid entries, so they read nothing
-            self.tables[_LEN, B:n].zero_()
+        B = dev[3 * n:3 * n + 1].to(torch.int32)
+        o = 3 * n + 1
+        self.tables.view(-1).index_put_((dev[o:o + 4 * n],), dev[o + 4 * n:o + 8 * n].to(torch.int32))
+        torch.minimum(self._arange[: n + 1], B, out=self.cu[: n + 1])
+        # rows past the real batch read nothing: their lengths are zeroed
+        self.tables[_LEN, :n].mul_((self._rows[:n] < B).to(torch.int32)[:, None])
+
+    def step_inputs(self, updates, ids, pos, slots, pad_to: int, scratch_slot: int) -> None:
+        """``stage`` then ``load``, eagerly (for a forward outside a CUDA graph)."""
+        self.stage(updates, ids, pos, slots, pad_to, scratch_slot)
+        self.load(pad_to)
 
     def metadata(self, B: int, W: int) -> AttentionMetadata:
         t = self.tables
@@ -126,12 +168,13 @@ class DecodeState:
 
 
 class GraphRunner:
-    """Decode forwards through CUDA graphs captured per (batch, width) bucket."""
+    """Decode steps through CUDA graphs captured per (batch, width) bucket: each graph loads
+    the staged inputs (``DecodeState.load``), runs the forward and takes the argmax."""
 
     def __init__(self, model, state: DecodeState, k_cache, v_cache, enabled: bool):
         self.model, self.state, self.k, self.v = model, state, k_cache, v_cache
         self.enabled = enabled and state.device.type == "cuda"
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.pool = None
 
     def batch_bucket(self, B: int) -> int:
@@ -145,24 +188,29 @@ class GraphRunner:
         b = _bucket(W, 16) if W <= 64 else -(-W // 64) * 64
         return min(b, self.state.max_entries)
 
-    def run(self, B: int, W: int) -> torch.Tensor:
-        """Logits ``(B, vocab)`` of the step whose inputs ``state`` holds."""
+    def _step(self, B: int, W: int):
         st = self.state
+        st.load(B)
+        logits = self.model.forward(st.ids[:B], st.metadata(B, W), self.k, self.v)
+        return logits, torch.argmax(logits, dim=-1)
+
+    def run(self, B: int, W: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits ``(B, vocab)`` and their argmax ``(B,)`` of the step staged in ``state``
+        (``B`` the batch bucket; rows past the real batch are padding)."""
         if not self.enabled:
-            return self.model.forward(st.ids[:B], st.metadata(B, W), self.k, self.v)
+            out = self._step(B, W)
+            self.state.mark_loaded()
+            return out
         key = (B, W)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(B, W)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            # the warm-up calls load the staged inputs too: a repeated load is idempotent
+            self.graphs[key] = _capture_graph(lambda: self._step(B, W), self.pool)
         g, out = self.graphs[key]
         g.replay()
+        self.state.mark_loaded()
         return out
-
-    def _capture(self, B: int, W: int):
-        st = self.state
-        meta = st.metadata(B, W)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        return _capture_graph(lambda: self.model.forward(st.ids[:B], meta, self.k, self.v), self.pool)
 
 
 class PrefillGraphs:

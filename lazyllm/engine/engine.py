@@ -880,12 +880,15 @@ class Engine:
         B = len(reqs)
         t_step = time.perf_counter()
         Bp, Wp = self.graphs.batch_bucket(B), self.graphs.width_bucket(W)
-        self.decode_state.step_inputs(updates, ids, pos, slots, Bp, self.pool.scratch_page * ps)
-        logits = self.graphs.run(Bp, Wp)[:B]
+        # the previous step is complete (its tokens were read on the host), so the staging
+        # buffer is free; the graph copies it in, runs the forward and the argmax
+        self.decode_state.stage(updates, ids, pos, slots, Bp, self.pool.scratch_page * ps)
+        logits, argmax = self.graphs.run(Bp, Wp)
+        logits = logits[:B]
         self.metrics["decode_steps"] += 1
         self.metrics["decode_tokens"] += B
         any_greedy = any(r.params.greedy for r in reqs)
-        picks = torch.argmax(logits, dim=-1).tolist() if any_greedy else [None] * B
+        picks = argmax[:B].tolist() if any_greedy else [None] * B
         if any_greedy or self.device.type != "cuda":
             # logged before the tokens are handed out, so a caller that got its output sees its
             # last step in the log (on CUDA only when the argmax above waited for the GPU; a
