@@ -504,6 +504,8 @@ def main():
                     help="query rotated once per run of equal deltas (pages >= key tile): configs and page sizes")
     ap.add_argument("--flat", action="store_true",
                     help="the query-rotating kernel as one flat loop (qrot=2) against the run loop")
+    ap.add_argument("--prefill-sweep", action="store_true",
+                    help="prefill over pages of 64: tile shapes and pipeline stages (speed, RoPE cost)")
     ap.add_argument("--small-batch", action="store_true",
                     help="decode at batch 1-8 over pages of 64: split counts and key tiles")
     ap.add_argument("--dry-run", action="store_true", help="CPU, interpreter, tiny shapes: checks the script")
@@ -567,6 +569,12 @@ def main():
             rows += run_decode(b, kv, ps, inv_freq, dev, extra=dict(prefetch=True))
         for b, kv in (((1, 32768), (32, 16384), (128, 16384)) if big else ((3, 700),)):
             rows += run_decode(b, kv, 64, inv_freq, dev, graphs=True)
+        save()
+    if args.prefill_sweep:  # the query-rotating prefill's tile/stage choices: speed and RoPE cost
+        big = not DRY
+        cfgs = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 64, 8, 3)] if big else [(16, 16, 4, 1)]
+        for nq, kv in (((512, 8192), (512, 32768), (2048, 8192), (2048, 32768)) if big else ((40, 700),)):
+            rows += run_prefill(nq, kv, 64, inv_freq, dev, configs=cfgs)
         save()
     if args.small_batch:  # decode at batch 1-8 (the engine's batch-1 step): split counts, key tiles
         big = not DRY
