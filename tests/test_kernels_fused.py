@@ -102,3 +102,41 @@ def test_model_forward_with_fused_kernels():
     torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(caches[1][0], caches[0][0], atol=1e-5, rtol=1e-5)
     assert torch.equal(caches[1][1], caches[0][1]) or torch.allclose(caches[1][1], caches[0][1], atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,bias,cfg", [(40, 96, True, (16, 32, 4, 1)), (33, 200, False, (8, 64, 4, 1)),
+                                          (7, 16, True, (4, 1024, 4, 1))])
+def test_gemv_matches_linear(dtype, n, k, bias, cfg):
+    """The one-row GEMV against ``F.linear``: N and K not multiples of the tile, with and
+    without bias; ``linear_one_row`` keeps ``F.linear`` off CUDA and for several rows."""
+    g = torch.Generator().manual_seed(n * k)
+    x = torch.randn(1, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    got = fk.gemv(x, w, b, cfg)
+    assert got.shape == (1, n) and got.dtype == dtype
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(got.float(), ref, **_tol(dtype))
+    xs = torch.randn(3, k, generator=g).to(dtype)
+    assert torch.equal(fk.linear_one_row(xs, w, b), F.linear(xs, w, b))
+    assert torch.equal(fk.linear_one_row(x, w, b), F.linear(x, w, b))  # CPU: F.linear itself
+    with pytest.raises(ValueError):
+        fk.gemv(xs, w, b, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_linear_one_row_times_and_matches():
+    """Compiled: every GEMV configuration against ``F.linear`` at Llama-8B-like widths, and
+    ``linear_one_row`` picks one (or ``F.linear``) per weight shape."""
+    gk = load_kernel_module("fused.py", interpret=False)
+    torch.manual_seed(0)
+    for n, k in ((6144, 4096), (4096, 14336), (1000, 576)):
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
+        ref = F.linear(x.float(), w.float())
+        for cfg in gk._GEMV_CONFIGS:
+            torch.testing.assert_close(gk.gemv(x, w, None, cfg).float(), ref, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(gk.linear_one_row(x, w).float(), ref, atol=2e-2, rtol=2e-2)
+        assert (tuple(w.shape), w.dtype, x.device) in gk._GEMV_CHOICE
