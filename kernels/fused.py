@@ -12,11 +12,7 @@ differs), so the engine gives the same tokens with or without them:
 * ``add_rms_norm``  == ``h = h + y`` (rounded to the dtype) followed by ``rms_norm(h)``;
 * ``silu_mul``      == ``F.silu(g) * u`` on the fused ``[g | u]`` projection;
 * ``rope_qkv_write`` == ``reference.apply_rope`` on q and k of the fused ``[q | k | v]``
-  projection, then ``reference.write_kv_ref`` of k and v into their page slots;
-* ``linear_one_row`` == ``F.linear`` for a single row (decode at batch 1, a matrix-vector
-  product): on CUDA a Triton GEMV where it measures faster than cuBLAS for the shape (the
-  choice is timed once per weight shape), else ``F.linear``. Not bit-identical to
-  ``F.linear`` (another summation order), so it is off under ``batch_invariant``.
+  projection, then ``reference.write_kv_ref`` of k and v into their page slots.
 
 The torch twins are those functions; ``tests/test_kernels_triton.py`` compares each kernel
 with its twin on random inputs in Triton's interpreter.
@@ -27,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["rms_norm", "add_rms_norm", "silu_mul", "rope_qkv_write", "linear_one_row"]
+__all__ = ["rms_norm", "add_rms_norm", "silu_mul", "rope_qkv_write"]
 
 
 def _p2(n: int) -> int:
@@ -174,90 +170,3 @@ def rope_qkv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
             NQ=num_heads, NKV=num_kv_heads, D=d, HALF=cos.shape[-1] // 2, PAGE_SIZE=k_cache.shape[1],
             HP=_p2(num_heads + 2 * num_kv_heads), num_warps=4, enable_fp_fusion=False)
     return q
-
-
-@triton.jit
-def _gemv_kernel(X, W, Bias, Y, N, stride_w, K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``Y[n] = sum_k W[n, k] X[k] (+ Bias[n])``, float32 accumulation; grid ``(cdiv(N, BLOCK_N),)``.
-    ``K`` (a model width) is a compile-time constant: a static loop."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = rn < N
-    rk0 = tl.arange(0, BLOCK_K)
-    acc = tl.full([BLOCK_N, BLOCK_K], 0.0, dtype=tl.float32)
-    w_row = W + rn.to(tl.int64)[:, None] * stride_w
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + rk0
-        km = rk < K
-        x = tl.load(X + rk, mask=km, other=0.0).to(tl.float32)
-        w = tl.load(w_row + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
-        acc += w * x[None, :]
-    y = _sum(acc, 1)
-    if HAS_BIAS:
-        y += tl.load(Bias + rn, mask=nm, other=0.0).to(tl.float32)
-    tl.store(Y + rn, y.to(Y.dtype.element_ty), mask=nm)
-
-
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) tried per weight shape on the first call
-_GEMV_CONFIGS = [(8, 512, 4, 3), (16, 512, 4, 3), (16, 256, 4, 4), (32, 256, 8, 3), (8, 1024, 4, 2), (4, 1024, 4, 3)]
-_GEMV_CHOICE: dict = {}  # (N, K, dtype, device) -> config, or None for F.linear
-
-
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: tuple[int, int, int, int] = (16, 512, 4, 3), out: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` of one row ``x`` ``(1, K)`` (or ``(K,)``) by ``weight`` ``(N, K)`` with the
-    Triton GEMV; returns ``(1, N)`` in ``x.dtype``."""
-    xr = x.reshape(-1)
-    n, k = weight.shape
-    if xr.numel() != k or weight.stride(1) != 1:
-        raise ValueError(f"gemv needs one row of {k} and a row-major weight, got {tuple(x.shape)}")
-    xr = xr.contiguous()
-    y = out if out is not None else torch.empty((1, n), device=x.device, dtype=x.dtype)
-    bn, bk, warps, stages = config
-    _gemv_kernel[(triton.cdiv(n, bn),)](xr, weight, bias if bias is not None else xr, y, n, weight.stride(0), K=k,
-                                        HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
-                                        num_warps=warps, num_stages=stages)
-    return y
-
-
-def _time(fn, reps: int = 20) -> float:
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
-def _choose(x: torch.Tensor, weight: torch.Tensor, bias):
-    """The fastest of the GEMV configurations and ``F.linear`` for this weight shape (None:
-    ``F.linear``), timed once, outside any CUDA graph capture."""
-    key = (tuple(weight.shape), weight.dtype, x.device)
-    if key not in _GEMV_CHOICE:
-        best, best_ms = None, _time(lambda: torch.nn.functional.linear(x, weight, bias))
-        for cfg in _GEMV_CONFIGS:
-            try:
-                ms = _time(lambda: gemv(x, weight, bias, cfg))
-            except Exception:  # noqa: BLE001  a configuration that does not compile here
-                continue
-            if ms < best_ms:
-                best, best_ms = cfg, ms
-        _GEMV_CHOICE[key] = best
-    return _GEMV_CHOICE[key]
-
-
-def linear_one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for inputs of one row: the Triton GEMV where it was measured faster for
-    this weight shape on this device, else ``F.linear`` (also for other inputs and off CUDA)."""
-    if x.shape[0] != 1 or x.device.type != "cuda" or weight.stride(1) != 1:
-        return torch.nn.functional.linear(x, weight, bias)
-    key = (tuple(weight.shape), weight.dtype, x.device)
-    if key not in _GEMV_CHOICE:
-        if torch.cuda.is_current_stream_capturing():
-            return torch.nn.functional.linear(x, weight, bias)  # untimed shape inside a capture
-        _choose(x, weight, bias)
-    cfg = _GEMV_CHOICE[key]
-    return torch.nn.functional.linear(x, weight, bias) if cfg is None else gemv(x, weight, bias, cfg)

@@ -394,9 +394,6 @@ class LlamaFamilyModel:
         next layer's norm)."""
         s, fk = self.spec, self.fused
         n = h.shape[0]
-        # one row (decode at batch 1): the Triton GEMV where it beats cuBLAS for the shape
-        lin = fk.linear_one_row if n == 1 and not self.batch_invariant and hasattr(fk, "linear_one_row") \
-            else self._linear
         pending = None
         for li, w in enumerate(self.layers):
             fi = w["freq"]
@@ -404,16 +401,14 @@ class LlamaFamilyModel:
                 x = fk.rms_norm(h, w["ln1"], s.rms_eps)
             else:
                 h, x = fk.add_rms_norm(h, pending, w["ln1"], s.rms_eps)
-            qkv = lin(x, w["wqkv"], w["bqkv"])
+            qkv = self._linear(x, w["wqkv"], w["bqkv"])
             q = fk.rope_qkv_write(qkv, *tables[fi], k_cache[li], v_cache[li], meta.slot_mapping,
                                   s.num_heads, s.num_kv_heads)
             args = self._attn_args(q, meta, k_cache, v_cache, li)
             o = self._attend(args, w, extras[fi])
-            h, x = fk.add_rms_norm(h, lin(o.reshape(n, -1), w["wo"], w["bo"]), w["ln2"], s.rms_eps)
-            pending = lin(fk.silu_mul(lin(x, w["wgu"])), w["wd"])
+            h, x = fk.add_rms_norm(h, self._linear(o.reshape(n, -1), w["wo"], w["bo"]), w["ln2"], s.rms_eps)
+            pending = self._linear(fk.silu_mul(self._linear(x, w["wgu"])), w["wd"])
         if logits_index is not None:
             h, pending = h[logits_index], pending[logits_index]
         _, x = fk.add_rms_norm(h, pending, self.final_norm, s.rms_eps)
-        if x.shape[0] == 1 and not self.batch_invariant and hasattr(fk, "linear_one_row"):
-            lin = fk.linear_one_row  # one logits row (a prefill's last token)
-        return lin(x, self.lm_head).float()
+        return self._linear(x, self.lm_head).float()
