@@ -93,6 +93,8 @@ def test_batch_invariant_8b_layer_shapes_equal_solo(tokenizer):
     llm.engine.eos_ids = set()  # random weights: every request runs to its length
     solo = [llm.generate(q, chunks=c, max_new_tokens=n).token_ids for q, c, n in reqs]
     llm.clear_cache()
-    assert _run_concurrently(llm, reqs, 32) == solo
+    got = _run_concurrently(llm, reqs, 32)
+    bad = [(i, a, b) for i, (a, b) in enumerate(zip(got, solo)) if a != b]
+    assert not bad, f"{len(bad)} of {len(reqs)} differ, e.g. {bad[:2]}"
     assert llm.engine.metrics["decode_steps"] < sum(n for _, _, n in reqs)  # decode really batched
     llm.close()
