@@ -31,18 +31,24 @@ def _bucket(n: int, lo: int) -> int:
     return b
 
 
-def _capture_graph(forward, pool):
+def _capture_graph(forward, pool, reset=None):
     """``(graph, output)`` of ``forward()`` captured in a CUDA graph in memory pool ``pool``,
-    after two warm-up calls on a side stream (Triton compiles, the allocator settles)."""
+    after two warm-up calls on a side stream (Triton compiles, the allocator settles).
+    ``reset()`` (not captured) runs before each warm-up call and after the capture, for state
+    that ``forward`` both reads and writes."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(2):
+            if reset is not None:
+                reset()
             forward()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, pool=pool):
         out = forward()
+    if reset is not None:
+        reset()
     return g, out
 
 
@@ -51,36 +57,35 @@ class DecodeState:
     position, delta, length planes; the last row is a dump for padded rows' updates) and the
     per-token step inputs.
 
-    A step's host inputs go into one pinned staging buffer (``stage``); ``load(n)`` copies it
-    to the device and scatters it (token ids, positions, KV slots, one table entry per
-    request, ``cu_seqlens``). ``load`` has a fixed shape per batch bucket ``n`` and reads the
-    real batch size from the buffer, so a CUDA graph captures it together with the forward:
-    a decode step is then one host write and one graph launch."""
+    ``stage`` writes a step's host inputs into one of two pinned buffers and enqueues its copy
+    to the device; ``load(n)`` scatters them (token ids, positions, KV slots, one table entry
+    per request, ``cu_seqlens``). ``load`` has a fixed shape per batch bucket ``n`` and reads
+    the real batch size from the device, so a CUDA graph captures it with the forward: a decode
+    step is one host write, one copy and one graph launch. A row's token id can also come from
+    the previous step's argmax on the device (``next_ids``), so the host can launch step
+    ``n + 1`` before it has read step ``n``'s tokens (``Engine`` overlaps its bookkeeping with
+    the GPU that way). Two staging buffers, so staging a step never waits for the one before."""
 
     def __init__(self, max_batch: int, max_entries: int, device: torch.device):
         self.max_batch, self.max_entries, self.device = max_batch, max_entries, device
         i32 = dict(dtype=torch.int32, device=device)
         self.tables = torch.zeros((4, max_batch + 1, max_entries), **i32)
         self.ids = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.next_ids = torch.zeros(max_batch, dtype=torch.long, device=device)  # the last step's argmax
         self.pos = torch.zeros(max_batch, **i32)
         self.slots = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.cu = torch.zeros(max_batch + 1, **i32)
         self._arange = torch.arange(max_batch + 1, **i32)
         self._rows = torch.arange(max_batch, **i32)
-        n = 11 * max_batch + 1  # ids, pos, slots (n each), B, 4 indices and 4 values per row
-        self._host = torch.zeros(n, dtype=torch.long, pin_memory=device.type == "cuda")
-        self._host_np = self._host.numpy()
+        # ids, source rows, pos, slots (n each), B, 4 indices and 4 values per row
+        n = 12 * max_batch + 1
+        pin = device.type == "cuda"
+        self._host = [torch.zeros(n, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._host_np = [h.numpy() for h in self._host]
+        self._copied = [None, None]  # CUDA events: each buffer's last copy to the device is done
+        self._parity = 0
         self._dev = torch.zeros(n, dtype=torch.long, device=device)
-        self._loaded = None  # CUDA event: the last load's host-to-device copy is done after it
         self.rows: list = []  # requests, in row order
-
-    def mark_loaded(self) -> None:
-        """Record that a load was enqueued: ``stage`` waits for it before rewriting the
-        staging buffer (normally long done: the host read the step's tokens since)."""
-        if self.device.type == "cuda":
-            if self._loaded is None:
-                self._loaded = torch.cuda.Event()
-            self._loaded.record()
 
     def attach(self, r, table) -> None:
         """Give request ``r`` the next row and write its whole table there (once)."""
@@ -110,44 +115,55 @@ class DecodeState:
         r.row = None
 
     def stage(self, updates: list[tuple[int, int, int, int, int, int]], ids, pos, slots, pad_to: int,
-              scratch_slot: int) -> None:
-        """Write this step's inputs into the pinned staging buffer for ``load(pad_to)``: the
-        token inputs, padded to ``pad_to`` rows (padded rows write their K/V into
-        ``scratch_slot``), and the table updates (``row, col, page, pos, delta, len``, one
-        per request; padded rows update the dump row). Host work O(batch), whatever the
-        context length. The caller makes sure the previous step is done with the buffer."""
+              scratch_slot: int, src=None) -> None:
+        """Stage this step's inputs for ``load(pad_to)`` and enqueue their copy to the device:
+        the token inputs, padded to ``pad_to`` rows (padded rows write their K/V into
+        ``scratch_slot``), and the table updates (``row, col, page, pos, delta, len``, one per
+        request; padded rows update the dump row). ``src[i] >= 0``: row ``i``'s token is the
+        previous step's argmax of row ``src[i]`` (its ``ids[i]`` is ignored). Host work
+        O(batch), whatever the context length."""
         B, n, ME = len(ids), pad_to, self.max_entries
         plane = (self.max_batch + 1) * ME
-        if self._loaded is not None:
-            self._loaded.synchronize()
-        h = self._host_np
+        p = self._parity
+        self._parity ^= 1
+        if self._copied[p] is not None:
+            self._copied[p].synchronize()  # the copy of two steps ago: long done
+        h = self._host_np[p]
         h[:B] = ids
         h[B:n] = 0
-        h[n:n + B] = pos
-        h[n + B:2 * n] = 0
-        h[2 * n:2 * n + B] = slots
-        h[2 * n + B:3 * n] = scratch_slot
-        h[3 * n] = B
-        u = np.full((n, 6), 0, dtype=np.int64)
+        h[n:n + B] = -1 if src is None else src
+        h[n + B:2 * n] = -1
+        h[2 * n:2 * n + B] = pos
+        h[2 * n + B:3 * n] = 0
+        h[3 * n:3 * n + B] = slots
+        h[3 * n + B:4 * n] = scratch_slot
+        h[4 * n] = B
+        u = np.zeros((n, 6), dtype=np.int64)
         u[:, 0] = self.max_batch  # the dump row
         if updates:
             u[:B] = np.asarray(updates, dtype=np.int64)
         base = u[:, 0] * ME + u[:, 1]
-        o = 3 * n + 1
+        o = 4 * n + 1
         h[o:o + 4 * n] = (base[:, None] + plane * np.arange(4)[None, :]).ravel()
         h[o + 4 * n:o + 8 * n] = u[:, 2:].ravel()
+        m = 12 * n + 1
+        self._dev[:m].copy_(self._host[p][:m], non_blocking=True)
+        if self.device.type == "cuda":
+            if self._copied[p] is None:
+                self._copied[p] = torch.cuda.Event()
+            self._copied[p].record()
 
     def load(self, n: int) -> None:
         """Device side of ``stage(..., pad_to=n)``: fixed shapes for a given ``n``, the real
-        batch size read from the buffer (capturable in a CUDA graph)."""
-        m = 11 * n + 1
-        dev = self._dev[:m]
-        dev.copy_(self._host[:m], non_blocking=True)
-        self.ids[:n].copy_(dev[:n])
-        self.pos[:n].copy_(dev[n:2 * n])
-        self.slots[:n].copy_(dev[2 * n:3 * n])
-        B = dev[3 * n:3 * n + 1].to(torch.int32)
-        o = 3 * n + 1
+        batch size read from the device (capturable in a CUDA graph)."""
+        dev = self._dev
+        src = dev[n:2 * n]
+        ids = torch.where(src >= 0, self.next_ids.gather(0, src.clamp(min=0)), dev[:n])
+        self.ids[:n].copy_(ids)
+        self.pos[:n].copy_(dev[2 * n:3 * n])
+        self.slots[:n].copy_(dev[3 * n:4 * n])
+        B = dev[4 * n:4 * n + 1].to(torch.int32)
+        o = 4 * n + 1
         self.tables.view(-1).index_put_((dev[o:o + 4 * n],), dev[o + 4 * n:o + 8 * n].to(torch.int32))
         torch.minimum(self._arange[: n + 1], B, out=self.cu[: n + 1])
         # rows past the real batch read nothing: their lengths are zeroed
@@ -169,7 +185,8 @@ class DecodeState:
 
 class GraphRunner:
     """Decode steps through CUDA graphs captured per (batch, width) bucket: each graph loads
-    the staged inputs (``DecodeState.load``), runs the forward and takes the argmax."""
+    the staged inputs (``DecodeState.load``), runs the forward and takes the argmax (also
+    kept in ``DecodeState.next_ids`` for the next step)."""
 
     def __init__(self, model, state: DecodeState, k_cache, v_cache, enabled: bool):
         self.model, self.state, self.k, self.v = model, state, k_cache, v_cache
@@ -192,24 +209,27 @@ class GraphRunner:
         st = self.state
         st.load(B)
         logits = self.model.forward(st.ids[:B], st.metadata(B, W), self.k, self.v)
-        return logits, torch.argmax(logits, dim=-1)
+        picks = torch.argmax(logits, dim=-1)
+        st.next_ids[:B].copy_(picks)
+        return logits, picks
 
     def run(self, B: int, W: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits ``(B, vocab)`` and their argmax ``(B,)`` of the step staged in ``state``
-        (``B`` the batch bucket; rows past the real batch are padding)."""
+        (``B`` the batch bucket; rows past the real batch are padding). Both are overwritten
+        by the next step of the same bucket."""
         if not self.enabled:
-            out = self._step(B, W)
-            self.state.mark_loaded()
-            return out
+            return self._step(B, W)
         key = (B, W)
         if key not in self.graphs:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            # the warm-up calls load the staged inputs too: a repeated load is idempotent
-            self.graphs[key] = _capture_graph(lambda: self._step(B, W), self.pool)
+            # the warm-up calls repeat the step exactly (the load is idempotent; next_ids, which
+            # the step reads and then overwrites, is put back before each call and the replay)
+            saved = self.state.next_ids.clone()
+            self.graphs[key] = _capture_graph(lambda: self._step(B, W), self.pool,
+                                              reset=lambda: self.state.next_ids.copy_(saved))
         g, out = self.graphs[key]
         g.replay()
-        self.state.mark_loaded()
         return out
 
 

@@ -69,6 +69,18 @@ class _Job:
     slots: list[int] | None = None
 
 
+@dataclass
+class _Step:
+    """A launched decode step: its requests in row order, logits, argmax on its way to the
+    host (``(buffer, event)``), and when it was staged."""
+
+    reqs: list
+    logits: torch.Tensor
+    picks: tuple
+    t_launch: float
+    overlapped: bool = False  # launched while the step before it was still unread
+
+
 class _Call:
     def __init__(self, fn):
         self.fn, self.done, self.result, self.error = fn, threading.Event(), None, None
@@ -133,7 +145,7 @@ class Engine:
                  fingerprint: str, eos_ids: set[int], max_batch_tokens: int = 8192,
                  max_batch_size: int = 256, cuda_graphs: bool = True, rerotate=None,
                  recompute_first_tokens: int = 0, recompute_ratio: float = 0.0, probe_layer: int = 1,
-                 recompute_selection: str = "deviation", disk=None):
+                 recompute_selection: str = "deviation", disk=None, async_decode: bool | None = None):
         self.model = model
         self.tok = tokenizer
         self.store = store
@@ -175,11 +187,20 @@ class Engine:
                                             enabled=cuda_graphs and not windowed)
         self.metrics = {"requests": 0, "failed": 0, "cancelled": 0, "preemptions": 0, "prefill_retries": 0, "recovery_skipped": 0, "disk_hits": 0, "prefill_tokens": 0,
                         "decode_steps": 0, "decode_tokens": 0, "peak_pages": 0,
-                        "copied_pages": 0}  # pages copied re-rotated (block copies, recovery)
+                        "copied_pages": 0, "overlapped_steps": 0}  # pages copied re-rotated (block copies, recovery)
         # (batch, seconds) of the most recent decode steps, the host's wall time from the step's
         # inputs to its sampled tokens: the time per output token at each batch size, free of
         # the prefills that interleave with decoding while requests arrive
         self.decode_step_log: collections.deque = collections.deque(maxlen=4096)
+        # overlapped decode (see _decode): on by default on CUDA, where the GPU would otherwise
+        # idle during the host's per-step work; on CPU every op is synchronous anyway
+        self.async_decode = self.device.type == "cuda" if async_decode is None else bool(async_decode)
+        self._inflight: _Step | None = None
+        self._last_read: tuple[float, int] | None = None
+        if self.device.type == "cuda":
+            self._pick_bufs = [torch.zeros(max_batch_size, dtype=torch.long, pin_memory=True) for _ in range(2)]
+            self._pick_events = [torch.cuda.Event() for _ in range(2)]
+        self._pick_turn = 0
 
     # -- public, any thread ----------------------------------------------------------
     def submit(self, req: Request) -> Request:
@@ -701,6 +722,7 @@ class Engine:
 
     # -- prefill ---------------------------------------------------------------------
     def _prefill(self, reqs: list[Request]) -> None:
+        self._last_read = None  # the next decode interval includes this prefill: not a step time
         for rnd in (self._round1, self._round2):
             stage = list(rnd.values())
             rnd.clear()
@@ -844,12 +866,31 @@ class Engine:
     # -- decode ----------------------------------------------------------------------
     def _decode(self, reqs: list[Request]) -> None:
         """One token for every decoding request. Host work is O(batch): each request
-        changes one table entry; the tables themselves stay on the device."""
+        changes one table entry; the tables themselves stay on the device.
+
+        Overlapped (``async_decode``, greedy batches): while step ``n`` runs on the GPU, the
+        host stages and launches step ``n + 1``, whose token ids come from step ``n``'s argmax
+        on the device, and only then reads step ``n``'s tokens and hands them out; the GPU
+        never waits for the host's bookkeeping. A request that stops at step ``n`` (EOS, a
+        stop string, cancellation, its length limit) has one wasted token computed in step
+        ``n + 1``, which is dropped (at its length limit into the scratch slot). Batches with a
+        sampled request run one step at a time (the host draws their tokens)."""
+        inflight = self._inflight
+        if inflight is not None and not self._can_overlap(inflight):
+            self._read_step(inflight)
+            inflight = self._inflight = None
+        # requests whose latest token is still in the unread step: row -> its row there
+        pending = {} if inflight is None else {id(r): i for i, r in enumerate(inflight.reqs)}
+        # of those, the ones that reach their length or context limit with that token: they
+        # ride along in this step as dead rows (no page, K/V to the scratch slot, dropped)
+        limit = self.model.spec.max_context
+        dead = {id(r) for r in self.decode_state.rows if id(r) in pending and (
+            len(r.generated) + 1 >= r.params.max_new_tokens or r.next_pos + 1 >= limit)}
         ps = self.pool.page_size
         # pages first: a request whose last page is full needs a new one; if the pool is
         # exhausted, preempt the most recently started requests (they are recomputed later)
-        for r in list(reqs):
-            if r.row is None:
+        for r in list(self.decode_state.rows):
+            if r.row is None or id(r) in dead:
                 continue
             last = r.table[-1]
             if last.length < ps and last.page in r.private_pages:
@@ -857,7 +898,7 @@ class Engine:
             while True:
                 pages = self._alloc_private(r, 1)
                 if pages is not None:
-                    r.table.append(_TableEntry(pages[0], r.next_pos, 0, 0))
+                    r.table.append(_TableEntry(pages[0], r.next_pos + (id(r) in pending), 0, 0))
                     break
                 victim = self.decode_state.rows[-1]
                 self._preempt(victim)
@@ -865,36 +906,81 @@ class Engine:
                     break
         reqs = list(self.decode_state.rows)  # rows 0..B-1, compact
         if not reqs:
+            if inflight is not None:
+                self._read_step(inflight)
+                self._inflight = None
             return
-        updates, ids, pos, slots = [], [], [], []
+        updates, ids, src, pos, slots = [], [], [], [], []
         W = 0
+        scratch = self.pool.scratch_page * ps
         for r in reqs:
             last = r.table[-1]
             col = len(r.table) - 1
-            slots.append(last.page * ps + last.length)
-            last.length += 1
-            updates.append((r.row, col, last.page, last.pos, last.delta, last.length))
-            ids.append(r.generated[-1])
-            pos.append(r.next_pos)
+            if id(r) in dead:
+                slots.append(scratch)
+                updates.append((self.decode_state.max_batch, 0, 0, 0, 0, 0))  # the dump row
+            else:
+                slots.append(last.page * ps + last.length)
+                last.length += 1
+                updates.append((r.row, col, last.page, last.pos, last.delta, last.length))
+            i = pending.get(id(r), -1)
+            src.append(i)  # its token: step n's argmax of that row, still on the device
+            ids.append(r.generated[-1] if i < 0 else 0)
+            pos.append(r.next_pos + (i >= 0))
             W = max(W, len(r.table))
         B = len(reqs)
         t_step = time.perf_counter()
         Bp, Wp = self.graphs.batch_bucket(B), self.graphs.width_bucket(W)
-        # the previous step is complete (its tokens were read on the host), so the staging
-        # buffer is free; the graph copies it in, runs the forward and the argmax
-        self.decode_state.stage(updates, ids, pos, slots, Bp, self.pool.scratch_page * ps)
+        # the graph loads the staged inputs, runs the forward and the argmax
+        self.decode_state.stage(updates, ids, pos, slots, Bp, scratch, src=src if inflight is not None else None)
         logits, argmax = self.graphs.run(Bp, Wp)
-        logits = logits[:B]
+        step = _Step(reqs, logits[:B], self._picks_to_host(argmax, B), t_step, overlapped=inflight is not None)
         self.metrics["decode_steps"] += 1
         self.metrics["decode_tokens"] += B
-        any_greedy = any(r.params.greedy for r in reqs)
-        picks = argmax[:B].tolist() if any_greedy else [None] * B
-        if any_greedy or self.device.type != "cuda":
-            # logged before the tokens are handed out, so a caller that got its output sees its
-            # last step in the log (on CUDA only when the argmax above waited for the GPU; a
-            # sampled-only batch waits inside _emit)
-            self.decode_step_log.append((B, time.perf_counter() - t_step))
-        for r, lg, g in zip(reqs, logits, picks):
+        if inflight is not None:
+            self.metrics["overlapped_steps"] += 1
+            self._read_step(inflight)  # step n's tokens, while step n + 1 runs
+        if self.async_decode and all(r.params.greedy for r in reqs):
+            self._inflight = step
+        else:
+            self._inflight = None
+            self._read_step(step)
+
+    def _picks_to_host(self, argmax: torch.Tensor, B: int):
+        """Start copying a step's argmax to the host (pinned, two buffers taking turns: the
+        graph overwrites ``argmax`` at the next step of its bucket); returns ``(buffer, event)``."""
+        if self.device.type != "cuda":
+            return argmax[:B].clone(), None
+        k = self._pick_turn
+        self._pick_turn ^= 1
+        buf = self._pick_bufs[k]
+        buf[:B].copy_(argmax[:B], non_blocking=True)
+        ev = self._pick_events[k]
+        ev.record()
+        return buf[:B], ev
+
+    def _can_overlap(self, inflight: "_Step") -> bool:
+        """Whether the next step may be launched before ``inflight`` is read: every row
+        greedy (its next token is the device argmax)."""
+        return self.async_decode and all(r.params.greedy for r in self.decode_state.rows)
+
+    def _read_step(self, step: "_Step") -> None:
+        """Hand out a launched step's tokens (waits for it on the GPU)."""
+        buf, ev = step.picks
+        if ev is not None:
+            ev.synchronize()
+        picks = buf.tolist()
+        now = time.perf_counter()
+        B = len(step.reqs)
+        if step.overlapped and self._last_read is not None and self._last_read[1] == B:
+            # back-to-back overlapped steps: the interval between their results is the step
+            self.decode_step_log.append((B, now - self._last_read[0]))
+        elif not step.overlapped:
+            self.decode_step_log.append((B, now - step.t_launch))
+        self._last_read = (now, B)
+        for r, lg, g in zip(step.reqs, step.logits, picks):
+            if r.row is None:
+                continue  # finished, cancelled or preempted after the step was launched
             r.next_pos += 1
             self._emit(r, lg, g if r.params.greedy else None)  # a sampled request samples
 

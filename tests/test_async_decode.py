@@ -1,0 +1,118 @@
+"""Overlapped decode (``Engine.async_decode``, the default on CUDA): step n + 1 is launched
+with step n's argmax as its input before the host reads step n. On CPU every op is
+synchronous, so these tests check the bookkeeping (token feedback by row, dropped tokens of
+requests that stop, length limits, preemption, sampling fallback) against the one-step-at-a-
+time engine, token for token."""
+import random
+
+import pytest
+
+from lazyllm import LazyLLM
+from tests.conftest import make_tiny
+from tests.test_concurrency import DOCS, _requests, _run_concurrently
+
+
+def _pair(model, tokenizer, **kw):
+    sync = LazyLLM(model=model, tokenizer=tokenizer, **kw)
+    sync.engine.async_decode = False
+    over = LazyLLM(model=model, tokenizer=tokenizer, **kw)
+    over.engine.async_decode = True
+    return sync, over
+
+
+def _clean(llm):
+    s = llm.cache_stats()
+    cached = sum(len(e.pages) for e in llm.store.entries.values())
+    assert s["pinned_entries"] == 0 and not llm.engine.decode_state.rows
+    assert s["free_pages"] + cached == s["pool_pages"]
+
+
+def test_concurrent_requests_equal_one_step_at_a_time(tokenizer):
+    model = make_tiny("llama", seed=21)
+    reqs = _requests(96, seed=3)
+    sync, over = _pair(model, tokenizer, kv_cache_bytes=64 << 20)
+    ref = [sync.generate(q, chunks=c, max_new_tokens=n).token_ids for q, c, n in reqs]
+    assert _run_concurrently(over, reqs, 24) == ref
+    m = over.engine.metrics
+    assert m["overlapped_steps"] > 0.3 * m["decode_steps"]  # the overlap really ran
+    solo = [over.generate(q, chunks=c, max_new_tokens=n).token_ids for q, c, n in reqs[:8]]
+    assert solo == ref[:8]
+    _clean(over)
+    sync.close()
+    over.close()
+
+
+def test_lengths_eos_and_stop_strings(tokenizer):
+    """Requests of many lengths in one batch: each gets exactly its max_new_tokens (the
+    step that reaches a limit is not overlapped), and a request that stops on a stop string
+    or EOS has its one extra token dropped."""
+    model = make_tiny("llama", seed=4)
+    sync, over = _pair(model, tokenizer)
+    probe = sync.generate("q?", chunks=DOCS[:2], max_new_tokens=12)
+    stop_text = probe.text[len(probe.text) // 2: len(probe.text) // 2 + 2]
+    eos = probe.token_ids[5]
+    batch = [{"question": "q?", "chunks": DOCS[:2], "max_new_tokens": n} for n in (1, 2, 3, 7, 12)]
+    batch += [{"question": "q?", "chunks": DOCS[:2], "max_new_tokens": 12, "stop": [stop_text]}]
+    for llm in (sync, over):
+        llm.engine.eos_ids = set(sync.engine.eos_ids)
+    outs_sync = sync.generate_batch(batch)
+    outs = over.generate_batch(batch)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in outs_sync]
+    assert [o.text for o in outs] == [o.text for o in outs_sync]
+    assert [len(o.token_ids) for o in outs[:5]] == [1, 2, 3, 7, 12]
+    assert outs[5].finish_reason == "stop" and stop_text not in outs[5].text
+    for llm in (sync, over):  # a token of the answer as EOS: every request stops there
+        llm.engine.eos_ids = {eos}
+    a, b = sync.generate_batch(batch[2:5]), over.generate_batch(batch[2:5])
+    assert [o.token_ids for o in b] == [o.token_ids for o in a]
+    assert [o.finish_reason for o in b] == [o.finish_reason for o in a]
+    _clean(over)
+    sync.close()
+    over.close()
+
+
+def test_pool_pressure_preempts_and_outputs_stay_identical(tokenizer):
+    model = make_tiny("qwen3", seed=5)
+    reqs = [(f"long answer {i}?", DOCS[i:i + 2], 60) for i in range(10)]
+    big = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=64 << 20)
+    solo = [big.generate(q, chunks=c, max_new_tokens=n).token_ids for q, c, n in reqs]
+    spec = big.model.spec
+    page_bytes = 2 * spec.num_layers * 16 * spec.num_kv_heads * spec.head_dim * 4
+    small = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=60 * page_bytes)
+    small.engine.async_decode = True
+    assert _run_concurrently(small, reqs, 10) == solo
+    assert small.engine.metrics["preemptions"] > 0 or small.cache_stats()["evictions"] > 0
+    assert small.engine.metrics["overlapped_steps"] > 0
+    _clean(small)
+    big.close()
+    small.close()
+
+
+def test_sampled_requests_fall_back_and_streams_match(tokenizer):
+    """A sampled request in the batch turns the overlap off while it runs (its token is
+    drawn on the host), with the same tokens as one step at a time; streamed text and
+    cancelled streams behave as without overlap."""
+    model = make_tiny("llama", seed=8)
+    sync, over = _pair(model, tokenizer)
+    batch = [{"question": "q?", "chunks": DOCS[:3], "max_new_tokens": 10},
+             {"question": "q2?", "chunks": DOCS[1:3], "max_new_tokens": 14, "temperature": 1.3, "seed": 3},
+             {"question": "q3?", "chunks": DOCS[:1], "max_new_tokens": 9}]
+    assert [o.token_ids for o in over.generate_batch(batch)] == [o.token_ids for o in sync.generate_batch(batch)]
+    ref = sync.generate("q?", chunks=DOCS[:3], max_new_tokens=10).text
+    assert "".join(over.stream("q?", chunks=DOCS[:3], max_new_tokens=10)) == ref
+    it = over.stream("q?", chunks=DOCS[:3], max_new_tokens=50)
+    next(it)
+    it.close()
+    assert over.generate("q?", chunks=DOCS[:3], max_new_tokens=3).usage.completion_tokens == 3
+    _clean(over)
+    sync.close()
+    over.close()
+
+
+def test_decode_step_log_with_overlap(tokenizer):
+    model = make_tiny("llama", seed=1)
+    _, over = _pair(model, tokenizer)
+    over.generate_batch([{"question": f"q{i}?", "chunks": DOCS[:2]} for i in range(3)], max_new_tokens=20)
+    sizes = [b for b, dt in over.engine.decode_step_log]
+    assert 3 in sizes and all(dt > 0 for _, dt in over.engine.decode_step_log)
+    over.close()
