@@ -1,4 +1,4 @@
-"""Overlapped decode (``Engine.async_decode``, the default on CUDA): step n + 1 is launched
+"""Overlapped decode (``Engine.async_decode``, off by default for now): step n + 1 is launched
 with step n's argmax as its input before the host reads step n. On CPU every op is
 synchronous, so these tests check the bookkeeping (token feedback by row, dropped tokens of
 requests that stop, length limits, preemption, sampling fallback) against the one-step-at-a-
