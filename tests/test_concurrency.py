@@ -1,6 +1,5 @@
 """Many requests at once: no cross-talk, identical outputs under pool pressure."""
 import random
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -51,7 +50,10 @@ def test_default_model_concurrent_equals_solo(default_llm_parts):
     assert _run_concurrently(llm, reqs, 16) == solo
 
 
-def test_pool_pressure_preempts_and_outputs_stay_identical(tokenizer):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_pool_pressure_preempts_and_outputs_stay_identical(tokenizer, overlap):
+    """A pool too small for the batch: requests wait, get preempted and recomputed, and every
+    output equals its solo run; ``overlap``: with the overlapped decode (Engine.async_decode)."""
     model = make_tiny("qwen3", seed=5)
     reqs = [(f"long answer {i}?", DOCS[i:i + 2], 60) for i in range(10)]
     big = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=64 << 20)
@@ -59,9 +61,11 @@ def test_pool_pressure_preempts_and_outputs_stay_identical(tokenizer):
     spec = big.model.spec
     page_bytes = 2 * spec.num_layers * 16 * spec.num_kv_heads * spec.head_dim * 4
     small = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=60 * page_bytes)
+    small.engine.async_decode = overlap
     assert _run_concurrently(small, reqs, 10) == solo
     m = small.engine.metrics
     assert m["preemptions"] > 0 or small.cache_stats()["evictions"] > 0
+    assert (m["overlapped_steps"] > 0) == overlap
     s = small.cache_stats()
     assert s["pinned_entries"] == 0
     cached = sum(len(e.pages) for e in small.store.entries.values())
