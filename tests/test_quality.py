@@ -75,14 +75,15 @@ def test_default_setting_meets_issue_thresholds(result, request):
         request.applymarker(pytest.mark.xfail(
             strict=False, reason="LazyLLM has no recompute_first_tokens option yet (recovery not landed)"))
     else:
-        # Issue 7 is open: on 2026-11-29 no reusable setting reached the thresholds on the
+        # Issue 7 ended "blocked": on 2026-11-29 no reusable setting reached the thresholds on the
         # default model within 15% recomputed (best: prefix + attention-selected 15%, 94.2%
         # top-1, KL 0.034; 97.3% / 0.006 needs 50%), and the issue's calibration figures
         # were reproduced only with non-reusable one-forward masks (BENCHMARKS.md, Quality:
         # leak study). The assertion below still runs and is reported as XFAIL/XPASS; make
         # it strict once a default passes.
         request.applymarker(pytest.mark.xfail(
-            strict=False, reason="issue 7 open: no setting meets the quality thresholds yet"))
+            strict=False, reason="issue 7 blocked: no reusable setting meets its quality thresholds "
+                                 "on the default model (BENCHMARKS.md, Quality)"))
     default = [r for r in result["results"] if r["is_default"]]
     assert len(default) == 1, [r["setting"] for r in result["results"]]
     d = default[0]
