@@ -458,3 +458,11 @@ def test_batch_invariant_mode_matches_transformers(tokenizer):
     llm.close()
     with pytest.raises(InvalidRequestError):
         LazyLLM(model=model, tokenizer=tokenizer, batch_invariant="yes")
+
+
+def test_graph_stats_reports_captures(tiny_model, tokenizer):
+    """``Engine.graph_stats``: no graphs on CPU (the counts a serving benchmark reads per point)."""
+    llm = _llm(tiny_model, tokenizer)
+    llm.generate("q?", chunks=DOCS[:2], max_new_tokens=3)
+    assert llm.engine.graph_stats() == {"decode_graphs": 0, "prefill_graphs": 0, "capture_s": 0.0}
+    llm.close()

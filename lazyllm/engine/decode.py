@@ -12,9 +12,10 @@ their K/V into a scratch page that no request reads.
 """
 from __future__ import annotations
 
-import torch
-
 import logging
+import time
+
+import torch
 
 import numpy as np
 
@@ -193,6 +194,7 @@ class GraphRunner:
         self.enabled = enabled and state.device.type == "cuda"
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.pool = None
+        self.capture_s = 0.0  # host time spent capturing (a step that meets a new bucket waits it)
 
     def batch_bucket(self, B: int) -> int:
         return min(_bucket(B, 1), self.state.max_batch) if self.enabled else B
@@ -226,8 +228,10 @@ class GraphRunner:
             # the warm-up calls repeat the step exactly (the load is idempotent; next_ids, which
             # the step reads and then overwrites, is put back before each call and the replay)
             saved = self.state.next_ids.clone()
+            t0 = time.perf_counter()
             self.graphs[key] = _capture_graph(lambda: self._step(B, W), self.pool,
                                               reset=lambda: self.state.next_ids.copy_(saved))
+            self.capture_s += time.perf_counter() - t0
         g, out = self.graphs[key]
         g.replay()
         return out
@@ -251,6 +255,7 @@ class PrefillGraphs:
         self.device = device
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        self.capture_s = 0.0
         if self.enabled:
             T = max_tokens
             self.buf = torch.zeros(3 * T + 3 + 4 * max_entries, dtype=torch.long, device=device)
@@ -293,8 +298,10 @@ class PrefillGraphs:
         self.tables[:, 0, :Wb].copy_(b[3 * T + 3:m].view(4, Wb))
         key = (T, Wb)
         if key not in self.graphs:
+            t0 = time.perf_counter()
             try:
                 self.graphs[key] = self._capture(T, Wb)
+                self.capture_s += time.perf_counter() - t0
             except Exception as e:  # an op that cannot be captured: stay correct, run eagerly
                 log.warning("prefill CUDA graph capture failed (%r); prefills run eagerly from now on", e)
                 self.enabled = False

@@ -222,6 +222,13 @@ class Engine:
         self.submit(c)  # type: ignore[arg-type]
         return c.wait()
 
+    def graph_stats(self) -> dict:
+        """CUDA graphs captured so far (decode and short prefills) and the host seconds spent
+        capturing them: a request that meets a new batch or width bucket waits for one."""
+        d, p = self.graphs, self.prefill_graphs
+        return {"decode_graphs": len(d.graphs), "prefill_graphs": len(p.graphs),
+                "capture_s": d.capture_s + p.capture_s}
+
     def clear_cache(self) -> int:
         """Evict every unpinned cached entry; returns how many were evicted."""
         def clear():
