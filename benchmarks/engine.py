@@ -83,6 +83,8 @@ def main():
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the default model's)")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--page-size", type=int, default=None, help="default: the engine's (64 on CUDA)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="overlapped decode (Engine.async_decode): launch step n+1 before reading step n")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from transformers import AutoTokenizer
@@ -105,7 +107,10 @@ def main():
         model.model.embed_tokens.weight.numel() * 2  # embeddings: one row per token, not read whole
     llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=48 << 30, page_size=args.page_size)
     llm.engine.eos_ids = set()  # random weights: run every request to its length
-    results = {"device": torch.cuda.get_device_name(), "copy_TBps": bw / 1e12, "date": time.strftime("%Y-%m-%d")}
+    if args.overlap:
+        llm.engine.async_decode = True
+    results = {"device": torch.cuda.get_device_name(), "copy_TBps": bw / 1e12, "date": time.strftime("%Y-%m-%d"),
+               "overlapped_decode": llm.engine.async_decode}
     chunks = [text_of_tokens(llm, 510, seed=i) for i in range(8)]
     question = text_of_tokens(llm, 50, seed=99)  # + template tail: about 64 suffix tokens
 
