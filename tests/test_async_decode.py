@@ -95,3 +95,49 @@ def test_decode_step_log_with_overlap(tokenizer):
     sizes = [b for b, dt in over.engine.decode_step_log]
     assert 3 in sizes and all(dt > 0 for _, dt in over.engine.decode_step_log)
     over.close()
+
+
+def test_randomized_mix_equals_one_step_at_a_time(tokenizer):
+    """Seeded random mixes from 16 threads: lengths 1-14, stop strings, seeded sampling, a
+    pool small enough to preempt; every output (tokens, text, finish reason) equals the
+    one-step engine's, and the pool ends clean."""
+    import random as _random
+
+    model = make_tiny("llama", seed=9)
+    probe = LazyLLM(model=model, tokenizer=tokenizer)
+    words = probe.generate("q?", chunks=DOCS[:2], max_new_tokens=14).text.split()
+    probe.close()
+    spec = make_tiny("llama", seed=9).config
+    page_bytes = 2 * spec.num_hidden_layers * 16 * spec.num_key_value_heads * (spec.hidden_size // spec.num_attention_heads) * 4
+    for seed in (1, 2):
+        rng = _random.Random(seed)
+        batch = []
+        for i in range(40):
+            req = {"question": f"question {i} {rng.randint(0, 9)}?", "chunks": rng.sample(DOCS, rng.randint(1, 3)),
+                   "max_new_tokens": rng.randint(1, 14)}
+            if rng.random() < 0.25 and words:
+                req["stop"] = [rng.choice(words)]
+            if rng.random() < 0.2:
+                req.update(temperature=1.2, seed=rng.randint(0, 99))
+            batch.append(req)
+        outs = {}
+        for overlap in (False, True):
+            llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=90 * page_bytes)
+            llm.engine.async_decode = overlap
+            got = [None] * len(batch)
+
+            def work(i, llm=llm, got=got):
+                kw = dict(batch[i])
+                got[i] = llm.generate(kw.pop("question"), **kw)
+
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(16) as ex:
+                list(ex.map(work, range(len(batch))))
+            outs[overlap] = [(o.token_ids, o.text, o.finish_reason) for o in got]
+            if overlap:
+                assert llm.engine.metrics["overlapped_steps"] > 0
+            assert llm.cache_stats()["evictions"] > 0  # the pool was under pressure (seed 1 also preempts)
+            _clean(llm)
+            llm.close()
+        assert outs[True] == outs[False]
