@@ -170,11 +170,6 @@ class DecodeState:
         # rows past the real batch read nothing: their lengths are zeroed
         self.tables[_LEN, :n].mul_((self._rows[:n] < B).to(torch.int32)[:, None])
 
-    def step_inputs(self, updates, ids, pos, slots, pad_to: int, scratch_slot: int) -> None:
-        """``stage`` then ``load``, eagerly (for a forward outside a CUDA graph)."""
-        self.stage(updates, ids, pos, slots, pad_to, scratch_slot)
-        self.load(pad_to)
-
     def metadata(self, B: int, W: int) -> AttentionMetadata:
         t = self.tables
         return AttentionMetadata(
