@@ -6,9 +6,14 @@ exactly one entry per request (its last page's length, or a new page). Rows stay
 (``0..B-1``), so a step's metadata is a view of the first ``B`` rows and the first ``W``
 columns.
 
-``GraphRunner`` captures the decode forward in CUDA graphs, one per (batch bucket, table
-width bucket), on first use, and replays them; padded rows have zero queries and write
-their K/V into a scratch page that no request reads.
+``GraphRunner`` captures the decode step (input scatter, forward, argmax) in CUDA graphs,
+one per (batch bucket, table width bucket), on first use, and replays them; padded rows
+write their K/V into a scratch page that no request reads. A row's input token can come from
+the previous step's argmax on the device, which lets the engine launch a step before reading
+the one before it (``Engine.async_decode``).
+
+``PrefillGraphs`` does the same for short single-sequence prefills (a question over cached
+chunks).
 """
 from __future__ import annotations
 
