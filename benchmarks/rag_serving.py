@@ -342,14 +342,15 @@ class LazyRunner:
         g0 = llm.engine.graph_stats()
         m["peak_pages"] = 0
         res, wall = drive(lambda r: self.one(r, docs), reqs, rate, a.concurrency, f"{a.seed}/{alpha}/{rate}")
+        g1 = llm.engine.graph_stats()
         lookups = (c.hits - c0["hits"]) + (c.misses - c0["misses"])
         extra = dict(prefill_tokens=m["prefill_tokens"] - m0["prefill_tokens"],
                      peak_kv_gib=m["peak_pages"] * self.page_bytes / 2**30,
                      copied_gib=(m.get("copied_pages", 0) - m0.get("copied_pages", 0)) * self.page_bytes / 2**30,
                      evictions=c.evictions - c0["evictions"], preemptions=m["preemptions"] - m0["preemptions"],
                      # CUDA graphs captured during the point, and the seconds requests waited for them
-                     graph_captures=sum(g1 - g0[k] for k, g1 in llm.engine.graph_stats().items() if k != "capture_s"),
-                     capture_s=llm.engine.graph_stats()["capture_s"] - g0["capture_s"],
+                     graph_captures=sum(g1[k] - g0[k] for k in ("decode_graphs", "prefill_graphs")),
+                     capture_s=g1["capture_s"] - g0["capture_s"],
                      # cache_stats' rate over segment lookups (the prefix included), as earlier runs
                      # reported it (then inflated: each re-planning of a waiting request counted)
                      store_lookup_hit_rate=(c.hits - c0["hits"]) / max(lookups, 1))

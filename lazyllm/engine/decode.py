@@ -58,6 +58,33 @@ def _capture_graph(forward, pool, reset=None):
     return g, out
 
 
+class PinnedTurns:
+    """Two host buffers (pinned on CUDA) used in turn for asynchronous copies, each with an
+    event recorded after the copy that uses it: ``take()`` hands out the next buffer once
+    its previous copy is done (two copies ago: normally long done), so the host never
+    rewrites or reads a buffer that a pending copy still uses."""
+
+    def __init__(self, n: int, device: torch.device):
+        cuda = device.type == "cuda"
+        self.bufs = [torch.zeros(n, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self.arrays = [b.numpy() for b in self.bufs]
+        self.events = [torch.cuda.Event() for _ in range(2)] if cuda else [None, None]
+        self.turn = 0
+
+    def take(self) -> int:
+        """Index of the buffer to use now (``bufs[k]``, ``arrays[k]``, ``events[k]``)."""
+        k = self.turn
+        self.turn ^= 1
+        if self.events[k] is not None:
+            self.events[k].synchronize()
+        return k
+
+    def record(self, k: int) -> None:
+        """Mark the end of the copy just enqueued with buffer ``k``."""
+        if self.events[k] is not None:
+            self.events[k].record()
+
+
 class DecodeState:
     """Device-resident decode inputs: page tables ``(4, max_batch + 1, max_entries)`` (page,
     position, delta, length planes; the last row is a dump for padded rows' updates) and the
@@ -85,11 +112,7 @@ class DecodeState:
         self._rows = torch.arange(max_batch, **i32)
         # ids, source rows, pos, slots (n each), B, 4 indices and 4 values per row
         n = 12 * max_batch + 1
-        pin = device.type == "cuda"
-        self._host = [torch.zeros(n, dtype=torch.long, pin_memory=pin) for _ in range(2)]
-        self._host_np = [h.numpy() for h in self._host]
-        self._copied = [None, None]  # CUDA events: each buffer's last copy to the device is done
-        self._parity = 0
+        self._host = PinnedTurns(n, device)
         self._dev = torch.zeros(n, dtype=torch.long, device=device)
         self.rows: list = []  # requests, in row order
 
@@ -130,11 +153,8 @@ class DecodeState:
         O(batch), whatever the context length."""
         B, n, ME = len(ids), pad_to, self.max_entries
         plane = (self.max_batch + 1) * ME
-        p = self._parity
-        self._parity ^= 1
-        if self._copied[p] is not None:
-            self._copied[p].synchronize()  # the copy of two steps ago: long done
-        h = self._host_np[p]
+        p = self._host.take()
+        h = self._host.arrays[p]
         h[:B] = ids
         h[B:n] = 0
         h[n:n + B] = -1 if src is None else src
@@ -153,11 +173,8 @@ class DecodeState:
         h[o:o + 4 * n] = (base[:, None] + plane * np.arange(4)[None, :]).ravel()
         h[o + 4 * n:o + 8 * n] = u[:, 2:].ravel()
         m = 12 * n + 1
-        self._dev[:m].copy_(self._host[p][:m], non_blocking=True)
-        if self.device.type == "cuda":
-            if self._copied[p] is None:
-                self._copied[p] = torch.cuda.Event()
-            self._copied[p].record()
+        self._dev[:m].copy_(self._host.bufs[p][:m], non_blocking=True)
+        self._host.record(p)
 
     def load(self, n: int) -> None:
         """Device side of ``stage(..., pad_to=n)``: fixed shapes for a given ``n``, the real

@@ -36,7 +36,7 @@ from ..errors import CacheCapacityError, ContextLengthError, LazyLLMError, Reque
 from ..model.llama import AttentionMetadata
 from lazyllm.kernels.reference import rotate_by_delta
 from ..types import GenerationOutput, SamplingParams, ScoreOutput, Usage
-from .decode import DecodeState, GraphRunner, PrefillGraphs
+from .decode import DecodeState, GraphRunner, PinnedTurns, PrefillGraphs
 from .prompt import Segment
 from .sampler import Detokenizer, sample_token
 
@@ -201,10 +201,7 @@ class Engine:
         self.async_decode = False if async_decode is None else bool(async_decode)
         self._inflight: _Step | None = None
         self._last_read: tuple[float, int] | None = None
-        if self.device.type == "cuda":
-            self._pick_bufs = [torch.zeros(max_batch_size, dtype=torch.long, pin_memory=True) for _ in range(2)]
-            self._pick_events = [torch.cuda.Event() for _ in range(2)]
-        self._pick_turn = 0
+        self._picks = PinnedTurns(max_batch_size, self.device)  # each step's argmax, on its way to the host
 
     # -- public, any thread ----------------------------------------------------------
     def submit(self, req: Request) -> Request:
@@ -296,7 +293,7 @@ class Engine:
         decoding = list(self.decode_state.rows)
         if decoding:
             try:
-                self._decode(decoding)
+                self._decode()
             except Exception as e:
                 log.exception("decode failed")
                 for r in decoding:
@@ -875,7 +872,7 @@ class Engine:
         return ids_t, rows_t, meta
 
     # -- decode ----------------------------------------------------------------------
-    def _decode(self, reqs: list[Request]) -> None:
+    def _decode(self) -> None:
         """One token for every decoding request. Host work is O(batch): each request
         changes one table entry; the tables themselves stay on the device.
 
@@ -958,17 +955,13 @@ class Engine:
             self._read_step(step)
 
     def _picks_to_host(self, argmax: torch.Tensor, B: int):
-        """Start copying a step's argmax to the host (pinned, two buffers taking turns: the
-        graph overwrites ``argmax`` at the next step of its bucket); returns ``(buffer, event)``."""
-        if self.device.type != "cuda":
-            return argmax[:B].clone(), None
-        k = self._pick_turn
-        self._pick_turn ^= 1
-        buf = self._pick_bufs[k]
-        buf[:B].copy_(argmax[:B], non_blocking=True)
-        ev = self._pick_events[k]
-        ev.record()
-        return buf[:B], ev
+        """Start copying a step's argmax to the host (the graph overwrites ``argmax`` at the
+        next step of its bucket); returns ``(buffer, event)`` for ``_read_step``."""
+        k = self._picks.take()
+        buf = self._picks.bufs[k][:B]
+        buf.copy_(argmax[:B], non_blocking=True)
+        self._picks.record(k)
+        return buf, self._picks.events[k]
 
     def _can_overlap(self, inflight: "_Step") -> bool:
         """Whether the next step may be launched before ``inflight`` is read: every row
