@@ -194,6 +194,10 @@ class LazyLLM:
         size, so a greedy answer can change in rare near-ties depending on what else runs in the
         same step. Costs speed (decode at batch 1 and long prefills are slower); off by
         default. float32 answers were batch-independent in our tests without it.
+    overlap_decode : launch decode step ``n + 1`` (its tokens fed from step ``n``'s argmax on
+        the device) before the host reads step ``n``, so the GPU never waits for the host's
+        per-step work. Greedy batches only; token for token the same as stepping one at a
+        time. ``None`` (default): on where decode runs from CUDA graphs.
     kv_disk_dir, kv_disk_bytes : an optional persistent tier for chunk KV (safetensors
         files, validated against the model fingerprint, settings and a checksum; atomic
         writes; LRU size cap): chunks computed once survive restarts. Written in the
@@ -223,6 +227,7 @@ class LazyLLM:
         trust_remote_code: bool = False,
         progress: bool = True,
         batch_invariant: bool = False,
+        overlap_decode: bool | None = None,
     ):
         if reuse not in REUSE_MODES:
             raise InvalidRequestError(f"reuse must be one of {REUSE_MODES}, got {reuse!r}")
@@ -259,6 +264,8 @@ class LazyLLM:
             hf, tok, self.model_name = load_hf(
                 model_name_or_path, device=str(self.device), dtype=self.dtype,
                 trust_remote_code=trust_remote_code, progress=progress)
+        if overlap_decode is not None and not isinstance(overlap_decode, bool):
+            raise InvalidRequestError(f"overlap_decode must be a bool or None, got {overlap_decode!r}")
         if not isinstance(batch_invariant, bool):
             raise InvalidRequestError(f"batch_invariant must be a bool, got {batch_invariant!r}")
         self.batch_invariant = batch_invariant
@@ -294,7 +301,7 @@ class LazyLLM:
                              fingerprint=self.fingerprint, eos_ids=eos, max_batch_tokens=max_batch_tokens,
                              rerotate=rerotate, recompute_first_tokens=recompute_first_tokens,
                              recompute_ratio=float(recompute_ratio), recompute_selection=recompute_selection,
-                             disk=self._open_disk(kv_disk_dir, kv_disk_bytes))
+                             disk=self._open_disk(kv_disk_dir, kv_disk_bytes), async_decode=overlap_decode)
         self.recompute_first_tokens = recompute_first_tokens
         self.recompute_ratio = float(recompute_ratio)
         self.recompute_selection = recompute_selection

