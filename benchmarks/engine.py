@@ -83,8 +83,11 @@ def main():
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the default model's)")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--page-size", type=int, default=None, help="default: the engine's (64 on CUDA)")
-    ap.add_argument("--overlap", action="store_true",
-                    help="overlapped decode (Engine.async_decode): launch step n+1 before reading step n")
+    ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                    help="overlapped decode (LazyLLM(overlap_decode=...)): launch step n+1 before reading "
+                         "step n; default: the engine's (on with CUDA graphs)")
+    ap.add_argument("--no-gemv", action="store_true",
+                    help="decode at batch 1 with the GEMM library instead of the split-K GEMV")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from transformers import AutoTokenizer
@@ -105,12 +108,15 @@ def main():
     bw = copy_bandwidth()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - \
         model.model.embed_tokens.weight.numel() * 2  # embeddings: one row per token, not read whole
-    llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=48 << 30, page_size=args.page_size)
+    if args.no_gemv:
+        from lazyllm.kernels import fused
+
+        fused.GEMV_DEFAULT = None
+    llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=48 << 30, page_size=args.page_size,
+                  overlap_decode=args.overlap)
     llm.engine.eos_ids = set()  # random weights: run every request to its length
-    if args.overlap:
-        llm.engine.async_decode = True
     results = {"device": torch.cuda.get_device_name(), "copy_TBps": bw / 1e12, "date": time.strftime("%Y-%m-%d"),
-               "overlapped_decode": llm.engine.async_decode}
+               "overlapped_decode": llm.engine.async_decode, "gemv": not args.no_gemv}
     chunks = [text_of_tokens(llm, 510, seed=i) for i in range(8)]
     question = text_of_tokens(llm, 50, seed=99)  # + template tail: about 64 suffix tokens
 
