@@ -12,7 +12,13 @@ differs), so the engine gives the same tokens with or without them:
 * ``add_rms_norm``  == ``h = h + y`` (rounded to the dtype) followed by ``rms_norm(h)``;
 * ``silu_mul``      == ``F.silu(g) * u`` on the fused ``[g | u]`` projection;
 * ``rope_qkv_write`` == ``reference.apply_rope`` on q and k of the fused ``[q | k | v]``
-  projection, then ``reference.write_kv_ref`` of k and v into their page slots.
+  projection, then ``reference.write_kv_ref`` of k and v into their page slots;
+* ``gemv_parts``    == ``F.linear`` of one row, split over the reduction: float32 partial
+  sums ``(splits, 1, out)`` that the kernel after it (each of the above takes them in place
+  of its projection input) adds up in a fixed order and rounds to the dtype, as ``F.linear``
+  rounds its output. One launch, no separate reduce, one weight read at full bandwidth: what
+  decode at batch 1 spends most of its time on. Not bit-identical to cuBLAS (another
+  summation order).
 
 The torch twins are those functions; ``tests/test_kernels_triton.py`` compares each kernel
 with its twin on random inputs in Triton's interpreter.
@@ -23,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["rms_norm", "add_rms_norm", "silu_mul", "rope_qkv_write"]
+__all__ = ["rms_norm", "add_rms_norm", "silu_mul", "rope_qkv_write", "gemv_parts", "linear_or_parts"]
 
 
 def _p2(n: int) -> int:
@@ -38,14 +44,27 @@ def _sum(x, axis: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(X, Y, H, R, W, stride_x, stride_y, stride_h, stride_r, N, eps,
-                     ADD: tl.constexpr, BLOCK: tl.constexpr):
+def _load_proj(P, off, mask, stride_s, SPLITS: tl.constexpr, DT: tl.constexpr):
+    """A projection output at ``off`` as float32: loaded (``SPLITS == 0``), or the sum of its
+    ``SPLITS`` float32 partials (``gemv_parts``), in split order, rounded to the dtype ``DT``
+    as ``F.linear`` rounds its output."""
+    if SPLITS == 0:
+        return tl.load(P + off, mask=mask, other=0.0).to(tl.float32)
+    acc = tl.load(P + off, mask=mask, other=0.0)
+    for i in tl.static_range(1, SPLITS):
+        acc += tl.load(P + i * stride_s + off, mask=mask, other=0.0)
+    return acc.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(X, Y, H, R, W, stride_x, stride_y, stride_h, stride_r, N, eps, stride_ys,
+                     ADD: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr = 0):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < N
     x = tl.load(X + row * stride_x + offs, mask=m, other=0.0)
     if ADD:  # h = h + y, rounded to the activations' dtype as torch does, and stored
-        x = (x.to(tl.float32) + tl.load(Y + row * stride_y + offs, mask=m, other=0.0).to(tl.float32))
+        x = x.to(tl.float32) + _load_proj(Y, row * stride_y + offs, m, stride_ys, SPLITS, H.dtype.element_ty)
         x = x.to(H.dtype.element_ty)
         tl.store(H + row * stride_h + offs, x, mask=m)
     xf = x.to(tl.float32)
@@ -61,7 +80,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     n, hidden = x.shape
     out = torch.empty_like(x)
     if n:
-        _rms_norm_kernel[(n,)](x, x, x, out, weight, x.stride(0), 0, 0, out.stride(0), hidden, float(eps),
+        _rms_norm_kernel[(n,)](x, x, x, out, weight, x.stride(0), 0, 0, out.stride(0), hidden, float(eps), 0,
                                ADD=False, BLOCK=_p2(hidden), num_warps=8 if hidden >= 2048 else 4,
                                enable_fp_fusion=False)
     return out
@@ -69,47 +88,53 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float):
     """``h + y`` (the residual stream, rounded to its dtype) and its RMSNorm, in one pass.
-    Returns ``(h + y, rms_norm(h + y))``; ``h`` is not modified."""
+    Returns ``(h + y, rms_norm(h + y))``; ``h`` is not modified. ``y`` ``(n, hidden)``, or
+    its float32 partial sums ``(splits, n, hidden)`` from ``gemv_parts``."""
     n, hidden = h.shape
     hs = torch.empty_like(h)
     out = torch.empty_like(h)
+    splits, stride_ys = _parts(y)
     if n:
-        _rms_norm_kernel[(n,)](h, y, hs, out, weight, h.stride(0), y.stride(0), hs.stride(0), out.stride(0),
-                               hidden, float(eps), ADD=True, BLOCK=_p2(hidden),
+        _rms_norm_kernel[(n,)](h, y, hs, out, weight, h.stride(0), y.stride(-2), hs.stride(0), out.stride(0),
+                               hidden, float(eps), stride_ys, ADD=True, BLOCK=_p2(hidden), SPLITS=splits,
                                num_warps=8 if hidden >= 2048 else 4, enable_fp_fusion=False)
     return hs, out
 
 
 @triton.jit
-def _silu_mul_kernel(GU, O, stride_gu, stride_o, N, BLOCK: tl.constexpr):
+def _silu_mul_kernel(GU, O, stride_gu, stride_o, N, stride_s, BLOCK: tl.constexpr, SPLITS: tl.constexpr = 0):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
-    g = tl.load(GU + row * stride_gu + offs, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(GU + row * stride_gu + N + offs, mask=m, other=0.0)
+    g = _load_proj(GU, row * stride_gu + offs, m, stride_s, SPLITS, O.dtype.element_ty)
+    u = _load_proj(GU, row * stride_gu + N + offs, m, stride_s, SPLITS, O.dtype.element_ty)
     a = (g / (1.0 + tl.exp(-g))).to(O.dtype.element_ty)  # F.silu, rounded to the dtype
-    tl.store(O + row * stride_o + offs, (a.to(tl.float32) * u.to(tl.float32)).to(O.dtype.element_ty), mask=m)
+    tl.store(O + row * stride_o + offs, (a.to(tl.float32) * u).to(O.dtype.element_ty), mask=m)
 
 
-def silu_mul(gu: torch.Tensor) -> torch.Tensor:
-    """``F.silu(g) * u`` for ``gu = [g | u]`` of shape ``(n, 2 * inter)``."""
-    n, two = gu.shape
+def silu_mul(gu: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``F.silu(g) * u`` for ``gu = [g | u]`` of shape ``(n, 2 * inter)``, or its float32
+    partial sums ``(splits, n, 2 * inter)`` from ``gemv_parts`` (then ``dtype`` is the
+    activations' dtype)."""
+    splits, stride_s = _parts(gu)
+    n, two = gu.shape[-2:]
     inter = two // 2
-    out = torch.empty((n, inter), dtype=gu.dtype, device=gu.device)
+    out = torch.empty((n, inter), dtype=dtype if splits else gu.dtype, device=gu.device)
     if n:
         block = 1024
-        _silu_mul_kernel[(n, triton.cdiv(inter, block))](gu, out, gu.stride(0), out.stride(0), inter,
-                                                         BLOCK=block, num_warps=4, enable_fp_fusion=False)
+        _silu_mul_kernel[(n, triton.cdiv(inter, block))](gu, out, gu.stride(-2), out.stride(0), inter, stride_s,
+                                                         BLOCK=block, SPLITS=splits, num_warps=4,
+                                                         enable_fp_fusion=False)
     return out
 
 
 @triton.jit
 def _rope_qkv_write_kernel(QKV, Cos, Sin, Q, K, V, Slots, stride_t, stride_c, stride_qt, stride_qh,
-                           stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                           stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_s,
                            NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                           PAGE_SIZE: tl.constexpr, HP: tl.constexpr):
+                           PAGE_SIZE: tl.constexpr, HB: tl.constexpr, SPLITS: tl.constexpr = 0):
     t = tl.program_id(0).to(tl.int64)
-    hh = tl.arange(0, HP)  # every head of q, k and v of this token: rows of the tile
+    hh = tl.program_id(1) * HB + tl.arange(0, HB)  # HB heads of q, k and v of this token: rows of the tile
     offs = tl.arange(0, D)
     rot = offs < 2 * HALF
     lo = offs < HALF
@@ -118,13 +143,13 @@ def _rope_qkv_write_kernel(QKV, Cos, Sin, Q, K, V, Slots, stride_t, stride_c, st
     c = tl.load(Cos + t * stride_c + cidx, mask=rot, other=1.0)
     s = tl.load(Sin + t * stride_c + cidx, mask=rot, other=0.0)
     hm = hh < NQ + 2 * NKV
-    base = QKV + t * stride_t + hh[:, None] * D
-    x = tl.load(base + offs[None, :], mask=hm[:, None], other=0.0)
-    xp = tl.load(base + partner[None, :], mask=hm[:, None] & rot[None, :], other=0.0).to(tl.float32)
+    base = t * stride_t + hh[:, None] * D
+    x = _load_proj(QKV, base + offs[None, :], hm[:, None], stride_s, SPLITS, Q.dtype.element_ty)
+    xp = _load_proj(QKV, base + partner[None, :], hm[:, None] & rot[None, :], stride_s, SPLITS, Q.dtype.element_ty)
     xp = tl.where(lo[None, :], -xp, xp)  # rotate_half: [-x2, x1]
     is_v = hh >= NQ + NKV
-    r = x.to(tl.float32) * c[None, :] + xp * s[None, :]
-    y = tl.where(is_v[:, None], x.to(tl.float32), r)
+    r = x * c[None, :] + xp * s[None, :]
+    y = tl.where(is_v[:, None], x, r)
     slot = tl.load(Slots + t)
     page = slot // PAGE_SIZE
     sl = slot % PAGE_SIZE
@@ -146,7 +171,8 @@ def rope_qkv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
 
     Parameters
     ----------
-    qkv : ``(n, (num_heads + 2 * num_kv_heads) * head_dim)``, rows contiguous.
+    qkv : ``(n, (num_heads + 2 * num_kv_heads) * head_dim)``, rows contiguous; or its float32
+        partial sums ``(splits, n, ...)`` from ``gemv_parts`` (q then comes in the cache's dtype).
     cos, sin : ``(n, rotary_dim)`` float32 (``reference.rope_cos_sin`` of the positions).
     k_cache, v_cache : one layer's pages ``(num_pages, page_size, num_kv_heads, head_dim)``.
     slots : ``(n,)`` int, ``page * page_size + slot`` of each token.
@@ -155,18 +181,83 @@ def rope_qkv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     -------
     q ``(n, num_heads, head_dim)`` rotated, in ``qkv.dtype``.
     """
-    n = qkv.shape[0]
+    splits, stride_s = _parts(qkv)
+    n = qkv.shape[-2]
     d = k_cache.shape[-1]
-    q = torch.empty((n, num_heads, d), dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty((n, num_heads, d), dtype=k_cache.dtype if splits else qkv.dtype, device=qkv.device)
     if n:
-        if qkv.stride(1) != 1:
+        if qkv.stride(-1) != 1:
             qkv = qkv.contiguous()
         cos = cos.contiguous()
         sin = sin.contiguous()
-        _rope_qkv_write_kernel[(n,)](
-            qkv, cos, sin, q, k_cache, v_cache, slots, qkv.stride(0), cos.stride(0), q.stride(0), q.stride(1),
+        heads = num_heads + 2 * num_kv_heads
+        hb = min(8, _p2(heads))  # several programs per token: a decode token's heads in parallel
+        _rope_qkv_write_kernel[(n, triton.cdiv(heads, hb))](
+            qkv, cos, sin, q, k_cache, v_cache, slots, qkv.stride(-2), cos.stride(0), q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), stride_s,
             NQ=num_heads, NKV=num_kv_heads, D=d, HALF=cos.shape[-1] // 2, PAGE_SIZE=k_cache.shape[1],
-            HP=_p2(num_heads + 2 * num_kv_heads), num_warps=4, enable_fp_fusion=False)
+            HB=hb, SPLITS=splits, num_warps=4 if hb * d >= 1024 else 1, enable_fp_fusion=False)
     return q
+
+
+def _parts(y: torch.Tensor) -> tuple[int, int]:
+    """``(splits, stride between splits)`` of a projection input: ``(0, 0)`` for a plain
+    ``(n, N)`` tensor, else for float32 partial sums ``(splits, n, N)`` from ``gemv_parts``."""
+    if y.dim() == 3:
+        if y.dtype != torch.float32:
+            raise ValueError(f"partial sums must be float32, got {y.dtype}")
+        return y.shape[0], y.stride(0)
+    return 0, 0
+
+
+@triton.jit
+def _gemv_parts_kernel(X, W, P, N, stride_w, stride_p,
+                       K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Grid ``(cdiv(N, BLOCK_N), cdiv(K, BLOCK_K))``: ``P[ks, n] = sum_{k in split ks}
+    W[n, k] X[k]`` in float32. Each program loads its whole ``BLOCK_N x BLOCK_K`` tile of
+    the weight at once (no loop), so every byte of the weight is in flight together."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.program_id(1)
+    rk = ks * BLOCK_K + tl.arange(0, BLOCK_K)
+    nm = rn < N
+    km = rk < K
+    w = tl.load(W + rn.to(tl.int64)[:, None] * stride_w + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+    x = tl.load(X + rk, mask=km, other=0.0).to(tl.float32)
+    part = _sum(w.to(tl.float32) * x[None, :], 1)
+    tl.store(P + ks * stride_p + rn, part, mask=nm)
+
+
+# (BLOCK_N, BLOCK_K, num_warps) by weight shape ``(N, K)``, or None: that shape stays with
+# the GEMM library; the default where a shape is not listed. H200 measurements in
+# BENCHMARKS.md ("decode at batch 1: the projections").
+# The down projection of an 8B model (4096 x 14336) stays with cuBLAS: split 14 ways, its
+# partial sums cost the single-program add + RMSNorm after it as much as the GEMV saves.
+GEMV_CONFIGS: dict = {(4096, 14336): None}
+GEMV_DEFAULT = (32, 1024, 8)
+
+
+def gemv_parts(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """``F.linear(x, weight)`` for one row ``x`` ``(1, K)``, as float32 partial sums
+    ``(cdiv(K, BLOCK_K), 1, N)`` over splits of the reduction: their sum, in split order,
+    rounded to ``x.dtype``, is the projection. The kernels above take them in place of
+    their projection input, so the split-K reduction costs no launch of its own."""
+    n, k = weight.shape
+    if x.shape != (1, k) or weight.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError(f"gemv_parts needs x (1, {k}) and a row-major weight; got {tuple(x.shape)}")
+    bn, bk, warps = config or GEMV_CONFIGS.get((n, k), GEMV_DEFAULT)
+    splits = triton.cdiv(k, bk)
+    parts = torch.empty((splits, 1, n), device=x.device, dtype=torch.float32)
+    _gemv_parts_kernel[(triton.cdiv(n, bn), splits)](x, weight, parts, n, weight.stride(0), parts.stride(0),
+                                                      K=k, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    return parts
+
+
+def linear_or_parts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, linear) -> torch.Tensor:
+    """The projection as the kernels above take it: ``gemv_parts`` for one row of half
+    precision without bias, else ``linear(x, weight, bias)``."""
+    if x.shape[0] == 1 and bias is None and x.dtype in (torch.float16, torch.bfloat16):
+        cfg = GEMV_CONFIGS.get(tuple(weight.shape), GEMV_DEFAULT)
+        if cfg is not None:
+            return gemv_parts(x, weight, cfg)
+    return linear(x, weight, bias)

@@ -93,7 +93,7 @@ def test_batch_invariant_8b_layer_shapes_equal_solo(tokenizer, overlap):
     reqs = _requests(64, seed=5)
     llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=2 << 30, batch_invariant=True)
     llm.engine.eos_ids = set()  # random weights: every request runs to its length
-    llm.engine.async_decode = overlap  # overlapped decode (off by default)
+    llm.engine.async_decode = overlap  # overlapped decode (the default on CUDA) or one step at a time
     solo = [llm.generate(q, chunks=c, max_new_tokens=n).token_ids for q, c, n in reqs]
     llm.clear_cache()
     steps_before = llm.engine.metrics["decode_steps"]
@@ -103,3 +103,52 @@ def test_batch_invariant_8b_layer_shapes_equal_solo(tokenizer, overlap):
     # decode really batched (the steps of the concurrent run only)
     assert llm.engine.metrics["decode_steps"] - steps_before < sum(n for _, _, n in reqs) // 2
     llm.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemv_decode_step_matches_plain_forward(dtype):
+    """A single-token step with the compiled fused kernels (its projections as split-K GEMVs
+    whose partial sums the next kernel adds up) against the plain torch forward, on
+    Llama-3.1-8B-shaped layers (2 of them, random weights): logits and the written K/V agree
+    to the dtype's accuracy, and the GEMV really ran."""
+    import transformers
+
+    from lazyllm.kernels import fused
+    from lazyllm.model.llama import AttentionMetadata, LlamaFamilyModel
+
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                                   num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
+                                   head_dim=128, rope_theta=500000.0, tie_word_embeddings=False)
+    torch.manual_seed(1)
+    with torch.device("cuda"):
+        hf = transformers.LlamaForCausalLM(cfg).to(dtype).eval()
+    plain = LlamaFamilyModel(hf, fused_kernels=False)
+    fast = LlamaFamilyModel(hf)
+    assert fast.fused is fused
+    ps, n_ctx = 64, 300
+    shape = (2, 8, ps, 8, 128)
+    k0 = (0.5 * torch.randn(shape, device="cuda")).to(dtype)
+    v0 = (0.5 * torch.randn(shape, device="cuda")).to(dtype)
+    i32 = dict(dtype=torch.int32, device="cuda")
+    meta = AttentionMetadata(
+        positions=torch.tensor([n_ctx], **i32), cu_seqlens_q=torch.tensor([0, 1], **i32),
+        slot_mapping=torch.tensor([5 * ps + n_ctx % ps], device="cuda"),
+        block_table=torch.tensor([[3, 0, 6, 2, 5]], **i32), block_pos=torch.tensor([[0, 64, 128, 192, 256]], **i32),
+        block_delta=torch.tensor([[7, -3, 0, 11, 0]], **i32),
+        block_len=torch.tensor([[64, 64, 64, 64, n_ctx % ps + 1]], **i32), max_seqlen_q=1)
+    ids = torch.tensor([123], device="cuda")
+    calls = []
+    orig = fused.gemv_parts
+    fused.gemv_parts = lambda *a, **k: calls.append(tuple(a[1].shape)) or orig(*a, **k)
+    try:
+        kv = [(k0.clone(), v0.clone()) for _ in range(2)]
+        a = plain.forward(ids, meta, *kv[0])
+        b = fast.forward(ids, meta, *kv[1])
+    finally:
+        fused.gemv_parts = orig
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # q/k/v, output, gate/up, down
+    want = [sh for sh in shapes if fused.GEMV_CONFIGS.get(sh, fused.GEMV_DEFAULT) is not None]
+    assert want and calls == want * 2, calls
+    assert (a - b).abs().max() <= 0.05 * a.abs().max(), (a - b).abs().max()
+    torch.testing.assert_close(kv[1][0], kv[0][0], atol=0.05, rtol=0.02)
+    torch.testing.assert_close(kv[1][1], kv[0][1], atol=0.05, rtol=0.02)

@@ -102,3 +102,106 @@ def test_model_forward_with_fused_kernels():
     torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(caches[1][0], caches[0][0], atol=1e-5, rtol=1e-5)
     assert torch.equal(caches[1][1], caches[0][1]) or torch.allclose(caches[1][1], caches[0][1], atol=1e-5)
+
+
+def _sum_parts(parts: torch.Tensor, dtype) -> torch.Tensor:
+    """The partial sums added in split order in float32, rounded to ``dtype`` (what the
+    kernels that take ``gemv_parts`` compute)."""
+    acc = parts[0].clone()
+    for p in parts[1:]:
+        acc = acc + p
+    return acc.to(dtype)
+
+
+@pytest.mark.parametrize("n_out,k,config", [(96, 64, (32, 32, 4)), (50, 200, (16, 64, 4)), (7, 33, (8, 16, 2))])
+def test_gemv_parts_is_the_projection(n_out, k, config):
+    """Split-K partial sums of one row: their sum is ``F.linear`` (float16 storage, float32
+    sums), for shapes that are not multiples of the blocks."""
+    g = torch.Generator().manual_seed(n_out + k)
+    x = torch.randn(1, k, generator=g).to(torch.float16)
+    w = (0.2 * torch.randn(n_out, k, generator=g)).to(torch.float16)
+    parts = fk.gemv_parts(x, w, config)
+    assert parts.shape == (-(-k // config[1]), 1, n_out) and parts.dtype == torch.float32
+    ref = x.float() @ w.float().t()
+    torch.testing.assert_close(parts.sum(0), ref, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError):
+        fk.gemv_parts(torch.randn(2, k).to(torch.float16), w, config)
+
+
+def test_kernels_take_partial_sums():
+    """Each fused kernel given float32 partial sums computes exactly what it computes given
+    their sum rounded to the dtype (the one rounding ``F.linear`` does)."""
+    g = torch.Generator().manual_seed(5)
+    dt = torch.float16
+    hidden, inter, hq, hkv, d, ps = 96, 160, 4, 2, 32, 8
+    h = torch.randn(1, hidden, generator=g).to(dt)
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dt)
+    parts = torch.randn(3, 1, hidden, generator=g)
+    hs_p, x_p = fk.add_rms_norm(h, parts, w, 1e-6)
+    hs, x = fk.add_rms_norm(h, _sum_parts(parts, dt), w, 1e-6)
+    assert torch.equal(hs_p, hs) and torch.equal(x_p, x)
+
+    gu = 3 * torch.randn(4, 1, 2 * inter, generator=g)
+    assert torch.equal(fk.silu_mul(gu, dt), fk.silu_mul(_sum_parts(gu, dt)))
+
+    qkv = torch.randn(2, 1, (hq + 2 * hkv) * d, generator=g)
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    cos, sin = rope_cos_sin(torch.tensor([37]), inv, 1.0)
+    slots = torch.tensor([13])
+    caches = [(torch.zeros(3, ps, hkv, d, dtype=dt), torch.zeros(3, ps, hkv, d, dtype=dt)) for _ in range(2)]
+    q_p = fk.rope_qkv_write(qkv, cos, sin, *caches[0], slots, hq, hkv)
+    q = fk.rope_qkv_write(_sum_parts(qkv, dt), cos, sin, *caches[1], slots, hq, hkv)
+    assert q_p.dtype == dt and torch.equal(q_p, q)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert caches[0][0].abs().sum() > 0
+    with pytest.raises(ValueError):
+        fk.add_rms_norm(h, parts.to(dt), w, 1e-6)
+
+
+def test_model_decode_one_token_with_gemv():
+    """A single-token step of the fused forward in float16 runs its projections as split-K
+    GEMVs; its logits and K/V match the plain forward's to float16 accuracy; under
+    ``batch_invariant`` it keeps the row-blocked GEMMs (no GEMV call)."""
+    from lazyllm.model.llama import AttentionMetadata, LlamaFamilyModel
+    from tests.conftest import make_tiny
+
+    hf = make_tiny("llama", seed=4).to(torch.float16)
+    plain = LlamaFamilyModel(hf, fuse=True, fused_kernels=False)
+    fused = LlamaFamilyModel(hf, fuse=True, fused_kernels=fk)
+    s = plain.spec
+    ps = 8
+    shape = (s.num_layers, 4, ps, s.num_kv_heads, s.head_dim)
+    g = torch.Generator().manual_seed(1)
+    base_k = (0.5 * torch.randn(shape, generator=g)).to(torch.float16)
+    base_v = (0.5 * torch.randn(shape, generator=g)).to(torch.float16)
+    meta = AttentionMetadata(
+        positions=torch.tensor([5], dtype=torch.int32), cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+        slot_mapping=torch.tensor([ps + 5]), block_table=torch.tensor([[1]], dtype=torch.int32),
+        block_pos=torch.tensor([[0]], dtype=torch.int32), block_delta=torch.zeros((1, 1), dtype=torch.int32),
+        block_len=torch.tensor([[6]], dtype=torch.int32), max_seqlen_q=1)
+    ids = torch.tensor([17])
+    calls = []
+    orig = fk.gemv_parts
+    fk.gemv_parts = lambda *a, **k: calls.append(a[1].shape) or orig(*a, **k)
+    try:
+        kv = [(base_k.clone(), base_v.clone()) for _ in range(2)]
+        a = plain.forward(ids, meta, *kv[0])
+        b = fused.forward(ids, meta, *kv[1])
+    finally:
+        fk.gemv_parts = orig
+    assert len(calls) == 4 * s.num_layers  # q/k/v, output, gate/up and down of every layer
+    torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(kv[1][0], kv[0][0], atol=2e-3, rtol=2e-3)
+
+    inv_plain = LlamaFamilyModel(hf, fuse=True, fused_kernels=False, batch_invariant=True)
+    inv_fused = LlamaFamilyModel(hf, fuse=True, fused_kernels=fk, batch_invariant=True)
+    calls.clear()
+    fk.gemv_parts = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    try:
+        kv = [(base_k.clone(), base_v.clone()) for _ in range(2)]
+        c = inv_plain.forward(ids, meta, *kv[0])
+        d = inv_fused.forward(ids, meta, *kv[1])
+    finally:
+        fk.gemv_parts = orig
+    assert not calls
+    torch.testing.assert_close(d, c, atol=2e-2, rtol=2e-2)

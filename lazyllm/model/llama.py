@@ -391,9 +391,16 @@ class LlamaFamilyModel:
         """``forward`` with the fused kernels: per layer one RMSNorm (+ residual add), the
         QKV GEMM, one RoPE + K/V write, attention, the output GEMM, one add + RMSNorm, the
         gate/up GEMM, one SiLU * up, the down GEMM (its residual add is fused into the
-        next layer's norm)."""
+        next layer's norm). For a single token (decode at batch 1) the projections are
+        split-K GEMVs whose partial sums the next fused kernel adds up (``gemv_parts``),
+        unless ``batch_invariant``."""
         s, fk = self.spec, self.fused
         n = h.shape[0]
+        if self.batch_invariant or n != 1:
+            proj = self._linear
+        else:
+            def proj(x, wt, b=None):
+                return fk.linear_or_parts(x, wt, b, self._linear)
         pending = None
         for li, w in enumerate(self.layers):
             fi = w["freq"]
@@ -401,14 +408,15 @@ class LlamaFamilyModel:
                 x = fk.rms_norm(h, w["ln1"], s.rms_eps)
             else:
                 h, x = fk.add_rms_norm(h, pending, w["ln1"], s.rms_eps)
-            qkv = self._linear(x, w["wqkv"], w["bqkv"])
+            qkv = proj(x, w["wqkv"], w["bqkv"])
             q = fk.rope_qkv_write(qkv, *tables[fi], k_cache[li], v_cache[li], meta.slot_mapping,
                                   s.num_heads, s.num_kv_heads)
             args = self._attn_args(q, meta, k_cache, v_cache, li)
             o = self._attend(args, w, extras[fi])
-            h, x = fk.add_rms_norm(h, self._linear(o.reshape(n, -1), w["wo"], w["bo"]), w["ln2"], s.rms_eps)
-            pending = self._linear(fk.silu_mul(self._linear(x, w["wgu"])), w["wd"])
+            h, x = fk.add_rms_norm(h, proj(o.reshape(n, -1), w["wo"], w["bo"]), w["ln2"], s.rms_eps)
+            pending = proj(fk.silu_mul(proj(x, w["wgu"]), h.dtype), w["wd"])
         if logits_index is not None:
-            h, pending = h[logits_index], pending[logits_index]
+            h = h[logits_index]
+            pending = pending[:, logits_index] if pending.dim() == 3 else pending[logits_index]
         _, x = fk.add_rms_norm(h, pending, self.final_norm, s.rms_eps)
         return self._linear(x, self.lm_head).float()
