@@ -424,20 +424,22 @@ def _relerr(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def _check_compiled(mod, seqs, dtype, **batch_kw):
+def _check_compiled(mod, seqs, dtype, launch=None, **batch_kw):
     """Compiled kernels on CUDA against the float32 reference: the prefill of ``seqs`` and a
-    decode step of one query per sequence over the same tables."""
+    decode step of one query per sequence over the same tables (``launch``: extra launcher
+    arguments for both)."""
     tol = 1e-4 if dtype == torch.float32 else 1e-2
+    launch = launch or {}
     batch = _make_batch(seqs, hkv=2, dtype=dtype, **batch_kw)
     batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
     up = dict(batch, q=batch["q"].float(), k_cache=batch["k_cache"].float(), v_cache=batch["v_cache"].float())
-    got = mod.paged_attention_triton(**batch)
+    got = mod.paged_attention_triton(**batch, **launch)
     assert not torch.isnan(got).any()
     assert _relerr(got, paged_attention_ref(**up)) < tol
     dec = dict(batch, q=batch["q"][: len(seqs)].contiguous(), q_pos=batch["q_pos"][: len(seqs)],
                cu_seqlens_q=torch.arange(len(seqs) + 1, device="cuda", dtype=torch.int32))
     up = dict(dec, q=dec["q"].float(), k_cache=up["k_cache"], v_cache=up["v_cache"])
-    got = mod.paged_attention_triton(**dec, max_seqlen_q=1)
+    got = mod.paged_attention_triton(**dec, max_seqlen_q=1, **launch)
     assert _relerr(got, paged_attention_ref(**up)) < tol
 
 
@@ -473,6 +475,21 @@ def test_gpu_compiled_query_rotation(dtype, d):
     for ps in (64, 128):
         _check_compiled(mod, seqs, dtype, page_size=ps, group=4, d=d, seed=24)
     assert not mod._QROT_FAILED, f"fell back to the key-rotating kernel for {mod._QROT_FAILED}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compiled kernels run only on a GPU)")
+@pytest.mark.parametrize("qrot", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_compiled_run_loops(qrot, dtype):
+    """Each form of the query-rotating loop (runs, flat, runs with the next rotation
+    prefetched) compiled, head_dim 128, pages of 64, split and unsplit."""
+    mod = _load_kernels(interpret=False)
+    seqs = _gpu_seqs(29, ((7, 90), (3, 1), (2, 17)), 40, 300)
+    for splits in (None, 1, 3):
+        _check_compiled(mod, seqs, dtype, launch=dict(qrot=qrot, num_splits=splits), page_size=64, group=4, d=128,
+                        seed=30)
+    assert not mod._QROT_FAILED
 
 
 # ----------------------------------------------------------------------------------------
