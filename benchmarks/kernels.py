@@ -506,9 +506,6 @@ def main():
                     help="the query-rotating kernel as one flat loop (qrot=2) against the run loop")
     ap.add_argument("--prefill-sweep", action="store_true",
                     help="prefill over pages of 64: tile shapes and pipeline stages (speed, RoPE cost)")
-    ap.add_argument("--prefill-pre", action="store_true",
-                    help="prefill over pages of 64: the run loop against the run loop that loads the next "
-                         "run's query during the current one (qrot=3), 3 and 4 stages")
     ap.add_argument("--small-batch", action="store_true",
                     help="decode at batch 1-8 over pages of 64: split counts and key tiles")
     ap.add_argument("--dry-run", action="store_true", help="CPU, interpreter, tiny shapes: checks the script")
@@ -579,13 +576,6 @@ def main():
         for nq, kv in (((512, 8192), (512, 32768), (2048, 8192), (2048, 32768)) if big else ((40, 700),)):
             rows += run_prefill(nq, kv, 64, inv_freq, dev, configs=cfgs)
         save()
-    if args.prefill_pre:  # the run loop's restart at each run: prefetch the next run's rotation
-        big = not DRY
-        cfgs = [(64, 64, 4, 3), (64, 64, 4, 4)] if big else [(16, 16, 4, 1)]
-        for nq, kv in (((512, 8192), (512, 32768), (2048, 8192), (2048, 32768)) if big else ((40, 700),)):
-            rows += run_prefill(nq, kv, 64, inv_freq, dev, configs=cfgs)
-            rows += run_prefill(nq, kv, 64, inv_freq, dev, configs=cfgs, extra=dict(qrot=3))
-            save()
     if args.small_batch:  # decode at batch 1-8 (the engine's batch-1 step): split counts, key tiles
         big = not DRY
         for b, kv in (((1, 4096), (1, 16384), (8, 4096)) if big else ((1, 700),)):

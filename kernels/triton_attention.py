@@ -225,10 +225,10 @@ def _attn_tiles(
 
 
 @triton.jit
-def _rot_q_load(q_row, row_ok, Cos_row, Sin_row, e,
-                HEAD_DIM: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr):
-    """The loads of ``_rot_q``: the query group, its rotate-half partner columns and table
-    entry ``e``'s cos/sin, as ``[c, c, 1]`` / ``[s, s, 0]`` over the head dims."""
+def _rot_q(q_row, row_ok, Cos_row, Sin_row, e, K,
+           HEAD_DIM: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr):
+    """The query group rotated by table entry ``e``'s delta, ``R(-delta) q``, in K's dtype:
+    ``q * [c, c, 1] + [q2, -q1, 0] * [s, s, 0]`` (reloaded from global memory)."""
     offs_d = tl.arange(0, HEAD_DIM)
     qv = tl.load(q_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     if ROT > 0:
@@ -239,30 +239,10 @@ def _rot_q_load(q_row, row_ok, Cos_row, Sin_row, e,
         c = tl.load(Cos_row + e * HALF + cs_col, mask=in_rot, other=1.0)
         s = tl.load(Sin_row + e * HALF + cs_col, mask=in_rot, other=0.0)
         qs = tl.load(q_row[:, None] + sw_col[None, :], mask=row_ok[:, None] & in_rot[None, :], other=0.0)
-        return qv, qs, c, s
-    else:
-        return qv, qv, offs_d, offs_d
-
-
-@triton.jit
-def _rot_q_apply(qv, qs, c, s, K, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr):
-    """``R(-delta) q = q * [c, c, 1] + [q2, -q1, 0] * [s, s, 0]`` from ``_rot_q_load``'s values,
-    in K's dtype."""
-    if ROT > 0:
-        is_lo = tl.arange(0, HEAD_DIM) < HALF
-        qsf = tl.where(is_lo[None, :], qs.to(tl.float32), -qs.to(tl.float32))
-        return (qv.to(tl.float32) * c[None, :] + qsf * s[None, :]).to(K.dtype.element_ty)
+        qs = tl.where(is_lo[None, :], qs.to(tl.float32), -qs.to(tl.float32))
+        return (qv.to(tl.float32) * c[None, :] + qs * s[None, :]).to(K.dtype.element_ty)
     else:
         return qv.to(K.dtype.element_ty)
-
-
-@triton.jit
-def _rot_q(q_row, row_ok, Cos_row, Sin_row, e, K,
-           HEAD_DIM: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr):
-    """The query group rotated by table entry ``e``'s delta, ``R(-delta) q``, in K's dtype
-    (reloaded from global memory)."""
-    qv, qs, c, s = _rot_q_load(q_row, row_ok, Cos_row, Sin_row, e, HEAD_DIM, HALF, ROT)
-    return _rot_q_apply(qv, qs, c, s, K, HEAD_DIM, HALF, ROT)
 
 
 @triton.jit
@@ -305,11 +285,10 @@ def _attn_runs(
     q_row, row_ok, qpos,
     K, V, BT_row, BPos_row, BLen_row, Cos_row, Sin_row, Runs_row,
     stride_kp, stride_ks, stride_vp, stride_vs,
-    t_start, t_end, qk_scale, max_blocks,
+    t_start, t_end, qk_scale,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, DOT_PREC: tl.constexpr, IDX64: tl.constexpr, FLAT: tl.constexpr,
-    PRE: tl.constexpr = False,
 ):
     """Online-softmax update over key tiles ``[t_start, t_end)``, the delta applied to the
     *query*, once per run of table entries that share one delta.
@@ -322,9 +301,7 @@ def _attn_runs(
     run, so the rotation costs one ``(BLOCK_M, HEAD_DIM)`` FMA pass per chunk instead of one
     per key tile. ``FLAT=False``: an outer loop over runs around a plain, software-pipelined
     inner loop over the run's tiles (the pipeline restarts at each run). ``FLAT=True``: one
-    loop over all tiles that rotates the query when a new run starts (a scalar branch).
-    ``PRE`` (with ``FLAT=False``): the next run's query and cos/sin are loaded before the
-    current run's tiles and rotated after them, so their latency overlaps the tiles."""
+    loop over all tiles that rotates the query when a new run starts (a scalar branch)."""
     TPE: tl.constexpr = PAGE_SIZE // BLOCK_N  # key tiles per table entry
     if FLAT:
         r_end = t_start
@@ -337,19 +314,6 @@ def _attn_runs(
             acc, l_i, m_i = _tile_update(acc, l_i, m_i, qr, qpos, K, V, BT_row, BPos_row, BLen_row,
                                          stride_kp, stride_ks, stride_vp, stride_vs, tt, qk_scale,
                                          HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL_MASK, DOT_PREC, IDX64)
-    elif PRE:
-        t = t_start
-        qr = _rot_q(q_row, row_ok, Cos_row, Sin_row, t_start // TPE, K, HEAD_DIM, HALF, ROT)
-        while t < t_end:
-            r_end = tl.minimum(tl.load(Runs_row + t // TPE).to(tl.int32) * TPE, t_end)
-            qv, qs, c, s = _rot_q_load(q_row, row_ok, Cos_row, Sin_row,
-                                       tl.minimum(r_end // TPE, max_blocks - 1), HEAD_DIM, HALF, ROT)
-            for tt in range(t, r_end):
-                acc, l_i, m_i = _tile_update(acc, l_i, m_i, qr, qpos, K, V, BT_row, BPos_row, BLen_row,
-                                             stride_kp, stride_ks, stride_vp, stride_vs, tt, qk_scale,
-                                             HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL_MASK, DOT_PREC, IDX64)
-            qr = _rot_q_apply(qv, qs, c, s, K, HEAD_DIM, HALF, ROT)
-            t = r_end
     else:
         t = t_start
         while t < t_end:
@@ -473,15 +437,15 @@ def _paged_attn_fwd(
             acc, l_i, m_i, q_row, row_ok, qpos,
             Kh, Vh, BT_row, BPos_row, BLen_row, Cos_row, Sin_row, Runs_row,
             stride_kp, stride_ks, stride_vp, stride_vs,
-            s_start, tl.minimum(s_end, t_lo), qk_scale, max_blocks,
-            HEAD_DIM, HALF, ROT_Q, PAGE_SIZE, BLOCK_N, False, DOT_PREC, IDX64, QROT == 2, QROT == 3,
+            s_start, tl.minimum(s_end, t_lo), qk_scale,
+            HEAD_DIM, HALF, ROT_Q, PAGE_SIZE, BLOCK_N, False, DOT_PREC, IDX64, QROT == 2,
         )
         acc, l_i, m_i = _attn_runs(
             acc, l_i, m_i, q_row, row_ok, qpos,
             Kh, Vh, BT_row, BPos_row, BLen_row, Cos_row, Sin_row, Runs_row,
             stride_kp, stride_ks, stride_vp, stride_vs,
-            tl.maximum(s_start, t_lo), s_end, qk_scale, max_blocks,
-            HEAD_DIM, HALF, ROT_Q, PAGE_SIZE, BLOCK_N, True, DOT_PREC, IDX64, QROT == 2, QROT == 3,
+            tl.maximum(s_start, t_lo), s_end, qk_scale,
+            HEAD_DIM, HALF, ROT_Q, PAGE_SIZE, BLOCK_N, True, DOT_PREC, IDX64, QROT == 2,
         )
     else:
         acc, l_i, m_i = _attn_tiles(
@@ -819,8 +783,7 @@ def paged_attention_triton(
     prefetch : load the next key tile's cos/sin during this one (default on); for benchmarks.
     qrot : rotate the query once per run of equal deltas (default whenever a key tile lies
         in one page, ``page_size >= BLOCK_N``) instead of every key tile; ``2``: the same in
-        one flat loop; ``3``: the run loop loading each next run's query during the current
-        run (see ``_attn_runs``); for benchmarks.
+        one flat loop (see ``_attn_runs``); for benchmarks.
     batch_invariant : one launch configuration for every call, prefill or decode, whatever
         the batch: the general kernel, 64-row query tiles, a fixed key tile, no split-K.
         A query row then sees its keys in the same tiles, in the same order, through the same
@@ -877,7 +840,7 @@ def paged_attention_triton(
         qrot = page_size >= dec_n if short else page_size >= (
             config[1] if config is not None else _prefill_config(d, max_blocks * page_size, page_size)[1])
         qrot = qrot and qkey not in _QROT_FAILED
-    qrot = int(qrot) if qrot in (0, 1, 2, 3) else int(bool(qrot))
+    qrot = int(qrot) if qrot in (0, 1, 2) else int(bool(qrot))
     if qrot == 1 and short:
         # the run loop as one flat loop (qrot=2, see _attn_runs). On the H200 (BENCHMARKS.md)
         # the flat loop made decode faster and its RoPE cost 1.4-2.9% (the run loop: 3.5-7.4%),

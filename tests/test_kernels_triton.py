@@ -290,8 +290,8 @@ QROT_CASES = [
 
 
 @pytest.mark.parametrize("case", QROT_CASES, ids=_case_id)
-@pytest.mark.parametrize("splits,loop", [(None, 1), (1, 1), (3, 1), (None, 2), (3, 2), (None, 3), (3, 3)])
-def test_query_rotation_per_run(case, splits, loop):
+@pytest.mark.parametrize("splits,flat", [(None, False), (1, False), (3, False), (None, True), (3, True)])
+def test_query_rotation_per_run(case, splits, flat):
     """Prefix, chunks at random deltas (two neighbours sharing one delta, so a run spans
     chunks), then the queries' own pages; prefill, decode, split key ranges."""
     g, d, rd, dtype, ps, cfg = case
@@ -303,7 +303,7 @@ def test_query_rotation_per_run(case, splits, loop):
             chunks[2] = (chunks[2][0], chunks[2][1], chunks[1][2])  # encoded together: one delta
         seqs.append(([(0, 9, 0)] + chunks + [(pos, nq + gen.randint(0, 20), 0)], nq))
     batch = _make_batch(seqs, page_size=ps, hkv=2, group=g, d=d, rotary_dim=rd, dtype=dtype, seed=21)
-    qrot = loop  # 1: a loop per run; 2: the same runs in one flat loop; 3: runs, next rotation prefetched
+    qrot = 2 if flat else True  # 2: the same runs in one flat loop
     _check_attention(batch, config=cfg, num_splits=splits, qrot=qrot)
     one = [([(0, 9, 0)] + _chunks(gen, 5, 9, lo=3, hi=80)[0], 1) for _ in range(3)]
     for s_, _ in one:
