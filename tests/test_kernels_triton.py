@@ -479,11 +479,11 @@ def test_gpu_compiled_query_rotation(dtype, d):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compiled kernels run only on a GPU)")
-@pytest.mark.parametrize("qrot", [1, 2, 3])
+@pytest.mark.parametrize("qrot", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_compiled_run_loops(qrot, dtype):
-    """Each form of the query-rotating loop (runs, flat, runs with the next rotation
-    prefetched) compiled, head_dim 128, pages of 64, split and unsplit."""
+    """Both forms of the query-rotating loop (a loop per run, one flat loop) compiled,
+    head_dim 128, pages of 64, split and unsplit."""
     mod = _load_kernels(interpret=False)
     seqs = _gpu_seqs(29, ((7, 90), (3, 1), (2, 17)), 40, 300)
     for splits in (None, 1, 3):
