@@ -69,3 +69,24 @@ def tokenizer():
 
 def pytest_configure(config):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def forward_pair(fused_module, models, ids, meta, k0, v0):
+    """Run ``ids`` through each of ``models`` (``LlamaFamilyModel``) over its own copy of the
+    caches ``k0``/``v0``, recording the weight shape of every ``gemv_parts`` call that
+    ``fused_module`` (a copy of ``kernels/fused.py``) receives. Returns ``(logits, caches,
+    gemv_shapes)``, one entry per model for the first two."""
+    shapes = []
+    orig = fused_module.gemv_parts
+
+    def spy(x, weight, *a, **k):
+        shapes.append(tuple(weight.shape))
+        return orig(x, weight, *a, **k)
+
+    fused_module.gemv_parts = spy
+    try:
+        caches = [(k0.clone(), v0.clone()) for _ in models]
+        logits = [m.forward(ids, meta, *kv) for m, kv in zip(models, caches)]
+    finally:
+        fused_module.gemv_parts = orig
+    return logits, caches, shapes

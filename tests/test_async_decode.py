@@ -1,5 +1,6 @@
-"""Overlapped decode (``Engine.async_decode``, off by default for now): step n + 1 is launched
-with step n's argmax as its input before the host reads step n. On CPU every op is
+"""Overlapped decode (``LazyLLM(overlap_decode=...)``, ``Engine.async_decode``; by default on
+where decode runs from CUDA graphs, off on CPU): step n + 1 is launched with step n's argmax
+as its input before the host reads step n. On CPU every op is
 synchronous, so these tests check the bookkeeping (token feedback by row, dropped tokens of
 requests that stop, length limits, preemption, sampling fallback) against the one-step-at-a-
 time engine, token for token."""
@@ -9,11 +10,26 @@ from tests.test_concurrency import DOCS, _requests, _run_concurrently
 
 
 def _pair(model, tokenizer, **kw):
-    sync = LazyLLM(model=model, tokenizer=tokenizer, **kw)
-    sync.engine.async_decode = False
-    over = LazyLLM(model=model, tokenizer=tokenizer, **kw)
-    over.engine.async_decode = True
+    sync = LazyLLM(model=model, tokenizer=tokenizer, overlap_decode=False, **kw)
+    over = LazyLLM(model=model, tokenizer=tokenizer, overlap_decode=True, **kw)
+    assert over.engine.async_decode and not sync.engine.async_decode
     return sync, over
+
+
+def test_overlap_decode_option(tokenizer):
+    """The default follows the CUDA graphs (none on CPU: off); a bool is taken as given;
+    anything else is refused."""
+    import pytest
+
+    from lazyllm import InvalidRequestError
+
+    model = make_tiny("llama", seed=2)
+    llm = LazyLLM(model=model, tokenizer=tokenizer)
+    assert llm.engine.async_decode is False and not llm.engine.graphs.enabled
+    llm.close()
+    for bad in ("yes", 1, 0.5):
+        with pytest.raises(InvalidRequestError, match="overlap_decode"):
+            LazyLLM(model=model, tokenizer=tokenizer, overlap_decode=bad)
 
 
 def _clean(llm):

@@ -115,6 +115,7 @@ def test_gemv_decode_step_matches_plain_forward(dtype):
 
     from lazyllm.kernels import fused
     from lazyllm.model.llama import AttentionMetadata, LlamaFamilyModel
+    from tests.conftest import forward_pair
 
     cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
                                    num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
@@ -137,15 +138,7 @@ def test_gemv_decode_step_matches_plain_forward(dtype):
         block_delta=torch.tensor([[7, -3, 0, 11, 0]], **i32),
         block_len=torch.tensor([[64, 64, 64, 64, n_ctx % ps + 1]], **i32), max_seqlen_q=1)
     ids = torch.tensor([123], device="cuda")
-    calls = []
-    orig = fused.gemv_parts
-    fused.gemv_parts = lambda *a, **k: calls.append(tuple(a[1].shape)) or orig(*a, **k)
-    try:
-        kv = [(k0.clone(), v0.clone()) for _ in range(2)]
-        a = plain.forward(ids, meta, *kv[0])
-        b = fast.forward(ids, meta, *kv[1])
-    finally:
-        fused.gemv_parts = orig
+    (a, b), kv, calls = forward_pair(fused, (plain, fast), ids, meta, k0, v0)
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # q/k/v, output, gate/up, down
     want = [sh for sh in shapes if fused.GEMV_CONFIGS.get(sh, fused.GEMV_DEFAULT) is not None]
     assert want and calls == want * 2, calls

@@ -163,7 +163,7 @@ def test_model_decode_one_token_with_gemv():
     GEMVs; its logits and K/V match the plain forward's to float16 accuracy; under
     ``batch_invariant`` it keeps the row-blocked GEMMs (no GEMV call)."""
     from lazyllm.model.llama import AttentionMetadata, LlamaFamilyModel
-    from tests.conftest import make_tiny
+    from tests.conftest import forward_pair, make_tiny
 
     hf = make_tiny("llama", seed=4).to(torch.float16)
     plain = LlamaFamilyModel(hf, fuse=True, fused_kernels=False)
@@ -180,28 +180,12 @@ def test_model_decode_one_token_with_gemv():
         block_pos=torch.tensor([[0]], dtype=torch.int32), block_delta=torch.zeros((1, 1), dtype=torch.int32),
         block_len=torch.tensor([[6]], dtype=torch.int32), max_seqlen_q=1)
     ids = torch.tensor([17])
-    calls = []
-    orig = fk.gemv_parts
-    fk.gemv_parts = lambda *a, **k: calls.append(a[1].shape) or orig(*a, **k)
-    try:
-        kv = [(base_k.clone(), base_v.clone()) for _ in range(2)]
-        a = plain.forward(ids, meta, *kv[0])
-        b = fused.forward(ids, meta, *kv[1])
-    finally:
-        fk.gemv_parts = orig
+    (a, b), kv, calls = forward_pair(fk, (plain, fused), ids, meta, base_k, base_v)
     assert len(calls) == 4 * s.num_layers  # q/k/v, output, gate/up and down of every layer
     torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(kv[1][0], kv[0][0], atol=2e-3, rtol=2e-3)
 
-    inv_plain = LlamaFamilyModel(hf, fuse=True, fused_kernels=False, batch_invariant=True)
-    inv_fused = LlamaFamilyModel(hf, fuse=True, fused_kernels=fk, batch_invariant=True)
-    calls.clear()
-    fk.gemv_parts = lambda *a, **k: calls.append(1) or orig(*a, **k)
-    try:
-        kv = [(base_k.clone(), base_v.clone()) for _ in range(2)]
-        c = inv_plain.forward(ids, meta, *kv[0])
-        d = inv_fused.forward(ids, meta, *kv[1])
-    finally:
-        fk.gemv_parts = orig
+    inv = [LlamaFamilyModel(hf, fuse=True, fused_kernels=f, batch_invariant=True) for f in (False, fk)]
+    (c, d), _, calls = forward_pair(fk, inv, ids, meta, base_k, base_v)
     assert not calls
     torch.testing.assert_close(d, c, atol=2e-2, rtol=2e-2)
