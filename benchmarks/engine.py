@@ -77,6 +77,13 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 20 / (ev[0].elapsed_time(ev[1]) / 1e3)
 
 
+def step_ms(llm, batch: int) -> tuple[float, int]:
+    """Median time (ms) of the logged decode steps that had exactly ``batch`` requests
+    decoding, and how many there were."""
+    steps = [dt for b, dt in list(llm.engine.decode_step_log) if b == batch]
+    return (statistics.median(steps) * 1e3 if steps else float("nan")), len(steps)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=32)
@@ -158,9 +165,7 @@ def main():
         tpot = statistics.median(o.tpot_s for o in outs)
         # the step time with exactly `batch` requests decoding (TPOT above also counts the
         # prefills of requests that arrive while the first ones decode)
-        steps = [dt for b, dt in list(llm.engine.decode_step_log) if b == batch]
-        results[f"decode_b{batch}_step_ms"] = statistics.median(steps) * 1e3 if steps else float("nan")
-        results[f"decode_b{batch}_steps"] = len(steps)
+        results[f"decode_b{batch}_step_ms"], results[f"decode_b{batch}_steps"] = step_ms(llm, batch)
         ctx = out.usage.prompt_tokens + args.steps // 2
         floor = (weight_bytes + batch * ctx * kv_per_token) / bw
         results[f"decode_b{batch}_ms"] = tpot * 1e3
@@ -173,10 +178,8 @@ def main():
     llm.generate_batch(reqs, max_new_tokens=1)  # prefill every chunk once
     llm.engine.decode_step_log.clear()
     outs = llm.generate_batch(reqs, max_new_tokens=args.steps)
-    steps = [dt for b, dt in list(llm.engine.decode_step_log) if b == 64]
     ctx = statistics.mean(o.usage.prompt_tokens for o in outs) + args.steps // 2
-    results["decode_b64_distinct_step_ms"] = statistics.median(steps) * 1e3 if steps else float("nan")
-    results["decode_b64_distinct_steps"] = len(steps)
+    results["decode_b64_distinct_step_ms"], results["decode_b64_distinct_steps"] = step_ms(llm, 64)
     results["decode_b64_distinct_floor_ms"] = (weight_bytes + 64 * ctx * kv_per_token) / bw * 1e3
     results["graphs"] = sorted(llm.engine.graphs.graphs)
     results["metrics"] = llm.engine.metrics

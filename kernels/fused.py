@@ -230,7 +230,7 @@ def _gemv_parts_kernel(X, W, P, N, stride_w, stride_p,
 
 # (BLOCK_N, BLOCK_K, num_warps) by weight shape ``(N, K)``, or None: that shape stays with
 # the GEMM library; the default where a shape is not listed. H200 measurements in
-# BENCHMARKS.md ("decode at batch 1: the projections").
+# BENCHMARKS.md (engine, "Session 4": the projections of one batch-1 step).
 # The down projection of an 8B model (4096 x 14336) stays with cuBLAS: split 14 ways, its
 # partial sums cost the single-program add + RMSNorm after it as much as the GEMV saves.
 GEMV_CONFIGS: dict = {(4096, 14336): None}
@@ -241,11 +241,12 @@ def gemv_parts(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, in
     """``F.linear(x, weight)`` for one row ``x`` ``(1, K)``, as float32 partial sums
     ``(cdiv(K, BLOCK_K), 1, N)`` over splits of the reduction: their sum, in split order,
     rounded to ``x.dtype``, is the projection. The kernels above take them in place of
-    their projection input, so the split-K reduction costs no launch of its own."""
+    their projection input, so the split-K reduction costs no launch of its own.
+    ``config``: ``(BLOCK_N, BLOCK_K, num_warps)``, default ``GEMV_DEFAULT``."""
     n, k = weight.shape
     if x.shape != (1, k) or weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError(f"gemv_parts needs x (1, {k}) and a row-major weight; got {tuple(x.shape)}")
-    bn, bk, warps = config or GEMV_CONFIGS.get((n, k), GEMV_DEFAULT)
+    bn, bk, warps = config or GEMV_DEFAULT
     splits = triton.cdiv(k, bk)
     parts = torch.empty((splits, 1, n), device=x.device, dtype=torch.float32)
     _gemv_parts_kernel[(triton.cdiv(n, bn), splits)](x, weight, parts, n, weight.stride(0), parts.stride(0),
@@ -253,9 +254,11 @@ def gemv_parts(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, in
     return parts
 
 
-def linear_or_parts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, linear) -> torch.Tensor:
-    """The projection as the kernels above take it: ``gemv_parts`` for one row of half
-    precision without bias, else ``linear(x, weight, bias)``."""
+def linear_or_parts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                    linear) -> torch.Tensor:
+    """The projection as the kernels above take it: ``gemv_parts`` (configured by
+    ``GEMV_CONFIGS``) for one row of half precision without bias, else
+    ``linear(x, weight, bias)``."""
     if x.shape[0] == 1 and bias is None and x.dtype in (torch.float16, torch.bfloat16):
         cfg = GEMV_CONFIGS.get(tuple(weight.shape), GEMV_DEFAULT)
         if cfg is not None:

@@ -13,6 +13,7 @@ prefill or one decode token per sequence), their positions, where to write their
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -396,11 +397,7 @@ class LlamaFamilyModel:
         unless ``batch_invariant``."""
         s, fk = self.spec, self.fused
         n = h.shape[0]
-        if self.batch_invariant or n != 1:
-            proj = self._linear
-        else:
-            def proj(x, wt, b=None):
-                return fk.linear_or_parts(x, wt, b, self._linear)
+        proj = self._linear if self.batch_invariant else functools.partial(fk.linear_or_parts, linear=self._linear)
         pending = None
         for li, w in enumerate(self.layers):
             fi = w["freq"]
