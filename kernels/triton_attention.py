@@ -29,22 +29,40 @@ tiles that need the causal mask. The program finds both bounds with one scan of 
 table row, and never visits tiles past the last entry any of its rows can see. This is
 exact for any table order and tight for the usual order (entries by position).
 
-Decode (one query per sequence, ``_paged_decode_fwd``) rotates the *query* instead: a key
-tile spans ``PPT`` pages with their own deltas, so the program holds ``PPT`` copies of the
-query group, ``R(-delta_p) q`` for each page slot ``p`` of the tile, as extra rows of the
-(anyway padded to 16) MMA, and row group ``p`` sees only its page's keys. Rotating
-``PPT * G`` query rows is a quarter of the work of rotating the keys (G=4, pages of 16),
-and K goes from shared memory to the tensor cores untouched.
+With pages of at least the key tile (the engine's default on CUDA: pages of 64) a key
+tile has one delta, and the kernels rotate the *query* instead, ``R(-delta) q``, once per
+run of table entries with the same delta (a chunk's pages form one run; ``delta_runs``),
+so K goes from global memory to the tensor cores untouched, as in a RoPE-free kernel.
+Three loop forms (``QROT``):
+
+* ``3``, the default prefill for head_dim 128 in 16-bit (``_attn_runs_h``): one loop over
+  all key tiles, the causal ones included; when a run starts, a scalar branch reloads the
+  query and rotates it. The score is two products of depth ``head_dim / 2``, one per rotary
+  half, so no rotate-half shuffle is needed, and the rotated halves are carried in
+  registers as dot operands. The K/V software pipeline runs across runs.
+* ``1``: an outer loop over runs around a pipelined inner loop (the pipeline restarts at
+  each run); other head dims and partial rotary.
+* ``2``: one flat loop on the whole head (decode and short prefills, where it measured
+  faster; the batch-invariant launch).
+
+Decode with pages smaller than the key tile (``_paged_decode_fwd``) rotates the query per
+page: a key tile spans ``PPT`` pages with their own deltas, so the program holds ``PPT``
+copies of the query group, ``R(-delta_p) q``, as extra rows of the (anyway padded to 16)
+MMA, and row group ``p`` sees only its page's keys.
 
 Decode and short prefills split the key range of each sequence over ``num_splits``
 programs (flash-decoding); ``_merge_splits`` merges the partial outputs (and decode's
 page-slot row groups) by log-sum-exp.
 
-Measured on an H200 (BENCHMARKS.md, "Kernels (issue 3)"): decode at batch >= 32 runs at
-SDPA's bandwidth; prefill reaches 51-62% of SDPA (flash) and the rotation costs about 20%
-there. The rotated K tile has to go from registers back to shared memory before ``wgmma``
-and the 128x64 tile already sits at 255 registers; cutting that cost needs the rotation
-off the MMA warps' critical path (warp specialization) -- future work.
+Measured on an H200 (BENCHMARKS.md, "Kernels (issue 3)"): decode at batch >= 32 at
+1.2-1.7x SDPA's bandwidth; prefill at q >= 512 (``QROT=3``) at 96-115% of SDPA (flash)
+with the deferred rotation, which costs 4.6-13% over the same loop with RoPE off: 0.6-0.8
+us per program at each run start (the query reloaded, rotated and moved into the
+dot-operand layout through shared memory, with nothing to overlap it), and at q=2048 over
+32k another ~7% that shows with a single run too. Hiding the run start needs the next
+run's query prefetched into shared memory while the current run computes; Triton 3.6
+places only dot operands there from a loop, and carrying the prefetch in registers spills
+(both measured).
 
 Every kernel loads in the cache's dtype and computes in float32, so it runs in Triton's
 interpreter (``TRITON_INTERPRET=1``, CPU) with float16/float32 tensors.
@@ -329,6 +347,109 @@ def _attn_runs(
 
 
 @triton.jit
+def _rot_q_h(q_row, row_ok, Cos_row, Sin_row, e, m_i, K, HALF: tl.constexpr, ROT: tl.constexpr):
+    """The query group's two rotary halves rotated by table entry ``e``'s delta,
+    ``R(-delta) q = [q1 c + q2 s, q2 c - q1 s]``, each ``(BLOCK_M, HALF)`` in K's dtype
+    (reloaded from global memory, rotated in float32); ``ROT=False``: the halves as they are.
+
+    Adding ``0`` taken from ``m_i`` (which lives in the MMA row layout) gives the result
+    that layout: the compiler then converts it to a dot operand here, once per run, and the
+    loop carries it in registers; otherwise it is carried in a blocked layout and goes
+    through shared memory before every key tile's product."""
+    offs_h = tl.arange(0, HALF)
+    z = (m_i * 0.0).to(K.dtype.element_ty)[:, None]
+    if ROT:
+        a1 = tl.load(q_row[:, None] + offs_h[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        a2 = tl.load(q_row[:, None] + HALF + offs_h[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        c = tl.load(Cos_row + e * HALF + offs_h)[None, :]
+        s = tl.load(Sin_row + e * HALF + offs_h)[None, :]
+        return (a1 * c + a2 * s).to(K.dtype.element_ty) + z, (a2 * c - a1 * s).to(K.dtype.element_ty) + z
+    else:  # RoPE off: the halves as they are
+        a1 = tl.load(q_row[:, None] + offs_h[None, :], mask=row_ok[:, None], other=0.0)
+        a2 = tl.load(q_row[:, None] + HALF + offs_h[None, :], mask=row_ok[:, None], other=0.0)
+        return a1.to(K.dtype.element_ty) + z, a2.to(K.dtype.element_ty) + z
+
+
+@triton.jit
+def _tile_update_h(acc, l_i, m_i, q1, q2, qpos, K, V, BT_row, BPos_row, BLen_row,
+                   stride_kp, stride_ks, stride_vp, stride_vs, tt, t_lo, qk_scale,
+                   HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                   DOT_PREC: tl.constexpr, IDX64: tl.constexpr):
+    """``_tile_update`` with the query as its two halves ``(BLOCK_M, HEAD_DIM // 2)``: two
+    products of depth ``HEAD_DIM // 2`` on the key tile's halves. Key tiles from ``t_lo``
+    on get the causal mask (a branch per tile), the others only slot validity."""
+    H2: tl.constexpr = HEAD_DIM // 2
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_h = tl.arange(0, H2)
+    ent = (tt * BLOCK_N) // PAGE_SIZE
+    slot = (tt * BLOCK_N) % PAGE_SIZE + offs_n
+    ln = tl.load(BLen_row + ent)
+    kvalid = slot < ln
+    page = tl.load(BT_row + ent)
+    page = page.to(tl.int64) if IDX64 else page.to(tl.int32)
+    k_row = (K + page * stride_kp + slot * stride_ks)[:, None]
+    k1 = tl.load(k_row + offs_h[None, :], mask=kvalid[:, None], other=0.0)
+    k2 = tl.load(k_row + H2 + offs_h[None, :], mask=kvalid[:, None], other=0.0)
+    qk = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
+    qk = tl.dot(q2, tl.trans(k2), qk, input_precision=DOT_PREC) * qk_scale
+    if tt >= t_lo:
+        kpos = tl.load(BPos_row + ent).to(tl.int32) + slot
+        seen = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
+        qk = tl.where(seen, qk, float("-inf"))
+    else:
+        qk = qk + tl.where(kvalid, 0.0, float("-inf"))[None, :]
+    m_new = tl.maximum(m_i, _max(qk, 1))
+    p = tl.math.exp2(qk - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + _sum(p, 1)
+    v = tl.load((V + page * stride_vp + slot * stride_vs)[:, None] + offs_d[None, :],
+                mask=kvalid[:, None], other=0.0)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(V.dtype.element_ty), v, acc, input_precision=DOT_PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attn_runs_h(
+    acc, l_i, m_i,
+    q_row, row_ok, qpos,
+    K, V, BT_row, BPos_row, BLen_row, Cos_row, Sin_row, Runs_row,
+    stride_kp, stride_ks, stride_vp, stride_vs,
+    t_start, t_end, t_lo, qk_scale,
+    HEAD_DIM: tl.constexpr, USE_ROPE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, IDX64: tl.constexpr,
+):
+    """The run loop as one loop over key tiles ``[t_start, t_end)`` on the query's two
+    rotary halves (needs ``PAGE_SIZE >= BLOCK_N`` and, with RoPE, a fully rotary head).
+
+    The query is reloaded and rotated when a run starts (a scalar branch), so the software
+    pipeline of K/V loads runs across runs, and the causal tiles (from ``t_lo``) share the
+    loop. The rotated halves are carried in registers as dot operands (``_rot_q_h``).
+    Splitting the product into two halves is what makes that work: one 128-deep operand
+    carried through the loop spills and serializes the tensor-core pipeline (``ptxas``:
+    "wgmma.mma_async instructions are serialized").
+
+    Without RoPE the run never ends (``r_end = t_end``), but the halves are carried the
+    same way: on the H200 that ran 2-4% faster than letting the compiler keep a
+    loop-invariant query in shared memory."""
+    TPE: tl.constexpr = PAGE_SIZE // BLOCK_N  # key tiles per table entry
+    H2: tl.constexpr = HEAD_DIM // 2
+    e0 = t_start // TPE
+    q1, q2 = _rot_q_h(q_row, row_ok, Cos_row, Sin_row, e0, m_i, K, H2, USE_ROPE)
+    r_end = tl.load(Runs_row + e0).to(tl.int32) * TPE if USE_ROPE else t_end
+    for tt in range(t_start, t_end):
+        if tt >= r_end:
+            e = tt // TPE
+            r_end = tl.load(Runs_row + e).to(tl.int32) * TPE
+            q1, q2 = _rot_q_h(q_row, row_ok, Cos_row, Sin_row, e, m_i, K, H2, USE_ROPE)
+        acc, l_i, m_i = _tile_update_h(acc, l_i, m_i, q1, q2, qpos, K, V, BT_row, BPos_row, BLen_row,
+                                       stride_kp, stride_ks, stride_vp, stride_vs, tt, t_lo, qk_scale,
+                                       HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_PREC, IDX64)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _paged_attn_fwd(
     Q, QPos, CuQ, K, V, BT, BPos, BLen, Cos, Sin, Runs, Out, PartO, PartLse,
     qk_scale,
@@ -348,8 +469,10 @@ def _paged_attn_fwd(
 ):
     """Grid ``(q_tiles, num_kv_heads * num_splits, batch)``; see the module docstring.
 
-    ``QROT``: apply the deltas to the query once per run of equal deltas (``_attn_runs``;
-    needs ``PAGE_SIZE >= BLOCK_N``) instead of to every key tile (``_attn_tiles``).
+    ``QROT``: apply the deltas to the query once per run of equal deltas (needs
+    ``PAGE_SIZE >= BLOCK_N``) instead of to every key tile (``_attn_tiles``): ``1`` a loop
+    per run, ``2`` one flat loop (``_attn_runs``), ``3`` one loop on the query's rotary
+    halves with the causal tiles inside it (``_attn_runs_h``; fully rotary heads).
 
     ``SPLIT_OUT``: write normalized partial outputs and their log2-sum-exp to
     ``PartO/PartLse`` for ``_merge_splits`` instead of the output."""
@@ -430,7 +553,14 @@ def _paged_attn_fwd(
     m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
-    if QROT:
+    if QROT == 3:
+        acc, l_i, m_i = _attn_runs_h(
+            acc, l_i, m_i, q_row, row_ok, qpos,
+            Kh, Vh, BT_row, BPos_row, BLen_row, Cos_row, Sin_row, Runs + b.to(tl.int64) * max_blocks,
+            stride_kp, stride_ks, stride_vp, stride_vs,
+            s_start, s_end, t_lo, qk_scale, HEAD_DIM, USE_ROPE, PAGE_SIZE, BLOCK_N, DOT_PREC, IDX64,
+        )
+    elif QROT:
         ROT_Q: tl.constexpr = 2 * HALF if USE_ROPE else 0
         Runs_row = Runs + b.to(tl.int64) * max_blocks
         acc, l_i, m_i = _attn_runs(
@@ -702,8 +832,15 @@ _PREFILL_CFG_LONG: dict = {}  # (128, 128, 8, 2) is faster without RoPE but spil
 # over 32k; the 128x64 tile spills there).
 _PREFILL_CFG_QROT = {128: (64, 64, 4, 3)}
 
+# The one-loop kernel on the query's rotary halves (qrot=3), the default prefill for
+# head_dim 128 in 16-bit with pages of at least 64: on the H200 96-115% of SDPA at
+# q >= 512 with 2 stages (3 stages: 0-8% slower; BENCHMARKS.md, "Kernels (issue 3)").
+_PREFILL_CFG_HALVES = {128: (64, 64, 4, 2)}
 
-def _prefill_config(d: int, kv_slots: int, page_size: int = 0):
+
+def _prefill_config(d: int, kv_slots: int, page_size: int = 0, halves: bool = False):
+    if halves and d in _PREFILL_CFG_HALVES:
+        return _PREFILL_CFG_HALVES[d]
     qc = _PREFILL_CFG_QROT.get(d)
     if qc is not None and page_size >= qc[1]:
         return qc
@@ -782,8 +919,10 @@ def paged_attention_triton(
         slots (``True``) or gather it per slot (``False``); for benchmarks.
     prefetch : load the next key tile's cos/sin during this one (default on); for benchmarks.
     qrot : rotate the query once per run of equal deltas (default whenever a key tile lies
-        in one page, ``page_size >= BLOCK_N``) instead of every key tile; ``2``: the same in
-        one flat loop (see ``_attn_runs``); for benchmarks.
+        in one page, ``page_size >= BLOCK_N``) instead of every key tile; ``1``: a loop per
+        run, ``2``: the same in one flat loop (see ``_attn_runs``), ``3``: one loop on the
+        query's rotary halves (``_attn_runs_h``; fully rotary heads; the default prefill
+        for head_dim 128 in 16-bit); for benchmarks and tests.
     batch_invariant : one launch configuration for every call, prefill or decode, whatever
         the batch: the general kernel, 64-row query tiles, a fixed key tile, no split-K.
         A query row then sees its keys in the same tiles, in the same order, through the same
@@ -836,11 +975,18 @@ def paged_attention_triton(
     short = rows <= 64  # a few queries per sequence: small query tiles, no causal scan
     dec_n = (config[1] if config is not None else _DECODE_CFG.get(d, _DECODE_CFG[256])[0])
     qkey = (d, k_cache.dtype, short, page_size, config)
+    # the one-loop kernel on rotary halves needs a fully rotary head when it rotates
+    halves_ok = (not use_rope or 2 * half == d) and d >= 32
     if qrot is None:
-        qrot = page_size >= dec_n if short else page_size >= (
-            config[1] if config is not None else _prefill_config(d, max_blocks * page_size, page_size)[1])
-        qrot = qrot and qkey not in _QROT_FAILED
-    qrot = int(qrot) if qrot in (0, 1, 2) else int(bool(qrot))
+        halves = (halves_ok and not short and d in _PREFILL_CFG_HALVES
+                  and k_cache.dtype in (torch.float16, torch.bfloat16))
+        n_needed = dec_n if short else (config[1] if config is not None else _prefill_config(
+            d, max_blocks * page_size, page_size, halves)[1])
+        qrot = (3 if halves else 1) if page_size >= n_needed else 0
+        qrot = qrot if qkey not in _QROT_FAILED else 0
+    qrot = int(qrot) if qrot in (0, 1, 2, 3) else int(bool(qrot))
+    if qrot == 3 and not halves_ok:
+        raise ValueError(f"qrot=3 needs a fully rotary head (rotary_dim {2 * half} != head_dim {d})")
     if qrot == 1 and short:
         # the run loop as one flat loop (qrot=2, see _attn_runs). On the H200 (BENCHMARKS.md)
         # the flat loop made decode faster and its RoPE cost 1.4-2.9% (the run loop: 3.5-7.4%),
@@ -864,7 +1010,8 @@ def paged_attention_triton(
         block_m = max(16, _next_pow2(rows))
         block_n, num_warps, num_stages = _DECODE_CFG.get(d, _DECODE_CFG[256])
     else:
-        block_m, block_n, num_warps, num_stages = _prefill_config(d, max_blocks * page_size, page_size if qrot else 0)
+        block_m, block_n, num_warps, num_stages = _prefill_config(d, max_blocks * page_size, page_size if qrot else 0,
+                                                                  qrot == 3)
     if _interpreting():
         num_stages = 1
     if cs_per_page is None:
@@ -904,7 +1051,7 @@ def paged_attention_triton(
                 raise ValueError(f"runs table of shape {tuple(runs.shape)}, expected {(batch, max_blocks)} contiguous")
     else:
         cos = sin = inv_freq  # never read
-        if qrot:  # one run per row: no rotation at all
+        if qrot in (1, 2):  # one run per row: no rotation at all
             runs = torch.full((1,), max_blocks, dtype=torch.int32, device=q.device).expand(batch, max_blocks)
             runs = runs.contiguous()
     n_parts = num_splits * (ppt if decode_kernel else 1)

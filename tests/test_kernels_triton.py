@@ -290,11 +290,19 @@ QROT_CASES = [
 
 
 @pytest.mark.parametrize("case", QROT_CASES, ids=_case_id)
-@pytest.mark.parametrize("splits,flat", [(None, False), (1, False), (3, False), (None, True), (3, True)])
-def test_query_rotation_per_run(case, splits, flat):
+@pytest.mark.parametrize("splits,qrot", [(None, 1), (1, 1), (3, 1), (None, 2), (3, 2), (None, 3), (1, 3), (3, 3)])
+def test_query_rotation_per_run(case, splits, qrot):
     """Prefix, chunks at random deltas (two neighbours sharing one delta, so a run spans
-    chunks), then the queries' own pages; prefill, decode, split key ranges."""
+    chunks), then the queries' own pages; prefill, decode, split key ranges. Loops: 1 a
+    loop per run, 2 one flat loop, 3 one loop on the query's rotary halves (fully rotary
+    heads only: refused otherwise)."""
     g, d, rd, dtype, ps, cfg = case
+    if qrot == 3 and rd is not None and rd != d:
+        batch = _make_batch([([(0, 9, 0), (9, 30, 0)], 5)], page_size=ps, hkv=2, group=g, d=d, rotary_dim=rd,
+                            dtype=dtype, seed=21)
+        with pytest.raises(ValueError, match="fully rotary"):
+            ta.paged_attention_triton(**batch, config=cfg, qrot=3)
+        return
     gen = random.Random(21)
     seqs = []
     for nc, nq in ((4, 17), (0, 5), (3, 1)):
@@ -303,8 +311,10 @@ def test_query_rotation_per_run(case, splits, flat):
             chunks[2] = (chunks[2][0], chunks[2][1], chunks[1][2])  # encoded together: one delta
         seqs.append(([(0, 9, 0)] + chunks + [(pos, nq + gen.randint(0, 20), 0)], nq))
     batch = _make_batch(seqs, page_size=ps, hkv=2, group=g, d=d, rotary_dim=rd, dtype=dtype, seed=21)
-    qrot = 2 if flat else True  # 2: the same runs in one flat loop
     _check_attention(batch, config=cfg, num_splits=splits, qrot=qrot)
+    # RoPE off: the same function as every delta 0 (the loop carries the unrotated query)
+    _check_attention(dict(batch, block_delta=torch.zeros_like(batch["block_delta"])), config=cfg,
+                     num_splits=splits, qrot=qrot, use_rope=False)
     one = [([(0, 9, 0)] + _chunks(gen, 5, 9, lo=3, hi=80)[0], 1) for _ in range(3)]
     for s_, _ in one:
         last = s_[-1]
@@ -479,11 +489,11 @@ def test_gpu_compiled_query_rotation(dtype, d):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compiled kernels run only on a GPU)")
-@pytest.mark.parametrize("qrot", [1, 2])
+@pytest.mark.parametrize("qrot", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_compiled_run_loops(qrot, dtype):
-    """Both forms of the query-rotating loop (a loop per run, one flat loop) compiled,
-    head_dim 128, pages of 64, split and unsplit."""
+    """The three forms of the query-rotating loop (a loop per run, one flat loop, one loop
+    on rotary halves) compiled, head_dim 128, pages of 64, split and unsplit."""
     mod = _load_kernels(interpret=False)
     seqs = _gpu_seqs(29, ((7, 90), (3, 1), (2, 17)), 40, 300)
     for splits in (None, 1, 3):
