@@ -17,9 +17,10 @@ FAMILIES = {
 }
 
 
-def make_tiny(family: str, seed: int = 0, window: int | None = None):
+def make_tiny(family: str, seed: int = 0, window: int | None = None, **overrides):
     """A small random model of a supported family, with weights scaled up so its greedy
-    choices are decisive (near-ties would make exact-token comparisons flaky)."""
+    choices are decisive (near-ties would make exact-token comparisons flaky);
+    ``overrides`` replace config fields (e.g. ``head_dim``)."""
     import transformers
 
     model_type = {"llama3-rope": "llama"}.get(family, family)
@@ -37,6 +38,7 @@ def make_tiny(family: str, seed: int = 0, window: int | None = None):
                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
     kw.update(FAMILIES[family])
+    kw.update(overrides)
     cfg = cls(**kw)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")

@@ -46,6 +46,32 @@ def test_triton_engine_matches_transformers_4d_mask(tiny_cuda, tokenizer, reuse,
     llm.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_head_dim_128_prefill_kernel_in_engine_matches_torch_backend(tokenizer, dtype, monkeypatch):
+    """Head dim 128 in 16-bit with pages of 64 takes the default prefill kernel (one loop on
+    the query's rotary halves) for chunks and suffixes of more than 64 query rows: greedy
+    tokens equal those of the torch attention backend on the same weights, for lazy and
+    block reuse."""
+    from lazyllm.kernels import triton_attention as ta
+
+    halves = []
+    config = ta._prefill_config
+    monkeypatch.setattr(ta, "_prefill_config", lambda *a: halves.append(a[-1]) or config(*a))
+    model = make_tiny("llama3-rope", head_dim=128, hidden_size=256, intermediate_size=256).to("cuda", dtype)
+    docs = [d * 4 for d in DOCS]  # 60+ tokens per chunk: prefill rows > 64 (2 query heads per KV head)
+    for reuse in ("lazy", "block"):
+        outs = []
+        for backend in ("triton", "torch"):
+            llm = LazyLLM(model=model, tokenizer=tokenizer, reuse=reuse, page_size=64, kv_cache_bytes=256 << 20,
+                          attention_backend=backend)
+            outs.append([llm.generate("Which was completed in 1889? Answer in one sentence, please, and explain "
+                                      "why the tower was built at all.", chunks=c, max_new_tokens=10).token_ids
+                         for c in (docs[:3], docs[1:4][::-1])])
+            llm.close()
+        assert outs[0] == outs[1], reuse
+    assert any(halves), "the engine never launched the rotary-halves prefill kernel"
+
+
 @pytest.mark.parametrize("reuse", ["none", "prefix"])
 def test_triton_engine_full_modes_match_generate(tiny_cuda, tokenizer, reuse):
     llm = LazyLLM(model=tiny_cuda, tokenizer=tokenizer, reuse=reuse, kv_cache_bytes=256 << 20,
