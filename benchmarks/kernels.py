@@ -284,6 +284,38 @@ def run_prefill(nq, kv, ps, inv_freq, dev, configs=None, splits=(None,), sdpa=Tr
     return res
 
 
+def run_prefill_diag(nq, kv, inv_freq, dev, qrot, cfg):
+    """Where the deferred-RoPE cost of a query-rotating prefill goes (pages of 64, tables
+    prebuilt): the real deltas, the same kernel with every delta 0 (one run: the per-tile
+    cost of carrying the rotated query), and RoPE off."""
+    pg, qs, q, q_pos, cu = prefill_case(nq, kv, 64, inv_freq, dev)
+    a = pg.args(q, q_pos, cu)
+    out = torch.empty_like(q)
+    flops = 4 * HQ * D * (nq * (kv - nq) + nq * (nq + 1) / 2)
+    kw = dict(out=out, max_seqlen_q=nq, config=cfg, qrot=qrot)
+    row = dict(kind="prefill_diag", q=nq, kv=kv, qrot=qrot, config=cfg, flops=flops)
+    try:
+        ta.paged_attention_triton(**a, **kw)
+        sync()
+        s_out = sdpa_flash(qs, pg.k_sdpa, pg.v_sdpa, True)
+        row["err_ref"], row["err_sdpa"] = check_prefill(pg, qs, q, q_pos, cu, out, s_out)
+        rt = ta.rope_table(pg.block_delta, inv_freq)
+        rt0 = ta.rope_table(torch.zeros_like(pg.block_delta), inv_freq)
+        row["ms_rope"] = bench(lambda: ta.paged_attention_triton(**a, rope=rt, **kw))
+        row["ms_rope_one_run"] = bench(lambda: ta.paged_attention_triton(**a, rope=rt0, **kw))
+        row["ms_norope"] = bench(lambda: ta.paged_attention_triton(**a, use_rope=False, **kw))
+        row["ms_sdpa"] = bench(lambda: sdpa_flash(qs, pg.k_sdpa, pg.v_sdpa, True))
+        row["runs"] = int((pg.block_delta[:, 1:] != pg.block_delta[:, :-1]).sum()) + 1
+        log(f"diag q={nq} kv={kv} qrot={qrot} cfg={cfg} | rope {row['ms_rope']:.4f} one-run {row['ms_rope_one_run']:.4f} "
+            f"off {row['ms_norope']:.4f} sdpa {row['ms_sdpa']:.4f} ms | rope +{100 * (row['ms_rope'] / row['ms_norope'] - 1):.1f}% "
+            f"(one run +{100 * (row['ms_rope_one_run'] / row['ms_norope'] - 1):.1f}%) | ours/SDPA "
+            f"{row['ms_sdpa'] / row['ms_rope']:.2f} | runs {row['runs']} | err ref {row['err_ref']:.1e}")
+    except Exception as e:  # keep the rest of the run
+        row["error"] = repr(e)[:300]
+        traceback.print_exc()
+    return [row]
+
+
 def run_decode(batch, kv, ps, inv_freq, dev, configs=None, splits=(None,), sdpa=True, n_check=2, extra=None,
                graphs=False):
     pg = Paged(batch, kv, 16, ps, inv_freq, seed=batch * 7 + kv, dev=dev)
@@ -421,7 +453,8 @@ def fmt_row(row):
     if "error" in r:
         return f"{r['kind']} {r.get('q', r.get('batch'))}/{r.get('kv')} cfg={r.get('config')} ERROR {r['error']}"
     if r["kind"] == "prefill":
-        return (f"prefill q={r['q']:5d} kv={r['kv']:6d} cfg={r['config']} sp={r['splits']} | ours {r['ms_rope']:.3f} ms "
+        return (f"prefill q={r['q']:5d} kv={r['kv']:6d} cfg={r['config']} sp={r['splits']} "
+                f"{r.get('extra') or ''} | ours {r['ms_rope']:.3f} ms "
                 f"{r['tflops_rope']:.0f} TF/s | rope-off {r['ms_norope']:.3f} | sdpa {r.get('ms_sdpa', float('nan')):.3f} ms "
                 f"{r.get('tflops_sdpa', float('nan')):.0f} TF/s | x{r.get('vs_sdpa', float('nan')):.2f} | rope +{100 * r['rope_cost']:.1f}% "
                 f"(pretable +{100 * r['rope_cost_pretable']:.1f}%) | err ref {r.get('err_ref', float('nan')):.1e} "
@@ -508,6 +541,9 @@ def main():
                     help="prefill over pages of 64: tile shapes and pipeline stages (speed, RoPE cost)")
     ap.add_argument("--small-batch", action="store_true",
                     help="decode at batch 1-8 over pages of 64: split counts and key tiles")
+    ap.add_argument("--run-loops", action="store_true",
+                    help="prefill q >= 512 over 8k and 32k: the loop per run (qrot=1) against the one loop on "
+                         "rotary halves (qrot=3), and where their RoPE cost goes (real deltas, one run, RoPE off)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, interpreter, tiny shapes: checks the script")
     args = ap.parse_args()
     global DTYPE, PREFILL, DECODE
@@ -583,6 +619,12 @@ def main():
             rows += run_decode(b, kv, 64, inv_freq, dev, graphs=True, configs=[(0, 32, 4, 3), (0, 32, 4, 2)] if big
                                else [(0, 32, 4, 1)], splits=(None, 64) if big else (None,))
         save()
+    if args.run_loops:
+        big = not DRY
+        for nq, kv in ([s_ for s_ in PREFILL if s_[0] >= 512 and s_[1] >= 8192] if big else ((40, 700),)):
+            for qr, cfg in ((1, (64, 64, 4, 3)), (3, (64, 64, 4, 2)), (3, (64, 64, 4, 3))):
+                rows += run_prefill_diag(nq, kv, inv_freq, dev, qr, cfg if big else None)
+            save()
     if args.flat:
         big = not DRY
         for nq, kv in ([s_ for s_ in PREFILL if s_[0] >= 512] if big else ((40, 700),)):
@@ -633,6 +675,7 @@ def compiled_report():
                     c = {names[k[0]] if isinstance(k, tuple) else k: v for k, v in kern.src.constants.items()}
                     key = {k: c.get(k) for k in ("BLOCK_M", "BLOCK_N", "USE_ROPE", "SCAN", "SPLIT_OUT", "PAGE_SIZE",
                                                  "CS_PER_PAGE", "BLOCK_R", "QROT")} if c else ""
+                    key = f"{key} stages={kern.metadata.num_stages}"
                     log(f"{fn.__name__} {key} warps={kern.metadata.num_warps} stages={kern.metadata.num_stages} "
                         f"regs={kern.n_regs} spills={kern.n_spills} smem={kern.metadata.shared}")
     except Exception as e:  # diagnostics only
