@@ -264,11 +264,29 @@ def _rot_q(q_row, row_ok, Cos_row, Sin_row, e, K,
 
 
 @triton.jit
-def _tile_update(acc, l_i, m_i, qr, qpos, K, V, BT_row, BPos_row, BLen_row,
-                 stride_kp, stride_ks, stride_vp, stride_vs, tt, qk_scale,
+def _mask_scores(qk, kvalid, BPos_row, ent, slot, qpos, CAUSAL: tl.constexpr):
+    """Scores of padding slots (and, ``CAUSAL``, of keys after a row's position) to -inf."""
+    if CAUSAL:
+        kpos = tl.load(BPos_row + ent).to(tl.int32) + slot
+        seen = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
+        return tl.where(seen, qk, float("-inf"))
+    else:
+        return qk + tl.where(kvalid, 0.0, float("-inf"))[None, :]
+
+
+@triton.jit
+def _tile_update(acc, l_i, m_i, qa, qb, qpos, K, V, BT_row, BPos_row, BLen_row,
+                 stride_kp, stride_ks, stride_vp, stride_vs, tt, t_lo, qk_scale,
                  HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 CAUSAL_MASK: tl.constexpr, DOT_PREC: tl.constexpr, IDX64: tl.constexpr):
-    """Online-softmax update with key tile ``tt`` (which lies in one page)."""
+                 CAUSAL_MASK: tl.constexpr, DOT_PREC: tl.constexpr, IDX64: tl.constexpr,
+                 HALVES: tl.constexpr):
+    """Online-softmax update with key tile ``tt`` (which lies in one page).
+
+    ``HALVES``: the query is given as its two halves ``qa, qb`` ``(BLOCK_M, HEAD_DIM // 2)``
+    and scored with two products of depth ``HEAD_DIM // 2`` on the key tile's halves;
+    otherwise ``qa`` is the whole ``(BLOCK_M, HEAD_DIM)`` query (``qb`` unused).
+    ``CAUSAL_MASK``: ``0`` slot validity only, ``1`` the causal mask, ``2`` the causal mask
+    on the tiles from ``t_lo`` on (a branch per tile)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     ent = (tt * BLOCK_N) // PAGE_SIZE
@@ -277,15 +295,24 @@ def _tile_update(acc, l_i, m_i, qr, qpos, K, V, BT_row, BPos_row, BLen_row,
     kvalid = slot < ln
     page = tl.load(BT_row + ent)
     page = page.to(tl.int64) if IDX64 else page.to(tl.int32)
-    k = tl.load((K + page * stride_kp + slot * stride_ks)[:, None] + offs_d[None, :],
-                mask=kvalid[:, None], other=0.0)
-    qk = tl.dot(qr, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-    if CAUSAL_MASK:
-        kpos = tl.load(BPos_row + ent).to(tl.int32) + slot
-        seen = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
-        qk = tl.where(seen, qk, float("-inf"))
+    k_row = (K + page * stride_kp + slot * stride_ks)[:, None]
+    if HALVES:
+        H2: tl.constexpr = HEAD_DIM // 2
+        offs_h = tl.arange(0, H2)
+        k1 = tl.load(k_row + offs_h[None, :], mask=kvalid[:, None], other=0.0)
+        k2 = tl.load(k_row + H2 + offs_h[None, :], mask=kvalid[:, None], other=0.0)
+        qk = tl.dot(qa, tl.trans(k1), input_precision=DOT_PREC)
+        qk = tl.dot(qb, tl.trans(k2), qk, input_precision=DOT_PREC) * qk_scale
     else:
-        qk = qk + tl.where(kvalid, 0.0, float("-inf"))[None, :]
+        k = tl.load(k_row + offs_d[None, :], mask=kvalid[:, None], other=0.0)
+        qk = tl.dot(qa, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    if CAUSAL_MASK == 2:
+        if tt >= t_lo:
+            qk = _mask_scores(qk, kvalid, BPos_row, ent, slot, qpos, True)
+        else:
+            qk = _mask_scores(qk, kvalid, BPos_row, ent, slot, qpos, False)
+    else:
+        qk = _mask_scores(qk, kvalid, BPos_row, ent, slot, qpos, CAUSAL_MASK == 1)
     m_new = tl.maximum(m_i, _max(qk, 1))
     p = tl.math.exp2(qk - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
@@ -329,9 +356,9 @@ def _attn_runs(
                 e = tt // TPE
                 r_end = tl.load(Runs_row + e).to(tl.int32) * TPE
                 qr = _rot_q(q_row, row_ok, Cos_row, Sin_row, e, K, HEAD_DIM, HALF, ROT)
-            acc, l_i, m_i = _tile_update(acc, l_i, m_i, qr, qpos, K, V, BT_row, BPos_row, BLen_row,
-                                         stride_kp, stride_ks, stride_vp, stride_vs, tt, qk_scale,
-                                         HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL_MASK, DOT_PREC, IDX64)
+            acc, l_i, m_i = _tile_update(acc, l_i, m_i, qr, qr, qpos, K, V, BT_row, BPos_row, BLen_row,
+                                         stride_kp, stride_ks, stride_vp, stride_vs, tt, t_start, qk_scale,
+                                         HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL_MASK, DOT_PREC, IDX64, False)
     else:
         t = t_start
         while t < t_end:
@@ -339,9 +366,9 @@ def _attn_runs(
             r_end = tl.minimum(tl.load(Runs_row + e).to(tl.int32) * TPE, t_end)
             qr = _rot_q(q_row, row_ok, Cos_row, Sin_row, e, K, HEAD_DIM, HALF, ROT)
             for tt in range(t, r_end):
-                acc, l_i, m_i = _tile_update(acc, l_i, m_i, qr, qpos, K, V, BT_row, BPos_row, BLen_row,
-                                             stride_kp, stride_ks, stride_vp, stride_vs, tt, qk_scale,
-                                             HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL_MASK, DOT_PREC, IDX64)
+                acc, l_i, m_i = _tile_update(acc, l_i, m_i, qr, qr, qpos, K, V, BT_row, BPos_row, BLen_row,
+                                             stride_kp, stride_ks, stride_vp, stride_vs, tt, t, qk_scale,
+                                             HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL_MASK, DOT_PREC, IDX64, False)
             t = r_end
     return acc, l_i, m_i
 
@@ -371,46 +398,6 @@ def _rot_q_h(q_row, row_ok, Cos_row, Sin_row, e, m_i, K, HALF: tl.constexpr, ROT
 
 
 @triton.jit
-def _tile_update_h(acc, l_i, m_i, q1, q2, qpos, K, V, BT_row, BPos_row, BLen_row,
-                   stride_kp, stride_ks, stride_vp, stride_vs, tt, t_lo, qk_scale,
-                   HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT_PREC: tl.constexpr, IDX64: tl.constexpr):
-    """``_tile_update`` with the query as its two halves ``(BLOCK_M, HEAD_DIM // 2)``: two
-    products of depth ``HEAD_DIM // 2`` on the key tile's halves. Key tiles from ``t_lo``
-    on get the causal mask (a branch per tile), the others only slot validity."""
-    H2: tl.constexpr = HEAD_DIM // 2
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_h = tl.arange(0, H2)
-    ent = (tt * BLOCK_N) // PAGE_SIZE
-    slot = (tt * BLOCK_N) % PAGE_SIZE + offs_n
-    ln = tl.load(BLen_row + ent)
-    kvalid = slot < ln
-    page = tl.load(BT_row + ent)
-    page = page.to(tl.int64) if IDX64 else page.to(tl.int32)
-    k_row = (K + page * stride_kp + slot * stride_ks)[:, None]
-    k1 = tl.load(k_row + offs_h[None, :], mask=kvalid[:, None], other=0.0)
-    k2 = tl.load(k_row + H2 + offs_h[None, :], mask=kvalid[:, None], other=0.0)
-    qk = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
-    qk = tl.dot(q2, tl.trans(k2), qk, input_precision=DOT_PREC) * qk_scale
-    if tt >= t_lo:
-        kpos = tl.load(BPos_row + ent).to(tl.int32) + slot
-        seen = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
-        qk = tl.where(seen, qk, float("-inf"))
-    else:
-        qk = qk + tl.where(kvalid, 0.0, float("-inf"))[None, :]
-    m_new = tl.maximum(m_i, _max(qk, 1))
-    p = tl.math.exp2(qk - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + _sum(p, 1)
-    v = tl.load((V + page * stride_vp + slot * stride_vs)[:, None] + offs_d[None, :],
-                mask=kvalid[:, None], other=0.0)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(V.dtype.element_ty), v, acc, input_precision=DOT_PREC)
-    return acc, l_i, m_new
-
-
-@triton.jit
 def _attn_runs_h(
     acc, l_i, m_i,
     q_row, row_ok, qpos,
@@ -425,7 +412,8 @@ def _attn_runs_h(
 
     The query is reloaded and rotated when a run starts (a scalar branch), so the software
     pipeline of K/V loads runs across runs, and the causal tiles (from ``t_lo``) share the
-    loop. The rotated halves are carried in registers as dot operands (``_rot_q_h``).
+    loop. The rotated halves are carried in registers as dot operands (``_rot_q_h``;
+    ``_tile_update`` with ``HALVES``).
     Splitting the product into two halves is what makes that work: one 128-deep operand
     carried through the loop spills and serializes the tensor-core pipeline (``ptxas``:
     "wgmma.mma_async instructions are serialized").
@@ -443,9 +431,9 @@ def _attn_runs_h(
             e = tt // TPE
             r_end = tl.load(Runs_row + e).to(tl.int32) * TPE
             q1, q2 = _rot_q_h(q_row, row_ok, Cos_row, Sin_row, e, m_i, K, H2, USE_ROPE)
-        acc, l_i, m_i = _tile_update_h(acc, l_i, m_i, q1, q2, qpos, K, V, BT_row, BPos_row, BLen_row,
-                                       stride_kp, stride_ks, stride_vp, stride_vs, tt, t_lo, qk_scale,
-                                       HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_PREC, IDX64)
+        acc, l_i, m_i = _tile_update(acc, l_i, m_i, q1, q2, qpos, K, V, BT_row, BPos_row, BLen_row,
+                                     stride_kp, stride_ks, stride_vp, stride_vs, tt, t_lo, qk_scale,
+                                     HEAD_DIM, PAGE_SIZE, BLOCK_N, 2, DOT_PREC, IDX64, True)
     return acc, l_i, m_i
 
 
