@@ -56,13 +56,15 @@ page-slot row groups) by log-sum-exp.
 
 Measured on an H200 (BENCHMARKS.md, "Kernels (issue 3)"): decode at batch >= 32 at
 1.2-1.7x SDPA's bandwidth; prefill at q >= 512 (``QROT=3``) at 96-115% of SDPA (flash)
-with the deferred rotation, which costs 4.6-13% over the same loop with RoPE off: 0.6-0.8
-us per program at each run start (the query reloaded, rotated and moved into the
-dot-operand layout through shared memory, with nothing to overlap it), and at q=2048 over
-32k another ~7% that shows with a single run too. Hiding the run start needs the next
-run's query prefetched into shared memory while the current run computes; Triton 3.6
-places only dot operands there from a loop, and carrying the prefetch in registers spills
-(both measured).
+with the deferred rotation, which costs 4.6-13% over the same loop with RoPE off. Most of
+it is the run starts, 0.6-0.8 us per program each: about 360 instructions per thread (the
+query reloaded, unpacked, rotated in float32, packed, and moved into the dot-operand layout
+through shared memory) against about 710 per key tile, so 6% of a 512-token run, issued by
+the same warps that run the softmax. At q=2048 over 32k another ~7% shows with a single run
+too (not understood). Taking the rotation off those warps' path needs warp specialization
+(a warpgroup that rotates the next run's query while the others compute), which Triton
+3.6 does not build for this loop on sm_90; prefetching in registers instead spills
+(measured).
 
 Every kernel loads in the cache's dtype and computes in float32, so it runs in Triton's
 interpreter (``TRITON_INTERPRET=1``, CPU) with float16/float32 tensors.
