@@ -17,6 +17,6 @@ for w in $what; do
     engine64) python3 benchmarks/engine.py --tokenizer .carry/tok --page-size 64 --json "$OUT/engine64.json" 2>&1 | tee "$OUT/engine64.log" | grep -v Warn | tail -9 ;;
     gemm) python3 benchmarks/gemm_probe.py --json "$OUT/gemm_probe.json" 2>&1 | tee "$OUT/gemm_probe.log" | tail -12 ;;
     profile) python3 benchmarks/profile_engine.py --tokenizer .carry/tok 2>&1 | tee "$OUT/profile.log" | grep -v Warn | tail -70 ;;
-    kernels) python3 benchmarks/kernels.py --out "$OUT" 2>&1 | tee "$OUT/kernels.log" | tail -40 ;;
+    kernels) python3 benchmarks/kernels.py --out "$OUT" --page-size 64 --run-loops 2>&1 | tee "$OUT/kernels.log" | tail -40 ;;
   esac
 done
