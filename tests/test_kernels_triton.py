@@ -325,6 +325,24 @@ def test_query_rotation_per_run(case, splits, qrot):
         _check_attention(dec, max_seqlen_q=1, num_splits=splits)
 
 
+@pytest.mark.parametrize("dtype,rd,ps,halves", [(torch.float16, None, 64, True), (torch.float32, None, 64, False),
+                                               (torch.float16, 64, 64, False), (torch.float16, None, 16, False)],
+                         ids=["fp16-full-ps64", "fp32", "partial-rotary", "ps16"])
+def test_default_prefill_loop(dtype, rd, ps, halves, monkeypatch):
+    """The launcher's default for a prefill (more than 64 query rows per KV head): the
+    rotary-halves loop for head_dim 128 in 16-bit with a fully rotary head and pages of at
+    least 64, another loop otherwise; the reference's result either way."""
+    calls = []
+    config = ta._prefill_config
+    monkeypatch.setattr(ta, "_prefill_config", lambda *a: calls.append(a[-1]) or config(*a))
+    gen = random.Random(40)
+    chunks, pos = _chunks(gen, 2, 0, lo=20, hi=40)
+    batch = _make_batch([(chunks + [(pos, 24, 0)], 20)], page_size=ps, hkv=2, group=4, d=128, rotary_dim=rd,
+                        dtype=dtype, seed=41)
+    _check_attention(batch)
+    assert calls and calls[-1] == halves  # the launch configuration's lookup names the loop
+
+
 def test_qrot_needs_tile_inside_page():
     gen = random.Random(22)
     chunks, pos = _chunks(gen, 2, 0)
