@@ -675,7 +675,6 @@ def compiled_report():
                     c = {names[k[0]] if isinstance(k, tuple) else k: v for k, v in kern.src.constants.items()}
                     key = {k: c.get(k) for k in ("BLOCK_M", "BLOCK_N", "USE_ROPE", "SCAN", "SPLIT_OUT", "PAGE_SIZE",
                                                  "CS_PER_PAGE", "BLOCK_R", "QROT")} if c else ""
-                    key = f"{key} stages={kern.metadata.num_stages}"
                     log(f"{fn.__name__} {key} warps={kern.metadata.num_warps} stages={kern.metadata.num_stages} "
                         f"regs={kern.n_regs} spills={kern.n_spills} smem={kern.metadata.shared}")
     except Exception as e:  # diagnostics only
