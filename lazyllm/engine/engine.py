@@ -881,7 +881,7 @@ class Engine:
         ``n + 1``, which is dropped (at its length limit into the scratch slot). Batches with a
         sampled request run one step at a time (the host draws their tokens)."""
         inflight = self._inflight
-        if inflight is not None and not self._can_overlap(inflight):
+        if inflight is not None and not self._can_overlap():
             self._read_step(inflight)
             inflight = self._inflight = None
         # requests whose latest token is still in the unread step: row -> its row there
@@ -960,9 +960,9 @@ class Engine:
         self._picks.record(k)
         return buf, self._picks.events[k]
 
-    def _can_overlap(self, inflight: "_Step") -> bool:
-        """Whether the next step may be launched before ``inflight`` is read: every row
-        greedy (its next token is the device argmax)."""
+    def _can_overlap(self) -> bool:
+        """Whether the next step may be launched before the step in flight is read: every
+        decoding row greedy (its next token is the device argmax)."""
         return self.async_decode and all(r.params.greedy for r in self.decode_state.rows)
 
     def _read_step(self, step: "_Step") -> None:
