@@ -301,10 +301,7 @@ class LazyLLM:
                              fingerprint=self.fingerprint, eos_ids=eos, max_batch_tokens=max_batch_tokens,
                              rerotate=rerotate, recompute_first_tokens=recompute_first_tokens,
                              recompute_ratio=float(recompute_ratio), recompute_selection=recompute_selection,
-                             disk=self._open_disk(kv_disk_dir, kv_disk_bytes), async_decode=overlap_decode,
-                             # the torch reference attention reads the batch layout on the host
-                             # (not capturable): CUDA graphs only with the Triton kernels
-                             cuda_graphs=self.attention_backend == "triton")
+                             disk=self._open_disk(kv_disk_dir, kv_disk_bytes), async_decode=overlap_decode)
         self.recompute_first_tokens = recompute_first_tokens
         self.recompute_ratio = float(recompute_ratio)
         self.recompute_selection = recompute_selection

@@ -177,14 +177,12 @@ class Engine:
         self.probe_layer = min(probe_layer, model.spec.num_layers - 1)
         max_entries = -(-model.spec.max_context // self.pool.page_size) + 2
         self.decode_state = DecodeState(max_batch_size, max_entries, self.device)
-        # sliding-window layers (Gemma 3's local layers) run the torch reference attention,
-        # which reads the batch layout on the host: not capturable, so no CUDA graphs there
-        windowed = any(w.get("window") is not None for w in getattr(model, "layers", []))
-        self.graphs = GraphRunner(model, self.decode_state, self.pool.k, self.pool.v,
-                                  enabled=cuda_graphs and not windowed)
+        # no CUDA graphs where a layer's attention reads the batch layout on the host (the
+        # torch reference: the torch backend, Gemma 3's sliding-window layers)
+        graphs = cuda_graphs and getattr(model, "graph_capturable", True)
+        self.graphs = GraphRunner(model, self.decode_state, self.pool.k, self.pool.v, enabled=graphs)
         self.prefill_graphs = PrefillGraphs(model, self.pool.k, self.pool.v, max_entries, self.device,
-                                            self.pool.scratch_page * self.pool.page_size,
-                                            enabled=cuda_graphs and not windowed)
+                                            self.pool.scratch_page * self.pool.page_size, enabled=graphs)
         self.metrics = {"requests": 0, "failed": 0, "cancelled": 0, "preemptions": 0, "prefill_retries": 0, "recovery_skipped": 0, "disk_hits": 0, "prefill_tokens": 0,
                         "decode_steps": 0, "decode_tokens": 0, "peak_pages": 0,
                         "copied_pages": 0, "overlapped_steps": 0}  # pages copied re-rotated (block copies, recovery)

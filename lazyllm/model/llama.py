@@ -288,6 +288,13 @@ class LlamaFamilyModel:
                 meta.block_pos, meta.block_delta, meta.block_len, self.inv_freqs[self.layers[li]["freq"]],
                 self.spec.sm_scale)
 
+    @property
+    def graph_capturable(self) -> bool:
+        """Whether a forward can be captured in a CUDA graph: no layer runs the torch reference
+        attention, which reads the batch layout on the host (the torch backend, and
+        sliding-window layers, which always use it)."""
+        return self.attention is not paged_attention_ref and all(w["window"] is None for w in self.layers)
+
     def _attend(self, args: tuple, w: dict, extras: dict) -> torch.Tensor:
         if w["window"] is None:
             return self.attention(*args, **extras)
