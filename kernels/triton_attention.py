@@ -92,7 +92,12 @@ _M_INIT = tl.constexpr(-1.0e30)
 
 
 def _interpreting() -> bool:
-    return bool(triton.knobs.runtime.interpret)
+    """Whether this module's kernels run in Triton's interpreter: decided when it was
+    imported (``TRITON_INTERPRET=1`` then), whatever the environment says later."""
+    return _INTERPRETED
+
+
+_INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 
 def _fix_interpreter_scalars() -> None:
@@ -376,27 +381,68 @@ def _attn_runs(
 
 
 @triton.jit
-def _rot_q_h(q_row, row_ok, Cos_row, Sin_row, e, m_i, K, HALF: tl.constexpr, ROT: tl.constexpr):
+def _fma2(a, b, c):
+    """``a * b + c`` on pairs of 16-bit values (``fma.rn.{bf16,f16}x2``: one instruction
+    per two elements; compiled kernels only, Triton's interpreter runs no inline PTX)."""
+    if a.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise("fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.float16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _mul2(a, b):
+    """``a * b`` on pairs of 16-bit values (``mul.rn.{bf16,f16}x2``; see ``_fma2``)."""
+    if a.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=tl.float16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _rot_q_h(q_row, row_ok, Cos_row, Sin_row, e, m_i, K, HALF: tl.constexpr, ROT: tl.constexpr,
+             PACKED: tl.constexpr):
     """The query group's two rotary halves rotated by table entry ``e``'s delta,
     ``R(-delta) q = [q1 c + q2 s, q2 c - q1 s]``, each ``(BLOCK_M, HALF)`` in K's dtype
-    (reloaded from global memory, rotated in float32); ``ROT=False``: the halves as they are.
+    (reloaded from global memory); ``ROT=False``: the halves as they are.
+
+    ``PACKED``: the rotation runs on pairs of 16-bit values (a multiply and a fused
+    multiply-add per two elements, rounding as transformers' ``apply_rotary_pos_emb`` does
+    in the model's dtype); otherwise in float32 with one rounding (the interpreter, which
+    runs no inline PTX). Compiled for sm_90 that is 64 instructions per thread instead of
+    about 290 (float32 arithmetic plus unpacking and packing the 16-bit values).
 
     Adding ``0`` taken from ``m_i`` (which lives in the MMA row layout) gives the result
     that layout: the compiler then converts it to a dot operand here, once per run, and the
     loop carries it in registers; otherwise it is carried in a blocked layout and goes
     through shared memory before every key tile's product."""
     offs_h = tl.arange(0, HALF)
-    z = (m_i * 0.0).to(K.dtype.element_ty)[:, None]
+    dt = K.dtype.element_ty
+    z = (m_i * 0.0).to(dt)[:, None]
+    a1 = tl.load(q_row[:, None] + offs_h[None, :], mask=row_ok[:, None], other=0.0)
+    a2 = tl.load(q_row[:, None] + HALF + offs_h[None, :], mask=row_ok[:, None], other=0.0)
     if ROT:
-        a1 = tl.load(q_row[:, None] + offs_h[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        a2 = tl.load(q_row[:, None] + HALF + offs_h[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        c = tl.load(Cos_row + e * HALF + offs_h)[None, :]
-        s = tl.load(Sin_row + e * HALF + offs_h)[None, :]
-        return (a1 * c + a2 * s).to(K.dtype.element_ty) + z, (a2 * c - a1 * s).to(K.dtype.element_ty) + z
+        c = tl.load(Cos_row + e * HALF + offs_h)
+        s = tl.load(Sin_row + e * HALF + offs_h)
+        if PACKED:
+            a1 = a1.to(dt)
+            a2 = a2.to(dt)
+            c16 = c.to(dt)[None, :]
+            r1 = _fma2(a1, c16, _mul2(a2, s.to(dt)[None, :]))
+            r2 = _fma2(a2, c16, _mul2(a1, (-s).to(dt)[None, :]))
+            return r1 + z, r2 + z
+        else:
+            a1 = a1.to(tl.float32)
+            a2 = a2.to(tl.float32)
+            c = c[None, :]
+            s = s[None, :]
+            return (a1 * c + a2 * s).to(dt) + z, (a2 * c - a1 * s).to(dt) + z
     else:  # RoPE off: the halves as they are
-        a1 = tl.load(q_row[:, None] + offs_h[None, :], mask=row_ok[:, None], other=0.0)
-        a2 = tl.load(q_row[:, None] + HALF + offs_h[None, :], mask=row_ok[:, None], other=0.0)
-        return a1.to(K.dtype.element_ty) + z, a2.to(K.dtype.element_ty) + z
+        return a1.to(dt) + z, a2.to(dt) + z
 
 
 @triton.jit
@@ -408,6 +454,7 @@ def _attn_runs_h(
     t_start, t_end, t_lo, qk_scale,
     HEAD_DIM: tl.constexpr, USE_ROPE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, IDX64: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     """The run loop as one loop over key tiles ``[t_start, t_end)`` on the query's two
     rotary halves (needs ``PAGE_SIZE >= BLOCK_N`` and, with RoPE, a fully rotary head).
@@ -426,13 +473,13 @@ def _attn_runs_h(
     TPE: tl.constexpr = PAGE_SIZE // BLOCK_N  # key tiles per table entry
     H2: tl.constexpr = HEAD_DIM // 2
     e0 = t_start // TPE
-    q1, q2 = _rot_q_h(q_row, row_ok, Cos_row, Sin_row, e0, m_i, K, H2, USE_ROPE)
+    q1, q2 = _rot_q_h(q_row, row_ok, Cos_row, Sin_row, e0, m_i, K, H2, USE_ROPE, PACKED)
     r_end = tl.load(Runs_row + e0).to(tl.int32) * TPE if USE_ROPE else t_end
     for tt in range(t_start, t_end):
         if tt >= r_end:
             e = tt // TPE
             r_end = tl.load(Runs_row + e).to(tl.int32) * TPE
-            q1, q2 = _rot_q_h(q_row, row_ok, Cos_row, Sin_row, e, m_i, K, H2, USE_ROPE)
+            q1, q2 = _rot_q_h(q_row, row_ok, Cos_row, Sin_row, e, m_i, K, H2, USE_ROPE, PACKED)
         acc, l_i, m_i = _tile_update(acc, l_i, m_i, q1, q2, qpos, K, V, BT_row, BPos_row, BLen_row,
                                      stride_kp, stride_ks, stride_vp, stride_vs, tt, t_lo, qk_scale,
                                      HEAD_DIM, PAGE_SIZE, BLOCK_N, 2, DOT_PREC, IDX64, True)
@@ -456,13 +503,15 @@ def _paged_attn_fwd(
     SPLIT_OUT: tl.constexpr, SCAN: tl.constexpr, SCAN_BLOCK: tl.constexpr,
     USE_ROPE: tl.constexpr, CS_PER_PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
     IDX64: tl.constexpr, NPG: tl.constexpr, PREFETCH: tl.constexpr, QROT: tl.constexpr,
+    PACKED_ROT: tl.constexpr,
 ):
     """Grid ``(q_tiles, num_kv_heads * num_splits, batch)``; see the module docstring.
 
     ``QROT``: apply the deltas to the query once per run of equal deltas (needs
     ``PAGE_SIZE >= BLOCK_N``) instead of to every key tile (``_attn_tiles``): ``1`` a loop
     per run, ``2`` one flat loop (``_attn_runs``), ``3`` one loop on the query's rotary
-    halves with the causal tiles inside it (``_attn_runs_h``; fully rotary heads).
+    halves with the causal tiles inside it (``_attn_runs_h``; fully rotary heads), which
+    rotates on pairs of 16-bit values with ``PACKED_ROT`` (``_rot_q_h``).
 
     ``SPLIT_OUT``: write normalized partial outputs and their log2-sum-exp to
     ``PartO/PartLse`` for ``_merge_splits`` instead of the output."""
@@ -549,6 +598,7 @@ def _paged_attn_fwd(
             Kh, Vh, BT_row, BPos_row, BLen_row, Cos_row, Sin_row, Runs + b.to(tl.int64) * max_blocks,
             stride_kp, stride_ks, stride_vp, stride_vs,
             s_start, s_end, t_lo, qk_scale, HEAD_DIM, USE_ROPE, PAGE_SIZE, BLOCK_N, DOT_PREC, IDX64,
+            PACKED_ROT,
         )
     elif QROT:
         ROT_Q: tl.constexpr = 2 * HALF if USE_ROPE else 0
@@ -1081,6 +1131,7 @@ def paged_attention_triton(
                 BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_OUT=num_splits > 1,
                 SCAN=not short or bool(qrot), SCAN_BLOCK=256, USE_ROPE=use_rope, CS_PER_PAGE=cs_per_page, DOT_PREC=dot_prec,
                 IDX64=idx64, NPG=max(1, block_n // page_size), PREFETCH=prefetch, QROT=qrot,
+                PACKED_ROT=qrot == 3 and not _interpreting() and k_cache.dtype in (torch.float16, torch.bfloat16),
                 num_warps=num_warps, num_stages=num_stages,
             )
         except Exception as e:  # noqa: BLE001
