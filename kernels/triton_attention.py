@@ -357,7 +357,8 @@ def _attn_runs(
     TPE: tl.constexpr = PAGE_SIZE // BLOCK_N  # key tiles per table entry
     if FLAT:
         r_end = t_start
-        qr = _rot_q(q_row, row_ok, Cos_row, Sin_row, t_start // TPE, K, HEAD_DIM, HALF, ROT)
+        e0 = tl.maximum(tl.minimum(t_start, t_end - 1), 0) // TPE  # inside the row if the range is empty
+        qr = _rot_q(q_row, row_ok, Cos_row, Sin_row, e0, K, HEAD_DIM, HALF, ROT)
         for tt in range(t_start, t_end):
             if tt >= r_end:
                 e = tt // TPE
@@ -472,7 +473,7 @@ def _attn_runs_h(
     loop-invariant query in shared memory."""
     TPE: tl.constexpr = PAGE_SIZE // BLOCK_N  # key tiles per table entry
     H2: tl.constexpr = HEAD_DIM // 2
-    e0 = t_start // TPE
+    e0 = tl.maximum(tl.minimum(t_start, t_end - 1), 0) // TPE  # inside the row if the range is empty
     q1, q2 = _rot_q_h(q_row, row_ok, Cos_row, Sin_row, e0, m_i, K, H2, USE_ROPE, PACKED)
     r_end = tl.load(Runs_row + e0).to(tl.int32) * TPE if USE_ROPE else t_end
     for tt in range(t_start, t_end):
