@@ -55,19 +55,19 @@ programs (flash-decoding); ``_merge_splits`` merges the partial outputs (and dec
 page-slot row groups) by log-sum-exp.
 
 Measured on an H200 (BENCHMARKS.md, "Kernels (issue 3)"): decode at batch >= 32 at
-1.2-1.7x SDPA's bandwidth; prefill at q >= 512 (``QROT=3``) at 96-115% of SDPA (flash)
-with the deferred rotation, which costs 4.6-13% over the same loop with RoPE off. Most of
-it is the run starts, 0.6-0.8 us per program each: about 360 instructions per thread (the
-query reloaded, unpacked, rotated in float32, packed, and moved into the dot-operand layout
-through shared memory) against about 710 per key tile, so 6% of a 512-token run, issued by
-the same warps that run the softmax. At q=2048 over 32k another ~7% shows with a single run
-too (not understood). Taking the rotation off those warps' path needs warp specialization
-(a warpgroup that rotates the next run's query while the others compute), which Triton
-3.6 does not build for this loop on sm_90; prefetching in registers instead spills
-(measured).
+1.1-1.7x SDPA's bandwidth; prefill at q >= 512 (``QROT=3``) at 103-121% of SDPA (flash).
+The run starts rotate the query on pairs of 16-bit values (inline PTX; float32 in the
+interpreter). Against the same kernel with RoPE off the rotation costs -1.2 to +1.8%, and
++6.3% at q=2048 over 32k keys; against the same binary with a single run the run starts
+cost 3.8-5.2%. In a run start the warps wait on the cos/sin table loads and on the
+shared-memory move of the query into the dot-operand layout (profiled): taking that off the
+softmax warps' path needs warp specialization (a warp that loads and rotates the next run's
+query while the others compute), which Triton 3.6 does not build for this loop on sm_90;
+running ahead inside the same warps (prefetch, registers) slowed the loop (measured).
 
-Every kernel loads in the cache's dtype and computes in float32, so it runs in Triton's
-interpreter (``TRITON_INTERPRET=1``, CPU) with float16/float32 tensors.
+Every kernel loads in the cache's dtype and computes in float32 (but for that 16-bit query
+rotation when compiled), so it runs in Triton's interpreter (``TRITON_INTERPRET=1``, CPU)
+with float16/float32 tensors.
 """
 from __future__ import annotations
 
