@@ -58,26 +58,20 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows, t0 = [], time.time()
 
-    def save():
-        (out / "variants.json").write_text(json.dumps(rows, indent=1))
+    def run(shapes):
+        dtype = str(kb.DTYPE).split(".")[-1]
+        for nq, kv in shapes:
+            for name, mod, st in specs:
+                kb.ta = mod  # run_prefill_diag launches kb.ta.paged_attention_triton
+                kb.log(f"-- {name} stages={st} {dtype}")
+                for r in kb.run_prefill_diag(nq, kv, inv_freq, dev, 3, None if args.dry_run else (64, 64, 4, st)):
+                    rows.append(dict(r, variant=name, stages=st, dtype=dtype))
+            (out / "variants.json").write_text(json.dumps(rows, indent=1))
 
-    shapes = [s for s in kb.PREFILL if s[0] >= 512]
-    for nq, kv in shapes:
-        for name, mod, st in specs:
-            kb.ta = mod  # run_prefill_diag launches kb.ta.paged_attention_triton
-            kb.log(f"-- {name} stages={st}")
-            for r in kb.run_prefill_diag(nq, kv, inv_freq, dev, 3, None if args.dry_run else (64, 64, 4, st)):
-                rows.append(dict(r, variant=name, stages=st, dtype=str(kb.DTYPE).split(".")[-1]))
-        save()
+    run([s for s in kb.PREFILL if s[0] >= 512])
     if args.fp16:
         kb.DTYPE = torch.float16
-        for nq, kv in ((512, 4096), (2048, 8192)) if not args.dry_run else ((512, 700),):
-            for name, mod, st in specs:
-                kb.ta = mod
-                kb.log(f"-- {name} stages={st} float16")
-                for r in kb.run_prefill_diag(nq, kv, inv_freq, dev, 3, None if args.dry_run else (64, 64, 4, st)):
-                    rows.append(dict(r, variant=name, stages=st, dtype="float16"))
-        save()
+        run(((512, 4096), (2048, 8192)) if not args.dry_run else ((512, 700),))
     kb.log(f"done in {time.time() - t0:.0f}s")
 
 

@@ -669,14 +669,11 @@ def compiled_report():
     """Registers, spills and shared memory of every compiled attention kernel."""
     try:
         for fn in (ta._paged_attn_fwd, ta._rerotate_copy):
-            for cache in getattr(fn, "device_caches", {}).values():
-                for kern in cache[0].values():
-                    names = kern.src.fn.arg_names
-                    c = {names[k[0]] if isinstance(k, tuple) else k: v for k, v in kern.src.constants.items()}
-                    key = {k: c.get(k) for k in ("BLOCK_M", "BLOCK_N", "USE_ROPE", "SCAN", "SPLIT_OUT", "PAGE_SIZE",
-                                                 "CS_PER_PAGE", "BLOCK_R", "QROT")} if c else ""
-                    log(f"{fn.__name__} {key} warps={kern.metadata.num_warps} stages={kern.metadata.num_stages} "
-                        f"regs={kern.n_regs} spills={kern.n_spills} smem={kern.metadata.shared}")
+            for c, kern in ta.compiled_kernels(fn):
+                key = {k: c.get(k) for k in ("BLOCK_M", "BLOCK_N", "USE_ROPE", "SCAN", "SPLIT_OUT", "PAGE_SIZE",
+                                             "CS_PER_PAGE", "BLOCK_R", "QROT")} if c else ""
+                log(f"{fn.__name__} {key} warps={kern.metadata.num_warps} stages={kern.metadata.num_stages} "
+                    f"regs={kern.n_regs} spills={kern.n_spills} smem={kern.metadata.shared}")
     except Exception as e:  # diagnostics only
         log(f"compiled_report: {e!r}")
 

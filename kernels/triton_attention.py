@@ -1161,6 +1161,16 @@ def paged_attention_triton(
     return out
 
 
+def compiled_kernels(fn):
+    """Every specialization of the jitted kernel ``fn`` compiled in this process, as
+    ``(constexpr arguments by name, compiled kernel)`` pairs (diagnostics: which loop and
+    launch configuration ran, registers, spills)."""
+    for cache in getattr(fn, "device_caches", {}).values():
+        for kern in cache[0].values():
+            names = kern.src.fn.arg_names
+            yield {names[k[0]] if isinstance(k, tuple) else k: v for k, v in kern.src.constants.items()}, kern
+
+
 # ----------------------------------------------------------------------------------------
 # Block-Attention baseline copy, and KV write
 # ----------------------------------------------------------------------------------------

@@ -519,18 +519,8 @@ def test_gpu_compiled_run_loops(qrot, dtype):
                         seed=30)
     assert not mod._QROT_FAILED
     # the rotary-halves loop rotated on 16-bit pairs (inline PTX) in what was checked above
-    packed = {c.get("PACKED_ROT") for c in _compiled_constants(mod._paged_attn_fwd) if c.get("QROT") == qrot}
+    packed = {c.get("PACKED_ROT") for c, _ in mod.compiled_kernels(mod._paged_attn_fwd) if c.get("QROT") == qrot}
     assert packed == {qrot == 3}
-
-
-def _compiled_constants(fn):
-    """The constexpr arguments of every compiled specialization of ``fn``, by name."""
-    out = []
-    for cache in fn.device_caches.values():
-        for kern in cache[0].values():
-            names = kern.src.fn.arg_names
-            out.append({names[k[0]] if isinstance(k, tuple) else k: v for k, v in kern.src.constants.items()})
-    return out
 
 
 # ----------------------------------------------------------------------------------------
