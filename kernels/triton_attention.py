@@ -250,10 +250,26 @@ def _attn_tiles(
 
 
 @triton.jit
-def _rot_q(q_row, row_ok, Cos_row, Sin_row, e, K,
-           HEAD_DIM: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr):
+def _run_head(Runs_row, Delta_row, e, max_blocks, FROM_DELTA: tl.constexpr):
+    """Table entry ``e`` (clamped into the row): the entry after its run, and its delta as
+    float32 when ``FROM_DELTA`` (else ``0.0``)."""
+    e = tl.minimum(e, max_blocks - 1)
+    r = tl.load(Runs_row + e).to(tl.int32)
+    if FROM_DELTA:
+        d = tl.load(Delta_row + e).to(tl.float32)
+    else:
+        d = 0.0
+    return r, d
+
+
+@triton.jit
+def _rot_q(q_row, row_ok, Cos_row, Sin_row, InvFreq, e, dlt, K,
+           HEAD_DIM: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
+           FROM_DELTA: tl.constexpr, APPROX: tl.constexpr):
     """The query group rotated by table entry ``e``'s delta, ``R(-delta) q``, in K's dtype:
-    ``q * [c, c, 1] + [q2, -q1, 0] * [s, s, 0]`` (reloaded from global memory)."""
+    ``q * [c, c, 1] + [q2, -q1, 0] * [s, s, 0]`` (reloaded from global memory).
+    ``FROM_DELTA``: cos/sin computed from the delta ``dlt`` (float32) and ``InvFreq``
+    (``_cos_sin_of``) instead of loaded from the table row ``e``."""
     offs_d = tl.arange(0, HEAD_DIM)
     qv = tl.load(q_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     if ROT > 0:
@@ -261,8 +277,13 @@ def _rot_q(q_row, row_ok, Cos_row, Sin_row, e, K,
         in_rot = offs_d < ROT
         sw_col = tl.where(is_lo, offs_d + HALF, offs_d - HALF)
         cs_col = tl.where(in_rot, offs_d % HALF, 0)
-        c = tl.load(Cos_row + e * HALF + cs_col, mask=in_rot, other=1.0)
-        s = tl.load(Sin_row + e * HALF + cs_col, mask=in_rot, other=0.0)
+        if FROM_DELTA:
+            c, s = _cos_sin_of(dlt * tl.load(InvFreq + cs_col), APPROX)
+            c = tl.where(in_rot, c, 1.0)
+            s = tl.where(in_rot, s, 0.0)
+        else:
+            c = tl.load(Cos_row + e * HALF + cs_col, mask=in_rot, other=1.0)
+            s = tl.load(Sin_row + e * HALF + cs_col, mask=in_rot, other=0.0)
         qs = tl.load(q_row[:, None] + sw_col[None, :], mask=row_ok[:, None] & in_rot[None, :], other=0.0)
         qs = tl.where(is_lo[None, :], qs.to(tl.float32), -qs.to(tl.float32))
         return (qv.to(tl.float32) * c[None, :] + qs * s[None, :]).to(K.dtype.element_ty)
@@ -335,12 +356,13 @@ def _tile_update(acc, l_i, m_i, qa, qb, qpos, K, V, BT_row, BPos_row, BLen_row,
 def _attn_runs(
     acc, l_i, m_i,
     q_row, row_ok, qpos,
-    K, V, BT_row, BPos_row, BLen_row, Cos_row, Sin_row, Runs_row,
+    K, V, BT_row, BPos_row, BLen_row, Cos_row, Sin_row, Runs_row, Delta_row, InvFreq,
     stride_kp, stride_ks, stride_vp, stride_vs,
-    t_start, t_end, qk_scale,
+    t_start, t_end, max_blocks, qk_scale,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, DOT_PREC: tl.constexpr, IDX64: tl.constexpr, FLAT: tl.constexpr,
+    FROM_DELTA: tl.constexpr, LOOKAHEAD: tl.constexpr, APPROX: tl.constexpr,
 ):
     """Online-softmax update over key tiles ``[t_start, t_end)``, the delta applied to the
     *query*, once per run of table entries that share one delta.
@@ -355,15 +377,27 @@ def _attn_runs(
     inner loop over the run's tiles (the pipeline restarts at each run). ``FLAT=True``: one
     loop over all tiles that rotates the query when a new run starts (a scalar branch)."""
     TPE: tl.constexpr = PAGE_SIZE // BLOCK_N  # key tiles per table entry
+    FD: tl.constexpr = FROM_DELTA and ROT > 0
     if FLAT:
-        r_end = t_start
         e0 = tl.maximum(tl.minimum(t_start, t_end - 1), 0) // TPE  # inside the row if the range is empty
-        qr = _rot_q(q_row, row_ok, Cos_row, Sin_row, e0, K, HEAD_DIM, HALF, ROT)
+        r_nx, d_cur = _run_head(Runs_row, Delta_row, e0, max_blocks, FD)
+        qr = _rot_q(q_row, row_ok, Cos_row, Sin_row, InvFreq, e0, d_cur, K, HEAD_DIM, HALF, ROT, FD, APPROX)
+        r_end = r_nx * TPE
+        if LOOKAHEAD:  # the next run's head, loaded a run ahead (two scalars)
+            r_nx, d_nx = _run_head(Runs_row, Delta_row, r_nx, max_blocks, FD)
+        else:
+            d_nx = d_cur
         for tt in range(t_start, t_end):
             if tt >= r_end:
                 e = tt // TPE
-                r_end = tl.load(Runs_row + e).to(tl.int32) * TPE
-                qr = _rot_q(q_row, row_ok, Cos_row, Sin_row, e, K, HEAD_DIM, HALF, ROT)
+                if LOOKAHEAD:
+                    d = d_nx
+                    r_end = r_nx * TPE
+                    r_nx, d_nx = _run_head(Runs_row, Delta_row, r_nx, max_blocks, FD)
+                else:
+                    r_nx, d = _run_head(Runs_row, Delta_row, e, max_blocks, FD)
+                    r_end = r_nx * TPE
+                qr = _rot_q(q_row, row_ok, Cos_row, Sin_row, InvFreq, e, d, K, HEAD_DIM, HALF, ROT, FD, APPROX)
             acc, l_i, m_i = _tile_update(acc, l_i, m_i, qr, qr, qpos, K, V, BT_row, BPos_row, BLen_row,
                                          stride_kp, stride_ks, stride_vp, stride_vs, tt, t_start, qk_scale,
                                          HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL_MASK, DOT_PREC, IDX64, False)
@@ -371,8 +405,9 @@ def _attn_runs(
         t = t_start
         while t < t_end:
             e = t // TPE
-            r_end = tl.minimum(tl.load(Runs_row + e).to(tl.int32) * TPE, t_end)
-            qr = _rot_q(q_row, row_ok, Cos_row, Sin_row, e, K, HEAD_DIM, HALF, ROT)
+            r_nx, d = _run_head(Runs_row, Delta_row, e, max_blocks, FD)
+            r_end = tl.minimum(r_nx * TPE, t_end)
+            qr = _rot_q(q_row, row_ok, Cos_row, Sin_row, InvFreq, e, d, K, HEAD_DIM, HALF, ROT, FD, APPROX)
             for tt in range(t, r_end):
                 acc, l_i, m_i = _tile_update(acc, l_i, m_i, qr, qr, qpos, K, V, BT_row, BPos_row, BLen_row,
                                              stride_kp, stride_ks, stride_vp, stride_vs, tt, t, qk_scale,
@@ -405,8 +440,28 @@ def _mul2(a, b):
 
 
 @triton.jit
-def _rot_q_h(q_row, row_ok, Cos_row, Sin_row, e, m_i, K, HALF: tl.constexpr, ROT: tl.constexpr,
-             PACKED: tl.constexpr):
+def _cos_sin_of(ang, APPROX: tl.constexpr):
+    """cos and sin of float32 angles (``delta * inv_freq``, up to ~1e5 rad), without a table.
+
+    The angle is reduced into [-pi, pi] with a two-constant Cody-Waite step (``k * 6.28125``
+    is exact for ``|k| < 2**15``; the low part carries the rest of 2 pi), then ``APPROX``:
+    the SFU's ``cos.approx.f32`` / ``sin.approx.f32`` (compiled kernels; absolute error about
+    2**-21, far below the 16-bit rounding that follows), else ``tl.cos`` / ``tl.sin``."""
+    k = tl.extra.cuda.libdevice.rint(ang * 0.15915494309189535) if APPROX else tl.floor(ang * 0.15915494309189535 + 0.5)
+    r = tl.fma(-k, 6.28125, ang)
+    r = tl.fma(-k, 0.0019353071795864769, r)
+    if APPROX:
+        c = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=f,f", [r], dtype=tl.float32, is_pure=True, pack=1)
+        s = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=f,f", [r], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        c = tl.cos(r)
+        s = tl.sin(r)
+    return c, s
+
+
+@triton.jit
+def _rot_q_h(q_row, row_ok, Cos_row, Sin_row, InvFreq, e, dlt, m_i, K, HALF: tl.constexpr,
+             ROT: tl.constexpr, PACKED: tl.constexpr, FROM_DELTA: tl.constexpr, APPROX: tl.constexpr):
     """The query group's two rotary halves rotated by table entry ``e``'s delta,
     ``R(-delta) q = [q1 c + q2 s, q2 c - q1 s]``, each ``(BLOCK_M, HALF)`` in K's dtype
     (reloaded from global memory); ``ROT=False``: the halves as they are.
@@ -427,8 +482,11 @@ def _rot_q_h(q_row, row_ok, Cos_row, Sin_row, e, m_i, K, HALF: tl.constexpr, ROT
     a1 = tl.load(q_row[:, None] + offs_h[None, :], mask=row_ok[:, None], other=0.0)
     a2 = tl.load(q_row[:, None] + HALF + offs_h[None, :], mask=row_ok[:, None], other=0.0)
     if ROT:
-        c = tl.load(Cos_row + e * HALF + offs_h)
-        s = tl.load(Sin_row + e * HALF + offs_h)
+        if FROM_DELTA:
+            c, s = _cos_sin_of(dlt * tl.load(InvFreq + offs_h), APPROX)
+        else:
+            c = tl.load(Cos_row + e * HALF + offs_h)
+            s = tl.load(Sin_row + e * HALF + offs_h)
         if PACKED:
             a1 = a1.to(dt)
             a2 = a2.to(dt)
@@ -450,12 +508,12 @@ def _rot_q_h(q_row, row_ok, Cos_row, Sin_row, e, m_i, K, HALF: tl.constexpr, ROT
 def _attn_runs_h(
     acc, l_i, m_i,
     q_row, row_ok, qpos,
-    K, V, BT_row, BPos_row, BLen_row, Cos_row, Sin_row, Runs_row,
+    K, V, BT_row, BPos_row, BLen_row, Cos_row, Sin_row, Runs_row, Delta_row, InvFreq,
     stride_kp, stride_ks, stride_vp, stride_vs,
-    t_start, t_end, t_lo, qk_scale,
+    t_start, t_end, t_lo, max_blocks, qk_scale,
     HEAD_DIM: tl.constexpr, USE_ROPE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, IDX64: tl.constexpr,
-    PACKED: tl.constexpr,
+    PACKED: tl.constexpr, FROM_DELTA: tl.constexpr, LOOKAHEAD: tl.constexpr, APPROX: tl.constexpr,
 ):
     """The run loop as one loop over key tiles ``[t_start, t_end)`` on the query's two
     rotary halves (needs ``PAGE_SIZE >= BLOCK_N`` and, with RoPE, a fully rotary head).
@@ -468,19 +526,41 @@ def _attn_runs_h(
     carried through the loop spills and serializes the tensor-core pipeline (``ptxas``:
     "wgmma.mma_async instructions are serialized").
 
+    ``FROM_DELTA``: a run's cos/sin are computed from its delta (``_run_head``,
+    ``_cos_sin_of``) instead of loaded from two table rows, a fresh line at every run start;
+    ``LOOKAHEAD``: the next run's head (its end and delta) is loaded a run ahead, so a run
+    start waits on no load but the query's (``_attn_runs`` FLAT does the same).
+
     Without RoPE the run never ends (``r_end = t_end``), but the halves are carried the
     same way: on the H200 that ran 2-4% faster than letting the compiler keep a
     loop-invariant query in shared memory."""
     TPE: tl.constexpr = PAGE_SIZE // BLOCK_N  # key tiles per table entry
     H2: tl.constexpr = HEAD_DIM // 2
     e0 = tl.maximum(tl.minimum(t_start, t_end - 1), 0) // TPE  # inside the row if the range is empty
-    q1, q2 = _rot_q_h(q_row, row_ok, Cos_row, Sin_row, e0, m_i, K, H2, USE_ROPE, PACKED)
-    r_end = tl.load(Runs_row + e0).to(tl.int32) * TPE if USE_ROPE else t_end
+    FD: tl.constexpr = FROM_DELTA and USE_ROPE
+    if USE_ROPE:
+        r_nx, d_cur = _run_head(Runs_row, Delta_row, e0, max_blocks, FD)
+        r_end = r_nx * TPE
+    else:
+        r_nx = max_blocks
+        d_cur = 0.0
+        r_end = t_end
+    q1, q2 = _rot_q_h(q_row, row_ok, Cos_row, Sin_row, InvFreq, e0, d_cur, m_i, K, H2, USE_ROPE, PACKED, FD, APPROX)
+    if LOOKAHEAD and USE_ROPE:  # the next run's head, loaded a run ahead (two scalars)
+        r_nx, d_nx = _run_head(Runs_row, Delta_row, r_nx, max_blocks, FD)
+    else:
+        d_nx = d_cur
     for tt in range(t_start, t_end):
         if tt >= r_end:
             e = tt // TPE
-            r_end = tl.load(Runs_row + e).to(tl.int32) * TPE
-            q1, q2 = _rot_q_h(q_row, row_ok, Cos_row, Sin_row, e, m_i, K, H2, USE_ROPE, PACKED)
+            if LOOKAHEAD:
+                d = d_nx
+                r_end = r_nx * TPE
+                r_nx, d_nx = _run_head(Runs_row, Delta_row, r_nx, max_blocks, FD)
+            else:
+                r_nx, d = _run_head(Runs_row, Delta_row, e, max_blocks, FD)
+                r_end = r_nx * TPE
+            q1, q2 = _rot_q_h(q_row, row_ok, Cos_row, Sin_row, InvFreq, e, d, m_i, K, H2, USE_ROPE, PACKED, FD, APPROX)
         acc, l_i, m_i = _tile_update(acc, l_i, m_i, q1, q2, qpos, K, V, BT_row, BPos_row, BLen_row,
                                      stride_kp, stride_ks, stride_vp, stride_vs, tt, t_lo, qk_scale,
                                      HEAD_DIM, PAGE_SIZE, BLOCK_N, 2, DOT_PREC, IDX64, True)
@@ -489,13 +569,13 @@ def _attn_runs_h(
 
 @triton.jit
 def _paged_attn_fwd(
-    Q, QPos, CuQ, K, V, BT, BPos, BLen, Cos, Sin, Runs, Out, PartO, PartLse,
+    Q, QPos, CuQ, K, V, BT, BPos, BLen, Cos, Sin, Runs, Delta, InvFreq, Out, PartO, PartLse,
     qk_scale,
     stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
     stride_ot, stride_oh,
-    stride_btb, stride_bpb, stride_blb,
+    stride_btb, stride_bpb, stride_blb, stride_bdb,
     max_blocks, num_splits,
     NUM_Q_HEADS: tl.constexpr, G: tl.constexpr,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
@@ -504,7 +584,7 @@ def _paged_attn_fwd(
     SPLIT_OUT: tl.constexpr, SCAN: tl.constexpr, SCAN_BLOCK: tl.constexpr,
     USE_ROPE: tl.constexpr, CS_PER_PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
     IDX64: tl.constexpr, NPG: tl.constexpr, PREFETCH: tl.constexpr, QROT: tl.constexpr,
-    PACKED_ROT: tl.constexpr,
+    PACKED_ROT: tl.constexpr, FROM_DELTA: tl.constexpr, LOOKAHEAD: tl.constexpr, APPROX: tl.constexpr,
 ):
     """Grid ``(q_tiles, num_kv_heads * num_splits, batch)``; see the module docstring.
 
@@ -512,7 +592,8 @@ def _paged_attn_fwd(
     ``PAGE_SIZE >= BLOCK_N``) instead of to every key tile (``_attn_tiles``): ``1`` a loop
     per run, ``2`` one flat loop (``_attn_runs``), ``3`` one loop on the query's rotary
     halves with the causal tiles inside it (``_attn_runs_h``; fully rotary heads), which
-    rotates on pairs of 16-bit values with ``PACKED_ROT`` (``_rot_q_h``).
+    rotates on pairs of 16-bit values with ``PACKED_ROT`` and, with ``FROM_DELTA``, computes
+    a run's cos/sin from its delta (``Delta``, ``InvFreq``) instead of loading the tables.
 
     ``SPLIT_OUT``: write normalized partial outputs and their log2-sum-exp to
     ``PartO/PartLse`` for ``_merge_splits`` instead of the output."""
@@ -597,26 +678,30 @@ def _paged_attn_fwd(
         acc, l_i, m_i = _attn_runs_h(
             acc, l_i, m_i, q_row, row_ok, qpos,
             Kh, Vh, BT_row, BPos_row, BLen_row, Cos_row, Sin_row, Runs + b.to(tl.int64) * max_blocks,
+            Delta + b.to(tl.int64) * stride_bdb, InvFreq,
             stride_kp, stride_ks, stride_vp, stride_vs,
-            s_start, s_end, t_lo, qk_scale, HEAD_DIM, USE_ROPE, PAGE_SIZE, BLOCK_N, DOT_PREC, IDX64,
-            PACKED_ROT,
+            s_start, s_end, t_lo, max_blocks, qk_scale, HEAD_DIM, USE_ROPE, PAGE_SIZE, BLOCK_N, DOT_PREC, IDX64,
+            PACKED_ROT, FROM_DELTA, LOOKAHEAD, APPROX,
         )
     elif QROT:
         ROT_Q: tl.constexpr = 2 * HALF if USE_ROPE else 0
         Runs_row = Runs + b.to(tl.int64) * max_blocks
+        Delta_row = Delta + b.to(tl.int64) * stride_bdb
         acc, l_i, m_i = _attn_runs(
             acc, l_i, m_i, q_row, row_ok, qpos,
-            Kh, Vh, BT_row, BPos_row, BLen_row, Cos_row, Sin_row, Runs_row,
+            Kh, Vh, BT_row, BPos_row, BLen_row, Cos_row, Sin_row, Runs_row, Delta_row, InvFreq,
             stride_kp, stride_ks, stride_vp, stride_vs,
-            s_start, tl.minimum(s_end, t_lo), qk_scale,
+            s_start, tl.minimum(s_end, t_lo), max_blocks, qk_scale,
             HEAD_DIM, HALF, ROT_Q, PAGE_SIZE, BLOCK_N, False, DOT_PREC, IDX64, QROT == 2,
+            FROM_DELTA, LOOKAHEAD, APPROX,
         )
         acc, l_i, m_i = _attn_runs(
             acc, l_i, m_i, q_row, row_ok, qpos,
-            Kh, Vh, BT_row, BPos_row, BLen_row, Cos_row, Sin_row, Runs_row,
+            Kh, Vh, BT_row, BPos_row, BLen_row, Cos_row, Sin_row, Runs_row, Delta_row, InvFreq,
             stride_kp, stride_ks, stride_vp, stride_vs,
-            tl.maximum(s_start, t_lo), s_end, qk_scale,
+            tl.maximum(s_start, t_lo), s_end, max_blocks, qk_scale,
             HEAD_DIM, HALF, ROT_Q, PAGE_SIZE, BLOCK_N, True, DOT_PREC, IDX64, QROT == 2,
+            FROM_DELTA, LOOKAHEAD, APPROX,
         )
     else:
         acc, l_i, m_i = _attn_tiles(
@@ -893,6 +978,11 @@ def _prefill_config(d: int, kv_slots: int, page_size: int = 0, halves: bool = Fa
 _LONG_KV = 16384
 _DECODE_CFG = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 4, 2)}  # BLOCK_N, warps, stages
 _CS_PER_PAGE = True
+# compiled run loops: each run's cos/sin computed from its delta, the next run's delta loaded
+# a run ahead. On the H200 that made decode's RoPE cost 1.0-3.1% (was 1.2-4.0%) and left
+# prefill the same or slightly faster (BENCHMARKS.md, session 7)
+_COEF_FROM_DELTA = True
+_COEF_LOOKAHEAD = True
 _PREFETCH = True  # measured faster on the H200 at all four shapes tried (BENCHMARKS.md)
 _NUM_SMS: dict = {}
 _QROT_FAILED: set = set()  # shapes whose query-rotating kernel did not compile
@@ -930,6 +1020,8 @@ def paged_attention_triton(
     prefetch: bool | None = None,
     qrot: bool | None = None,
     batch_invariant: bool = False,
+    coef_from_delta: bool | None = None,
+    coef_lookahead: bool | None = None,
 ) -> torch.Tensor:
     """Deferred-RoPE attention of a varlen batch of queries over paged KV (Triton).
 
@@ -964,6 +1056,12 @@ def paged_attention_triton(
         run, ``2``: the same in one flat loop (see ``_attn_runs``), ``3``: one loop on the
         query's rotary halves (``_attn_runs_h``; fully rotary heads; the default prefill
         for head_dim 128 in 16-bit); for benchmarks and tests.
+    coef_from_delta : with ``qrot`` and RoPE, compute each run's cos/sin in the kernel from
+        its delta and ``inv_freq`` (``_cos_sin_of``) instead of loading two ``rope`` table
+        rows (default: compiled kernels; the interpreter loads the rows); for benchmarks
+        and tests.
+    coef_lookahead : with ``coef_from_delta``, load the next run's delta and end a run ahead,
+        two scalars carried by the loop (default on); for benchmarks and tests.
     batch_invariant : one launch configuration for every call, prefill or decode, whatever
         the batch: the general kernel, 64-row query tiles, a fixed key tile, no split-K.
         A query row then sees its keys in the same tiles, in the same order, through the same
@@ -1111,6 +1209,13 @@ def paged_attention_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
     )
     tables = (block_table.stride(0), block_pos.stride(0), block_len.stride(0), max_blocks, num_splits)
+    packed_rot = qrot == 3 and not _interpreting() and k_cache.dtype in (torch.float16, torch.bfloat16)
+    if coef_from_delta is None:
+        coef_from_delta = _COEF_FROM_DELTA and not _interpreting()
+    from_delta = bool(use_rope and qrot and coef_from_delta)
+    lookahead = bool(from_delta and (_COEF_LOOKAHEAD if coef_lookahead is None else coef_lookahead))
+    if from_delta:
+        inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
     if decode_kernel:
         _paged_decode_fwd[(hkv * num_splits, batch)](
             q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, block_pos, block_len, cos, sin,
@@ -1126,13 +1231,14 @@ def paged_attention_triton(
         try:
             _paged_attn_fwd[(q_tiles, hkv * num_splits, batch)](
                 q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, block_pos, block_len, cos, sin, runs,
-                target, part_o, part_lse, *common, target.stride(0), target.stride(1), *tables,
+                block_delta, inv_freq, target, part_o, part_lse, *common, target.stride(0), target.stride(1),
+                *tables[:3], block_delta.stride(0), *tables[3:],
                 NUM_Q_HEADS=hq, G=group, HEAD_DIM=d, HALF=half, HALF_P=half_p,
                 PASS=pass_dim, PASS_P=pass_p, PAGE_SIZE=page_size,
                 BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_OUT=num_splits > 1,
                 SCAN=not short or bool(qrot), SCAN_BLOCK=256, USE_ROPE=use_rope, CS_PER_PAGE=cs_per_page, DOT_PREC=dot_prec,
                 IDX64=idx64, NPG=max(1, block_n // page_size), PREFETCH=prefetch, QROT=qrot,
-                PACKED_ROT=qrot == 3 and not _interpreting() and k_cache.dtype in (torch.float16, torch.bfloat16),
+                PACKED_ROT=packed_rot, FROM_DELTA=from_delta, LOOKAHEAD=lookahead, APPROX=not _interpreting(),
                 num_warps=num_warps, num_stages=num_stages,
             )
         except Exception as e:  # noqa: BLE001

@@ -343,6 +343,24 @@ def test_default_prefill_loop(dtype, rd, ps, halves, monkeypatch):
     assert calls and calls[-1] == halves  # the launch configuration's lookup names the loop
 
 
+@pytest.mark.parametrize("dtype,qrot,lookahead", [(torch.float16, 3, True), (torch.float32, 3, False),
+                                                   (torch.float16, 2, True), (torch.float32, 2, False)])
+def test_run_coefficients_from_delta(dtype, qrot, lookahead):
+    """``qrot=3`` computing each run's cos/sin from its delta in the kernel (range reduction,
+    then cos/sin) instead of loading the table rows: the reference's result for deltas up
+    to ~1e5 positions (angles up to ~1e5 rad), split and unsplit."""
+    gen = random.Random(50)
+    seqs = []
+    for start, nc, nq in ((9, 3, 17), (40000, 4, 5), (97000, 2, 1)):
+        chunks, pos = _chunks(gen, nc, start, lo=3, hi=80)
+        seqs.append(([(0, 9, 0)] + chunks + [(pos, nq + 7, 0)], nq))
+    batch = _make_batch(seqs, page_size=64, hkv=2, group=4, d=128, dtype=dtype, seed=51)
+    assert int(batch["block_delta"].max()) > 90000
+    for splits in (None, 3):
+        _check_attention(batch, config=(32, 64, 4, 1), num_splits=splits, qrot=qrot, coef_from_delta=True,
+                         coef_lookahead=lookahead)
+
+
 def test_qrot_needs_tile_inside_page():
     gen = random.Random(22)
     chunks, pos = _chunks(gen, 2, 0)
@@ -521,6 +539,29 @@ def test_gpu_compiled_run_loops(qrot, dtype):
     # the rotary-halves loop rotated on 16-bit pairs (inline PTX) in what was checked above
     packed = {c.get("PACKED_ROT") for c, _ in mod.compiled_kernels(mod._paged_attn_fwd) if c.get("QROT") == qrot}
     assert packed == {qrot == 3}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compiled kernels run only on a GPU)")
+@pytest.mark.parametrize("qrot", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_run_coefficients_from_delta(qrot, dtype):
+    """Compiled run loops computing cos/sin from the delta (``cos.approx``/``sin.approx``
+    after the range reduction), with and without the run-ahead load, at deltas up to ~1e5
+    positions: the reference's result, prefill and decode, split and unsplit."""
+    mod = _load_kernels(interpret=False)
+    gen = random.Random(52)
+    seqs = []
+    for start, nc, nq in ((9, 3, 17), (40000, 4, 5), (97000, 2, 1), (120000, 6, 70)):
+        chunks, pos = _chunks(gen, nc, start, lo=30, hi=200)
+        seqs.append(([(0, 9, 0)] + chunks + [(pos, nq + 7, 0)], nq))
+    for look in (False, True):
+        for splits in (None, 3):
+            _check_compiled(mod, seqs, dtype, launch=dict(qrot=qrot, num_splits=splits, coef_from_delta=True,
+                                                          coef_lookahead=look),
+                            page_size=64, group=4, d=128, seed=53)
+    from_delta = {c.get("FROM_DELTA") for c, _ in mod.compiled_kernels(mod._paged_attn_fwd) if c.get("QROT") == qrot}
+    assert from_delta == {True}
 
 
 # ----------------------------------------------------------------------------------------
