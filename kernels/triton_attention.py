@@ -1177,12 +1177,23 @@ def paged_attention_triton(
             num_splits = 2
     num_splits = max(1, min(int(num_splits), kv_tiles))
 
+    if coef_from_delta is None:
+        coef_from_delta = _COEF_FROM_DELTA and not _interpreting()
+    from_delta = bool(use_rope and qrot and coef_from_delta)
+    lookahead = bool(from_delta and (_COEF_LOOKAHEAD if coef_lookahead is None else coef_lookahead))
+    rope_arg = rope
+    if from_delta:  # the kernel reads the deltas and inv_freq, not the cos/sin table
+        inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
+        if block_delta.stride(-1) != 1:
+            block_delta = block_delta.contiguous()
+        if rope is None:
+            rope = (inv_freq, inv_freq, delta_runs(block_delta))  # cos/sin never read
     runs = inv_freq  # never read unless qrot
     if use_rope:
         if rope is None:
             rope = rope_table(block_delta, inv_freq.to(q.device))
         cos, sin = rope[0], rope[1]
-        if cos.shape != (batch, max_blocks, half) or not (cos.is_contiguous() and sin.is_contiguous()):
+        if not from_delta and (cos.shape != (batch, max_blocks, half) or not (cos.is_contiguous() and sin.is_contiguous())):
             raise ValueError(f"rope table of shape {tuple(cos.shape)}, expected {(batch, max_blocks, half)} contiguous")
         if qrot:
             runs = rope[2] if len(rope) > 2 else delta_runs(block_delta)
@@ -1210,12 +1221,6 @@ def paged_attention_triton(
     )
     tables = (block_table.stride(0), block_pos.stride(0), block_len.stride(0), max_blocks, num_splits)
     packed_rot = qrot == 3 and not _interpreting() and k_cache.dtype in (torch.float16, torch.bfloat16)
-    if coef_from_delta is None:
-        coef_from_delta = _COEF_FROM_DELTA and not _interpreting()
-    from_delta = bool(use_rope and qrot and coef_from_delta)
-    lookahead = bool(from_delta and (_COEF_LOOKAHEAD if coef_lookahead is None else coef_lookahead))
-    if from_delta:
-        inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
     if decode_kernel:
         _paged_decode_fwd[(hkv * num_splits, batch)](
             q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, block_pos, block_len, cos, sin,
@@ -1254,7 +1259,7 @@ def paged_attention_triton(
             return paged_attention_triton(
                 q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, block_pos, block_delta, block_len,
                 inv_freq, sm_scale, out, max_seqlen_q=max_seqlen_q, use_rope=use_rope,
-                rope=None if rope is None else (rope[0], rope[1]), config=config, qrot=False,
+                rope=None if rope_arg is None else (rope_arg[0], rope_arg[1]), config=config, qrot=False,
                 num_splits=num_splits if batch_invariant else None)
     if n_parts > 1:
         _merge_splits[(total_q * hq,)](

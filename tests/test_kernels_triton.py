@@ -359,6 +359,12 @@ def test_run_coefficients_from_delta(dtype, qrot, lookahead):
     for splits in (None, 3):
         _check_attention(batch, config=(32, 64, 4, 1), num_splits=splits, qrot=qrot, coef_from_delta=True,
                          coef_lookahead=lookahead)
+    # the kernel reads block_delta itself: a view whose last dim is strided is copied first
+    bd = batch["block_delta"]
+    strided = torch.stack([bd, bd + 1], -1)[..., 0]
+    assert strided.stride(-1) != 1
+    _check_attention(dict(batch, block_delta=strided), config=(32, 64, 4, 1), qrot=qrot, coef_from_delta=True,
+                     coef_lookahead=lookahead)
 
 
 def test_qrot_needs_tile_inside_page():
