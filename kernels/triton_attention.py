@@ -263,6 +263,22 @@ def _run_head(Runs_row, Delta_row, e, max_blocks, FROM_DELTA: tl.constexpr):
 
 
 @triton.jit
+def _next_run(Runs_row, Delta_row, e, r_nx, d_nx, max_blocks, TPE: tl.constexpr, FD: tl.constexpr,
+              LOOKAHEAD: tl.constexpr):
+    """At the start of the run at table entry ``e``: its delta, its end in key tiles, and the
+    head carried to the next start. ``LOOKAHEAD``: ``(r_nx, d_nx)`` is this run's head,
+    loaded a run ago, and the next run's is loaded now; otherwise this run's is loaded now."""
+    if LOOKAHEAD:
+        d = d_nx
+        r_end = r_nx * TPE
+        r_nx, d_nx = _run_head(Runs_row, Delta_row, r_nx, max_blocks, FD)
+    else:
+        r_nx, d = _run_head(Runs_row, Delta_row, e, max_blocks, FD)
+        r_end = r_nx * TPE
+    return d, r_end, r_nx, d_nx
+
+
+@triton.jit
 def _rot_q(q_row, row_ok, Cos_row, Sin_row, InvFreq, e, dlt, K,
            HEAD_DIM: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
            FROM_DELTA: tl.constexpr, APPROX: tl.constexpr):
@@ -390,13 +406,7 @@ def _attn_runs(
         for tt in range(t_start, t_end):
             if tt >= r_end:
                 e = tt // TPE
-                if LOOKAHEAD:
-                    d = d_nx
-                    r_end = r_nx * TPE
-                    r_nx, d_nx = _run_head(Runs_row, Delta_row, r_nx, max_blocks, FD)
-                else:
-                    r_nx, d = _run_head(Runs_row, Delta_row, e, max_blocks, FD)
-                    r_end = r_nx * TPE
+                d, r_end, r_nx, d_nx = _next_run(Runs_row, Delta_row, e, r_nx, d_nx, max_blocks, TPE, FD, LOOKAHEAD)
                 qr = _rot_q(q_row, row_ok, Cos_row, Sin_row, InvFreq, e, d, K, HEAD_DIM, HALF, ROT, FD, APPROX)
             acc, l_i, m_i = _tile_update(acc, l_i, m_i, qr, qr, qpos, K, V, BT_row, BPos_row, BLen_row,
                                          stride_kp, stride_ks, stride_vp, stride_vs, tt, t_start, qk_scale,
@@ -553,13 +563,7 @@ def _attn_runs_h(
     for tt in range(t_start, t_end):
         if tt >= r_end:
             e = tt // TPE
-            if LOOKAHEAD:
-                d = d_nx
-                r_end = r_nx * TPE
-                r_nx, d_nx = _run_head(Runs_row, Delta_row, r_nx, max_blocks, FD)
-            else:
-                r_nx, d = _run_head(Runs_row, Delta_row, e, max_blocks, FD)
-                r_end = r_nx * TPE
+            d, r_end, r_nx, d_nx = _next_run(Runs_row, Delta_row, e, r_nx, d_nx, max_blocks, TPE, FD, LOOKAHEAD)
             q1, q2 = _rot_q_h(q_row, row_ok, Cos_row, Sin_row, InvFreq, e, d, m_i, K, H2, USE_ROPE, PACKED, FD, APPROX)
         acc, l_i, m_i = _tile_update(acc, l_i, m_i, q1, q2, qpos, K, V, BT_row, BPos_row, BLen_row,
                                      stride_kp, stride_ks, stride_vp, stride_vs, tt, t_lo, qk_scale,
