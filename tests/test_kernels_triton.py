@@ -344,10 +344,12 @@ def test_default_prefill_loop(dtype, rd, ps, halves, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype,qrot,lookahead", [(torch.float16, 3, True), (torch.float32, 3, False),
-                                                   (torch.float16, 2, True), (torch.float32, 2, False)])
+                                                   (torch.float16, 2, True), (torch.float32, 2, False),
+                                                   (torch.float32, 1, False)])
 def test_run_coefficients_from_delta(dtype, qrot, lookahead):
-    """``qrot=3`` computing each run's cos/sin from its delta in the kernel (range reduction,
-    then cos/sin) instead of loading the table rows: the reference's result for deltas up
+    """The run loops (``qrot`` 1, 2, 3) computing each run's cos/sin from its delta in the
+    kernel (range reduction, then cos/sin) instead of loading the table rows, with and
+    without the next run's head loaded a run ahead: the reference's result for deltas up
     to ~1e5 positions (angles up to ~1e5 rad), split and unsplit."""
     gen = random.Random(50)
     seqs = []
