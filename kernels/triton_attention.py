@@ -263,6 +263,21 @@ def _run_head(Runs_row, Delta_row, e, max_blocks, FROM_DELTA: tl.constexpr):
 
 
 @triton.jit
+def _first_run(Runs_row, Delta_row, e0, max_blocks, TPE: tl.constexpr, FD: tl.constexpr,
+               LOOKAHEAD: tl.constexpr):
+    """The run at table entry ``e0``, where a key range starts: its delta, its end in key
+    tiles, and the head carried to the next run start (``_next_run``; with ``LOOKAHEAD`` the
+    next run's, loaded now)."""
+    r_nx, d = _run_head(Runs_row, Delta_row, e0, max_blocks, FD)
+    r_end = r_nx * TPE
+    if LOOKAHEAD:  # the next run's head, loaded a run ahead (two scalars)
+        r_nx, d_nx = _run_head(Runs_row, Delta_row, r_nx, max_blocks, FD)
+    else:
+        d_nx = d
+    return d, r_end, r_nx, d_nx
+
+
+@triton.jit
 def _next_run(Runs_row, Delta_row, e, r_nx, d_nx, max_blocks, TPE: tl.constexpr, FD: tl.constexpr,
               LOOKAHEAD: tl.constexpr):
     """At the start of the run at table entry ``e``: its delta, its end in key tiles, and the
@@ -396,13 +411,8 @@ def _attn_runs(
     FD: tl.constexpr = FROM_DELTA and ROT > 0
     if FLAT:
         e0 = tl.maximum(tl.minimum(t_start, t_end - 1), 0) // TPE  # inside the row if the range is empty
-        r_nx, d_cur = _run_head(Runs_row, Delta_row, e0, max_blocks, FD)
+        d_cur, r_end, r_nx, d_nx = _first_run(Runs_row, Delta_row, e0, max_blocks, TPE, FD, LOOKAHEAD)
         qr = _rot_q(q_row, row_ok, Cos_row, Sin_row, InvFreq, e0, d_cur, K, HEAD_DIM, HALF, ROT, FD, APPROX)
-        r_end = r_nx * TPE
-        if LOOKAHEAD:  # the next run's head, loaded a run ahead (two scalars)
-            r_nx, d_nx = _run_head(Runs_row, Delta_row, r_nx, max_blocks, FD)
-        else:
-            d_nx = d_cur
         for tt in range(t_start, t_end):
             if tt >= r_end:
                 e = tt // TPE
@@ -549,17 +559,13 @@ def _attn_runs_h(
     e0 = tl.maximum(tl.minimum(t_start, t_end - 1), 0) // TPE  # inside the row if the range is empty
     FD: tl.constexpr = FROM_DELTA and USE_ROPE
     if USE_ROPE:
-        r_nx, d_cur = _run_head(Runs_row, Delta_row, e0, max_blocks, FD)
-        r_end = r_nx * TPE
-    else:
-        r_nx = max_blocks
+        d_cur, r_end, r_nx, d_nx = _first_run(Runs_row, Delta_row, e0, max_blocks, TPE, FD, LOOKAHEAD)
+    else:  # one run: the tables are not read
         d_cur = 0.0
         r_end = t_end
-    q1, q2 = _rot_q_h(q_row, row_ok, Cos_row, Sin_row, InvFreq, e0, d_cur, m_i, K, H2, USE_ROPE, PACKED, FD, APPROX)
-    if LOOKAHEAD and USE_ROPE:  # the next run's head, loaded a run ahead (two scalars)
-        r_nx, d_nx = _run_head(Runs_row, Delta_row, r_nx, max_blocks, FD)
-    else:
+        r_nx = max_blocks
         d_nx = d_cur
+    q1, q2 = _rot_q_h(q_row, row_ok, Cos_row, Sin_row, InvFreq, e0, d_cur, m_i, K, H2, USE_ROPE, PACKED, FD, APPROX)
     for tt in range(t_start, t_end):
         if tt >= r_end:
             e = tt // TPE
