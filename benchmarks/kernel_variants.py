@@ -1,4 +1,5 @@
-"""Time copies of the attention kernel file side by side on the GPU (prefill, q >= 512).
+"""Time copies of the attention kernel file side by side on the GPU (prefill at q >= 512,
+optionally decode at batch >= 32).
 
 Each variant is a copy of ``kernels/triton_attention.py`` with one change (a different loop,
 a different rotation); this loads every copy as its own module and, for each prefill shape
@@ -6,8 +7,9 @@ of ``benchmarks/kernels.py`` at q >= 512, runs ``run_prefill_diag`` on each (the
 every delta 0 so there is a single run, RoPE off, SDPA; error against the reference),
 variants interleaved shape by shape so clock drift hits them alike. Optionally the same
 with float16 caches, and (``--decode``) the decode shapes at batch >= 32 (``run_decode``
-on pages of 64, timed under ``do_bench`` and replayed from CUDA graphs). This is how the variant rows of BENCHMARKS.md ("Kernels (issue 3)")
-were measured; the variant files themselves are scratch copies, described there.
+on pages of 64, timed under ``do_bench`` and replayed from CUDA graphs). This is how the
+variant rows of BENCHMARKS.md ("Kernels (issue 3)") were measured; the variant files
+themselves are scratch copies, described there.
 
     python3 benchmarks/kernel_variants.py --out DIR path/to/copy_a.py[:stages] path/to/copy_b.py ...
 
@@ -57,7 +59,9 @@ def main() -> None:
     for i, v in enumerate(args.variants):
         path, *opt = v.split(":")
         st, bm, nw = (int(x) for x in (opt + ["2", "64", "4"][len(opt):]))
-        name = Path(path).stem + ("" if (bm, nw) == (64, 4) else f"_{bm}x{nw}")
+        # a tile other than the default 64x64, 4 warps, 2 stages is named: one copy may be
+        # timed at several tiles
+        name = Path(path).stem + ("" if (bm, nw, st) == (64, 4, 2) else f"_{bm}x{nw}_s{st}")
         specs.append((name, _load(Path(path), f"_lazyllm_variant_{i}"), (bm, 64, nw, st)))
     dev = torch.device("cpu" if args.dry_run else "cuda")
     inv_freq = kb.llama3_inv_freq().to(dev)
@@ -65,13 +69,17 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows, t0 = [], time.time()
 
+    def dtype_name():
+        return str(kb.DTYPE).split(".")[-1]
+
     def run(shapes):
-        dtype = str(kb.DTYPE).split(".")[-1]
+        dtype = dtype_name()
         for nq, kv in shapes:
             for name, mod, cfg in specs:
                 kb.ta = mod  # run_prefill_diag launches kb.ta.paged_attention_triton
-                kb.log(f"-- {name} config={cfg} {dtype}")
-                for r in kb.run_prefill_diag(nq, kv, inv_freq, dev, 3, None if args.dry_run else cfg):
+                used = None if args.dry_run else cfg  # the dry run takes the launcher's default tile
+                kb.log(f"-- {name} config={used} {dtype}")
+                for r in kb.run_prefill_diag(nq, kv, inv_freq, dev, 3, used):
                     rows.append(dict(r, variant=name, stages=cfg[3], dtype=dtype))
             (out / "variants.json").write_text(json.dumps(rows, indent=1))
 
@@ -81,7 +89,7 @@ def main() -> None:
                 kb.ta = mod
                 kb.log(f"-- {name} decode")
                 for r in kb.run_decode(b, kv, 64, inv_freq, dev, graphs=True):
-                    rows.append(dict(r, variant=name, dtype=str(kb.DTYPE).split(".")[-1]))
+                    rows.append(dict(r, variant=name, dtype=dtype_name()))
             (out / "variants.json").write_text(json.dumps(rows, indent=1))
 
     if not args.no_prefill:
