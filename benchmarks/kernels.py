@@ -14,7 +14,13 @@ What is measured
   ``FLOPs = 4 * heads * head_dim * (q * (kv - q) + q * (q + 1) / 2)``.
   SDPA runs the same logical problem on contiguous, already-rotated K/V through
   ``aten._scaled_dot_product_flash_attention`` with ``is_causal=True`` (which means
-  bottom-right aligned for that op, the same mask), GQA native.
+  bottom-right aligned for that op, the same mask), GQA native. For context the table
+  also gives SDPA's cuDNN backend: the same causal problem (``causal_lower_right`` mask,
+  GQA native), and the same shape without the mask, whose rate is counted on all
+  ``q * kv`` pairs (``FLOPs = 4 * heads * head_dim * q * kv``). That unmasked cuDNN kernel is
+  SDPA's fastest on an H200 (about 600 TFLOP/s), and is where DESIGN.md's reference figure
+  of 562 TFLOP/s at q=512 over 8704 comes from; with the causal mask cuDNN ran slower
+  than the flash backend (BENCHMARKS.md, "Kernels (issue 3)").
 * Decode: ``batch`` sequences of ``kv`` keys each (chunked the same way), one query each.
   ``TB/s = bytes / time`` with ``bytes = K and V read once (batch * kv * 8 * 128 * 2 * 2)
   + q + out``; the same count for both kernels.
@@ -220,6 +226,32 @@ def copy_bandwidth(dev):
     return 2 * src.numel() * src.element_size() / ms / 1e9, ms  # TB/s (read + write)
 
 
+def sdpa_cudnn(q, k, v, causal):
+    """SDPA's cuDNN backend, GQA native; ``causal``: bottom-right aligned
+    (``causal_lower_right``), the same mask as ``sdpa_flash``. Layouts as ``sdpa_flash``."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    mask = causal_lower_right(q.shape[2], k.shape[2]) if causal else None
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=SCALE, enable_gqa=True)
+
+
+def run_cudnn(qs, k, v, s_out):
+    """SDPA cuDNN's times for a prefill row: the causal problem (checked against the flash
+    output) and the same shape unmasked; none in the dry run."""
+    row = {}
+    if DRY:
+        return row
+    try:
+        row["err_cudnn"] = relerr(sdpa_cudnn(qs, k, v, True), s_out)
+        row["ms_cudnn"] = bench(lambda: sdpa_cudnn(qs, k, v, True))
+        row["ms_cudnn_nomask"] = bench(lambda: sdpa_cudnn(qs, k, v, False))
+    except Exception as e:  # no cuDNN attention in this build: the row keeps the rest
+        row["cudnn_error"] = repr(e)[:200]
+    return row
+
+
 def prefill_case(nq, kv, ps, inv_freq, dev, seed=0):
     pg = Paged(1, kv, nq, ps, inv_freq, seed=seed, dev=dev)
     torch.manual_seed(seed + 1)
@@ -250,12 +282,14 @@ def run_prefill(nq, kv, ps, inv_freq, dev, configs=None, splits=(None,), sdpa=Tr
     res = []
     s_out = None
     s_ms = None
+    cud = {}
     if sdpa:
         s_out = sdpa_flash(qs, pg.k_sdpa, pg.v_sdpa, True)
         s_ms = bench(lambda: sdpa_flash(qs, pg.k_sdpa, pg.v_sdpa, True))
+        cud = run_cudnn(qs, pg.k_sdpa, pg.v_sdpa, s_out)
     for cfg in configs or [None]:
         for sp in splits:
-            row = dict(kind="prefill", q=nq, kv=kv, page_size=ps, config=cfg, splits=sp, flops=flops, extra=extra)
+            row = dict(kind="prefill", q=nq, kv=kv, page_size=ps, config=cfg, splits=sp, flops=flops, extra=extra, **cud)
             kw = dict(extra or {})
             try:
                 out.fill_(float("nan"))
@@ -426,6 +460,10 @@ def derived(row):
             r["vs_sdpa"] = r["ms_sdpa"] / r["ms_rope"]
         r["rope_cost"] = r["ms_rope"] / r["ms_norope"] - 1
         r["rope_cost_pretable"] = r["ms_rope_pretable"] / r["ms_norope"] - 1
+        if r.get("ms_cudnn"):
+            r["tflops_cudnn"] = r["flops"] / r["ms_cudnn"] / 1e9
+            r["tflops_cudnn_nomask"] = 4 * HQ * D * r["q"] * r["kv"] / r["ms_cudnn_nomask"] / 1e9
+            r["vs_cudnn_nomask"] = r["ms_cudnn_nomask"] / r["ms_rope"]
     if r["kind"] == "decode" and "ms_rope" in r:
         r["tbs_rope"] = r["bytes"] / r["ms_rope"] / 1e9
         r["tbs_norope"] = r["bytes"] / r["ms_norope"] / 1e9
@@ -491,6 +529,17 @@ def markdown(meta, rows):
                      f"{r['tflops_sdpa']:.0f} | {100 * r['vs_sdpa']:.0f}% | {r['ms_norope']:.3f} | "
                      f"{100 * r['rope_cost']:+.1f}% | {100 * r['rope_cost_pretable']:+.1f}% | {r['err_ref']:.1e} |")
         L.append("")
+        cu = [r for r in pre if r.get("ms_cudnn")]
+        if cu:
+            L += ["SDPA's cuDNN backend on the same shapes: the causal problem (TFLOP/s on the causal count, as above), "
+                  "and the same shape without the mask (TFLOP/s on all q x kv pairs; it does more work than the "
+                  "causal problem needs, so `ours/cuDNN unmasked`, a ratio of times, favours ours):", "",
+                  "| prefill q | kv | cuDNN causal ms | TFLOP/s | rel err vs flash | cuDNN unmasked ms | TFLOP/s (all pairs) | ours/cuDNN unmasked |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+            for r in cu:
+                L.append(f"| {r['q']} | {r['kv']} | {r['ms_cudnn']:.3f} | {r['tflops_cudnn']:.0f} | {r['err_cudnn']:.1e} | "
+                         f"{r['ms_cudnn_nomask']:.3f} | {r['tflops_cudnn_nomask']:.0f} | {100 * r['vs_cudnn_nomask']:.0f}% |")
+            L.append("")
     if dec:
         L += ["| decode batch | kv | ours ms | ours TB/s | SDPA ms | SDPA TB/s | ours/SDPA | rope off ms | RoPE cost | RoPE cost, table prebuilt | rel err vs ref |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
