@@ -1,0 +1,45 @@
+import sys, os, time, json, traceback
+sys.argv = [sys.argv[0]] + sys.argv[1:]
+import torch, triton
+ROOT = os.getcwd()
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import kernels as kb
+sys.path.insert(0, os.path.join(ROOT, ".carry/exp/s8"))
+import gl_prefill as gp
+import gl_prefill_v1 as gp1
+from lazyllm.kernels import triton_attention as ta
+inv = kb.llama3_inv_freq().cuda()
+CFGS = [(gp, 'v3', 128, 8, 2), (gp1, 'v1', 128, 8, 2), (gp, 'v3', 64, 4, 2)]
+rows = []
+out_dir = os.environ.get("OUT", "/tmp")
+for nq, kv in [(512, 4096), (2048, 32768), (512, 8192), (512, 32768), (2048, 4096), (2048, 8192)]:
+    pg, qs, q, q_pos, cu = kb.prefill_case(nq, kv, 64, inv, "cuda")
+    a = pg.args(q, q_pos, cu)
+    rt = ta.rope_table(pg.block_delta, inv)
+    s_out = kb.sdpa_flash(qs, pg.k_sdpa, pg.v_sdpa, True)
+    out = torch.empty_like(q)
+    r = dict(q=nq, kv=kv)
+    r["tl_rope"] = kb.bench(lambda: ta.paged_attention_triton(**a, out=out, max_seqlen_q=nq, rope=rt))
+    r["tl_off"] = kb.bench(lambda: ta.paged_attention_triton(**a, out=out, max_seqlen_q=nq, use_rope=False))
+    r["sdpa"] = kb.bench(lambda: kb.sdpa_flash(qs, pg.k_sdpa, pg.v_sdpa, True))
+    for gp, ver, bm, nw, st in CFGS:
+        tag = f"gl{ver}_{bm}x{nw}s{st}"
+        try:
+            t0 = time.time()
+            out.fill_(float("nan"))
+            gp.gluon_prefill(**a, out=out, max_seqlen_q=nq, runs=rt[2], block_m=bm, num_warps=nw, stages=st)
+            torch.cuda.synchronize()
+            e_ref, e_sdpa = kb.check_prefill(pg, qs, q, q_pos, cu, out, s_out)
+            r[tag + "_err_ref"], r[tag + "_err_sdpa"], r[tag + "_nan"] = e_ref, e_sdpa, bool(torch.isnan(out).any())
+            r[tag + "_rope"] = kb.bench(lambda: gp.gluon_prefill(**a, out=out, max_seqlen_q=nq, runs=rt[2], block_m=bm, num_warps=nw, stages=st))
+            r[tag + "_off"] = kb.bench(lambda: gp.gluon_prefill(**a, out=out, max_seqlen_q=nq, runs=rt[2], block_m=bm, num_warps=nw, stages=st, use_rope=False))
+            print(f"{nq}/{kv} {tag}: err ref {e_ref:.1e} sdpa {e_sdpa:.1e} nan {r[tag + '_nan']} | rope {r[tag + '_rope']:.4f} off {r[tag + '_off']:.4f} "
+                  f"cost {100 * (r[tag + '_rope'] / r[tag + '_off'] - 1):+.1f}% | tl rope {r['tl_rope']:.4f} off {r['tl_off']:.4f} sdpa {r['sdpa']:.4f} "
+                  f"| gl/sdpa {r['sdpa'] / r[tag + '_rope']:.2f} ({time.time() - t0:.0f}s)", flush=True)
+        except Exception as e:
+            r[tag + "_error"] = repr(e)[:300]
+            print(f"{nq}/{kv} {tag}: ERROR {e!r:.300}", flush=True)
+    rows.append(r)
+    json.dump(rows, open(os.path.join(out_dir, "gl.json"), "w"), indent=1)
+    del pg
+    torch.cuda.empty_cache()
