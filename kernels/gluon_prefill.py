@@ -22,11 +22,12 @@ In ``triton_attention`` the run start sits on the MMA warps' path and costs 3-5%
 the same binary with a single run (BENCHMARKS.md); here it is another partition's work.
 Measured on an H200 (BENCHMARKS.md, "Kernels (issue 3)", session 8; default tile 128x64,
 8 consumer warps): RoPE cost +0.2 to +1.5% against the same kernel with RoPE off at five
-of the six prefill shapes, 97-115% of SDPA (flash) there; at q=512 over 4k it measured
-+1.3 to +11% and 78-106% of SDPA across runs. It takes 1.01-1.41x the time of
-``paged_attention_triton``'s default prefill (the consumer runs its two products and the
-softmax back to back; no ping-pong between consumer warpgroups yet), so the engine does
-not use it.
+of the six prefill shapes (q >= 512, from 8k keys on or 2048 queries), at 94-115% of SDPA
+(flash); at q=512 over 4k the figures varied across runs (-2.1 to +11%, 71-106% of SDPA).
+It takes 1.01-1.16x the time of ``paged_attention_triton``'s default prefill at those five
+shapes (its consumer runs the two products and the softmax back to back; the overlaps tried
+so far were slower; FA3's ping-pong between consumer warpgroups is not built yet), so the
+engine does not use it.
 
 Limits: compiled Hopper kernels only (Gluon has no interpreter), head_dim 128, fully
 rotary, 16-bit caches, pages of a multiple of 64 tokens, one key split. TMA reads whole

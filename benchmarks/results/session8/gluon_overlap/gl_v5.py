@@ -1,0 +1,423 @@
+"""Warp-specialized deferred-RoPE paged prefill for Hopper, in Gluon (opt-in).
+
+The same function as ``reference.paged_attention_ref`` for prefill (and as
+``triton_attention.paged_attention_triton`` with ``qrot=3``), written with Gluon
+(``triton.experimental.gluon``) so that the query rotation leaves the warps that issue the
+tensor-core work. One program owns ``BLOCK_M`` query rows (a row is a (query,
+q-head-in-group) pair) of one sequence and one KV head, and splits into three partitions
+that talk through mbarriers:
+
+* **consumer** (the default partition, ``num_warps`` warps): ``S = Q_slot K^T`` (wgmma,
+  the query from a shared-memory slot), padding and causal masks, online softmax,
+  ``O += P V`` (wgmma, P from registers); it frees a K/V stage after its last product and
+  a query slot when its run of equal deltas ends. At a run start it only switches slots:
+  the next run's end is loaded a run ahead.
+* **loader** (1 warp): K and V pages by TMA (tensor descriptors over the caches viewed as
+  ``(num_pages * page_size, num_kv_heads * head_dim)``) into a ring of ``stages`` stages.
+* **rotator** (4 warps): for each run, ``R(-delta) q`` into one of two query slots, on
+  pairs of 16-bit values (the rounding of ``triton_attention``'s packed rotation), with
+  cos/sin computed from the delta (``_cos_sin``).
+
+In ``triton_attention`` the run start sits on the MMA warps' path and costs 3-5% against
+the same binary with a single run (BENCHMARKS.md); here it is another partition's work.
+Measured on an H200 (BENCHMARKS.md, "Kernels (issue 3)", session 8; default tile 128x64,
+8 consumer warps): RoPE cost +0.2 to +1.5% against the same kernel with RoPE off at five
+of the six prefill shapes, 97-115% of SDPA (flash) there; at q=512 over 4k it measured
++1.3 to +11% and 78-106% of SDPA across runs. It takes 1.01-1.41x the time of
+``paged_attention_triton``'s default prefill (the consumer runs its two products and the
+softmax back to back; no ping-pong between consumer warpgroups yet), so the engine does
+not use it.
+
+Limits: compiled Hopper kernels only (Gluon has no interpreter), head_dim 128, fully
+rotary, 16-bit caches, pages of a multiple of 64 tokens, one key split. TMA reads whole
+pages, so every slot of every page the table names must hold finite values, padding slots
+included (``0 * nan`` would poison the output); the engine's pool is zero-initialized and
+only ever written with K/V, which satisfies this. Callers say so with
+``padding_finite=True``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+__all__ = ["paged_prefill_gluon"]
+
+_LOG2E = 1.4426950408889634
+_BLOCK_N = 64  # keys per tile (a page holds one or more tiles)
+# (BLOCK_M, consumer warps, K/V stages): measured fastest of those tried on the H200
+_CONFIG = (128, 8, 2)
+
+
+@gluon.jit
+def _cos_sin(ang):
+    """cos/sin of float32 angles up to ~1e5 rad: reduced into [-pi, pi] in two ``fma``
+    steps (``k * 6.28125`` is exact for ``|k| < 2**15``), then ``cos.approx``/``sin.approx``
+    (as ``triton_attention._cos_sin_of``)."""
+    k = gl.floor(ang * 0.15915494309189535 + 0.5)
+    r = gl.fma(-k, 6.28125, ang)
+    r = gl.fma(-k, 0.0019353071795864769, r)
+    c = gl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=f,f", [r], dtype=gl.float32, is_pure=True, pack=1)
+    s = gl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=f,f", [r], dtype=gl.float32, is_pure=True, pack=1)
+    return c, s
+
+
+@gluon.jit
+def _fma2(a, b, c):
+    """``a * b + c`` on pairs of 16-bit values (``fma.rn.{bf16,f16}x2``)."""
+    if a.dtype == gl.bfloat16:
+        return gl.inline_asm_elementwise("fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=gl.bfloat16, is_pure=True, pack=2)
+    else:
+        return gl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=gl.float16, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _mul2(a, b):
+    """``a * b`` on pairs of 16-bit values (``mul.rn.{bf16,f16}x2``)."""
+    if a.dtype == gl.bfloat16:
+        return gl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=gl.bfloat16, is_pure=True, pack=2)
+    else:
+        return gl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=gl.float16, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _loader(kd, vd, k_smem, v_smem, kv_ready, kv_empty, BT_row, col, t_hi,
+            PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Key tiles ``[0, t_hi)``: K and V of tile ``tt`` by TMA into stage ``tt % STAGES``
+    once the consumer has freed it."""
+    for tt in range(0, t_hi):
+        s = tt % STAGES
+        mbarrier.wait(kv_empty.index(s), ((tt // STAGES) & 1) ^ 1)  # a fresh stage passes
+        page = gl.load(BT_row + (tt * BLOCK_N) // PAGE_SIZE)
+        row = page * PAGE_SIZE + (tt * BLOCK_N) % PAGE_SIZE
+        mbarrier.expect(kv_ready.index(s), kd.block_type.nbytes + vd.block_type.nbytes)
+        tma.async_copy_global_to_shared(kd, [row, col], kv_ready.index(s), k_smem.index(s))
+        tma.async_copy_global_to_shared(vd, [row, col], kv_ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _rotator(Q, q_smem, q_ready, q_empty, Runs_row, Delta_row, InvFreq,
+             q_start, n_rows, row0, kvh, stride_qt, stride_qh, t_hi,
+             G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, TPE: gl.constexpr,
+             USE_ROPE: gl.constexpr):
+    """For run ``r`` of equal deltas (entry ``e`` on; the next at ``Runs_row[e]``), the
+    rows' query rotated by ``R(-delta)`` into slot ``r % 2``, in chunks of 32 rows. Always
+    at least one run, so the consumer never waits on a slot nobody fills."""
+    H2: gl.constexpr = HEAD_DIM // 2
+    RC: gl.constexpr = 32
+    dt: gl.constexpr = q_smem.dtype
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    offs_h = gl.arange(0, H2, layout=gl.SliceLayout(0, blk))
+    inv = gl.load(InvFreq + offs_h)
+    e = 0
+    r = 0
+    while (e * TPE < t_hi) | (r == 0):
+        slot = r % 2
+        if USE_ROPE:
+            d = gl.load(Delta_row + e).to(gl.float32)
+            e_next = gl.load(Runs_row + e)
+        else:
+            d = 0.0
+            e_next = t_hi  # a single run
+        c, sn = _cos_sin(d * inv)
+        c16 = c.to(dt)[None, :]
+        ns16 = (-sn).to(dt)[None, :]
+        s16 = sn.to(dt)[None, :]
+        mbarrier.wait(q_empty.index(slot), ((r // 2) & 1) ^ 1)
+        buf = q_smem.index(slot)
+        for ch in gl.static_range(BLOCK_M // RC):
+            rows = row0 + ch * RC + gl.arange(0, RC, layout=gl.SliceLayout(1, blk))
+            row_ok = rows < n_rows
+            q_row = Q + (q_start + rows // G).to(gl.int64) * stride_qt + (kvh * G + rows % G) * stride_qh
+            p1 = q_row[:, None] + offs_h[None, :]
+            a1 = gl.load(p1, mask=row_ok[:, None], other=0.0).to(dt)
+            a2 = gl.load(p1 + H2, mask=row_ok[:, None], other=0.0).to(dt)
+            if USE_ROPE:
+                r1 = _fma2(a1, c16, _mul2(a2, s16))  # q1 c + q2 s
+                r2 = _fma2(a2, c16, _mul2(a1, ns16))  # q2 c - q1 s
+            else:
+                r1 = a1
+                r2 = a2
+            part = buf.slice(ch * RC, RC, dim=0)
+            part.slice(0, H2, dim=1).store(r1)
+            part.slice(H2, H2, dim=1).store(r2)
+        fence_async_shared()
+        mbarrier.arrive(q_ready.index(slot), count=1)
+        e = e_next
+        r += 1
+
+
+@gluon.jit
+def _softmax_pv(qk, tt, acc, m_i, l_i, v_tile, qpos, cols, BLen_row, BPos_row, t_lo, qk_scale,
+                BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, o_l: gl.constexpr, p_l: gl.constexpr):
+    """Masks and online softmax of key tile ``tt``'s scores, then ``O += P V`` issued
+    asynchronously (the caller waits)."""
+    ent = (tt * BLOCK_N) // PAGE_SIZE
+    slot0 = (tt * BLOCK_N) % PAGE_SIZE
+    kvalid = (cols + slot0) < gl.load(BLen_row + ent)
+    if tt >= t_lo:
+        kpos = gl.load(BPos_row + ent) + slot0 + cols
+        seen = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
+    else:
+        seen = kvalid[None, :] & (qpos[:, None] >= -2147483647)
+    qk = gl.where(seen, qk * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(qk, 1))
+    p = gl.exp2(qk - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    pd = gl.convert_layout(p.to(v_tile.dtype), p_l)
+    return pd, gl.convert_layout(alpha, gl.SliceLayout(1, o_l)), m_new, l_i
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
+              QPos, Out, Runs_row, BPos_row, BLen_row, q_start, n_rows, row0, kvh,
+              stride_ot, stride_oh, t_lo, t_hi, qk_scale, max_blocks,
+              G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, USE_ROPE: gl.constexpr, NW: gl.constexpr):
+    """Online softmax over key tiles ``[0, t_hi)`` (causal mask from ``t_lo``), the query
+    of run ``r`` in slot ``r % 2``; the next tile's ``Q K^T`` runs on the tensor cores
+    while this tile's softmax runs; writes the normalized output rows."""
+    TPE: gl.constexpr = PAGE_SIZE // BLOCK_N
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
+    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    row_l: gl.constexpr = gl.SliceLayout(1, s_l)
+    rows = row0 + gl.arange(0, BLOCK_M, layout=row_l)
+    row_ok = rows < n_rows
+    qpos = gl.load(QPos + q_start + rows // G, mask=row_ok, other=-1).to(gl.int32)
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
+    m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, layout=row_l)  # finite: a row that saw nothing stays 0
+    l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=row_l)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_l)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_l)
+    r = 0
+    if USE_ROPE:
+        r_nx = gl.load(Runs_row)
+        r_end = gl.minimum(r_nx * TPE, t_hi)
+        r_nx = gl.load(Runs_row + gl.minimum(r_nx, max_blocks - 1))  # the next run's end, a run ahead
+    else:
+        r_nx = max_blocks
+        r_end = t_hi
+    mbarrier.wait(q_ready.index(0), 0)
+    if t_hi > 0:
+        mbarrier.wait(kv_ready.index(0), 0)
+        qk = warpgroup_mma(q_smem.index(0), k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+    else:
+        qk = s_zero
+    acc = warpgroup_mma_init(acc)
+    for tt in range(0, t_hi - 1):
+        tn = tt + 1
+        sp = (tt + STAGES - 1) % STAGES  # the previous tile's stage
+        if tn >= r_end:  # the next tile starts a run: free this run's slot (its last Q K^T is done)
+            mbarrier.arrive(q_empty.index(r % 2), count=1)
+            r += 1
+            r_end = gl.minimum(r_nx * TPE, t_hi)
+            r_nx = gl.load(Runs_row + gl.minimum(r_nx, max_blocks - 1))
+            mbarrier.wait(q_ready.index(r % 2), (r // 2) & 1)
+        sn = tn % STAGES
+        mbarrier.wait(kv_ready.index(sn), (tn // STAGES) & 1)
+        qk_n = warpgroup_mma(q_smem.index(r % 2), k_smem.index(sn).permute((1, 0)), s_zero, use_acc=False,
+                             is_async=True)
+        s = tt % STAGES
+        pd, alpha, m_i, l_i = _softmax_pv(qk, tt, acc, m_i, l_i, v_smem.index(s), qpos, cols, BLen_row, BPos_row,
+                                          t_lo, qk_scale, BLOCK_N, PAGE_SIZE, o_l, p_l)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # the previous tile's P V (older than qk_n)
+        if tt > 0:
+            mbarrier.arrive(kv_empty.index(sp), count=1)
+        acc = warpgroup_mma(pd, v_smem.index(s), acc * alpha[:, None], is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk_n, ))  # this P V may still run
+    if t_hi > 0:
+        tt = t_hi - 1
+        s = tt % STAGES
+        pd, alpha, m_i, l_i = _softmax_pv(qk, tt, acc, m_i, l_i, v_smem.index(s), qpos, cols, BLen_row, BPos_row,
+                                          t_lo, qk_scale, BLOCK_N, PAGE_SIZE, o_l, p_l)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        if tt > 0:
+            mbarrier.arrive(kv_empty.index((tt + STAGES - 1) % STAGES), count=1)
+        acc = warpgroup_mma(pd, v_smem.index(s), acc * alpha[:, None], is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    if t_hi > 0:
+        mbarrier.arrive(kv_empty.index((t_hi - 1) % STAGES), count=1)
+    mbarrier.arrive(q_empty.index(r % 2), count=1)
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
+    o = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
+    orow = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_l))
+    optr = Out + (q_start + orow // G).to(gl.int64) * stride_ot + (kvh * G + orow % G) * stride_oh
+    ocol = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_l))
+    gl.store(optr[:, None] + ocol[None, :], o.to(Out.dtype.element_ty), mask=(orow < n_rows)[:, None])
+
+
+@gluon.jit
+def _paged_prefill_ws(Q, QPos, CuQ, kd, vd, BT, BPos, BLen, Runs, Delta, InvFreq, Out,
+                      qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
+                      stride_btb, stride_bpb, stride_blb, stride_bdb, max_blocks,
+                      G: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                      SCAN_BLOCK: gl.constexpr, USE_ROPE: gl.constexpr, NW: gl.constexpr):
+    """Grid ``(q_tiles, num_kv_heads, batch)``; see the module docstring."""
+    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # heaviest (latest) query tiles first
+    kvh = gl.program_id(1)
+    b = gl.program_id(2)
+    q_start = gl.load(CuQ + b)
+    n_rows = (gl.load(CuQ + b + 1) - q_start) * G
+    row0 = pid_m * BLOCK_M
+    if row0 < n_rows:
+        BT_row = BT + b.to(gl.int64) * stride_btb
+        BPos_row = BPos + b.to(gl.int64) * stride_bpb
+        BLen_row = BLen + b.to(gl.int64) * stride_blb
+        Runs_row = Runs + b.to(gl.int64) * max_blocks
+        Delta_row = Delta + b.to(gl.int64) * stride_bdb
+        # one scan of the table row: tiles before t_lo are seen in full by every row, none
+        # from t_hi on is seen at all (as triton_attention._scan_bounds)
+        l1: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        rr = row0 + gl.arange(0, BLOCK_M, layout=l1)
+        rok = rr < n_rows
+        qp = gl.load(QPos + q_start + rr // G, mask=rok, other=0).to(gl.int32)
+        qmin = gl.min(gl.where(rok, qp, 2147483647), 0)
+        qmax = gl.max(gl.where(rok, qp, -2147483647), 0)
+        lo_e = max_blocks
+        hi_e = 0
+        for e0 in range(0, max_blocks, SCAN_BLOCK):
+            e = e0 + gl.arange(0, SCAN_BLOCK, layout=l1)
+            em = e < max_blocks
+            ln = gl.load(BLen_row + e, mask=em, other=0).to(gl.int32)
+            bp = gl.load(BPos_row + e, mask=em, other=0).to(gl.int32)
+            used = ln > 0
+            hi_e = gl.maximum(hi_e, gl.max(gl.where(used & (bp <= qmax), e + 1, 0), 0))
+            lo_e = gl.minimum(lo_e, gl.min(gl.where(used & (bp + ln - 1 > qmin), e, max_blocks), 0))
+        t_hi = (hi_e * PAGE_SIZE + BLOCK_N - 1) // BLOCK_N
+        t_lo = gl.minimum((lo_e * PAGE_SIZE) // BLOCK_N, t_hi)
+
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.bfloat16)
+        q_smem = gl.allocate_shared_memory(kd.dtype, [2, BLOCK_M, HEAD_DIM], q_layout)
+        k_smem = gl.allocate_shared_memory(kd.dtype, [STAGES, BLOCK_N, HEAD_DIM], kd.layout)
+        v_smem = gl.allocate_shared_memory(vd.dtype, [STAGES, BLOCK_N, HEAD_DIM], vd.layout)
+        kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(kv_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=1)
+        fence_async_shared()
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
+                         QPos, Out, Runs_row, BPos_row, BLen_row, q_start, n_rows, row0, kvh,
+                         stride_ot, stride_oh, t_lo, t_hi, qk_scale, max_blocks,
+                         G, HEAD_DIM, BLOCK_M, BLOCK_N, PAGE_SIZE, STAGES, USE_ROPE, NW)),
+            (_loader, (kd, vd, k_smem, v_smem, kv_ready, kv_empty, BT_row, kvh * HEAD_DIM, t_hi,
+                       PAGE_SIZE, BLOCK_N, STAGES)),
+            (_rotator, (Q, q_smem, q_ready, q_empty, Runs_row, Delta_row, InvFreq,
+                        q_start, n_rows, row0, kvh, stride_qt, stride_qh, t_hi,
+                        G, HEAD_DIM, BLOCK_M, PAGE_SIZE // BLOCK_N, USE_ROPE)),
+        ], [1, 4], [24, 88])
+
+
+def paged_prefill_gluon(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    block_pos: torch.Tensor,
+    block_delta: torch.Tensor,
+    block_len: torch.Tensor,
+    inv_freq: torch.Tensor,
+    sm_scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    max_seqlen_q: int,
+    padding_finite: bool,
+    use_rope: bool = True,
+    runs: torch.Tensor | None = None,
+    config: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """Deferred-RoPE paged prefill, warp-specialized (Gluon, Hopper); the arguments and
+    result of ``triton_attention.paged_attention_triton`` (see there and the module
+    docstring), with these differences:
+
+    padding_finite : must be ``True``: the caller vouches that every slot of every page
+        the table names holds finite values (TMA reads whole pages).
+    max_seqlen_q : required (it sizes the grid; no host sync).
+    runs : optional ``delta_runs(block_delta)`` (``rope_table(...)[2]``), to build it once
+        per step; derived here otherwise.
+    config : ``(BLOCK_M, num_warps, stages)`` of the consumer, for benchmarks; BLOCK_M is
+        64 with 4 warps or 128 with 8.
+    """
+    total_q, hq, d = q.shape
+    if not padding_finite:
+        raise ValueError("paged_prefill_gluon reads whole pages by TMA: pass padding_finite=True only if every "
+                         "slot of every page the table names holds finite values")
+    if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+        raise RuntimeError("paged_prefill_gluon runs on Hopper GPUs (sm_90) only")
+    _, page_size, hkv, dk = k_cache.shape
+    if d != 128 or dk != d or 2 * inv_freq.numel() != d:
+        raise ValueError(f"paged_prefill_gluon needs head_dim 128 and a fully rotary head, got head_dim {d}, "
+                         f"cache head_dim {dk}, rotary_dim {2 * inv_freq.numel()}")
+    if k_cache.dtype not in (torch.float16, torch.bfloat16) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"paged_prefill_gluon needs float16 or bfloat16 caches, got {k_cache.dtype}/{v_cache.dtype}")
+    if page_size % _BLOCK_N or tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"paged_prefill_gluon needs pages of a multiple of {_BLOCK_N} tokens and equal K/V "
+                         f"cache shapes, got {tuple(k_cache.shape)}/{tuple(v_cache.shape)}")
+    if hq % hkv:
+        raise ValueError(f"num_q_heads {hq} is not a multiple of num_kv_heads {hkv}")
+    try:
+        k2d, v2d = k_cache.view(-1, hkv * d), v_cache.view(-1, hkv * d)
+    except RuntimeError as e:
+        raise ValueError("paged_prefill_gluon needs caches viewable as (pages * page_size, kv_heads * head_dim)") from e
+    block_m, num_warps, stages = config or _CONFIG
+    if (block_m, num_warps) not in ((64, 4), (128, 8)) or stages < 1:
+        raise ValueError(f"config {(block_m, num_warps, stages)}: BLOCK_M 64 with 4 warps or 128 with 8, stages >= 1")
+    if out is None:
+        out = torch.empty_like(q)
+    batch = cu_seqlens_q.numel() - 1
+    if total_q == 0 or batch <= 0 or max_seqlen_q <= 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    target = out if out.stride(-1) == 1 else torch.empty_like(q)
+    for t in (block_table, block_pos, block_len):
+        if t.stride(-1) != 1:
+            raise ValueError("block tables need a contiguous last dim")
+    block_delta = block_delta.contiguous()
+    if runs is None:
+        from .triton_attention import delta_runs
+
+        runs = delta_runs(block_delta)
+    gdt = gl.bfloat16 if k_cache.dtype == torch.bfloat16 else gl.float16
+    lay = gl.NVMMASharedLayout.get_default_for([_BLOCK_N, d], gdt)
+    kd = TensorDescriptor.from_tensor(k2d, [_BLOCK_N, d], lay)
+    vd = TensorDescriptor.from_tensor(v2d, [_BLOCK_N, d], lay)
+    group = hq // hkv
+    grid = (triton.cdiv(max_seqlen_q * group, block_m), hkv, batch)
+    _paged_prefill_ws[grid](
+        q, q_pos, cu_seqlens_q, kd, vd, block_table, block_pos, block_len, runs, block_delta,
+        inv_freq.to(device=q.device, dtype=torch.float32).contiguous(), target, float(sm_scale) * _LOG2E,
+        q.stride(0), q.stride(1), target.stride(0), target.stride(1),
+        block_table.stride(0), block_pos.stride(0), block_len.stride(0), block_delta.stride(0), block_table.shape[1],
+        G=group, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, STAGES=stages,
+        SCAN_BLOCK=256, USE_ROPE=bool(use_rope), NW=num_warps, num_warps=num_warps,
+    )
+    if target is not out:
+        out.copy_(target)
+    return out
