@@ -325,7 +325,11 @@ def paged_prefill_gluon(
 
     padding_finite : must be ``True``: the caller vouches that every slot of every page
         the table names holds finite values (TMA reads whole pages).
+    block_table : int32 (TMA coordinates are 32-bit).
     max_seqlen_q : required (it sizes the grid; no host sync).
+
+    Arguments it cannot serve raise ``ValueError`` (checked before the device), and any
+    device but a Hopper GPU ``RuntimeError``.
     runs : optional ``delta_runs(block_delta)`` (``rope_table(...)[2]``), to build it once
         per step; derived here otherwise.
     config : ``(BLOCK_M, num_warps, stages)`` of the consumer, for benchmarks; BLOCK_M is
@@ -335,8 +339,6 @@ def paged_prefill_gluon(
     if not padding_finite:
         raise ValueError("paged_prefill_gluon reads whole pages by TMA: pass padding_finite=True only if every "
                          "slot of every page the table names holds finite values")
-    if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
-        raise RuntimeError("paged_prefill_gluon runs on Hopper GPUs (sm_90) only")
     _, page_size, hkv, dk = k_cache.shape
     if d != 128 or dk != d or 2 * inv_freq.numel() != d:
         raise ValueError(f"paged_prefill_gluon needs head_dim 128 and a fully rotary head, got head_dim {d}, "
@@ -355,17 +357,29 @@ def paged_prefill_gluon(
     block_m, num_warps, stages = config or _CONFIG
     if (block_m, num_warps) not in ((64, 4), (128, 8)) or stages < 1:
         raise ValueError(f"config {(block_m, num_warps, stages)}: BLOCK_M 64 with 4 warps or 128 with 8, stages >= 1")
+    batch = cu_seqlens_q.numel() - 1
+    tables = (block_table, block_pos, block_delta, block_len)
+    if any(t.dim() != 2 or t.shape != block_table.shape for t in tables) or block_table.shape[0] != max(batch, 0):
+        raise ValueError(f"block tables of shapes {[tuple(t.shape) for t in tables]}, expected ({batch}, max_blocks)")
+    if block_table.dtype != torch.int32:  # TMA coordinates are 32-bit
+        raise ValueError(f"paged_prefill_gluon needs an int32 block_table, got {block_table.dtype}")
+    if any(t.stride(-1) != 1 for t in (block_table, block_pos, block_len)):
+        raise ValueError("block tables need a contiguous last dim")
+    if runs is not None and (tuple(runs.shape) != tuple(block_table.shape) or not runs.is_contiguous()):
+        raise ValueError(f"runs table of shape {tuple(runs.shape)}, expected {tuple(block_table.shape)} contiguous")
+    if total_q > 0 and int(max_seqlen_q) <= 0:
+        raise ValueError(f"max_seqlen_q {max_seqlen_q} must be the longest query count of a sequence (>= 1)")
+    if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+        raise RuntimeError("paged_prefill_gluon runs on Hopper GPUs (sm_90) only")
     if out is None:
         out = torch.empty_like(q)
-    batch = cu_seqlens_q.numel() - 1
-    if total_q == 0 or batch <= 0 or max_seqlen_q <= 0:
+    if total_q == 0 or batch <= 0:
         return out
+    if block_table.shape[1] == 0:  # no keys at all: every query sees nothing
+        return out.zero_()
     if q.stride(-1) != 1:
         q = q.contiguous()
     target = out if out.stride(-1) == 1 else torch.empty_like(q)
-    for t in (block_table, block_pos, block_len):
-        if t.stride(-1) != 1:
-            raise ValueError("block tables need a contiguous last dim")
     block_delta = block_delta.contiguous()
     if runs is None:
         from .triton_attention import delta_runs

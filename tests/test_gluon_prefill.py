@@ -33,12 +33,29 @@ def _batch(dtype, seed=70, page_size=64, pad_extra=2):
     return b, max(nq for _, nq in seqs)
 
 
-def test_refuses_without_the_padding_promise_and_off_hopper():
+def test_refuses_what_it_cannot_serve():
+    """Clear errors, before any device work: no padding promise, shapes and dtypes the
+    kernel does not cover, tables that do not match, and any device but a Hopper GPU."""
     b, nq = _batch(torch.float16)
+    ok = dict(max_seqlen_q=nq, padding_finite=True)
     with pytest.raises(ValueError, match="padding_finite"):
         gp.paged_prefill_gluon(**b, max_seqlen_q=nq, padding_finite=False)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        gp.paged_prefill_gluon(**dict(b, k_cache=b["k_cache"].float(), v_cache=b["v_cache"].float()), **ok)
+    with pytest.raises(ValueError, match="fully rotary"):
+        gp.paged_prefill_gluon(**dict(b, inv_freq=b["inv_freq"][:32]), **ok)
+    with pytest.raises(ValueError, match="config"):
+        gp.paged_prefill_gluon(**b, **ok, config=(128, 4, 2))
+    with pytest.raises(ValueError, match="int32 block_table"):
+        gp.paged_prefill_gluon(**dict(b, block_table=b["block_table"].long()), **ok)
+    with pytest.raises(ValueError, match="block tables of shapes"):
+        gp.paged_prefill_gluon(**dict(b, block_len=b["block_len"][:, :-1]), **ok)
+    with pytest.raises(ValueError, match="runs table"):
+        gp.paged_prefill_gluon(**b, **ok, runs=torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        gp.paged_prefill_gluon(**b, max_seqlen_q=0, padding_finite=True)
     with pytest.raises(RuntimeError, match="Hopper"):  # CPU tensors (or a GPU other than sm_90)
-        gp.paged_prefill_gluon(**b, max_seqlen_q=nq, padding_finite=True)
+        gp.paged_prefill_gluon(**b, **ok)
 
 
 _hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
@@ -73,17 +90,3 @@ def test_gpu_matches_reference(dtype, config, page_size):
     again = gp.paged_prefill_gluon(**b, max_seqlen_q=nq, padding_finite=True, runs=runs, config=config)
     first = gp.paged_prefill_gluon(**b, max_seqlen_q=nq, padding_finite=True, config=config)
     assert torch.equal(again, first)
-
-
-@pytest.mark.gpu
-@_hopper
-def test_gpu_refuses_unsupported_shapes():
-    b, nq = _batch(torch.bfloat16)
-    b = {k: v.cuda() if torch.is_tensor(v) else v for k, v in b.items()}
-    with pytest.raises(ValueError, match="float16 or bfloat16"):
-        gp.paged_prefill_gluon(**dict(b, k_cache=b["k_cache"].float(), v_cache=b["v_cache"].float()),
-                               max_seqlen_q=nq, padding_finite=True)
-    with pytest.raises(ValueError, match="fully rotary"):
-        gp.paged_prefill_gluon(**dict(b, inv_freq=b["inv_freq"][:32]), max_seqlen_q=nq, padding_finite=True)
-    with pytest.raises(ValueError, match="config"):
-        gp.paged_prefill_gluon(**b, max_seqlen_q=nq, padding_finite=True, config=(128, 4, 2))
