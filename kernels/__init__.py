@@ -3,6 +3,8 @@
 Installed as ``lazyllm.kernels``. ``reference`` is the specification and the CPU path.
 ``triton_attention`` holds the Triton kernels; it is imported on first use (through
 ``get_backend("triton")`` or the attribute), so this package imports without Triton.
+``gluon_prefill`` holds an opt-in warp-specialized prefill for Hopper GPUs, written in
+Gluon (imported only by name; the engine does not use it yet).
 """
 from .reference import (  # noqa: F401
     apply_rope,
