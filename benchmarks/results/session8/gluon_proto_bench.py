@@ -15,7 +15,9 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import kernels as kb
 import importlib.util as _u
 def _mod(path, name):
-    sp = _u.spec_from_file_location(name, path); m = _u.module_from_spec(sp); sp.loader.exec_module(m); return m
+    # a submodule of lazyllm.kernels, so the copy's relative imports (.triton_attention) resolve
+    import lazyllm.kernels  # noqa: F401
+    sp = _u.spec_from_file_location("lazyllm.kernels." + name, path); m = _u.module_from_spec(sp); sp.loader.exec_module(m); return m
 from lazyllm.kernels import triton_attention as ta
 inv = kb.llama3_inv_freq().cuda()
 CFGS = []
