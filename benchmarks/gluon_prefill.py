@@ -12,7 +12,6 @@ Needs a Hopper GPU; writes ``gluon_prefill.json`` and ``gluon_prefill.md`` to ``
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
@@ -30,9 +29,9 @@ def main() -> None:
     args = ap.parse_args()
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
         sys.exit("gluon_prefill.py needs a Hopper GPU (sm_90)")
-    spec = importlib.util.spec_from_file_location("_lazyllm_bench_kernels", HERE / "kernels.py")
-    kb = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kb)
+    from kernel_variants import _load  # this folder (the script's) is on sys.path
+
+    kb = _load(HERE / "kernels.py", "_lazyllm_bench_kernels")
     from lazyllm.kernels import gluon_prefill as gp
     from lazyllm.kernels import triton_attention as ta
 
