@@ -1,33 +1,30 @@
-"""Warp-specialized deferred-RoPE paged prefill for Hopper, in Gluon (opt-in).
+"""Warp-specialized deferred-RoPE paged prefill for Hopper, in Gluon.
 
 The same function as ``reference.paged_attention_ref`` for prefill (and as
 ``triton_attention.paged_attention_triton`` with ``qrot=3``), written with Gluon
 (``triton.experimental.gluon``) so that the query rotation leaves the warps that issue the
-tensor-core work. One program owns ``BLOCK_M`` query rows (a row is a (query,
-q-head-in-group) pair) of one sequence and one KV head, and splits into three partitions
+tensor-core work. ``paged_attention_triton`` sends prefill here on Hopper when the caller
+vouches that the pages hold finite values (``padding_finite=True``, as the engine does) and
+the shape fits (see ``supported``). One program owns 128 query rows (a row is a (query,
+q-head-in-group) pair) of one sequence and one KV head, and splits into four partitions
 that talk through mbarriers:
 
-* **consumer** (the default partition, ``num_warps`` warps): ``S = Q_slot K^T`` (wgmma,
-  the query from a shared-memory slot), padding and causal masks, online softmax,
-  ``O += P V`` (wgmma, P from registers); it frees a K/V stage after its last product and
-  a query slot when its run of equal deltas ends. At a run start it only switches slots:
-  the next run's end is loaded a run ahead.
+* **two consumers** (4 warps each, 64 rows each; the default partition is one of them):
+  ``S = Q_slot K^T`` (wgmma, the query from a shared-memory slot), padding and causal
+  masks, online softmax, ``O += P V`` (wgmma, P from registers). Each frees a K/V stage
+  after its last product and a query slot when its run of equal deltas ends; at a run start
+  it only switches slots and reads the new run's end from shared memory (no global load on
+  its path). The two run out of step, so one's softmax overlaps the other's products.
 * **loader** (1 warp): K and V pages by TMA (tensor descriptors over the caches viewed as
   ``(num_pages * page_size, num_kv_heads * head_dim)``) into a ring of ``stages`` stages.
 * **rotator** (4 warps): for each run, ``R(-delta) q`` into one of two query slots, on
   pairs of 16-bit values (the rounding of ``triton_attention``'s packed rotation), with
-  cos/sin computed from the delta (``_cos_sin``).
+  cos/sin computed from the delta (``_cos_sin``), and the run's end into ``rend[slot]``.
 
 In ``triton_attention`` the run start sits on the MMA warps' path and costs 3-5% against
 the same binary with a single run (BENCHMARKS.md); here it is another partition's work.
-Measured on an H200 (BENCHMARKS.md, "Kernels (issue 3)", session 8; default tile 128x64,
-8 consumer warps): RoPE cost +0.2 to +1.5% against the same kernel with RoPE off at five
-of the six prefill shapes (q >= 512, from 8k keys on or 2048 queries), at 94-115% of SDPA
-(flash); at q=512 over 4k the figures varied across runs (-2.1 to +11%, 71-106% of SDPA).
-It takes 1.01-1.16x the time of ``paged_attention_triton``'s default prefill at those five
-shapes (its consumer runs the two products and the softmax back to back; the overlaps tried
-so far were slower; FA3's ping-pong between consumer warpgroups is not built yet), so the
-engine does not use it.
+Measured on an H200 (BENCHMARKS.md, "Kernels (issue 3)", session 9): see there for the
+figures against the Triton prefill and SDPA (flash).
 
 Limits: compiled Hopper kernels only (Gluon has no interpreter), head_dim 128, fully
 rotary, 16-bit caches, pages of a multiple of 64 tokens, one key split. TMA reads whole
@@ -55,8 +52,11 @@ __all__ = ["paged_prefill_gluon"]
 
 _LOG2E = 1.4426950408889634
 _BLOCK_N = 64  # keys per tile (a page holds one or more tiles)
-# (BLOCK_M, consumer warps, K/V stages): measured fastest of those tried on the H200
-_CONFIG = (128, 8, 2)
+# (BLOCK_M, warps per consumer, K/V stages): measured fastest of those tried on the H200
+_CONFIG = (128, 4, 2)
+_BLOCK_M = 128  # query rows per program: two consumers of 64
+_NSLOT = 2  # rotated query slots (measured: 3 no faster)
+_CONS_REGS = 208  # registers per thread of a consumer (setmaxnreg); loader 24, rotator 88
 
 
 @gluon.jit
@@ -110,23 +110,48 @@ def _loader(kd, vd, k_smem, v_smem, kv_ready, kv_empty, BT_row, col, t_hi,
 
 
 @gluon.jit
-def _rotator(Q, q_smem, q_ready, q_empty, Runs_row, Delta_row, InvFreq,
+def _ld_q(Q, q_start, n_rows, r0, kvh, stride_qt, stride_qh, offs_h, G: gl.constexpr, RC: gl.constexpr,
+          H2: gl.constexpr, blk: gl.constexpr, dt: gl.constexpr):
+    rows = r0 + gl.arange(0, RC, layout=gl.SliceLayout(1, blk))
+    row_ok = rows < n_rows
+    q_row = Q + (q_start + rows // G).to(gl.int64) * stride_qt + (kvh * G + rows % G) * stride_qh
+    p1 = q_row[:, None] + offs_h[None, :]
+    return (gl.load(p1, mask=row_ok[:, None], other=0.0).to(dt),
+            gl.load(p1 + H2, mask=row_ok[:, None], other=0.0).to(dt))
+
+
+@gluon.jit
+def _st_rot(buf, ch: gl.constexpr, a1, a2, c16, s16, ns16, RC: gl.constexpr, H2: gl.constexpr, USE_ROPE: gl.constexpr):
+    part = buf.slice(ch * RC, RC, dim=0)
+    if USE_ROPE:
+        part.slice(0, H2, dim=1).store(_fma2(a1, c16, _mul2(a2, s16)))  # q1 c + q2 s
+        part.slice(H2, H2, dim=1).store(_fma2(a2, c16, _mul2(a1, ns16)))  # q2 c - q1 s
+    else:
+        part.slice(0, H2, dim=1).store(a1)
+        part.slice(H2, H2, dim=1).store(a2)
+
+
+@gluon.jit
+def _rotator(Q, q_smem, rend, q_ready, q_empty, Runs_row, Delta_row, InvFreq,
              q_start, n_rows, row0, kvh, stride_qt, stride_qh, t_hi,
              G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, TPE: gl.constexpr,
-             USE_ROPE: gl.constexpr):
+             USE_ROPE: gl.constexpr, NSLOT: gl.constexpr):
     """For run ``r`` of equal deltas (entry ``e`` on; the next at ``Runs_row[e]``), the
-    rows' query rotated by ``R(-delta)`` into slot ``r % 2``, in chunks of 32 rows. Always
-    at least one run, so the consumer never waits on a slot nobody fills."""
+    rows' query rotated by ``R(-delta)`` into slot ``r % NSLOT`` and the run's end (a key
+    tile) into ``rend[slot]``. The query's loads are issued before the run's delta is
+    needed. Always at least one run."""
     H2: gl.constexpr = HEAD_DIM // 2
-    RC: gl.constexpr = 32
+    RC: gl.constexpr = BLOCK_M // 4
     dt: gl.constexpr = q_smem.dtype
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    l1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     offs_h = gl.arange(0, H2, layout=gl.SliceLayout(0, blk))
     inv = gl.load(InvFreq + offs_h)
     e = 0
     r = 0
     while (e * TPE < t_hi) | (r == 0):
-        slot = r % 2
+        slot = r % NSLOT
+        a1_0, a2_0 = _ld_q(Q, q_start, n_rows, row0, kvh, stride_qt, stride_qh, offs_h, G, RC, H2, blk, dt)
         if USE_ROPE:
             d = gl.load(Delta_row + e).to(gl.float32)
             e_next = gl.load(Runs_row + e)
@@ -137,24 +162,13 @@ def _rotator(Q, q_smem, q_ready, q_empty, Runs_row, Delta_row, InvFreq,
         c16 = c.to(dt)[None, :]
         ns16 = (-sn).to(dt)[None, :]
         s16 = sn.to(dt)[None, :]
-        mbarrier.wait(q_empty.index(slot), ((r // 2) & 1) ^ 1)
+        mbarrier.wait(q_empty.index(slot), ((r // NSLOT) & 1) ^ 1)
         buf = q_smem.index(slot)
-        for ch in gl.static_range(BLOCK_M // RC):
-            rows = row0 + ch * RC + gl.arange(0, RC, layout=gl.SliceLayout(1, blk))
-            row_ok = rows < n_rows
-            q_row = Q + (q_start + rows // G).to(gl.int64) * stride_qt + (kvh * G + rows % G) * stride_qh
-            p1 = q_row[:, None] + offs_h[None, :]
-            a1 = gl.load(p1, mask=row_ok[:, None], other=0.0).to(dt)
-            a2 = gl.load(p1 + H2, mask=row_ok[:, None], other=0.0).to(dt)
-            if USE_ROPE:
-                r1 = _fma2(a1, c16, _mul2(a2, s16))  # q1 c + q2 s
-                r2 = _fma2(a2, c16, _mul2(a1, ns16))  # q2 c - q1 s
-            else:
-                r1 = a1
-                r2 = a2
-            part = buf.slice(ch * RC, RC, dim=0)
-            part.slice(0, H2, dim=1).store(r1)
-            part.slice(H2, H2, dim=1).store(r2)
+        _st_rot(buf, 0, a1_0, a2_0, c16, s16, ns16, RC, H2, USE_ROPE)
+        for ch in gl.static_range(1, 4):
+            a1, a2 = _ld_q(Q, q_start, n_rows, row0 + ch * RC, kvh, stride_qt, stride_qh, offs_h, G, RC, H2, blk, dt)
+            _st_rot(buf, ch, a1, a2, c16, s16, ns16, RC, H2, USE_ROPE)
+        rend.index(slot).store(gl.full([1], gl.minimum(e_next * TPE, t_hi), gl.int32, layout=l1))
         fence_async_shared()
         mbarrier.arrive(q_ready.index(slot), count=1)
         e = e_next
@@ -162,14 +176,24 @@ def _rotator(Q, q_smem, q_ready, q_empty, Runs_row, Delta_row, InvFreq,
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-              QPos, Out, Runs_row, BPos_row, BLen_row, q_start, n_rows, row0, kvh,
-              stride_ot, stride_oh, t_lo, t_hi, qk_scale, max_blocks,
+def _rd_end(rend, slot, NW: gl.constexpr):
+    """The run end the rotator left in ``rend[slot]``, as a scalar."""
+    l1: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    return gl.max(rend.index(slot).load(l1), 0)
+
+
+@gluon.jit
+def _consumer(q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
+              QPos, Out, BPos_row, BLen_row, q_start, n_rows, row0, kvh,
+              stride_ot, stride_oh, t_lo, t_hi, qk_scale,
               G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, USE_ROPE: gl.constexpr, NW: gl.constexpr):
-    """Online softmax over key tiles ``[0, t_hi)`` (causal mask from ``t_lo``), the query
-    of run ``r`` in slot ``r % 2``; writes the normalized output rows."""
-    TPE: gl.constexpr = PAGE_SIZE // BLOCK_N
+              PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, USE_ROPE: gl.constexpr, NW: gl.constexpr,
+              HALF: gl.constexpr, NSLOT: gl.constexpr):
+    """Online softmax over key tiles ``[0, t_hi)`` (causal mask from ``t_lo``) of rows
+    ``HALF * BLOCK_M ..`` of the program's tile (``BLOCK_M`` is the consumer's share; two
+    consumers, each its own partition), the query of run ``r`` in slot ``r % NSLOT``; writes
+    the normalized output rows."""
+    row0 = row0 + HALF * BLOCK_M
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
@@ -183,24 +207,18 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_l)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_l)
     r = 0
-    if USE_ROPE:
-        r_nx = gl.load(Runs_row)
-        r_end = gl.minimum(r_nx * TPE, t_hi)
-        r_nx = gl.load(Runs_row + gl.minimum(r_nx, max_blocks - 1))  # the next run's end, a run ahead
-    else:
-        r_nx = max_blocks
-        r_end = t_hi
     mbarrier.wait(q_ready.index(0), 0)
+    r_end = _rd_end(rend, 0, NW)
     for tt in range(0, t_hi):
         if tt >= r_end:  # a run starts: free the slot, take the next (already rotated)
-            mbarrier.arrive(q_empty.index(r % 2), count=1)
+            mbarrier.arrive(q_empty.index(r % NSLOT), count=1)
             r += 1
-            r_end = gl.minimum(r_nx * TPE, t_hi)
-            r_nx = gl.load(Runs_row + gl.minimum(r_nx, max_blocks - 1))
-            mbarrier.wait(q_ready.index(r % 2), (r // 2) & 1)
+            mbarrier.wait(q_ready.index(r % NSLOT), (r // NSLOT) & 1)
+            r_end = _rd_end(rend, r % NSLOT, NW)
         s = tt % STAGES
         mbarrier.wait(kv_ready.index(s), (tt // STAGES) & 1)
-        qk = warpgroup_mma(q_smem.index(r % 2), k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        q_rows = q_smem.index(r % NSLOT).slice(HALF * BLOCK_M, BLOCK_M, dim=0)
+        qk = warpgroup_mma(q_rows, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
         ent = (tt * BLOCK_N) // PAGE_SIZE
         slot0 = (tt * BLOCK_N) % PAGE_SIZE
@@ -221,7 +239,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
         acc = warpgroup_mma(pd, v_smem.index(s), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(kv_empty.index(s), count=1)
-    mbarrier.arrive(q_empty.index(r % 2), count=1)
+    mbarrier.arrive(q_empty.index(r % NSLOT), count=1)
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
     o = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
     orow = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_l))
@@ -236,7 +254,8 @@ def _paged_prefill_ws(Q, QPos, CuQ, kd, vd, BT, BPos, BLen, Runs, Delta, InvFreq
                       stride_btb, stride_bpb, stride_blb, stride_bdb, max_blocks,
                       G: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                      SCAN_BLOCK: gl.constexpr, USE_ROPE: gl.constexpr, NW: gl.constexpr):
+                      SCAN_BLOCK: gl.constexpr, USE_ROPE: gl.constexpr, NW: gl.constexpr,
+                      CONS_REGS: gl.constexpr, NSLOT: gl.constexpr):
     """Grid ``(q_tiles, num_kv_heads, batch)``; see the module docstring."""
     pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # heaviest (latest) query tiles first
     kvh = gl.program_id(1)
@@ -272,31 +291,54 @@ def _paged_prefill_ws(Q, QPos, CuQ, kd, vd, BT, BPos, BLen, Runs, Delta, InvFreq
         t_lo = gl.minimum((lo_e * PAGE_SIZE) // BLOCK_N, t_hi)
 
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.bfloat16)
-        q_smem = gl.allocate_shared_memory(kd.dtype, [2, BLOCK_M, HEAD_DIM], q_layout)
+        q_smem = gl.allocate_shared_memory(kd.dtype, [NSLOT, BLOCK_M, HEAD_DIM], q_layout)
+        rend = gl.allocate_shared_memory(gl.int32, [NSLOT, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         k_smem = gl.allocate_shared_memory(kd.dtype, [STAGES, BLOCK_N, HEAD_DIM], kd.layout)
         v_smem = gl.allocate_shared_memory(vd.dtype, [STAGES, BLOCK_N, HEAD_DIM], vd.layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(kv_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=1)
-        for i in gl.static_range(2):
+            mbarrier.init(kv_empty.index(i), count=2)  # both consumers
+        for i in gl.static_range(NSLOT):
             mbarrier.init(q_ready.index(i), count=1)
-            mbarrier.init(q_empty.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)
         fence_async_shared()
+        CM: gl.constexpr = BLOCK_M // 2
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                         QPos, Out, Runs_row, BPos_row, BLen_row, q_start, n_rows, row0, kvh,
-                         stride_ot, stride_oh, t_lo, t_hi, qk_scale, max_blocks,
-                         G, HEAD_DIM, BLOCK_M, BLOCK_N, PAGE_SIZE, STAGES, USE_ROPE, NW)),
+            (_consumer, (q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
+                         QPos, Out, BPos_row, BLen_row, q_start, n_rows, row0, kvh,
+                         stride_ot, stride_oh, t_lo, t_hi, qk_scale,
+                         G, HEAD_DIM, CM, BLOCK_N, PAGE_SIZE, STAGES, USE_ROPE, NW, 0, NSLOT)),
+            (_consumer, (q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
+                         QPos, Out, BPos_row, BLen_row, q_start, n_rows, row0, kvh,
+                         stride_ot, stride_oh, t_lo, t_hi, qk_scale,
+                         G, HEAD_DIM, CM, BLOCK_N, PAGE_SIZE, STAGES, USE_ROPE, NW, 1, NSLOT)),
             (_loader, (kd, vd, k_smem, v_smem, kv_ready, kv_empty, BT_row, kvh * HEAD_DIM, t_hi,
                        PAGE_SIZE, BLOCK_N, STAGES)),
-            (_rotator, (Q, q_smem, q_ready, q_empty, Runs_row, Delta_row, InvFreq,
+            (_rotator, (Q, q_smem, rend, q_ready, q_empty, Runs_row, Delta_row, InvFreq,
                         q_start, n_rows, row0, kvh, stride_qt, stride_qh, t_hi,
-                        G, HEAD_DIM, BLOCK_M, PAGE_SIZE // BLOCK_N, USE_ROPE)),
-        ], [1, 4], [24, 88])
+                        G, HEAD_DIM, BLOCK_M, PAGE_SIZE // BLOCK_N, USE_ROPE, NSLOT)),
+        ], [NW, 1, 4], [CONS_REGS, 24, 88])
+
+
+def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+              inv_freq: torch.Tensor) -> bool:
+    """Whether ``paged_prefill_gluon`` serves these arguments on this device: a Hopper GPU,
+    head_dim 128, fully rotary, 16-bit caches of equal shapes, pages of a multiple of 64
+    tokens, an int32 block table. (The engine's prefill on an H100/H200 with a Llama-like
+    model; ``paged_attention_triton`` sends such batches here.)"""
+    d = q.shape[-1]
+    return bool(
+        q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+        and d == 128 and k_cache.shape[-1] == d and 2 * inv_freq.numel() == d
+        and k_cache.dtype in (torch.float16, torch.bfloat16) and v_cache.dtype == k_cache.dtype
+        and tuple(v_cache.shape) == tuple(k_cache.shape) and k_cache.shape[1] % _BLOCK_N == 0
+        and k_cache.is_contiguous() and v_cache.is_contiguous()
+        and block_table.dtype == torch.int32
+    )
 
 
 def paged_prefill_gluon(
@@ -332,8 +374,8 @@ def paged_prefill_gluon(
     device but a Hopper GPU ``RuntimeError``.
     runs : optional ``delta_runs(block_delta)`` (``rope_table(...)[2]``), to build it once
         per step; derived here otherwise.
-    config : ``(BLOCK_M, num_warps, stages)`` of the consumer, for benchmarks; BLOCK_M is
-        64 with 4 warps or 128 with 8.
+    config : ``(BLOCK_M, num_warps, stages)``, for benchmarks: 128 rows per program, 4 warps per
+        consumer, 2 or 3 K/V stages (the default ``(128, 4, 2)`` ran faster on the H200).
     """
     total_q, hq, d = q.shape
     if not padding_finite:
@@ -355,8 +397,9 @@ def paged_prefill_gluon(
     except RuntimeError as e:
         raise ValueError("paged_prefill_gluon needs caches viewable as (pages * page_size, kv_heads * head_dim)") from e
     block_m, num_warps, stages = config or _CONFIG
-    if (block_m, num_warps) not in ((64, 4), (128, 8)) or stages < 1:
-        raise ValueError(f"config {(block_m, num_warps, stages)}: BLOCK_M 64 with 4 warps or 128 with 8, stages >= 1")
+    if (block_m, num_warps) != (_BLOCK_M, 4) or stages not in (2, 3):
+        raise ValueError(f"config {(block_m, num_warps, stages)}: BLOCK_M {_BLOCK_M} with 4 warps per consumer, "
+                         "2 or 3 stages")
     batch = cu_seqlens_q.numel() - 1
     tables = (block_table, block_pos, block_delta, block_len)
     if any(t.dim() != 2 or t.shape != block_table.shape for t in tables) or block_table.shape[0] != max(batch, 0):
@@ -381,7 +424,9 @@ def paged_prefill_gluon(
         q = q.contiguous()
     target = out if out.stride(-1) == 1 else torch.empty_like(q)
     block_delta = block_delta.contiguous()
-    if runs is None:
+    if not use_rope:
+        runs = block_table  # never read without RoPE (one run); no table to build
+    elif runs is None:
         from .triton_attention import delta_runs
 
         runs = delta_runs(block_delta)
@@ -397,7 +442,8 @@ def paged_prefill_gluon(
         q.stride(0), q.stride(1), target.stride(0), target.stride(1),
         block_table.stride(0), block_pos.stride(0), block_len.stride(0), block_delta.stride(0), block_table.shape[1],
         G=group, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, STAGES=stages,
-        SCAN_BLOCK=256, USE_ROPE=bool(use_rope), NW=num_warps, num_warps=num_warps,
+        SCAN_BLOCK=256, USE_ROPE=bool(use_rope), NW=num_warps, CONS_REGS=_CONS_REGS, NSLOT=_NSLOT,
+        num_warps=num_warps,
     )
     if target is not out:
         out.copy_(target)
