@@ -3,8 +3,9 @@
 Installed as ``lazyllm.kernels``. ``reference`` is the specification and the CPU path.
 ``triton_attention`` holds the Triton kernels; it is imported on first use (through
 ``get_backend("triton")`` or the attribute), so this package imports without Triton.
-``gluon_prefill`` holds an opt-in warp-specialized prefill for Hopper GPUs, written in
-Gluon (imported only by name; the engine does not use it yet).
+``gluon_prefill`` holds a warp-specialized prefill for Hopper GPUs, written in Gluon;
+``paged_attention_triton`` sends prefill there on Hopper when the caller passes
+``padding_finite=True`` (the engine does), and imports it only then.
 """
 from .reference import (  # noqa: F401
     apply_rope,

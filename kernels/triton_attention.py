@@ -996,6 +996,18 @@ _COEF_LOOKAHEAD = True
 _PREFETCH = True  # measured faster on the H200 at all four shapes tried (BENCHMARKS.md)
 _NUM_SMS: dict = {}
 _QROT_FAILED: set = set()  # shapes whose query-rotating kernel did not compile
+_GLUON_FAILED: set = set()  # shapes whose Gluon prefill failed (served by the Triton prefill)
+
+
+def _gluon_supported(q, k_cache, v_cache, block_table, inv_freq) -> bool:
+    """``gluon_prefill.supported`` where Gluon imports (Hopper only; never on CPU)."""
+    if not q.is_cuda:
+        return False
+    try:
+        from lazyllm.kernels import gluon_prefill
+    except Exception:  # noqa: BLE001  (a Triton without Gluon)
+        return False
+    return gluon_prefill.supported(q, k_cache, v_cache, block_table, inv_freq)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -1032,6 +1044,8 @@ def paged_attention_triton(
     batch_invariant: bool = False,
     coef_from_delta: bool | None = None,
     coef_lookahead: bool | None = None,
+    padding_finite: bool = False,
+    prefill_kernel: str | None = None,
 ) -> torch.Tensor:
     """Deferred-RoPE attention of a varlen batch of queries over paged KV (Triton).
 
@@ -1077,6 +1091,15 @@ def paged_attention_triton(
         A query row then sees its keys in the same tiles, in the same order, through the same
         instructions, so its output does not depend on the other rows of the batch, nor on
         whether it is decoded or prefilled (slower for decode; for reproducible serving).
+    padding_finite : the caller vouches that every slot of every page the table names holds
+        finite values, padding slots included (the engine's pool is zero-initialized and only
+        written with K/V). On a Hopper GPU this lets prefill run the warp-specialized Gluon
+        kernel (``gluon_prefill``), which reads whole pages by TMA, where it fits
+        (``gluon_prefill.supported``; the query-rotating prefill with one key split); it was
+        faster than the Triton prefill at every shape measured (BENCHMARKS.md).
+    prefill_kernel : ``"triton"`` or ``"gluon"`` forces that prefill kernel (``"gluon"``
+        needs ``padding_finite`` too, and raises where it cannot serve the call); default: as
+        above. For benchmarks and tests.
 
     Returns
     -------
@@ -1085,6 +1108,9 @@ def paged_attention_triton(
     """
     total_q, hq, d = q.shape
     _, page_size, hkv, dk = k_cache.shape
+    if prefill_kernel not in (None, "triton", "gluon"):
+        raise ValueError(f"prefill_kernel must be None, 'triton' or 'gluon', got {prefill_kernel!r}")
+    qrot_arg = qrot
     if dk != d or tuple(v_cache.shape) != tuple(k_cache.shape):
         raise ValueError(f"cache shapes {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
     if hq % hkv:
@@ -1186,6 +1212,28 @@ def paged_attention_triton(
         elif ctas < 2 * sms and one_query:
             num_splits = 2
     num_splits = max(1, min(int(num_splits), kv_tiles))
+
+    if prefill_kernel == "gluon" or (
+            prefill_kernel is None and padding_finite and qrot == 3 and qrot_arg is None and num_splits == 1
+            and config is None and not batch_invariant and not _interpreting()):
+        gkey = (d, k_cache.dtype, page_size)
+        if prefill_kernel == "gluon" or (
+                gkey not in _GLUON_FAILED and _gluon_supported(q, k_cache, v_cache, block_table, inv_freq)):
+            try:
+                from lazyllm.kernels import gluon_prefill
+
+                return gluon_prefill.paged_prefill_gluon(
+                    q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, block_pos, block_delta, block_len,
+                    inv_freq, sm_scale, out, max_seqlen_q=max_seqlen_q, padding_finite=padding_finite,
+                    use_rope=use_rope, runs=rope[2] if use_rope and rope is not None and len(rope) > 2 else None)
+            except Exception as e:  # noqa: BLE001
+                if prefill_kernel == "gluon" or torch.cuda.is_current_stream_capturing():
+                    raise
+                # a Gluon build or launch failure (another Triton version, say): serve this
+                # shape with the Triton prefill from now on, which computes the same function
+                _GLUON_FAILED.add(gkey)
+                warnings.warn(f"Gluon prefill failed for head_dim={d}, {k_cache.dtype}, pages of {page_size} "
+                              f"({type(e).__name__}: {e}); using the Triton prefill", RuntimeWarning, stacklevel=2)
 
     if coef_from_delta is None:
         coef_from_delta = _COEF_FROM_DELTA and not _interpreting()

@@ -69,6 +69,10 @@ def _attention_backend(name: str, device: torch.device, batch_invariant: bool = 
         extras = {"max_seqlen_q": meta.max_seqlen_q, "rope": ta.rope_table(meta.block_delta, inv_freq)}
         if batch_invariant:
             extras["batch_invariant"] = True
+        if device.type == "cuda":
+            # the page pool is zero-initialized and only written with K/V (cache/store.py), so
+            # every slot the tables name is finite: prefill may use the Gluon kernel on Hopper
+            extras["padding_finite"] = True
         return extras
 
     return ta.paged_attention_triton, ta.rerotate_copy_triton, step_extras, "triton"

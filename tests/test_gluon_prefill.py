@@ -1,7 +1,8 @@
 """The warp-specialized Gluon prefill (``lazyllm.kernels.gluon_prefill``) against the reference.
 
 Gluon has no interpreter, so the kernel itself runs only in the tests marked ``gpu`` (on
-the H200); on CPU this checks that the module imports and refuses what it cannot serve.
+the H200); on CPU this checks that the module imports and refuses what it cannot serve, and
+that ``paged_attention_triton`` keeps CPU calls on the Triton kernels.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from lazyllm.kernels.reference import paged_attention_ref
 from tests.test_kernels_triton import _chunks, _make_batch, _relerr
+from tests.test_kernels_triton import ta as ta_interp
 
 gp = pytest.importorskip("lazyllm.kernels.gluon_prefill", reason="this triton has no Gluon (triton.experimental.gluon)")
 
@@ -44,8 +46,9 @@ def test_refuses_what_it_cannot_serve():
         gp.paged_prefill_gluon(**dict(b, k_cache=b["k_cache"].float(), v_cache=b["v_cache"].float()), **ok)
     with pytest.raises(ValueError, match="fully rotary"):
         gp.paged_prefill_gluon(**dict(b, inv_freq=b["inv_freq"][:32]), **ok)
-    with pytest.raises(ValueError, match="config"):
-        gp.paged_prefill_gluon(**b, **ok, config=(128, 4, 2))
+    for bad in ((64, 4, 2), (128, 8, 2), (128, 4, 1)):
+        with pytest.raises(ValueError, match="config"):
+            gp.paged_prefill_gluon(**b, **ok, config=bad)
     with pytest.raises(ValueError, match="int32 block_table"):
         gp.paged_prefill_gluon(**dict(b, block_table=b["block_table"].long()), **ok)
     with pytest.raises(ValueError, match="block tables of shapes"):
@@ -58,13 +61,25 @@ def test_refuses_what_it_cannot_serve():
         gp.paged_prefill_gluon(**b, **ok)
 
 
+def test_triton_launcher_on_cpu_ignores_padding_finite_and_checks_prefill_kernel():
+    """On CPU (the interpreter) ``padding_finite`` changes nothing: the Triton prefill serves
+    the call and matches the reference; an unknown ``prefill_kernel`` is a ValueError."""
+    b, nq = _batch(torch.float32)
+    b = dict(b, q=b["q"][: 40], cu_seqlens_q=torch.tensor([0, 20, 30, 40], dtype=torch.int32), q_pos=b["q_pos"][:40])
+    ref = paged_attention_ref(**b)
+    got = ta_interp.paged_attention_triton(**b, max_seqlen_q=20, padding_finite=True)
+    assert _relerr(got, ref) < 1e-4
+    with pytest.raises(ValueError, match="prefill_kernel"):
+        ta_interp.paged_attention_triton(**b, max_seqlen_q=20, prefill_kernel="cuda")
+
+
 _hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                              reason="needs a Hopper GPU (sm_90)")
 
 
 @pytest.mark.gpu
 @_hopper
-@pytest.mark.parametrize("config", [None, (64, 4, 2), (128, 8, 3)])
+@pytest.mark.parametrize("config", [None, (128, 4, 3)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("page_size", [64, 128])
 def test_gpu_matches_reference(dtype, config, page_size):
@@ -90,3 +105,46 @@ def test_gpu_matches_reference(dtype, config, page_size):
     again = gp.paged_prefill_gluon(**b, max_seqlen_q=nq, padding_finite=True, runs=runs, config=config)
     first = gp.paged_prefill_gluon(**b, max_seqlen_q=nq, padding_finite=True, config=config)
     assert torch.equal(again, first)
+
+
+@pytest.mark.gpu
+@_hopper
+def test_gpu_triton_launcher_routes_prefill_to_gluon(monkeypatch):
+    """``paged_attention_triton`` sends prefill to the Gluon kernel exactly when the caller
+    passes ``padding_finite=True`` and nothing asks for the Triton kernel (a config, ``qrot``,
+    batch invariance, key splits, ``prefill_kernel="triton"``); decode never goes there.
+    Routed calls return the Gluon kernel's own bits."""
+    from lazyllm.kernels import triton_attention as ta
+
+    b, nq = _batch(torch.bfloat16)
+    b = {k: v.cuda() if torch.is_tensor(v) else v for k, v in b.items()}
+    calls = []
+    real = gp.paged_prefill_gluon
+    monkeypatch.setattr(gp, "paged_prefill_gluon", lambda *a, **k: calls.append(1) or real(*a, **k))
+    direct = real(**b, max_seqlen_q=nq, padding_finite=True)
+
+    def routed(**kw):  # one key split: this small grid would take split-K by occupancy otherwise
+        n = len(calls)
+        out = ta.paged_attention_triton(**b, max_seqlen_q=nq, **dict(dict(num_splits=1), **kw))
+        return len(calls) > n, out
+
+    hit, out = routed(padding_finite=True)
+    assert hit and torch.equal(out, direct)
+    hit, out = routed(padding_finite=True, rope=ta.rope_table(b["block_delta"], b["inv_freq"]))
+    assert hit and torch.equal(out, direct)
+    for kw in (dict(), dict(padding_finite=True, prefill_kernel="triton"), dict(padding_finite=True, qrot=3),
+               dict(padding_finite=True, batch_invariant=True), dict(padding_finite=True, config=(64, 64, 4, 2)),
+               dict(padding_finite=True, num_splits=2)):
+        hit, out = routed(**kw)
+        assert not hit, kw
+        assert _relerr(out, direct) < 1e-2, kw
+    hit, _ = routed(padding_finite=True, prefill_kernel="gluon")
+    assert hit
+    with pytest.raises(ValueError, match="padding_finite"):
+        routed(prefill_kernel="gluon")
+    # decode: one query per sequence
+    one = dict(b, q=b["q"][b["cu_seqlens_q"][1:] - 1], q_pos=b["q_pos"][b["cu_seqlens_q"][1:] - 1],
+               cu_seqlens_q=torch.arange(4, dtype=torch.int32, device="cuda"))
+    n = len(calls)
+    ta.paged_attention_triton(**one, max_seqlen_q=1, padding_finite=True)
+    assert len(calls) == n

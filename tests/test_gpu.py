@@ -46,17 +46,28 @@ def test_triton_engine_matches_transformers_4d_mask(tiny_cuda, tokenizer, reuse,
     llm.close()
 
 
+@pytest.mark.parametrize("gluon", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_head_dim_128_prefill_kernel_in_engine_matches_torch_backend(tokenizer, dtype, monkeypatch):
-    """Head dim 128 in 16-bit with pages of 64 takes the default prefill kernel (one loop on
-    the query's rotary halves) for chunks and suffixes of more than 64 query rows: greedy
-    tokens equal those of the torch attention backend on the same weights, for lazy and
-    block reuse."""
+def test_head_dim_128_prefill_kernel_in_engine_matches_torch_backend(tokenizer, dtype, gluon, monkeypatch):
+    """Head dim 128 in 16-bit with pages of 64 takes the default prefill kernel for chunks
+    and suffixes of more than 64 query rows: on Hopper the warp-specialized Gluon kernel (the
+    engine vouches for finite pages), else, or with Gluon switched off, the Triton loop on the
+    query's rotary halves. Greedy tokens equal those of the torch attention backend on the
+    same weights, for lazy and block reuse."""
     from lazyllm.kernels import triton_attention as ta
 
-    halves = []
+    if gluon and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon prefill runs on Hopper GPUs only")
+    halves, gluon_calls = [], []
     config = ta._prefill_config
     monkeypatch.setattr(ta, "_prefill_config", lambda *a: halves.append(a[-1]) or config(*a))
+    if gluon:
+        from lazyllm.kernels import gluon_prefill as gp
+
+        real = gp.paged_prefill_gluon
+        monkeypatch.setattr(gp, "paged_prefill_gluon", lambda *a, **k: gluon_calls.append(1) or real(*a, **k))
+    else:
+        monkeypatch.setattr(ta, "_gluon_supported", lambda *a: False)
     model = make_tiny("llama3-rope", head_dim=128, hidden_size=256, intermediate_size=256).to("cuda", dtype)
     docs = [d * 4 for d in DOCS]  # 60+ tokens per chunk: prefill rows > 64 (2 query heads per KV head)
     for reuse in ("lazy", "block"):
@@ -69,7 +80,9 @@ def test_head_dim_128_prefill_kernel_in_engine_matches_torch_backend(tokenizer, 
                          for c in (docs[:3], docs[1:4][::-1])])
             llm.close()
         assert outs[0] == outs[1], reuse
-    assert any(halves), "the engine never launched the rotary-halves prefill kernel"
+    assert any(halves), "the engine never chose the rotary-halves prefill"
+    if gluon:
+        assert gluon_calls, "the engine never launched the Gluon prefill"
 
 
 @pytest.mark.parametrize("reuse", ["none", "prefix"])
