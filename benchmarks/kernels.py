@@ -272,8 +272,30 @@ def check_prefill(pg, qs, q, q_pos, cu, out, sdpa_out, n_check=64):
     return e_ref, e_sdpa
 
 
+_GLUON_CALLS = [0]
+
+
+def _count_gluon_calls():
+    """Counts launches of the Gluon prefill (to report which kernel served a call)."""
+    try:
+        from lazyllm.kernels import gluon_prefill as gp
+    except Exception:  # noqa: BLE001  (no Gluon in this triton)
+        return
+    real = gp.paged_prefill_gluon
+
+    def counted(*a, **k):
+        _GLUON_CALLS[0] += 1
+        return real(*a, **k)
+
+    gp.paged_prefill_gluon = counted
+
+
 def run_prefill(nq, kv, ps, inv_freq, dev, configs=None, splits=(None,), sdpa=True, extra=None):
-    """Times the launcher (default config unless ``configs``), rope on/off, and SDPA."""
+    """Times the launcher (default config unless ``configs``), rope on/off, and SDPA.
+
+    The launcher is called as the engine calls it (``padding_finite=True``: the pool's
+    pages are finite), so on Hopper the default prefill is the Gluon kernel; the Triton
+    prefill (``prefill_kernel="triton"``) is then timed too."""
     pg, qs, q, q_pos, cu = prefill_case(nq, kv, ps, inv_freq, dev)
     a = pg.args(q, q_pos, cu)
     out = torch.empty_like(q)
@@ -290,11 +312,13 @@ def run_prefill(nq, kv, ps, inv_freq, dev, configs=None, splits=(None,), sdpa=Tr
     for cfg in configs or [None]:
         for sp in splits:
             row = dict(kind="prefill", q=nq, kv=kv, page_size=ps, config=cfg, splits=sp, flops=flops, extra=extra, **cud)
-            kw = dict(extra or {})
+            kw = dict(padding_finite=True, **(extra or {}))
             try:
                 out.fill_(float("nan"))
+                n0 = _GLUON_CALLS[0]
                 ta.paged_attention_triton(**a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, **kw)
                 sync()
+                row["kernel"] = "gluon" if _GLUON_CALLS[0] > n0 else "triton"
                 row["nan"] = bool(torch.isnan(out).any())
                 if s_out is not None:
                     row["err_ref"], row["err_sdpa"] = check_prefill(pg, qs, q, q_pos, cu, out, s_out)
@@ -305,6 +329,12 @@ def run_prefill(nq, kv, ps, inv_freq, dev, configs=None, splits=(None,), sdpa=Tr
                 rt = ta.rope_table(pg.block_delta, inv_freq)
                 row["ms_rope_pretable"] = bench(lambda: ta.paged_attention_triton(
                     **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, rope=rt, **kw))
+                if row["kernel"] == "gluon":
+                    tk = dict(kw, prefill_kernel="triton")
+                    row["ms_triton_pretable"] = bench(lambda: ta.paged_attention_triton(
+                        **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, rope=rt, **tk))
+                    row["ms_triton_norope"] = bench(lambda: ta.paged_attention_triton(
+                        **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, use_rope=False, **tk))
             except Exception as e:  # keep the rest of the run
                 row["error"] = repr(e)[:300]
                 traceback.print_exc()
@@ -460,6 +490,11 @@ def derived(row):
             r["vs_sdpa"] = r["ms_sdpa"] / r["ms_rope"]
         r["rope_cost"] = r["ms_rope"] / r["ms_norope"] - 1
         r["rope_cost_pretable"] = r["ms_rope_pretable"] / r["ms_norope"] - 1
+        if r.get("ms_sdpa"):
+            r["vs_sdpa_pretable"] = r["ms_sdpa"] / r["ms_rope_pretable"]
+        if r.get("ms_triton_pretable"):
+            r["triton_rope_cost"] = r["ms_triton_pretable"] / r["ms_triton_norope"] - 1
+            r["vs_triton"] = r["ms_triton_pretable"] / r["ms_rope_pretable"]
         if r.get("ms_cudnn"):
             r["tflops_cudnn"] = r["flops"] / r["ms_cudnn"] / 1e9
             r["tflops_cudnn_nomask"] = 4 * HQ * D * r["q"] * r["kv"] / r["ms_cudnn_nomask"] / 1e9
@@ -496,7 +531,9 @@ def fmt_row(row):
                 f"{r['tflops_rope']:.0f} TF/s | rope-off {r['ms_norope']:.3f} | sdpa {r.get('ms_sdpa', float('nan')):.3f} ms "
                 f"{r.get('tflops_sdpa', float('nan')):.0f} TF/s | x{r.get('vs_sdpa', float('nan')):.2f} | rope +{100 * r['rope_cost']:.1f}% "
                 f"(pretable +{100 * r['rope_cost_pretable']:.1f}%) | err ref {r.get('err_ref', float('nan')):.1e} "
-                f"sdpa {r.get('err_sdpa', float('nan')):.1e} nan={r['nan']}")
+                f"sdpa {r.get('err_sdpa', float('nan')):.1e} nan={r['nan']} | {r.get('kernel')}"
+                + (f" | triton {r['ms_triton_pretable']:.3f} ms (x{r['vs_triton']:.2f} of it), its rope "
+                   f"+{100 * r['triton_rope_cost']:.1f}%" if r.get("ms_triton_pretable") else ""))
     if r["kind"] == "decode":
         return (f"decode  b={r['batch']:4d} kv={r['kv']:6d} cfg={r['config']} sp={r['splits']} | ours {r['ms_rope']:.3f} ms "
                 f"{r['tbs_rope']:.2f} TB/s | rope-off {r['ms_norope']:.3f} | sdpa {r.get('ms_sdpa', float('nan')):.3f} ms "
@@ -519,16 +556,29 @@ def markdown(meta, rows):
     dec = [derived(r) for r in rows if r["kind"] == "decode" and default(r)]
     cp = [derived(r) for r in rows if r["kind"] == "rerotate"]
     if pre:
-        L += ["| prefill q | kv | ours ms | ours TFLOP/s | SDPA ms | SDPA TFLOP/s | ours/SDPA | rope off ms | RoPE cost | RoPE cost, table prebuilt | rel err vs ref |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        L += ["`ours` builds the step's cos/sin and runs tables in the call (launch-bound at small shapes); the engine "
+              "builds them once per step for all layers, so `table prebuilt` is the per-layer figure.", "",
+              "| prefill q | kv | kernel | ours ms | ours TFLOP/s | SDPA ms | SDPA TFLOP/s | ours/SDPA | ours ms, table prebuilt | ours/SDPA, table prebuilt | rope off ms | RoPE cost | RoPE cost, table prebuilt | rel err vs ref |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in pre:
             if "error" in r:
                 L.append(f"| {r['q']} | {r['kv']} | error: {r['error'][:80]} |")
                 continue
-            L.append(f"| {r['q']} | {r['kv']} | {r['ms_rope']:.3f} | {r['tflops_rope']:.0f} | {r['ms_sdpa']:.3f} | "
-                     f"{r['tflops_sdpa']:.0f} | {100 * r['vs_sdpa']:.0f}% | {r['ms_norope']:.3f} | "
+            L.append(f"| {r['q']} | {r['kv']} | {r.get('kernel', 'triton')} | {r['ms_rope']:.3f} | {r['tflops_rope']:.0f} | "
+                     f"{r['ms_sdpa']:.3f} | {r['tflops_sdpa']:.0f} | {100 * r['vs_sdpa']:.0f}% | {r['ms_rope_pretable']:.3f} | "
+                     f"{100 * r['vs_sdpa_pretable']:.0f}% | {r['ms_norope']:.3f} | "
                      f"{100 * r['rope_cost']:+.1f}% | {100 * r['rope_cost_pretable']:+.1f}% | {r['err_ref']:.1e} |")
         L.append("")
+        tri = [r for r in pre if r.get("ms_triton_pretable")]
+        if tri:
+            L += ["Where the Gluon prefill served the call (Hopper, `padding_finite=True` as the engine passes), the "
+                  "Triton prefill (`prefill_kernel=\"triton\"`) on the same shapes, table prebuilt:", "",
+                  "| prefill q | kv | Triton ms | Triton rope off ms | its RoPE cost | Triton/Gluon time |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+            for r in tri:
+                L.append(f"| {r['q']} | {r['kv']} | {r['ms_triton_pretable']:.3f} | {r['ms_triton_norope']:.3f} | "
+                         f"{100 * r['triton_rope_cost']:+.1f}% | {r['vs_triton']:.2f}x |")
+            L.append("")
         cu = [r for r in pre if r.get("ms_cudnn")]
         if cu:
             L += ["SDPA's cuDNN backend on the same shapes: the causal problem (TFLOP/s on the causal count, as above), "
@@ -602,6 +652,8 @@ def main():
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cpu" if DRY else "cuda")
+    if not DRY:
+        _count_gluon_calls()
     t0 = time.time()
     copy_tbs, _ = copy_bandwidth(dev)
     meta = dict(device=torch.cuda.get_device_name() if not DRY else "cpu (dry run)", torch=torch.__version__, triton=triton.__version__,
