@@ -71,6 +71,7 @@ with float16/float32 tensors.
 """
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -997,11 +998,21 @@ _PREFETCH = True  # measured faster on the H200 at all four shapes tried (BENCHM
 _NUM_SMS: dict = {}
 _QROT_FAILED: set = set()  # shapes whose query-rotating kernel did not compile
 _GLUON_FAILED: set = set()  # shapes whose Gluon prefill failed (served by the Triton prefill)
+# LAZYLLM_GLUON_PREFILL=0 keeps prefill on the Triton kernel (an escape hatch, and for A/B runs)
+_GLUON_PREFILL = os.environ.get("LAZYLLM_GLUON_PREFILL", "1") != "0"
+# The Gluon prefill's programs pay a fixed start (table scan, barriers, the partitions, the
+# first rotation) and then run faster than the Triton kernel's: on the H200 it took 1.59x the
+# Triton time for 8 sequences of 512 tokens over themselves, 1.19x at 1024, 1.01x at 4163,
+# 0.98x for 2048 queries over 4k keys and 0.85-0.93x for 512 queries over 4k-32k
+# (BENCHMARKS.md, session 9). So it serves a call only when a query tile sees about this many
+# keys on average (the key slots, less half the queries: the causal part).
+_GLUON_MIN_KEYS = 3072
 
 
 def _gluon_supported(q, k_cache, v_cache, block_table, inv_freq) -> bool:
-    """``gluon_prefill.supported`` where Gluon imports (Hopper only; never on CPU)."""
-    if not q.is_cuda:
+    """``gluon_prefill.supported`` where Gluon imports (Hopper only; never on CPU), unless
+    ``LAZYLLM_GLUON_PREFILL=0``."""
+    if not (q.is_cuda and _GLUON_PREFILL):
         return False
     try:
         from lazyllm.kernels import gluon_prefill
@@ -1095,8 +1106,9 @@ def paged_attention_triton(
         finite values, padding slots included (the engine's pool is zero-initialized and only
         written with K/V). On a Hopper GPU this lets prefill run the warp-specialized Gluon
         kernel (``gluon_prefill``), which reads whole pages by TMA, where it fits
-        (``gluon_prefill.supported``; the query-rotating prefill with one key split); it was
-        faster than the Triton prefill at every shape measured (BENCHMARKS.md).
+        (``gluon_prefill.supported``; the query-rotating prefill with one key split) and
+        where it is the faster: long key ranges (``_GLUON_MIN_KEYS``; BENCHMARKS.md).
+        ``LAZYLLM_GLUON_PREFILL=0`` in the environment switches it off.
     prefill_kernel : ``"triton"`` or ``"gluon"`` forces that prefill kernel (``"gluon"``
         needs ``padding_finite`` too, and raises where it cannot serve the call); default: as
         above. For benchmarks and tests.
@@ -1215,7 +1227,8 @@ def paged_attention_triton(
 
     if prefill_kernel == "gluon" or (
             prefill_kernel is None and padding_finite and qrot == 3 and qrot_arg is None and num_splits == 1
-            and config is None and not batch_invariant and not _interpreting()):
+            and config is None and not batch_invariant and not _interpreting()
+            and max_blocks * page_size - max_seqlen_q // 2 >= _GLUON_MIN_KEYS):
         gkey = (d, k_cache.dtype, page_size)
         if prefill_kernel == "gluon" or (
                 gkey not in _GLUON_FAILED and _gluon_supported(q, k_cache, v_cache, block_table, inv_freq)):

@@ -112,8 +112,9 @@ def test_gpu_matches_reference(dtype, config, page_size):
 def test_gpu_triton_launcher_routes_prefill_to_gluon(monkeypatch):
     """``paged_attention_triton`` sends prefill to the Gluon kernel exactly when the caller
     passes ``padding_finite=True`` and nothing asks for the Triton kernel (a config, ``qrot``,
-    batch invariance, key splits, ``prefill_kernel="triton"``); decode never goes there.
-    Routed calls return the Gluon kernel's own bits."""
+    batch invariance, key splits, ``prefill_kernel="triton"``) and the key ranges are long
+    enough (``_GLUON_MIN_KEYS``); decode never goes there. Routed calls return the Gluon
+    kernel's own bits."""
     from lazyllm.kernels import triton_attention as ta
 
     b, nq = _batch(torch.bfloat16)
@@ -122,6 +123,12 @@ def test_gpu_triton_launcher_routes_prefill_to_gluon(monkeypatch):
     real = gp.paged_prefill_gluon
     monkeypatch.setattr(gp, "paged_prefill_gluon", lambda *a, **k: calls.append(1) or real(*a, **k))
     direct = real(**b, max_seqlen_q=nq, padding_finite=True)
+    # this batch's key ranges are short (about 1.2k slots): left to the Triton kernel, which
+    # is the faster there, unless the threshold is lowered
+    hit = len(calls)
+    ta.paged_attention_triton(**b, max_seqlen_q=nq, num_splits=1, padding_finite=True)
+    assert len(calls) == hit
+    monkeypatch.setattr(ta, "_GLUON_MIN_KEYS", 0)
 
     def routed(**kw):  # one key split: this small grid would take split-K by occupancy otherwise
         n = len(calls)

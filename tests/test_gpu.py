@@ -51,8 +51,8 @@ def test_triton_engine_matches_transformers_4d_mask(tiny_cuda, tokenizer, reuse,
 def test_head_dim_128_prefill_kernel_in_engine_matches_torch_backend(tokenizer, dtype, gluon, monkeypatch):
     """Head dim 128 in 16-bit with pages of 64 takes the default prefill kernel for chunks
     and suffixes of more than 64 query rows: on Hopper the warp-specialized Gluon kernel (the
-    engine vouches for finite pages), else, or with Gluon switched off, the Triton loop on the
-    query's rotary halves. Greedy tokens equal those of the torch attention backend on the
+    engine vouches for finite pages; its key-range threshold lowered, these prompts being
+    short), else, or with Gluon switched off, the Triton loop on the query's rotary halves. Greedy tokens equal those of the torch attention backend on the
     same weights, for lazy and block reuse."""
     from lazyllm.kernels import triton_attention as ta
 
@@ -66,6 +66,7 @@ def test_head_dim_128_prefill_kernel_in_engine_matches_torch_backend(tokenizer, 
 
         real = gp.paged_prefill_gluon
         monkeypatch.setattr(gp, "paged_prefill_gluon", lambda *a, **k: gluon_calls.append(1) or real(*a, **k))
+        monkeypatch.setattr(ta, "_GLUON_MIN_KEYS", 0)  # these prompts are short: route them anyway
     else:
         monkeypatch.setattr(ta, "_gluon_supported", lambda *a: False)
     model = make_tiny("llama3-rope", head_dim=128, hidden_size=256, intermediate_size=256).to("cuda", dtype)
