@@ -59,10 +59,12 @@ def _attention_backend(name: str, device: torch.device, batch_invariant: bool = 
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         return reference.paged_attention_ref, reference.rerotate_copy_ref, None, "torch"
-    if device.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # run the real kernels in Triton's interpreter
     try:
-        from lazyllm.kernels import triton_attention as ta
+        from lazyllm.kernels import triton_kernels
+
+        # on CPU the real kernels run in Triton's interpreter, from a private copy of the
+        # module (so it does not matter what imported the compiled one before)
+        ta = triton_kernels(interpret=device.type == "cpu")
     except ImportError as e:
         raise InvalidRequestError(f"attention_backend='triton' needs triton: {e}") from None
     def step_extras(meta, inv_freq):

@@ -34,6 +34,52 @@ def test_module_is_interpreted():
     assert isinstance(ta._paged_attn_fwd, InterpretedFunction)
 
 
+_CPU_BACKEND_SCRIPT = """
+import os, sys, torch
+assert "TRITON_INTERPRET" not in os.environ
+import lazyllm.kernels.triton_attention as compiled  # the package's module first, compiled
+from triton.runtime.interpreter import InterpretedFunction
+assert not isinstance(compiled._paged_attn_fwd, InterpretedFunction)
+from lazyllm.api import _attention_backend
+from lazyllm.kernels import triton_kernels
+from lazyllm.kernels.reference import paged_attention_ref
+attn, _, extras, name = _attention_backend("triton", torch.device("cpu"))
+assert name == "triton" and isinstance(attn.__globals__["_paged_attn_fwd"], InterpretedFunction)
+assert triton_kernels() is compiled and "TRITON_INTERPRET" not in os.environ
+g = torch.Generator().manual_seed(0)
+pages, ps, hkv, grp, d = 6, 16, 2, 2, 32
+k, v = torch.randn(pages, ps, hkv, d, generator=g), torch.randn(pages, ps, hkv, d, generator=g)
+q = torch.randn(20, hkv * grp, d, generator=g)
+args = dict(q=q, q_pos=torch.arange(40, 60), cu_seqlens_q=torch.tensor([0, 20], dtype=torch.int32),
+            k_cache=k, v_cache=v, block_table=torch.tensor([[4, 1, 3, 0]], dtype=torch.int32),
+            block_pos=torch.tensor([[0, 16, 32, 48]], dtype=torch.int32),
+            block_delta=torch.tensor([[7, 7, 0, 0]], dtype=torch.int32),
+            block_len=torch.tensor([[16, 16, 16, 12]], dtype=torch.int32),
+            inv_freq=1.0 / 10000 ** (torch.arange(0, d, 2).float() / d), sm_scale=d ** -0.5)
+out = attn(**args, max_seqlen_q=20)
+ref = paged_attention_ref(**args)
+err = ((out - ref).norm() / ref.norm()).item()
+assert err < 1e-4, err
+print("ok", err)
+"""
+
+
+def test_engine_cpu_backend_is_interpreted_whatever_was_imported_first():
+    """The engine's Triton backend on CPU runs an interpreted copy of the kernels even when
+    the package's compiled module was imported first (a fresh process without
+    ``TRITON_INTERPRET``), matches the reference, and leaves the compiled module and the
+    environment as they were."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _CPU_BACKEND_SCRIPT], capture_output=True, text=True, env=env,
+                       timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout[-1000:] + r.stderr[-3000:]
+
+
 # ----------------------------------------------------------------------------------------
 # random paged batches
 # ----------------------------------------------------------------------------------------
