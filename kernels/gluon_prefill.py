@@ -18,8 +18,9 @@ that talk through mbarriers:
 * **loader** (1 warp): K and V pages by TMA (tensor descriptors over the caches viewed as
   ``(num_pages * page_size, num_kv_heads * head_dim)``) into a ring of ``stages`` stages.
 * **rotator** (4 warps): for each run, ``R(-delta) q`` into one of two query slots, on
-  pairs of 16-bit values (the rounding of ``triton_attention``'s packed rotation), with
-  cos/sin computed from the delta (``_cos_sin``), and the run's end into ``rend[slot]``.
+  pairs of 16-bit values with cos/sin computed from the delta, by ``triton_attention``'s own
+  helpers (``_fma2``, ``_mul2``, ``_cos_sin_of``), so it rounds as that kernel does; and the
+  run's end into ``rend[slot]``.
 
 In ``triton_attention`` the run start sits on the MMA warps' path and costs 3-5% against
 the same binary with a single run (BENCHMARKS.md); here it is another partition's work.
@@ -48,6 +49,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+# the rotation's arithmetic is the Triton kernels' own (Gluon kernels call @triton.jit
+# helpers), so both round alike; the engine's CPU backend uses its own interpreted copy of
+# triton_attention (lazyllm.kernels.triton_kernels), so importing the compiled one here is safe
+from .triton_attention import _cos_sin_of, _fma2, _mul2, delta_runs
+
 __all__ = ["paged_prefill_gluon"]
 
 _LOG2E = 1.4426950408889634
@@ -57,41 +63,6 @@ _CONFIG = (128, 4, 2)
 _BLOCK_M = 128  # query rows per program: two consumers of 64
 _NSLOT = 2  # rotated query slots (measured: 3 no faster)
 _CONS_REGS = 208  # registers per thread of a consumer (setmaxnreg); loader 24, rotator 88
-
-
-@gluon.jit
-def _cos_sin(ang):
-    """cos/sin of float32 angles up to ~1e5 rad: reduced into [-pi, pi] in two ``fma``
-    steps (``k * 6.28125`` is exact for ``|k| < 2**15``), then ``cos.approx``/``sin.approx``
-    (as ``triton_attention._cos_sin_of``)."""
-    k = gl.floor(ang * 0.15915494309189535 + 0.5)
-    r = gl.fma(-k, 6.28125, ang)
-    r = gl.fma(-k, 0.0019353071795864769, r)
-    c = gl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=f,f", [r], dtype=gl.float32, is_pure=True, pack=1)
-    s = gl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=f,f", [r], dtype=gl.float32, is_pure=True, pack=1)
-    return c, s
-
-
-@gluon.jit
-def _fma2(a, b, c):
-    """``a * b + c`` on pairs of 16-bit values (``fma.rn.{bf16,f16}x2``)."""
-    if a.dtype == gl.bfloat16:
-        return gl.inline_asm_elementwise("fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-                                         dtype=gl.bfloat16, is_pure=True, pack=2)
-    else:
-        return gl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-                                         dtype=gl.float16, is_pure=True, pack=2)
-
-
-@gluon.jit
-def _mul2(a, b):
-    """``a * b`` on pairs of 16-bit values (``mul.rn.{bf16,f16}x2``)."""
-    if a.dtype == gl.bfloat16:
-        return gl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b],
-                                         dtype=gl.bfloat16, is_pure=True, pack=2)
-    else:
-        return gl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b],
-                                         dtype=gl.float16, is_pure=True, pack=2)
 
 
 @gluon.jit
@@ -158,7 +129,7 @@ def _rotator(Q, q_smem, rend, q_ready, q_empty, Runs_row, Delta_row, InvFreq,
         else:
             d = 0.0
             e_next = t_hi  # a single run
-        c, sn = _cos_sin(d * inv)
+        c, sn = _cos_sin_of(d * inv, True)
         c16 = c.to(dt)[None, :]
         ns16 = (-sn).to(dt)[None, :]
         s16 = sn.to(dt)[None, :]
@@ -427,8 +398,6 @@ def paged_prefill_gluon(
     if not use_rope:
         runs = block_table  # never read without RoPE (one run); no table to build
     elif runs is None:
-        from .triton_attention import delta_runs
-
         runs = delta_runs(block_delta)
     gdt = gl.bfloat16 if k_cache.dtype == torch.bfloat16 else gl.float16
     lay = gl.NVMMASharedLayout.get_default_for([_BLOCK_N, d], gdt)
