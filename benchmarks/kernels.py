@@ -535,7 +535,8 @@ def fmt_row(row):
                 + (f" | triton {r['ms_triton_pretable']:.3f} ms (x{r['vs_triton']:.2f} of it), its rope "
                    f"+{100 * r['triton_rope_cost']:.1f}%" if r.get("ms_triton_pretable") else ""))
     if r["kind"] == "decode":
-        return (f"decode  b={r['batch']:4d} kv={r['kv']:6d} cfg={r['config']} sp={r['splits']} | ours {r['ms_rope']:.3f} ms "
+        return (f"decode  b={r['batch']:4d} kv={r['kv']:6d} cfg={r['config']} sp={r['splits']} {r.get('extra') or ''} | "
+                f"ours {r['ms_rope']:.3f} ms "
                 f"{r['tbs_rope']:.2f} TB/s | rope-off {r['ms_norope']:.3f} | sdpa {r.get('ms_sdpa', float('nan')):.3f} ms "
                 f"{r.get('tbs_sdpa', float('nan')):.2f} TB/s | x{r.get('vs_sdpa', float('nan')):.2f} | rope +{100 * r['rope_cost']:.1f}% "
                 f"(pretable +{100 * r['rope_cost_pretable']:.1f}%) | err ref {r['err_ref']:.1e} sdpa {r.get('err_sdpa', float('nan')):.1e} nan={r['nan']}"
@@ -643,6 +644,10 @@ def main():
     ap.add_argument("--run-loops", action="store_true",
                     help="prefill q >= 512 over 8k and 32k: the loop per run (qrot=1) against the one loop on "
                          "rotary halves (qrot=3), and where their RoPE cost goes (real deltas, one run, RoPE off)")
+    ap.add_argument("--decode-halves", action="store_true",
+                    help="decode at batch >= 32 from CUDA graphs: the default flat loop (qrot=2, float32 "
+                         "rotation, 255 registers for sm_90) against the rotary-halves loop (qrot=3, packed "
+                         "16-bit rotation, 175 registers), RoPE on and off")
     ap.add_argument("--dry-run", action="store_true", help="CPU, interpreter, tiny shapes: checks the script")
     args = ap.parse_args()
     global DTYPE, PREFILL, DECODE
@@ -726,6 +731,12 @@ def main():
             for qr, cfg in ((1, (64, 64, 4, 3)), (3, (64, 64, 4, 2)), (3, (64, 64, 4, 3))):
                 rows += run_prefill_diag(nq, kv, inv_freq, dev, qr, cfg if big else None)
             save()
+    if args.decode_halves:
+        big = not DRY
+        for b, kv in ([s_ for s_ in DECODE if s_[0] >= 32] if big else ((3, 700),)):
+            rows += run_decode(b, kv, 64, inv_freq, dev, graphs=True)
+            rows += run_decode(b, kv, 64, inv_freq, dev, graphs=True, extra=dict(qrot=3))
+        save()
     if args.flat:
         big = not DRY
         for nq, kv in ([s_ for s_ in PREFILL if s_[0] >= 512] if big else ((40, 700),)):
