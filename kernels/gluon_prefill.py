@@ -158,7 +158,7 @@ def _consumer(q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
               QPos, Out, BPos_row, BLen_row, q_start, n_rows, row0, kvh,
               stride_ot, stride_oh, t_lo, t_hi, qk_scale,
               G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, USE_ROPE: gl.constexpr, NW: gl.constexpr,
+              PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, NW: gl.constexpr,
               HALF: gl.constexpr, NSLOT: gl.constexpr):
     """Online softmax over key tiles ``[0, t_hi)`` (causal mask from ``t_lo``) of rows
     ``HALF * BLOCK_M ..`` of the program's tile (``BLOCK_M`` is the consumer's share; two
@@ -282,11 +282,11 @@ def _paged_prefill_ws(Q, QPos, CuQ, kd, vd, BT, BPos, BLen, Runs, Delta, InvFreq
             (_consumer, (q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                          QPos, Out, BPos_row, BLen_row, q_start, n_rows, row0, kvh,
                          stride_ot, stride_oh, t_lo, t_hi, qk_scale,
-                         G, HEAD_DIM, CM, BLOCK_N, PAGE_SIZE, STAGES, USE_ROPE, NW, 0, NSLOT)),
+                         G, HEAD_DIM, CM, BLOCK_N, PAGE_SIZE, STAGES, NW, 0, NSLOT)),
             (_consumer, (q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                          QPos, Out, BPos_row, BLen_row, q_start, n_rows, row0, kvh,
                          stride_ot, stride_oh, t_lo, t_hi, qk_scale,
-                         G, HEAD_DIM, CM, BLOCK_N, PAGE_SIZE, STAGES, USE_ROPE, NW, 1, NSLOT)),
+                         G, HEAD_DIM, CM, BLOCK_N, PAGE_SIZE, STAGES, NW, 1, NSLOT)),
             (_loader, (kd, vd, k_smem, v_smem, kv_ready, kv_empty, BT_row, kvh * HEAD_DIM, t_hi,
                        PAGE_SIZE, BLOCK_N, STAGES)),
             (_rotator, (Q, q_smem, rend, q_ready, q_empty, Runs_row, Delta_row, InvFreq,
@@ -295,21 +295,37 @@ def _paged_prefill_ws(Q, QPos, CuQ, kd, vd, BT, BPos, BLen, Runs, Delta, InvFreq
         ], [NW, 1, 4], [CONS_REGS, 24, 88])
 
 
+def _unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                 inv_freq: torch.Tensor) -> str | None:
+    """Why ``paged_prefill_gluon`` cannot serve these tensors' shapes and dtypes (``None`` if
+    it can): head_dim 128, fully rotary, 16-bit caches of equal shapes viewable as
+    ``(pages * page_size, kv_heads * head_dim)``, pages of a multiple of 64 tokens, an int32
+    block table. The one statement of these limits, for ``supported`` and the launcher."""
+    d, (_, page_size, hkv, dk) = q.shape[-1], k_cache.shape
+    if d != 128 or dk != d or 2 * inv_freq.numel() != d:
+        return (f"paged_prefill_gluon needs head_dim 128 and a fully rotary head, got head_dim {d}, "
+                f"cache head_dim {dk}, rotary_dim {2 * inv_freq.numel()}")
+    if k_cache.dtype not in (torch.float16, torch.bfloat16) or v_cache.dtype != k_cache.dtype:
+        return f"paged_prefill_gluon needs float16 or bfloat16 caches, got {k_cache.dtype}/{v_cache.dtype}"
+    if page_size % _BLOCK_N or tuple(v_cache.shape) != tuple(k_cache.shape):
+        return (f"paged_prefill_gluon needs pages of a multiple of {_BLOCK_N} tokens and equal K/V "
+                f"cache shapes, got {tuple(k_cache.shape)}/{tuple(v_cache.shape)}")
+    try:
+        k_cache.view(-1, hkv * d), v_cache.view(-1, hkv * d)
+    except RuntimeError:
+        return "paged_prefill_gluon needs caches viewable as (pages * page_size, kv_heads * head_dim)"
+    if block_table.dtype != torch.int32:  # TMA coordinates are 32-bit
+        return f"paged_prefill_gluon needs an int32 block_table, got {block_table.dtype}"
+    return None
+
+
 def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
               inv_freq: torch.Tensor) -> bool:
-    """Whether ``paged_prefill_gluon`` serves these arguments on this device: a Hopper GPU,
-    head_dim 128, fully rotary, 16-bit caches of equal shapes, pages of a multiple of 64
-    tokens, an int32 block table. (The engine's prefill on an H100/H200 with a Llama-like
-    model; ``paged_attention_triton`` sends such batches here.)"""
-    d = q.shape[-1]
-    return bool(
-        q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
-        and d == 128 and k_cache.shape[-1] == d and 2 * inv_freq.numel() == d
-        and k_cache.dtype in (torch.float16, torch.bfloat16) and v_cache.dtype == k_cache.dtype
-        and tuple(v_cache.shape) == tuple(k_cache.shape) and k_cache.shape[1] % _BLOCK_N == 0
-        and k_cache.is_contiguous() and v_cache.is_contiguous()
-        and block_table.dtype == torch.int32
-    )
+    """Whether ``paged_prefill_gluon`` serves these arguments on this device: a Hopper GPU
+    and the shapes and dtypes of ``_unsupported``. (The engine's prefill on an H100/H200
+    with a Llama-like model; ``paged_attention_triton`` sends such batches here.)"""
+    return bool(q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+                and _unsupported(q, k_cache, v_cache, block_table, inv_freq) is None)
 
 
 def paged_prefill_gluon(
@@ -352,21 +368,12 @@ def paged_prefill_gluon(
     if not padding_finite:
         raise ValueError("paged_prefill_gluon reads whole pages by TMA: pass padding_finite=True only if every "
                          "slot of every page the table names holds finite values")
-    _, page_size, hkv, dk = k_cache.shape
-    if d != 128 or dk != d or 2 * inv_freq.numel() != d:
-        raise ValueError(f"paged_prefill_gluon needs head_dim 128 and a fully rotary head, got head_dim {d}, "
-                         f"cache head_dim {dk}, rotary_dim {2 * inv_freq.numel()}")
-    if k_cache.dtype not in (torch.float16, torch.bfloat16) or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"paged_prefill_gluon needs float16 or bfloat16 caches, got {k_cache.dtype}/{v_cache.dtype}")
-    if page_size % _BLOCK_N or tuple(v_cache.shape) != tuple(k_cache.shape):
-        raise ValueError(f"paged_prefill_gluon needs pages of a multiple of {_BLOCK_N} tokens and equal K/V "
-                         f"cache shapes, got {tuple(k_cache.shape)}/{tuple(v_cache.shape)}")
+    _, page_size, hkv, _ = k_cache.shape
+    problem = _unsupported(q, k_cache, v_cache, block_table, inv_freq)
+    if problem:
+        raise ValueError(problem)
     if hq % hkv:
         raise ValueError(f"num_q_heads {hq} is not a multiple of num_kv_heads {hkv}")
-    try:
-        k2d, v2d = k_cache.view(-1, hkv * d), v_cache.view(-1, hkv * d)
-    except RuntimeError as e:
-        raise ValueError("paged_prefill_gluon needs caches viewable as (pages * page_size, kv_heads * head_dim)") from e
     block_m, num_warps, stages = config or _CONFIG
     if (block_m, num_warps) != (_BLOCK_M, 4) or stages not in (2, 3):
         raise ValueError(f"config {(block_m, num_warps, stages)}: BLOCK_M {_BLOCK_M} with 4 warps per consumer, "
@@ -375,8 +382,6 @@ def paged_prefill_gluon(
     tables = (block_table, block_pos, block_delta, block_len)
     if any(t.dim() != 2 or t.shape != block_table.shape for t in tables) or block_table.shape[0] != max(batch, 0):
         raise ValueError(f"block tables of shapes {[tuple(t.shape) for t in tables]}, expected ({batch}, max_blocks)")
-    if block_table.dtype != torch.int32:  # TMA coordinates are 32-bit
-        raise ValueError(f"paged_prefill_gluon needs an int32 block_table, got {block_table.dtype}")
     if any(t.stride(-1) != 1 for t in (block_table, block_pos, block_len)):
         raise ValueError("block tables need a contiguous last dim")
     if runs is not None and (tuple(runs.shape) != tuple(block_table.shape) or not runs.is_contiguous()):
@@ -401,8 +406,8 @@ def paged_prefill_gluon(
         runs = delta_runs(block_delta)
     gdt = gl.bfloat16 if k_cache.dtype == torch.bfloat16 else gl.float16
     lay = gl.NVMMASharedLayout.get_default_for([_BLOCK_N, d], gdt)
-    kd = TensorDescriptor.from_tensor(k2d, [_BLOCK_N, d], lay)
-    vd = TensorDescriptor.from_tensor(v2d, [_BLOCK_N, d], lay)
+    kd = TensorDescriptor.from_tensor(k_cache.view(-1, hkv * d), [_BLOCK_N, d], lay)
+    vd = TensorDescriptor.from_tensor(v_cache.view(-1, hkv * d), [_BLOCK_N, d], lay)
     group = hq // hkv
     grid = (triton.cdiv(max_seqlen_q * group, block_m), hkv, batch)
     _paged_prefill_ws[grid](
