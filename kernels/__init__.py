@@ -77,16 +77,13 @@ def get_backend(name: str = "torch"):
     if name == "torch":
         return paged_attention_ref, rerotate_copy_ref, write_kv_ref
     if name == "triton":
-        from . import triton_attention as ta
-
+        ta = triton_kernels()
         return ta.paged_attention_triton, ta.rerotate_copy_triton, ta.write_kv_triton
     raise ValueError(f"unknown kernel backend {name!r}; use 'torch' or 'triton'")
 
 
 def __getattr__(name):  # lazy: `lazyllm.kernels.paged_attention_triton` imports Triton here
     if name == "triton_attention" or name in _TRITON_NAMES:
-        import importlib
-
-        ta = importlib.import_module(".triton_attention", __name__)
+        ta = triton_kernels()
         return ta if name == "triton_attention" else getattr(ta, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1009,16 +1009,28 @@ _GLUON_PREFILL = os.environ.get("LAZYLLM_GLUON_PREFILL", "1") != "0"
 _GLUON_MIN_KEYS = 3072
 
 
+_GLUON_MODULE: list = []  # [gluon_prefill], or [None] in a Triton without Gluon, once tried
+
+
+def _gluon_module():
+    """``lazyllm.kernels.gluon_prefill``, or ``None`` where this Triton has no Gluon; the
+    import is tried once (the launcher asks on every prefill call)."""
+    if not _GLUON_MODULE:
+        try:
+            from lazyllm.kernels import gluon_prefill
+        except Exception:  # noqa: BLE001  (a Triton without Gluon)
+            gluon_prefill = None
+        _GLUON_MODULE.append(gluon_prefill)
+    return _GLUON_MODULE[0]
+
+
 def _gluon_supported(q, k_cache, v_cache, block_table, inv_freq) -> bool:
     """``gluon_prefill.supported`` where Gluon imports (Hopper only; never on CPU), unless
     ``LAZYLLM_GLUON_PREFILL=0``."""
     if not (q.is_cuda and _GLUON_PREFILL):
         return False
-    try:
-        from lazyllm.kernels import gluon_prefill
-    except Exception:  # noqa: BLE001  (a Triton without Gluon)
-        return False
-    return gluon_prefill.supported(q, k_cache, v_cache, block_table, inv_freq)
+    gp = _gluon_module()
+    return gp is not None and gp.supported(q, k_cache, v_cache, block_table, inv_freq)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -1233,8 +1245,9 @@ def paged_attention_triton(
         if prefill_kernel == "gluon" or (
                 gkey not in _GLUON_FAILED and _gluon_supported(q, k_cache, v_cache, block_table, inv_freq)):
             try:
-                from lazyllm.kernels import gluon_prefill
-
+                gluon_prefill = _gluon_module()
+                if gluon_prefill is None:  # only when forced: the routing above asked already
+                    raise RuntimeError("prefill_kernel='gluon' needs a Triton with Gluon (triton.experimental.gluon)")
                 return gluon_prefill.paged_prefill_gluon(
                     q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, block_pos, block_delta, block_len,
                     inv_freq, sm_scale, out, max_seqlen_q=max_seqlen_q, padding_finite=padding_finite,
