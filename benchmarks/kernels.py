@@ -268,7 +268,7 @@ def check_prefill(pg, qs, q, q_pos, cu, out, sdpa_out, n_check=64):
     a = pg.args(q[nq - c:], q_pos[nq - c:], torch.tensor([0, c], device=q.device, dtype=torch.int32))
     r = ref.paged_attention_ref(**compact_upcast(a))
     e_ref = relerr(out[nq - c:], r)
-    e_sdpa = relerr(out, sdpa_out[0].transpose(0, 1))
+    e_sdpa = relerr(out, sdpa_out[0].transpose(0, 1)) if sdpa_out is not None else float("nan")
     return e_ref, e_sdpa
 
 
@@ -290,10 +290,12 @@ def _count_gluon_calls():
     gp.paged_prefill_gluon = counted
 
 
-def run_prefill(nq, kv, ps, inv_freq, dev, configs=None, splits=(None,), sdpa=True, extra=None):
+def run_prefill(nq, kv, ps, inv_freq, dev, configs=None, splits=(None,), sdpa=True, extra=None, graphs=False):
     """Times the launcher (default config unless ``configs``), rope on/off, and SDPA.
 
-    The launcher is called as the engine calls it (``padding_finite=True``: the pool's
+    With ``graphs`` the same calls (tables prebuilt) are also replayed from one CUDA graph:
+    the GPU time without the Python launcher's gaps, which is what a short prefill (a few
+    dozen microseconds) is otherwise dominated by. The launcher is called as the engine calls it (``padding_finite=True``: the pool's
     pages are finite), so on Hopper the default prefill is the Gluon kernel; the Triton
     prefill (``prefill_kernel="triton"``) is then timed too."""
     pg, qs, q, q_pos, cu = prefill_case(nq, kv, ps, inv_freq, dev)
@@ -320,8 +322,7 @@ def run_prefill(nq, kv, ps, inv_freq, dev, configs=None, splits=(None,), sdpa=Tr
                 sync()
                 row["kernel"] = "gluon" if _GLUON_CALLS[0] > n0 else "triton"
                 row["nan"] = bool(torch.isnan(out).any())
-                if s_out is not None:
-                    row["err_ref"], row["err_sdpa"] = check_prefill(pg, qs, q, q_pos, cu, out, s_out)
+                row["err_ref"], row["err_sdpa"] = check_prefill(pg, qs, q, q_pos, cu, out, s_out)
                 row["ms_rope"] = bench(lambda: ta.paged_attention_triton(
                     **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, **kw))
                 row["ms_norope"] = bench(lambda: ta.paged_attention_triton(
@@ -335,6 +336,18 @@ def run_prefill(nq, kv, ps, inv_freq, dev, configs=None, splits=(None,), sdpa=Tr
                         **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, rope=rt, **tk))
                     row["ms_triton_norope"] = bench(lambda: ta.paged_attention_triton(
                         **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, use_rope=False, **tk))
+                if graphs and not DRY:
+                    row["ms_rope_graph"] = bench_graph(lambda: ta.paged_attention_triton(
+                        **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, rope=rt, **kw))
+                    row["ms_norope_graph"] = bench_graph(lambda: ta.paged_attention_triton(
+                        **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, use_rope=False, **kw))
+                    # again, interleaved: the two readings of each side bound the noise
+                    row["ms_rope_graph2"] = bench_graph(lambda: ta.paged_attention_triton(
+                        **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, rope=rt, **kw))
+                    row["ms_norope_graph2"] = bench_graph(lambda: ta.paged_attention_triton(
+                        **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, use_rope=False, **kw))
+                    if sdpa:
+                        row["ms_sdpa_graph"] = bench_graph(lambda: sdpa_flash(qs, pg.k_sdpa, pg.v_sdpa, True))
             except Exception as e:  # keep the rest of the run
                 row["error"] = repr(e)[:300]
                 traceback.print_exc()
@@ -495,6 +508,12 @@ def derived(row):
         if r.get("ms_triton_pretable"):
             r["triton_rope_cost"] = r["ms_triton_pretable"] / r["ms_triton_norope"] - 1
             r["vs_triton"] = r["ms_triton_pretable"] / r["ms_rope_pretable"]
+        if r.get("ms_rope_graph"):
+            r["ms_rope_graph_min"] = min(r["ms_rope_graph"], r.get("ms_rope_graph2", r["ms_rope_graph"]))
+            r["ms_norope_graph_min"] = min(r["ms_norope_graph"], r.get("ms_norope_graph2", r["ms_norope_graph"]))
+            r["rope_cost_graph"] = r["ms_rope_graph_min"] / r["ms_norope_graph_min"] - 1
+            if r.get("ms_sdpa_graph"):
+                r["vs_sdpa_graph"] = r["ms_sdpa_graph"] / r["ms_rope_graph_min"]
         if r.get("ms_cudnn"):
             r["tflops_cudnn"] = r["flops"] / r["ms_cudnn"] / 1e9
             r["tflops_cudnn_nomask"] = 4 * HQ * D * r["q"] * r["kv"] / r["ms_cudnn_nomask"] / 1e9
@@ -533,7 +552,11 @@ def fmt_row(row):
                 f"(pretable +{100 * r['rope_cost_pretable']:.1f}%) | err ref {r.get('err_ref', float('nan')):.1e} "
                 f"sdpa {r.get('err_sdpa', float('nan')):.1e} nan={r['nan']} | {r.get('kernel')}"
                 + (f" | triton {r['ms_triton_pretable']:.3f} ms (x{r['vs_triton']:.2f} of it), its rope "
-                   f"+{100 * r['triton_rope_cost']:.1f}%" if r.get("ms_triton_pretable") else ""))
+                   f"+{100 * r['triton_rope_cost']:.1f}%" if r.get("ms_triton_pretable") else "")
+                + (f" | graph: ours {r['ms_rope_graph']:.4f}/{r['ms_rope_graph2']:.4f} ms rope-off "
+                   f"{r['ms_norope_graph']:.4f}/{r['ms_norope_graph2']:.4f} sdpa {r.get('ms_sdpa_graph', float('nan')):.4f} "
+                   f"x{r.get('vs_sdpa_graph', float('nan')):.2f} rope {100 * r['rope_cost_graph']:+.1f}%"
+                   if r.get("ms_rope_graph") else ""))
     if r["kind"] == "decode":
         return (f"decode  b={r['batch']:4d} kv={r['kv']:6d} cfg={r['config']} sp={r['splits']} {r.get('extra') or ''} | "
                 f"ours {r['ms_rope']:.3f} ms "
@@ -551,7 +574,8 @@ def markdown(meta, rows):
     L = [f"Device: {meta['device']}; torch {meta['torch']}, triton {meta['triton']}; {meta['date']}; "
          f"page size {meta['page_size']}; device-to-device copy {meta['copy_tbs']:.2f} TB/s.", ""]
     def default(r):
-        return r.get("config") is None and r.get("splits") is None and not r.get("extra") and r["page_size"] == meta["page_size"]
+        return (r.get("config") is None and r.get("splits") is None and not r.get("extra")
+                and r["page_size"] == meta["page_size"] and ("ms_sdpa" in r or "error" in r))
 
     pre = [derived(r) for r in rows if r["kind"] == "prefill" and default(r)]
     dec = [derived(r) for r in rows if r["kind"] == "decode" and default(r)]
@@ -579,6 +603,17 @@ def markdown(meta, rows):
             for r in tri:
                 L.append(f"| {r['q']} | {r['kv']} | {r['ms_triton_pretable']:.3f} | {r['ms_triton_norope']:.3f} | "
                          f"{100 * r['triton_rope_cost']:+.1f}% | {r['vs_triton']:.2f}x |")
+            L.append("")
+        gr = [r for r in pre if r.get("ms_rope_graph")]
+        if gr:
+            L += ["Prefill replayed from one CUDA graph (tables prebuilt; the GPU time without the launcher's gaps; "
+                  "each side timed twice, interleaved, and the lower reading kept):", "",
+                  "| prefill q | kv | kernel | ours ms | SDPA ms | ours/SDPA | rope off ms | RoPE cost |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+            for r in gr:
+                L.append(f"| {r['q']} | {r['kv']} | {r.get('kernel', 'triton')} | {r['ms_rope_graph_min']:.4f} | "
+                         f"{r.get('ms_sdpa_graph', float('nan')):.4f} | {100 * r.get('vs_sdpa_graph', float('nan')):.0f}% | "
+                         f"{r['ms_norope_graph_min']:.4f} | {100 * r['rope_cost_graph']:+.1f}% |")
             L.append("")
         cu = [r for r in pre if r.get("ms_cudnn")]
         if cu:
@@ -644,6 +679,12 @@ def main():
     ap.add_argument("--run-loops", action="store_true",
                     help="prefill q >= 512 over 8k and 32k: the loop per run (qrot=1) against the one loop on "
                          "rotary halves (qrot=3), and where their RoPE cost goes (real deltas, one run, RoPE off)")
+    ap.add_argument("--short-prefill", action="store_true",
+                    help="prefill of 64 queries over 4k-32k keys from CUDA graphs: split counts, and the flat "
+                         "float32 loop (qrot=2) against the default rotary-halves loop, RoPE on and off")
+    ap.add_argument("--halves-configs", action="store_true",
+                    help="decode at batch 32 and 128 from CUDA graphs, the rotary-halves loop (qrot=3): key "
+                         "tiles, warps and stages, RoPE on and off; prefill of 64 queries with 3 stages")
     ap.add_argument("--decode-halves", action="store_true",
                     help="decode at batch >= 32 from CUDA graphs: the default flat loop (qrot=2, float32 "
                          "rotation, 255 registers for sm_90) against the rotary-halves loop (qrot=3, packed "
@@ -696,8 +737,15 @@ def main():
     dec = DECODE if not args.quick else [(32, 16384)]
     if "prefill" in sections:
         for nq, kv in pre:
-            rows += run_prefill(nq, kv, ps, inv_freq, dev)
+            rows += run_prefill(nq, kv, ps, inv_freq, dev, graphs=True)
         save()
+    if args.short_prefill:
+        big = not DRY
+        for nq, kv in ([s_ for s_ in PREFILL if s_[0] < 512] if big else ((40, 700),)):
+            rows += run_prefill(nq, kv, 64, inv_freq, dev, graphs=True, splits=(None, 4, 8, 16) if big else (None, 2))
+            rows += run_prefill(nq, kv, 64, inv_freq, dev, graphs=True, splits=(None, 8) if big else (None,),
+                                extra=dict(qrot=2), sdpa=False)
+            save()
     if "decode" in sections:
         for b, kv in dec:
             rows += run_decode(b, kv, ps, inv_freq, dev, graphs=True)
@@ -737,6 +785,18 @@ def main():
             rows += run_decode(b, kv, 64, inv_freq, dev, graphs=True)
             rows += run_decode(b, kv, 64, inv_freq, dev, graphs=True, extra=dict(qrot=3))
         save()
+    if args.halves_configs:
+        big = not DRY
+        for nq, kv in ([s_ for s_ in PREFILL if s_[0] < 512] if big else ((40, 700),)):
+            rows += run_prefill(nq, kv, 64, inv_freq, dev, graphs=True, sdpa=False,
+                                configs=[(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3)] if big else [(16, 16, 4, 1)],
+                                splits=(None, 6, 12) if big else (None,))
+        save()
+        for b, kv in (DECODE if big else ((3, 700),)):
+            rows += run_decode(b, kv, 64, inv_freq, dev, graphs=True, sdpa=False)
+            rows += run_decode(b, kv, 64, inv_freq, dev, graphs=True, sdpa=False, extra=dict(qrot=3),
+                               configs=[(0, 64, 4, 3), (0, 32, 4, 3), (0, 32, 4, 4)] if big else [(0, 16, 4, 1)])
+            save()
     if args.flat:
         big = not DRY
         for nq, kv in ([s_ for s_ in PREFILL if s_[0] >= 512] if big else ((40, 700),)):
