@@ -988,6 +988,22 @@ def _prefill_config(d: int, kv_slots: int, page_size: int = 0, halves: bool = Fa
 
 _LONG_KV = 16384
 _DECODE_CFG = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 4, 2)}  # BLOCK_N, warps, stages
+# The short path (decode, a few queries per sequence) on the query's rotary halves (qrot=3,
+# 16-bit rotation) for a fully rotary head in 16-bit: (few programs, at least one per SM).
+# On the H200 (BENCHMARKS.md, session 10; Llama-3.1-8B heads, pages of 64, CUDA graphs) it
+# ran batch 32-128 over 4k-32k keys 3.5-7% faster than the flat float32 loop (qrot=2), with
+# 32-key tiles at a RoPE cost of -0.3 to +0.8% (64-key tiles: as fast, but that kernel's
+# RoPE-off build was 17-19% slower at batch 32 and 4% faster at batch 128); at batch 1 the
+# 64-key tile was 6-11% faster than the flat loop and the 32-key tile up to 19% slower.
+# Not the default: in the engine (benchmarks/engine.py, Llama-3.1-8B shapes, CUDA-graph
+# decode at batch 64 over about 4.2k keys) a decode step took 16.1 ms with it, with either
+# tile, against 11.9 ms with the flat loop. Not explained yet: the kernel alone, at that
+# shape, was 3-4% faster than the flat loop also with L2 flushed before each call and over
+# four distinct caches in turn (benchmarks/results/session10/l2_decode.*).
+_DECODE_CFG_HALVES = {128: ((64, 4, 3), (32, 4, 3))}
+# LAZYLLM_SHORT_HALVES: "auto" runs the short path on the rotary halves with the tile chosen
+# above; "64" or "32" pins that tile; anything else ("0", the default) the flat loop
+_SHORT_HALVES = os.environ.get("LAZYLLM_SHORT_HALVES", "0")
 _CS_PER_PAGE = True
 # compiled run loops: each run's cos/sin computed from its delta, the next run's delta loaded
 # a run ahead. On the H200 that made decode's RoPE cost 1.0-3.1% (was 1.2-4.0%) and left
@@ -1172,13 +1188,20 @@ def paged_attention_triton(
     rows = max_seqlen_q * group
     one_query = max_seqlen_q == 1 and not batch_invariant
     short = rows <= 64  # a few queries per sequence: small query tiles, no causal scan
-    dec_n = (config[1] if config is not None else _DECODE_CFG.get(d, _DECODE_CFG[256])[0])
-    qkey = (d, k_cache.dtype, short, page_size, config)
     # the one-loop kernel on rotary halves needs a fully rotary head when it rotates
     halves_ok = (not use_rope or 2 * half == d) and d >= 32
+    half16 = halves_ok and k_cache.dtype in (torch.float16, torch.bfloat16)
+    short_halves = (short and config is None and half16 and d in _DECODE_CFG_HALVES
+                    and _SHORT_HALVES in ("auto", "64", "32"))
+    if short_halves:  # one query tile per sequence and KV head: batch * hkv programs before split-K
+        short_cfg = next((c for c in _DECODE_CFG_HALVES[d] if str(c[0]) == _SHORT_HALVES),
+                         _DECODE_CFG_HALVES[d][int(batch * hkv >= _num_sms(q.device))])
+    else:
+        short_cfg = _DECODE_CFG.get(d, _DECODE_CFG[256])
+    dec_n = config[1] if config is not None else short_cfg[0]
+    qkey = (d, k_cache.dtype, short, page_size, config)
     if qrot is None:
-        halves = (halves_ok and not short and d in _PREFILL_CFG_HALVES
-                  and k_cache.dtype in (torch.float16, torch.bfloat16))
+        halves = short_halves if short else (half16 and d in _PREFILL_CFG_HALVES)
         n_needed = dec_n if short else (config[1] if config is not None else _prefill_config(
             d, max_blocks * page_size, page_size, halves)[1])
         qrot = (3 if halves else 1) if page_size >= n_needed else 0
@@ -1207,7 +1230,7 @@ def paged_attention_triton(
             block_m = max(16, _next_pow2(rows))
     elif short:
         block_m = max(16, _next_pow2(rows))
-        block_n, num_warps, num_stages = _DECODE_CFG.get(d, _DECODE_CFG[256])
+        block_n, num_warps, num_stages = short_cfg if qrot == 3 else _DECODE_CFG.get(d, _DECODE_CFG[256])
     else:
         block_m, block_n, num_warps, num_stages = _prefill_config(d, max_blocks * page_size, page_size if qrot else 0,
                                                                   qrot == 3)
@@ -1232,7 +1255,11 @@ def paged_attention_triton(
             # one program per SM; BENCHMARKS.md)
             num_splits = max(1, min(triton.cdiv(2 * sms, ctas), kv_tiles // 2, 64))
         elif ctas < sms:
-            num_splits = max(1, min(triton.cdiv(sms, ctas), kv_tiles // 4, 64))
+            # a few queries per sequence (prefill of 64 tokens, say): about two programs per
+            # SM, which these kernels' registers and shared memory allow. H200, 64 queries
+            # over 4k-32k keys from a CUDA graph: 8 splits (256 programs) took 0.67-0.79x
+            # the time of 5 (one per SM, 160 programs; BENCHMARKS.md, session 10)
+            num_splits = max(1, min((2 * sms) // ctas, kv_tiles // 4, 64))
         elif ctas < 2 * sms and one_query:
             num_splits = 2
     num_splits = max(1, min(int(num_splits), kv_tiles))

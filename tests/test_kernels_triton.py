@@ -389,6 +389,68 @@ def test_default_prefill_loop(dtype, rd, ps, halves, monkeypatch):
     assert calls and calls[-1] == halves  # the launch configuration's lookup names the loop
 
 
+class _LaunchSpy:
+    """Stands in for a jitted kernel: records each launch's keyword arguments."""
+
+    def __init__(self, fn, calls):
+        self.fn, self.calls = fn, calls
+
+    def __getitem__(self, grid):
+        launch = self.fn[grid]
+
+        def run(*a, **k):
+            self.calls.append(dict(k, grid=grid))
+            return launch(*a, **k)
+
+        return run
+
+
+@pytest.mark.parametrize("dtype,rd,ps,batch_n,want", [
+    (torch.float16, None, 64, 1, (3, 64)),   # 2 programs < 8 SMs (the interpreter's count): 64-key tiles
+    (torch.float16, None, 64, 5, (3, 32)),   # 10 programs >= 8: 32-key tiles
+    (torch.float16, None, 32, 5, (3, 32)),   # the 32-key tile fits a page of 32
+    (torch.float32, None, 64, 5, (2, 64)),   # float32: the flat loop
+    (torch.float16, 64, 64, 5, (2, 64)),     # partial rotary: the flat loop
+    (torch.float16, None, 16, 5, None),      # pages under the tile: no run loop
+], ids=["fp16-few", "fp16-wide", "fp16-ps32", "fp32", "partial-rotary", "ps16"])
+@pytest.mark.parametrize("nq", [1, 9])
+def test_short_halves_choice(dtype, rd, ps, batch_n, want, nq, monkeypatch):
+    """With ``LAZYLLM_SHORT_HALVES=auto`` the short path (decode, and up to 64 query rows per
+    KV head) runs the rotary-halves loop (qrot=3) for head_dim 128 in 16-bit with a fully
+    rotary head, 64-key tiles while there are fewer programs than SMs and 32-key tiles from
+    there; the flat loop otherwise; the reference's result either way."""
+    monkeypatch.setattr(ta, "_SHORT_HALVES", "auto")
+    calls = []
+    monkeypatch.setattr(ta, "_paged_attn_fwd", _LaunchSpy(ta._paged_attn_fwd, calls))
+    gen = random.Random(60 + batch_n)
+    seqs = []
+    for _ in range(batch_n):
+        chunks, pos = _chunks(gen, 2, 0, lo=20, hi=50)
+        seqs.append((chunks + [(pos, nq + 3, 0)], nq))
+    batch = _make_batch(seqs, page_size=ps, hkv=2, group=4, d=128, rotary_dim=rd, dtype=dtype, seed=61)
+    _check_attention(batch, max_seqlen_q=nq)
+    if want is None:  # no run loop: the per-page decode kernel, or the key-rotating loop
+        assert not calls if nq == 1 else calls[-1]["QROT"] == 0, calls[-1:]
+        return
+    assert calls, "the general kernel did not run"
+    assert (calls[-1]["QROT"], calls[-1]["BLOCK_N"]) == want
+
+
+@pytest.mark.parametrize("nq", [1, 9])
+def test_short_path_default_is_flat(nq, monkeypatch):
+    """By default (``LAZYLLM_SHORT_HALVES`` unset) the short path keeps the flat loop
+    (qrot=2) with 64-key tiles, also where the rotary-halves loop could run."""
+    monkeypatch.setattr(ta, "_SHORT_HALVES", "0")
+    calls = []
+    monkeypatch.setattr(ta, "_paged_attn_fwd", _LaunchSpy(ta._paged_attn_fwd, calls))
+    gen = random.Random(70)
+    chunks, pos = _chunks(gen, 2, 0, lo=20, hi=50)
+    batch = _make_batch([(chunks + [(pos, nq + 3, 0)], nq)] * 5, page_size=64, hkv=2, group=4, d=128,
+                        dtype=torch.float16, seed=71)
+    _check_attention(batch, max_seqlen_q=nq)
+    assert calls and (calls[-1]["QROT"], calls[-1]["BLOCK_N"]) == (2, 64)
+
+
 @pytest.mark.parametrize("dtype,qrot,lookahead", [(torch.float16, 3, True), (torch.float32, 3, False),
                                                    (torch.float16, 2, True), (torch.float32, 2, False),
                                                    (torch.float32, 1, False)])
@@ -593,6 +655,30 @@ def test_gpu_compiled_run_loops(qrot, dtype):
     # the rotary-halves loop rotated on 16-bit pairs (inline PTX) in what was checked above
     packed = {c.get("PACKED_ROT") for c, _ in mod.compiled_kernels(mod._paged_attn_fwd) if c.get("QROT") == qrot}
     assert packed == {qrot == 3}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compiled kernels run only on a GPU)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_compiled_short_halves(dtype):
+    """The short path on rotary halves (``LAZYLLM_SHORT_HALVES=auto``; decode, and 9 queries
+    per sequence) compiled: 64-key tiles for few programs and, with the SM count taken as 2,
+    32-key tiles; head_dim 128, pages of 64, against the reference."""
+    mod = _load_kernels(interpret=False)
+    mod._SHORT_HALVES = "auto"
+    seqs = _gpu_seqs(31, ((6, 9), (3, 1), (2, 5)), 40, 300)
+    dev = torch.cuda.current_device()
+    sms = mod._num_sms(torch.device("cuda", dev))
+    try:
+        for n_sms, bn in ((sms, 64), (2, 32)):
+            mod._NUM_SMS[dev] = n_sms
+            _check_compiled(mod, seqs, dtype, page_size=64, group=4, d=128, seed=32)
+            got = {(c.get("QROT"), c.get("BLOCK_N"), c.get("PACKED_ROT")) for c, _ in
+                   mod.compiled_kernels(mod._paged_attn_fwd)}
+            assert (3, bn, True) in got, got
+    finally:
+        mod._NUM_SMS[dev] = sms
+    assert not mod._QROT_FAILED
 
 
 @pytest.mark.gpu
