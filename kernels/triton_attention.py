@@ -995,11 +995,14 @@ _DECODE_CFG = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 4, 2)}  # BLOCK_N, war
 # 32-key tiles at a RoPE cost of -0.3 to +0.8% (64-key tiles: as fast, but that kernel's
 # RoPE-off build was 17-19% slower at batch 32 and 4% faster at batch 128); at batch 1 the
 # 64-key tile was 6-11% faster than the flat loop and the 32-key tile up to 19% slower.
-# Not the default: in the engine (benchmarks/engine.py, Llama-3.1-8B shapes, CUDA-graph
+# Not the default yet: in the engine (benchmarks/engine.py, Llama-3.1-8B shapes, CUDA-graph
 # decode at batch 64 over about 4.2k keys) a decode step took 16.1 ms with it, with either
-# tile, against 11.9 ms with the flat loop. Not explained yet: the kernel alone, at that
-# shape, was 3-4% faster than the flat loop also with L2 flushed before each call and over
-# four distinct caches in turn (benchmarks/results/session10/l2_decode.*).
+# tile, against 11.9 ms with the flat loop, while the kernel alone at that shape was 3-4%
+# faster (also with L2 flushed, and over four caches; benchmarks/results/session10). The
+# cause, found after that run: with qrot=3, one key split and padding_finite (as the engine
+# passes) the launcher sent decode to the Gluon prefill (128-row tiles for 4 rows); short
+# rows are no longer routed there. The engine's A/B is to be measured again before this
+# becomes the default.
 _DECODE_CFG_HALVES = {128: ((64, 4, 3), (32, 4, 3))}
 # LAZYLLM_SHORT_HALVES: "auto" runs the short path on the rotary halves with the tile chosen
 # above; "64" or "32" pins that tile; anything else ("0", the default) the flat loop
@@ -1134,7 +1137,8 @@ def paged_attention_triton(
         finite values, padding slots included (the engine's pool is zero-initialized and only
         written with K/V). On a Hopper GPU this lets prefill run the warp-specialized Gluon
         kernel (``gluon_prefill``), which reads whole pages by TMA, where it fits
-        (``gluon_prefill.supported``; the query-rotating prefill with one key split) and
+        (``gluon_prefill.supported``; the query-rotating prefill with one key split and more
+        than 64 query rows per KV head: never decode, whose rows would fill 4 of its 128) and
         where it is the faster: long key ranges (``_GLUON_MIN_KEYS``; BENCHMARKS.md).
         ``LAZYLLM_GLUON_PREFILL=0`` in the environment switches it off.
     prefill_kernel : ``"triton"`` or ``"gluon"`` forces that prefill kernel (``"gluon"``
@@ -1265,7 +1269,8 @@ def paged_attention_triton(
     num_splits = max(1, min(int(num_splits), kv_tiles))
 
     if prefill_kernel == "gluon" or (
-            prefill_kernel is None and padding_finite and qrot == 3 and qrot_arg is None and num_splits == 1
+            prefill_kernel is None and padding_finite and not short and qrot == 3 and qrot_arg is None
+            and num_splits == 1
             and config is None and not batch_invariant and not _interpreting()
             and max_blocks * page_size - max_seqlen_q // 2 >= _GLUON_MIN_KEYS):
         gkey = (d, k_cache.dtype, page_size)

@@ -73,6 +73,42 @@ def test_triton_launcher_on_cpu_ignores_padding_finite_and_checks_prefill_kernel
         ta_interp.paged_attention_triton(**b, max_seqlen_q=20, prefill_kernel="cuda")
 
 
+class _Recorder:
+    """Stands in for a jitted kernel: records each launch's keyword arguments, runs nothing."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        return lambda *a, **k: self.calls.append(dict(k, grid=grid))
+
+
+def test_routing_sends_prefill_only_to_gluon(monkeypatch):
+    """The launcher's routing as on a Hopper GPU (its checks stubbed on CPU, no kernel run):
+    a prefill with the rotary-halves loop and one key split goes to the Gluon kernel; decode
+    and a few queries per sequence never do, even on the rotary-halves short path
+    (``LAZYLLM_SHORT_HALVES=auto``) with one key split (the Gluon kernel's 128-row tiles
+    would hold 4 of them: that made the engine's batch-64 decode step 36% slower)."""
+    gluon, triton_calls = [], []
+    fake = type("FakeGluon", (), {"paged_prefill_gluon": staticmethod(
+        lambda *a, **k: gluon.append(k.get("max_seqlen_q")) or k.get("out", a[10] if len(a) > 10 else None))})
+    for name, value in (("_interpreting", lambda: False), ("_gluon_supported", lambda *a: True),
+                        ("_gluon_module", lambda: fake), ("_GLUON_MIN_KEYS", 0), ("_SHORT_HALVES", "auto"),
+                        ("_num_sms", lambda device: 2), ("_paged_attn_fwd", _Recorder(triton_calls)),
+                        ("_paged_decode_fwd", _Recorder(triton_calls)), ("_merge_splits", _Recorder(triton_calls))):
+        monkeypatch.setattr(ta_interp, name, value)
+    b, nq = _batch(torch.float16)
+    last = b["cu_seqlens_q"][1:] - 1
+    one = dict(b, q=b["q"][last], q_pos=b["q_pos"][last], cu_seqlens_q=torch.arange(4, dtype=torch.int32))
+    ta_interp.paged_attention_triton(**one, max_seqlen_q=1, padding_finite=True, num_splits=1)
+    assert not gluon and triton_calls[-1]["QROT"] == 3, "decode went to the Gluon prefill"
+    few = dict(b, q=b["q"][:30], q_pos=b["q_pos"][:30], cu_seqlens_q=torch.tensor([0, 15, 17, 30], dtype=torch.int32))
+    ta_interp.paged_attention_triton(**few, max_seqlen_q=15, padding_finite=True, num_splits=1)
+    assert not gluon and triton_calls[-1]["QROT"] == 3, "a short prefill went to the Gluon prefill"
+    ta_interp.paged_attention_triton(**b, max_seqlen_q=nq, padding_finite=True, num_splits=1)
+    assert gluon == [nq], "the control: a long prefill should have gone to the Gluon prefill"
+
+
 _hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                              reason="needs a Hopper GPU (sm_90)")
 
@@ -155,3 +191,9 @@ def test_gpu_triton_launcher_routes_prefill_to_gluon(monkeypatch):
     n = len(calls)
     ta.paged_attention_triton(**one, max_seqlen_q=1, padding_finite=True)
     assert len(calls) == n
+    # the rotary-halves short path with one key split: still the Triton kernel
+    monkeypatch.setattr(ta, "_SHORT_HALVES", "auto")
+    got = ta.paged_attention_triton(**one, max_seqlen_q=1, padding_finite=True, num_splits=1)
+    assert len(calls) == n
+    up = dict(one, q=one["q"].float(), k_cache=one["k_cache"].float(), v_cache=one["v_cache"].float())
+    assert _relerr(got, paged_attention_ref(**up)) < 1e-2
