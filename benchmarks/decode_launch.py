@@ -2,8 +2,9 @@
 
 The rotary-halves short path (``LAZYLLM_SHORT_HALVES=auto``) ran decode at batch 32-128
 3.5-7% faster than the flat loop in ``benchmarks/kernels.py``, yet made the engine's batch-64
-decode step 16.1 ms against 11.9 ms (BENCHMARKS.md, session 10). This script finds where the
-two calls differ:
+decode step 16.1 ms against 11.9 ms (BENCHMARKS.md, session 10). The cause found since: the
+engine's ``padding_finite=True`` sent those decode calls to the Gluon prefill (fixed in the
+launcher). This script checks the engine's call against the benchmark's directly:
 
 1. runs the engine as ``benchmarks/engine.py`` does (Llama-3.1-8B shapes, random bf16
    weights, 8 cached chunks of about 510 tokens, ``--batch`` requests) up to its first decode
