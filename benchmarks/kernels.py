@@ -570,6 +570,12 @@ def fmt_row(row):
             f"naive torch {r['ms_ref']:.3f} ms | err {r['err_k']:.1e} v_equal={r['v_equal']}")
 
 
+def md_table(intro, header, body):
+    """A paragraph, then a markdown table of ``body`` rows under ``header``, then a blank line."""
+    return ([intro, "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+            + ["| " + " | ".join(str(c) for c in row) + " |" for row in body] + [""])
+
+
 def markdown(meta, rows):
     L = [f"Device: {meta['device']}; torch {meta['torch']}, triton {meta['triton']}; {meta['date']}; "
          f"page size {meta['page_size']}; device-to-device copy {meta['copy_tbs']:.2f} TB/s.", ""]
@@ -596,25 +602,21 @@ def markdown(meta, rows):
         L.append("")
         tri = [r for r in pre if r.get("ms_triton_pretable")]
         if tri:
-            L += ["Where the Gluon prefill served the call (Hopper, `padding_finite=True` as the engine passes), the "
-                  "Triton prefill (`prefill_kernel=\"triton\"`) on the same shapes, table prebuilt:", "",
-                  "| prefill q | kv | Triton ms | Triton rope off ms | its RoPE cost | Triton/Gluon time |",
-                  "| --- | --- | --- | --- | --- | --- |"]
-            for r in tri:
-                L.append(f"| {r['q']} | {r['kv']} | {r['ms_triton_pretable']:.3f} | {r['ms_triton_norope']:.3f} | "
-                         f"{100 * r['triton_rope_cost']:+.1f}% | {r['vs_triton']:.2f}x |")
-            L.append("")
+            L += md_table(
+                "Where the Gluon prefill served the call (Hopper, `padding_finite=True` as the engine passes), the "
+                "Triton prefill (`prefill_kernel=\"triton\"`) on the same shapes, table prebuilt:",
+                ["prefill q", "kv", "Triton ms", "Triton rope off ms", "its RoPE cost", "Triton/Gluon time"],
+                [[r["q"], r["kv"], f"{r['ms_triton_pretable']:.3f}", f"{r['ms_triton_norope']:.3f}",
+                  f"{100 * r['triton_rope_cost']:+.1f}%", f"{r['vs_triton']:.2f}x"] for r in tri])
         gr = [r for r in pre if r.get("ms_rope_graph")]
         if gr:
-            L += ["Prefill replayed from one CUDA graph (tables prebuilt; the GPU time without the launcher's gaps; "
-                  "each side timed twice, interleaved, and the lower reading kept):", "",
-                  "| prefill q | kv | kernel | ours ms | SDPA ms | ours/SDPA | rope off ms | RoPE cost |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-            for r in gr:
-                L.append(f"| {r['q']} | {r['kv']} | {r.get('kernel', 'triton')} | {r['ms_rope_graph_min']:.4f} | "
-                         f"{r.get('ms_sdpa_graph', float('nan')):.4f} | {100 * r.get('vs_sdpa_graph', float('nan')):.0f}% | "
-                         f"{r['ms_norope_graph_min']:.4f} | {100 * r['rope_cost_graph']:+.1f}% |")
-            L.append("")
+            L += md_table(
+                "Prefill replayed from one CUDA graph (tables prebuilt; the GPU time without the launcher's gaps; "
+                "each side timed twice, interleaved, and the lower reading kept):",
+                ["prefill q", "kv", "kernel", "ours ms", "SDPA ms", "ours/SDPA", "rope off ms", "RoPE cost"],
+                [[r["q"], r["kv"], r.get("kernel", "triton"), f"{r['ms_rope_graph_min']:.4f}",
+                  f"{r.get('ms_sdpa_graph', float('nan')):.4f}", f"{100 * r.get('vs_sdpa_graph', float('nan')):.0f}%",
+                  f"{r['ms_norope_graph_min']:.4f}", f"{100 * r['rope_cost_graph']:+.1f}%"] for r in gr])
         cu = [r for r in pre if r.get("ms_cudnn")]
         if cu:
             L += ["SDPA's cuDNN backend on the same shapes: the causal problem (TFLOP/s on the causal count, as above), "

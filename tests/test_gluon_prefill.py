@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lazyllm.kernels.reference import paged_attention_ref
-from tests.test_kernels_triton import _chunks, _make_batch, _relerr
+from tests.test_kernels_triton import _chunks, _LaunchSpy, _make_batch, _relerr
 from tests.test_kernels_triton import ta as ta_interp
 
 gp = pytest.importorskip("lazyllm.kernels.gluon_prefill", reason="this triton has no Gluon (triton.experimental.gluon)")
@@ -73,16 +73,6 @@ def test_triton_launcher_on_cpu_ignores_padding_finite_and_checks_prefill_kernel
         ta_interp.paged_attention_triton(**b, max_seqlen_q=20, prefill_kernel="cuda")
 
 
-class _Recorder:
-    """Stands in for a jitted kernel: records each launch's keyword arguments, runs nothing."""
-
-    def __init__(self, calls):
-        self.calls = calls
-
-    def __getitem__(self, grid):
-        return lambda *a, **k: self.calls.append(dict(k, grid=grid))
-
-
 def test_routing_sends_prefill_only_to_gluon(monkeypatch):
     """The launcher's routing as on a Hopper GPU (its checks stubbed on CPU, no kernel run):
     a prefill with the rotary-halves loop and one key split goes to the Gluon kernel; decode
@@ -94,8 +84,8 @@ def test_routing_sends_prefill_only_to_gluon(monkeypatch):
         lambda *a, **k: gluon.append(k.get("max_seqlen_q")) or k.get("out", a[10] if len(a) > 10 else None))})
     for name, value in (("_interpreting", lambda: False), ("_gluon_supported", lambda *a: True),
                         ("_gluon_module", lambda: fake), ("_GLUON_MIN_KEYS", 0), ("_SHORT_HALVES", "auto"),
-                        ("_num_sms", lambda device: 2), ("_paged_attn_fwd", _Recorder(triton_calls)),
-                        ("_paged_decode_fwd", _Recorder(triton_calls)), ("_merge_splits", _Recorder(triton_calls))):
+                        ("_num_sms", lambda device: 2), ("_paged_attn_fwd", _LaunchSpy(None, triton_calls)),
+                        ("_paged_decode_fwd", _LaunchSpy(None, triton_calls)), ("_merge_splits", _LaunchSpy(None, triton_calls))):
         monkeypatch.setattr(ta_interp, name, value)
     b, nq = _batch(torch.float16)
     last = b["cu_seqlens_q"][1:] - 1
