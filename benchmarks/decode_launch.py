@@ -134,6 +134,8 @@ def main():
     rec, orig = record_call(llm, batch)
     llm.generate_batch(reqs, max_new_tokens=8)  # all of them decode together within a few steps
     llm.engine.model.attention = orig
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the copies were made on the graph warm-up's side stream
     if not rec:
         raise SystemExit(f"no decode call at batch {batch} was seen")
     a, kw = rec["args"], rec["kw"]
