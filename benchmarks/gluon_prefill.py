@@ -22,6 +22,19 @@ import torch
 HERE = Path(__file__).resolve().parent
 
 
+def markdown(meta, rows, md_table) -> list[str]:
+    """The table of ``gluon_prefill.md`` (``md_table``: ``benchmarks/kernels.py``'s)."""
+    return md_table(
+        f"Device: {meta['device']}; torch {meta['torch']}; {meta['date']}; pages of 64, tables prebuilt.",
+        ["q", "kv", "config", "Gluon ms", "TFLOP/s", "RoPE off ms", "RoPE cost", "of SDPA (flash)",
+         "Triton prefill ms", "Gluon / Triton time", "rel err vs ref"],
+        [[r["q"], r["kv"], r["config"], f"error: {r['error'][:80]}"] if "error" in r else
+         [r["q"], r["kv"], r["config"], f"{r['ms_rope']:.3f}", f"{r['flops'] / r['ms_rope'] / 1e9:.0f}",
+          f"{r['ms_off']:.3f}", f"{100 * (r['ms_rope'] / r['ms_off'] - 1):+.1f}%", f"{100 * r['ms_sdpa'] / r['ms_rope']:.0f}%",
+          f"{r['ms_triton']:.3f}", f"{r['ms_rope'] / r['ms_triton']:.2f}", f"{r['err_ref']:.1e}"] for r in rows],
+        align=["---:", "---:", "---"] + ["---:"] * 8)[:-1]  # no blank line at the end of the file
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -86,16 +99,7 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "gluon_prefill.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    L = [f"Device: {meta['device']}; torch {meta['torch']}; {meta['date']}; pages of 64, tables prebuilt.", "",
-         "| q | kv | config | Gluon ms | TFLOP/s | RoPE off ms | RoPE cost | of SDPA (flash) | Triton prefill ms | Gluon / Triton time | rel err vs ref |",
-         "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in rows:
-        if "error" in r:
-            L.append(f"| {r['q']} | {r['kv']} | {r['config']} | error: {r['error'][:80]} |")
-            continue
-        L.append(f"| {r['q']} | {r['kv']} | {r['config']} | {r['ms_rope']:.3f} | {r['flops'] / r['ms_rope'] / 1e9:.0f} | "
-                 f"{r['ms_off']:.3f} | {100 * (r['ms_rope'] / r['ms_off'] - 1):+.1f}% | {100 * r['ms_sdpa'] / r['ms_rope']:.0f}% | "
-                 f"{r['ms_triton']:.3f} | {r['ms_rope'] / r['ms_triton']:.2f} | {r['err_ref']:.1e} |")
+    L = markdown(meta, rows, kb.md_table)
     (out_dir / "gluon_prefill.md").write_text("\n".join(L) + "\n")
     print("\n".join(L))
     kb.log(f"done in {time.time() - t0:.0f}s")

@@ -570,9 +570,12 @@ def fmt_row(row):
             f"naive torch {r['ms_ref']:.3f} ms | err {r['err_k']:.1e} v_equal={r['v_equal']}")
 
 
-def md_table(intro, header, body):
-    """A paragraph, then a markdown table of ``body`` rows under ``header``, then a blank line."""
-    return ([intro, "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+def md_table(intro, header, body, align=None):
+    """A paragraph (``None``: none), then a markdown table of ``body`` rows under ``header``
+    (a row may be shorter: an error row), then a blank line. ``align``: a separator per
+    column (``"---:"`` right-aligns), ``"---"`` for each by default."""
+    align = align or ["---"] * len(header)
+    return (([intro, ""] if intro is not None else []) + ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
             + ["| " + " | ".join(str(c) for c in row) + " |" for row in body] + [""])
 
 
@@ -587,19 +590,18 @@ def markdown(meta, rows):
     dec = [derived(r) for r in rows if r["kind"] == "decode" and default(r)]
     cp = [derived(r) for r in rows if r["kind"] == "rerotate"]
     if pre:
-        L += ["`ours` builds the step's cos/sin and runs tables in the call (launch-bound at small shapes); the engine "
-              "builds them once per step for all layers, so `table prebuilt` is the per-layer figure.", "",
-              "| prefill q | kv | kernel | ours ms | ours TFLOP/s | SDPA ms | SDPA TFLOP/s | ours/SDPA | ours ms, table prebuilt | ours/SDPA, table prebuilt | rope off ms | RoPE cost | RoPE cost, table prebuilt | rel err vs ref |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for r in pre:
-            if "error" in r:
-                L.append(f"| {r['q']} | {r['kv']} | error: {r['error'][:80]} |")
-                continue
-            L.append(f"| {r['q']} | {r['kv']} | {r.get('kernel', 'triton')} | {r['ms_rope']:.3f} | {r['tflops_rope']:.0f} | "
-                     f"{r['ms_sdpa']:.3f} | {r['tflops_sdpa']:.0f} | {100 * r['vs_sdpa']:.0f}% | {r['ms_rope_pretable']:.3f} | "
-                     f"{100 * r['vs_sdpa_pretable']:.0f}% | {r['ms_norope']:.3f} | "
-                     f"{100 * r['rope_cost']:+.1f}% | {100 * r['rope_cost_pretable']:+.1f}% | {r['err_ref']:.1e} |")
-        L.append("")
+        L += md_table(
+            "`ours` builds the step's cos/sin and runs tables in the call (launch-bound at small shapes); the engine "
+            "builds them once per step for all layers, so `table prebuilt` is the per-layer figure.",
+            ["prefill q", "kv", "kernel", "ours ms", "ours TFLOP/s", "SDPA ms", "SDPA TFLOP/s", "ours/SDPA",
+             "ours ms, table prebuilt", "ours/SDPA, table prebuilt", "rope off ms", "RoPE cost",
+             "RoPE cost, table prebuilt", "rel err vs ref"],
+            [[r["q"], r["kv"], f"error: {r['error'][:80]}"] if "error" in r else
+             [r["q"], r["kv"], r.get("kernel", "triton"), f"{r['ms_rope']:.3f}", f"{r['tflops_rope']:.0f}",
+              f"{r['ms_sdpa']:.3f}", f"{r['tflops_sdpa']:.0f}", f"{100 * r['vs_sdpa']:.0f}%",
+              f"{r['ms_rope_pretable']:.3f}", f"{100 * r['vs_sdpa_pretable']:.0f}%", f"{r['ms_norope']:.3f}",
+              f"{100 * r['rope_cost']:+.1f}%", f"{100 * r['rope_cost_pretable']:+.1f}%", f"{r['err_ref']:.1e}"]
+             for r in pre])
         tri = [r for r in pre if r.get("ms_triton_pretable")]
         if tri:
             L += md_table(
@@ -619,45 +621,42 @@ def markdown(meta, rows):
                   f"{r['ms_norope_graph_min']:.4f}", f"{100 * r['rope_cost_graph']:+.1f}%"] for r in gr])
         cu = [r for r in pre if r.get("ms_cudnn")]
         if cu:
-            L += ["SDPA's cuDNN backend on the same shapes: the causal problem (TFLOP/s on the causal count, as above), "
-                  "and the same shape without the mask (TFLOP/s on all q x kv pairs; it does more work than the "
-                  "causal problem needs, so `ours/cuDNN unmasked`, a ratio of times, favours ours):", "",
-                  "| prefill q | kv | cuDNN causal ms | TFLOP/s | rel err vs flash | cuDNN unmasked ms | TFLOP/s (all pairs) | ours/cuDNN unmasked |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-            for r in cu:
-                L.append(f"| {r['q']} | {r['kv']} | {r['ms_cudnn']:.3f} | {r['tflops_cudnn']:.0f} | {r['err_cudnn']:.1e} | "
-                         f"{r['ms_cudnn_nomask']:.3f} | {r['tflops_cudnn_nomask']:.0f} | {100 * r['vs_cudnn_nomask']:.0f}% |")
-            L.append("")
+            L += md_table(
+                "SDPA's cuDNN backend on the same shapes: the causal problem (TFLOP/s on the causal count, as above), "
+                "and the same shape without the mask (TFLOP/s on all q x kv pairs; it does more work than the "
+                "causal problem needs, so `ours/cuDNN unmasked`, a ratio of times, favours ours):",
+                ["prefill q", "kv", "cuDNN causal ms", "TFLOP/s", "rel err vs flash", "cuDNN unmasked ms",
+                 "TFLOP/s (all pairs)", "ours/cuDNN unmasked"],
+                [[r["q"], r["kv"], f"{r['ms_cudnn']:.3f}", f"{r['tflops_cudnn']:.0f}", f"{r['err_cudnn']:.1e}",
+                  f"{r['ms_cudnn_nomask']:.3f}", f"{r['tflops_cudnn_nomask']:.0f}", f"{100 * r['vs_cudnn_nomask']:.0f}%"]
+                 for r in cu])
     if dec:
-        L += ["| decode batch | kv | ours ms | ours TB/s | SDPA ms | SDPA TB/s | ours/SDPA | rope off ms | RoPE cost | RoPE cost, table prebuilt | rel err vs ref |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for r in dec:
-            if "error" in r:
-                L.append(f"| {r['batch']} | {r['kv']} | error: {r['error'][:80]} |")
-                continue
-            L.append(f"| {r['batch']} | {r['kv']} | {r['ms_rope']:.3f} | {r['tbs_rope']:.2f} | {r['ms_sdpa']:.3f} | "
-                     f"{r['tbs_sdpa']:.2f} | {100 * r['vs_sdpa']:.0f}% | {r['ms_norope']:.3f} | "
-                     f"{100 * r['rope_cost']:+.1f}% | {100 * r['rope_cost_pretable']:+.1f}% | {r['err_ref']:.1e} |")
-        L.append("")
+        L += md_table(
+            None,
+            ["decode batch", "kv", "ours ms", "ours TB/s", "SDPA ms", "SDPA TB/s", "ours/SDPA", "rope off ms",
+             "RoPE cost", "RoPE cost, table prebuilt", "rel err vs ref"],
+            [[r["batch"], r["kv"], f"error: {r['error'][:80]}"] if "error" in r else
+             [r["batch"], r["kv"], f"{r['ms_rope']:.3f}", f"{r['tbs_rope']:.2f}", f"{r['ms_sdpa']:.3f}",
+              f"{r['tbs_sdpa']:.2f}", f"{100 * r['vs_sdpa']:.0f}%", f"{r['ms_norope']:.3f}",
+              f"{100 * r['rope_cost']:+.1f}%", f"{100 * r['rope_cost_pretable']:+.1f}%", f"{r['err_ref']:.1e}"]
+             for r in dec])
         gr = [r for r in dec if r.get("ms_rope_graph")]
         if gr:
-            L += ["Decode replayed from one CUDA graph (as the engine runs it: no launch gaps, L2 not flushed; cos/sin table prebuilt):", "",
-                  "| decode batch | kv | ours ms | ours TB/s | SDPA ms | SDPA TB/s | ours/SDPA | rope off ms | RoPE cost |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-            for r in gr:
-                L.append(f"| {r['batch']} | {r['kv']} | {r['ms_rope_graph']:.3f} | {r['tbs_rope_graph']:.2f} | "
-                         f"{r['ms_sdpa_graph']:.3f} | {r['tbs_sdpa_graph']:.2f} | {100 * r['vs_sdpa_graph']:.0f}% | "
-                         f"{r['ms_norope_graph']:.3f} | {100 * r['rope_cost_graph']:+.1f}% |")
-            L.append("")
+            L += md_table(
+                "Decode replayed from one CUDA graph (as the engine runs it: no launch gaps, L2 not flushed; cos/sin "
+                "table prebuilt):",
+                ["decode batch", "kv", "ours ms", "ours TB/s", "SDPA ms", "SDPA TB/s", "ours/SDPA", "rope off ms",
+                 "RoPE cost"],
+                [[r["batch"], r["kv"], f"{r['ms_rope_graph']:.3f}", f"{r['tbs_rope_graph']:.2f}",
+                  f"{r['ms_sdpa_graph']:.3f}", f"{r['tbs_sdpa_graph']:.2f}", f"{100 * r['vs_sdpa_graph']:.0f}%",
+                  f"{r['ms_norope_graph']:.3f}", f"{100 * r['rope_cost_graph']:+.1f}%"] for r in gr])
     if cp:
-        L += ["| re-rotate copy | ms | TB/s | torch copy, same bytes | of copy bandwidth | naive torch ms |",
-              "| --- | --- | --- | --- | --- | --- |"]
-        for r in cp:
-            if "error" in r:
-                continue
-            L.append(f"| {r['layers']} layers x {r['pages']} pages of {r['page_size']} (rows {r['block_rows']}, warps {r['num_warps']}) | "
-                     f"{r['ms']:.3f} | {r['tbs']:.2f} | {r['tbs_torch_copy']:.2f} TB/s | {100 * r['vs_copy']:.0f}% | {r['ms_ref']:.3f} |")
-        L.append("")
+        L += md_table(
+            None,
+            ["re-rotate copy", "ms", "TB/s", "torch copy, same bytes", "of copy bandwidth", "naive torch ms"],
+            [[f"{r['layers']} layers x {r['pages']} pages of {r['page_size']} (rows {r['block_rows']}, warps "
+              f"{r['num_warps']})", f"{r['ms']:.3f}", f"{r['tbs']:.2f}", f"{r['tbs_torch_copy']:.2f} TB/s",
+              f"{100 * r['vs_copy']:.0f}%", f"{r['ms_ref']:.3f}"] for r in cp if "error" not in r])
     return "\n".join(L)
 
 
