@@ -52,8 +52,9 @@ def test_head_dim_128_prefill_kernel_in_engine_matches_torch_backend(tokenizer, 
     """Head dim 128 in 16-bit with pages of 64 takes the default prefill kernel for chunks
     and suffixes of more than 64 query rows: on Hopper the warp-specialized Gluon kernel (the
     engine vouches for finite pages; its key-range threshold lowered, these prompts being
-    short), else, or with Gluon switched off, the Triton loop on the query's rotary halves. Greedy tokens equal those of the torch attention backend on the
-    same weights, for lazy and block reuse."""
+    short), else, or with Gluon switched off, the Triton loop on the query's rotary halves.
+    Greedy tokens equal those of the torch attention backend on the same weights, for lazy
+    and block reuse."""
     from lazyllm.kernels import triton_attention as ta
 
     if gluon and torch.cuda.get_device_capability()[0] != 9:

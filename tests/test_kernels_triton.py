@@ -406,21 +406,22 @@ class _LaunchSpy:
         return run
 
 
-@pytest.mark.parametrize("dtype,rd,ps,batch_n,want", [
-    (torch.float16, None, 64, 1, (3, 64)),   # 2 programs < 8 SMs (the interpreter's count): 64-key tiles
-    (torch.float16, None, 64, 5, (3, 32)),   # 10 programs >= 8: 32-key tiles
-    (torch.float16, None, 32, 5, (3, 32)),   # the 32-key tile fits a page of 32
-    (torch.float32, None, 64, 5, (2, 64)),   # float32: the flat loop
-    (torch.float16, 64, 64, 5, (2, 64)),     # partial rotary: the flat loop
-    (torch.float16, None, 16, 5, None),      # pages under the tile: no run loop
-], ids=["fp16-few", "fp16-wide", "fp16-ps32", "fp32", "partial-rotary", "ps16"])
+@pytest.mark.parametrize("mode,dtype,rd,ps,batch_n,want", [
+    ("auto", torch.float16, None, 64, 1, (3, 64)),  # 2 programs < 8 SMs (the interpreter's count): 64-key tiles
+    ("auto", torch.float16, None, 64, 5, (3, 32)),  # 10 programs >= 8: 32-key tiles
+    ("auto", torch.float16, None, 32, 5, (3, 32)),  # the 32-key tile fits a page of 32
+    ("auto", torch.float32, None, 64, 5, (2, 64)),  # float32: the flat loop
+    ("auto", torch.float16, 64, 64, 5, (2, 64)),    # partial rotary: the flat loop
+    ("auto", torch.float16, None, 16, 5, None),     # pages under the tile: no run loop
+    ("0", torch.float16, None, 64, 5, (2, 64)),     # the default: the flat loop where the halves could run
+], ids=["fp16-few", "fp16-wide", "fp16-ps32", "fp32", "partial-rotary", "ps16", "default-flat"])
 @pytest.mark.parametrize("nq", [1, 9])
-def test_short_halves_choice(dtype, rd, ps, batch_n, want, nq, monkeypatch):
+def test_short_halves_choice(mode, dtype, rd, ps, batch_n, want, nq, monkeypatch):
     """With ``LAZYLLM_SHORT_HALVES=auto`` the short path (decode, and up to 64 query rows per
     KV head) runs the rotary-halves loop (qrot=3) for head_dim 128 in 16-bit with a fully
     rotary head, 64-key tiles while there are fewer programs than SMs and 32-key tiles from
-    there; the flat loop otherwise; the reference's result either way."""
-    monkeypatch.setattr(ta, "_SHORT_HALVES", "auto")
+    there; the flat loop otherwise, and by default (``0``); the reference's result either way."""
+    monkeypatch.setattr(ta, "_SHORT_HALVES", mode)
     calls = []
     monkeypatch.setattr(ta, "_paged_attn_fwd", _LaunchSpy(ta._paged_attn_fwd, calls))
     gen = random.Random(60 + batch_n)
@@ -435,21 +436,6 @@ def test_short_halves_choice(dtype, rd, ps, batch_n, want, nq, monkeypatch):
         return
     assert calls, "the general kernel did not run"
     assert (calls[-1]["QROT"], calls[-1]["BLOCK_N"]) == want
-
-
-@pytest.mark.parametrize("nq", [1, 9])
-def test_short_path_default_is_flat(nq, monkeypatch):
-    """By default (``LAZYLLM_SHORT_HALVES`` unset) the short path keeps the flat loop
-    (qrot=2) with 64-key tiles, also where the rotary-halves loop could run."""
-    monkeypatch.setattr(ta, "_SHORT_HALVES", "0")
-    calls = []
-    monkeypatch.setattr(ta, "_paged_attn_fwd", _LaunchSpy(ta._paged_attn_fwd, calls))
-    gen = random.Random(70)
-    chunks, pos = _chunks(gen, 2, 0, lo=20, hi=50)
-    batch = _make_batch([(chunks + [(pos, nq + 3, 0)], nq)] * 5, page_size=64, hkv=2, group=4, d=128,
-                        dtype=torch.float16, seed=71)
-    _check_attention(batch, max_seqlen_q=nq)
-    assert calls and (calls[-1]["QROT"], calls[-1]["BLOCK_N"]) == (2, 64)
 
 
 @pytest.mark.parametrize("dtype,qrot,lookahead", [(torch.float16, 3, True), (torch.float32, 3, False),
@@ -513,29 +499,16 @@ def test_decode_split_k(case, splits):
     _check_attention(batch, max_seqlen_q=1, num_splits=splits, config=cfg)
 
 
-def test_decode_auto_splits_are_used():
+def test_decode_auto_splits_are_used(monkeypatch):
     """On one long sequence the default split count is > 1, so the merge kernel runs."""
     gen = random.Random(18)
     chunks, pos = _chunks(gen, 12, 0, lo=40, hi=60)
     batch = _make_batch([(chunks + [(pos, 9, 0)], 1)], page_size=16, hkv=1, group=4, d=64,
                         dtype=torch.float16, seed=9)
     calls = []
-    orig = ta._merge_splits
-    ta._merge_splits = _Spy(orig, calls)
-    try:
-        _check_attention(batch, max_seqlen_q=1)
-    finally:
-        ta._merge_splits = orig
+    monkeypatch.setattr(ta, "_merge_splits", _LaunchSpy(ta._merge_splits, calls))
+    _check_attention(batch, max_seqlen_q=1)
     assert calls, "expected a split-K launch"
-
-
-class _Spy:
-    def __init__(self, fn, calls):
-        self.fn, self.calls = fn, calls
-
-    def __getitem__(self, grid):
-        self.calls.append(grid)
-        return self.fn[grid]
 
 
 # ----------------------------------------------------------------------------------------
