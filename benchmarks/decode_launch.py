@@ -173,6 +173,7 @@ def main():
 
     ref = None
     rows = []
+    mode_before = ta._SHORT_HALVES
     for mode in ("0", "auto", "64", "32"):
         ta._SHORT_HALVES = mode
         for name, va, vkw in variants(a, kw, ta):
@@ -205,7 +206,7 @@ def main():
                 f"{1e3 * min(row['ms'], row['ms_again']):7.1f} us alone, {1e3 * row['ms_chain_per_layer']:7.1f} us "
                 f"a layer over {layers} pools " if "ms" in row else "")
                   + f"err {err:.1e} launch {row['launch']}", flush=True)
-    ta._SHORT_HALVES = "0"
+    ta._SHORT_HALVES = mode_before
     report["rows"] = rows
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
