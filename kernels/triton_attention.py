@@ -1264,8 +1264,10 @@ def paged_attention_triton(
             # over 4k-32k keys from a CUDA graph: 8 splits (256 programs) took 0.67-0.79x
             # the time of 5 (one per SM, 160 programs; BENCHMARKS.md, session 10)
             num_splits = max(1, min((2 * sms) // ctas, kv_tiles // 4, 64))
-        elif ctas < 2 * sms and one_query:
-            num_splits = 2
+        # from one program per SM on, no split-K: two programs fit on an SM at once. H200,
+        # decode at batch 17-32 (136-256 programs) over 4k-32k keys from CUDA graphs: one
+        # split was 0-3% faster than two, with a RoPE cost of -0.5 to +2.1% against +1.1 to
+        # +3.3% (BENCHMARKS.md, session 11)
     num_splits = max(1, min(int(num_splits), kv_tiles))
 
     if prefill_kernel == "gluon" or (

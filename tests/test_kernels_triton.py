@@ -511,6 +511,27 @@ def test_decode_auto_splits_are_used(monkeypatch):
     assert calls, "expected a split-K launch"
 
 
+@pytest.mark.parametrize("batch_n", [2, 4, 8])
+def test_decode_split_count(batch_n, monkeypatch):
+    """Split-K for decode only while there are fewer programs (batch * KV heads) than SMs
+    (8 under the interpreter): 4 programs are split (about two programs per SM, at least two
+    key tiles a split); 8 and 16 are not (until session 11, 8-15 programs were split in two)."""
+    calls = []
+    monkeypatch.setattr(ta, "_paged_attn_fwd", _LaunchSpy(ta._paged_attn_fwd, calls))
+    gen = random.Random(70 + batch_n)
+    seqs = []
+    for _ in range(batch_n):
+        chunks, pos = _chunks(gen, 3, 0, lo=20, hi=50)
+        seqs.append((chunks + [(pos, 4, 0)], 1))
+    batch = _make_batch(seqs, page_size=64, hkv=2, group=4, d=128, dtype=torch.float16, seed=71)
+    kv_tiles = batch["block_table"].shape[1]  # one 64-key tile a page (padding entries included)
+    want_splits = min(-(-16 // (2 * batch_n)), kv_tiles // 2) if batch_n < 4 else 1
+    assert batch_n >= 4 or want_splits > 1
+    _check_attention(batch, max_seqlen_q=1)
+    assert calls, "the general kernel did not run"
+    assert calls[-1]["grid"][1] == 2 * want_splits
+
+
 # ----------------------------------------------------------------------------------------
 # rerotate copy and KV write
 # ----------------------------------------------------------------------------------------
