@@ -368,6 +368,50 @@ def run_prefill(nq, kv, ps, inv_freq, dev, configs=None, splits=(None,), sdpa=Tr
     return res
 
 
+def run_prefill_runs(nq, kv, inv_freq, dev, kernels=("gluon", "triton"), rounds=3):
+    """Where the default prefill's deferred-RoPE cost goes, from CUDA graphs (pages of 64,
+    tables prebuilt, ``padding_finite=True``): the real deltas (a run of equal deltas per
+    chunk), every delta 0 (RoPE on, one run: the rotation done once), and RoPE off; each
+    kernel of ``kernels`` (``prefill_kernel=``), all timed in turn ``rounds`` times, the
+    lowest reading of each kept. ``(real - one run) / (runs - 1)`` is the cost of a run."""
+    pg, qs, q, q_pos, cu = prefill_case(nq, kv, 64, inv_freq, dev)
+    a = pg.args(q, q_pos, cu)
+    a0 = dict(a, block_delta=torch.zeros_like(pg.block_delta))
+    rt = ta.rope_table(pg.block_delta, inv_freq)
+    rt0 = ta.rope_table(a0["block_delta"], inv_freq)
+    out = torch.empty_like(q)
+    runs = int((pg.block_delta[:, 1:] != pg.block_delta[:, :-1]).sum()) + 1
+    row = dict(kind="prefill_runs", q=nq, kv=kv, runs=runs)
+    calls = {}
+    for kern in kernels:
+        kw = dict(out=out, max_seqlen_q=nq, padding_finite=True, prefill_kernel=kern)
+        calls[(kern, "real")] = (lambda kw=kw: ta.paged_attention_triton(**a, rope=rt, **kw))
+        calls[(kern, "one_run")] = (lambda kw=kw: ta.paged_attention_triton(**a0, rope=rt0, **kw))
+        calls[(kern, "off")] = (lambda kw=kw: ta.paged_attention_triton(**a, use_rope=False, **kw))
+    try:
+        for fn in calls.values():
+            fn()
+        sync()
+        for _ in range(rounds):
+            for (kern, what), fn in calls.items():
+                t = bench_graph(fn) if not DRY else bench(fn)
+                k = f"ms_{kern}_{what}"
+                row[k] = min(row.get(k, t), t)
+    except Exception as e:  # noqa: BLE001
+        row["error"] = repr(e)[:300]
+        traceback.print_exc()
+        log(f"prefill runs q={nq} kv={kv} ERROR {row['error']}")
+        return [row]
+    for kern in kernels:
+        real, one, off = (row[f"ms_{kern}_{w}"] for w in ("real", "one_run", "off"))
+        log(f"prefill runs q={nq:5d} kv={kv:6d} {kern:6s} runs {runs:3d} | real {real:.4f} one run {one:.4f} off {off:.4f} ms"
+            f" | RoPE {100 * (real / off - 1):+.1f}% = one run {100 * (one / off - 1):+.1f}% + runs "
+            f"{100 * (real - one) / off:+.1f}% ({1e3 * (real - one) / max(runs - 1, 1):.2f} us a run)")
+    del pg
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return [row]
+
+
 def run_prefill_diag(nq, kv, inv_freq, dev, qrot, cfg):
     """Where the deferred-RoPE cost of a query-rotating prefill goes (pages of 64, tables
     prebuilt): the real deltas, the same kernel with every delta 0 (one run: the per-tile
@@ -718,6 +762,21 @@ def markdown(meta, rows):
                 [[r["batch"], r["kv"], f"{r['ms_rope_graph']:.3f}", f"{r['tbs_rope_graph']:.2f}",
                   f"{r['ms_sdpa_graph']:.3f}", f"{r['tbs_sdpa_graph']:.2f}", f"{100 * r['vs_sdpa_graph']:.0f}%",
                   f"{r['ms_norope_graph']:.3f}", f"{100 * r['rope_cost_graph']:+.1f}%"] for r in gr])
+    pr = [r for r in rows if r["kind"] == "prefill_runs" and "error" not in r]
+    if pr:
+        kerns = [k[3:-5] for k in pr[0] if k.startswith("ms_") and k.endswith("_real")]
+        L += md_table(
+            "Where the prefill's RoPE cost goes (`--prefill-runs`, from CUDA graphs, lowest of three readings): "
+            "RoPE on with the real deltas, with every delta 0 (one run), and RoPE off; the RoPE cost split into "
+            "the one-run part and the part of the run switches:",
+            ["q", "kv", "runs", "kernel", "real ms", "one run ms", "off ms", "RoPE cost", "one run over off",
+             "runs over one run", "per run"],
+            [[r["q"], r["kv"], r["runs"], k, f"{r[f'ms_{k}_real']:.4f}", f"{r[f'ms_{k}_one_run']:.4f}",
+              f"{r[f'ms_{k}_off']:.4f}", f"{100 * (r[f'ms_{k}_real'] / r[f'ms_{k}_off'] - 1):+.1f}%",
+              f"{100 * (r[f'ms_{k}_one_run'] / r[f'ms_{k}_off'] - 1):+.1f}%",
+              f"{100 * (r[f'ms_{k}_real'] - r[f'ms_{k}_one_run']) / r[f'ms_{k}_off']:+.1f}%",
+              f"{1e3 * (r[f'ms_{k}_real'] - r[f'ms_{k}_one_run']) / max(r['runs'] - 1, 1):.2f} us"]
+             for r in pr for k in kerns])
     ch = [r for r in rows if r["kind"] == "decode_choice" and "error" not in r]
     if ch:
         loops = [k[3:-5] for k in ch[0] if k.startswith("ms_") and k.endswith("_rope")]
@@ -769,6 +828,9 @@ def main():
                     help="decode at batch >= 32 from CUDA graphs: the default flat loop (qrot=2, float32 "
                          "rotation, 255 registers for sm_90) against the rotary-halves loop (qrot=3, packed "
                          "16-bit rotation, 175 registers), RoPE on and off")
+    ap.add_argument("--prefill-runs", action="store_true",
+                    help="prefill at q >= 512 from CUDA graphs, Gluon and Triton: real deltas, every delta 0 (one "
+                         "run) and RoPE off, to split the RoPE cost into its fixed part and its cost per run")
     ap.add_argument("--decode-choice", action="store_true",
                     help="decode at batch 32/64/128 over 4k-32k from CUDA graphs as the engine calls it, each row "
                          "over its own pages and all rows over the same pages: the flat loop against the "
@@ -869,6 +931,12 @@ def main():
             rows += run_decode(b, kv, 64, inv_freq, dev, graphs=True)
             rows += run_decode(b, kv, 64, inv_freq, dev, graphs=True, extra=dict(qrot=3))
         save()
+    if args.prefill_runs:
+        big = not DRY
+        for nq, kv in ([s_ for s_ in PREFILL if s_[0] >= 512] if big else ((40, 700),)):
+            rows += run_prefill_runs(nq, kv, inv_freq, dev, kernels=("gluon", "triton") if big else ("triton",),
+                                     rounds=3 if big else 1)
+            save()
     if args.decode_choice:
         big = not DRY
         for shared in (False, True):

@@ -990,19 +990,18 @@ _LONG_KV = 16384
 _DECODE_CFG = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 4, 2)}  # BLOCK_N, warps, stages
 # The short path (decode, a few queries per sequence) on the query's rotary halves (qrot=3,
 # 16-bit rotation) for a fully rotary head in 16-bit: (few programs, at least one per SM).
-# On the H200 (BENCHMARKS.md, session 10; Llama-3.1-8B heads, pages of 64, CUDA graphs) it
-# ran batch 32-128 over 4k-32k keys 3.5-7% faster than the flat float32 loop (qrot=2), with
-# 32-key tiles at a RoPE cost of -0.3 to +0.8% (64-key tiles: as fast, but that kernel's
-# RoPE-off build was 17-19% slower at batch 32 and 4% faster at batch 128); at batch 1 the
-# 64-key tile was 6-11% faster than the flat loop and the 32-key tile up to 19% slower.
-# Not the default yet: in the engine (benchmarks/engine.py, Llama-3.1-8B shapes, CUDA-graph
-# decode at batch 64 over about 4.2k keys) a decode step took 16.1 ms with it, with either
-# tile, against 11.9 ms with the flat loop, while the kernel alone at that shape was 3-4%
-# faster (also with L2 flushed, and over four caches; benchmarks/results/session10). The
-# cause, found after that run: with qrot=3, one key split and padding_finite (as the engine
-# passes) the launcher sent decode to the Gluon prefill (128-row tiles for 4 rows); short
-# rows are no longer routed there. The engine's A/B is to be measured again before this
-# becomes the default.
+# Opt-in (LAZYLLM_SHORT_HALVES below). On the H200 (BENCHMARKS.md, sessions 10-11; Llama-3.1-8B
+# heads, pages of 64, CUDA graphs), decode at batch 32-128 over 4k-32k keys:
+# - each row over its own pages: the 64-key tile 1-4% faster than the flat float32 loop
+#   (qrot=2), the 32-key tile 2-6% faster up to batch 64 and up to 2% slower at 128;
+# - all rows over the same pages (L2 serves the repeats): the 32-key tile 3-10% slower than
+#   the flat loop; the 64-key tile 2-4% faster, except 2% slower over 4k at batch 64-128;
+# - RoPE cost against the same loop with RoPE off: the 32-key tile -5.5 to +2.1%; the 64-key
+#   tile +3 to +12% at batch 128 (at batch 32-64 its RoPE-off build is 15-32% slower than
+#   its RoPE-on one); the flat loop +0.3 to +2.9% (two splits at batch 32 then).
+# In the engine (benchmarks/engine.py, batch 64 over about 4.2k keys) the "auto" choice (32-key
+# tiles there) made the step 12.25 ms against 11.80 ms flat when the requests share chunks,
+# and 13.28 against 13.77 ms when each reads its own. No clear win, so the flat loop stays.
 _DECODE_CFG_HALVES = {128: ((64, 4, 3), (32, 4, 3))}
 # LAZYLLM_SHORT_HALVES: "auto" runs the short path on the rotary halves with the tile chosen
 # above; "64" or "32" pins that tile; anything else ("0", the default) the flat loop
