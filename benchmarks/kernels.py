@@ -103,6 +103,18 @@ def bench_graph(fn, rep=40):
     return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
 
 
+def bench_interleaved(calls, rounds):
+    """Times each of ``calls`` (key -> function; from CUDA graphs) in turn, ``rounds`` times
+    over, and returns the lowest reading of each (key -> ms), so a slow spell of the GPU
+    does not fall on one side of a comparison only."""
+    best = {}
+    for _ in range(rounds):
+        for key, fn in calls.items():
+            t = bench_graph(fn) if not DRY else bench(fn)
+            best[key] = min(best.get(key, t), t)
+    return best
+
+
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -392,11 +404,8 @@ def run_prefill_runs(nq, kv, inv_freq, dev, kernels=("gluon", "triton"), rounds=
         for fn in calls.values():
             fn()
         sync()
-        for _ in range(rounds):
-            for (kern, what), fn in calls.items():
-                t = bench_graph(fn) if not DRY else bench(fn)
-                k = f"ms_{kern}_{what}"
-                row[k] = min(row.get(k, t), t)
+        for (kern, what), t in bench_interleaved(calls, rounds).items():
+            row[f"ms_{kern}_{what}"] = t
     except Exception as e:  # noqa: BLE001
         row["error"] = repr(e)[:300]
         traceback.print_exc()
@@ -537,11 +546,8 @@ def run_decode_choice(batch, kv, ps, inv_freq, dev, shared, loops=DECODE_LOOPS):
             calls[(name, True)]()
             sync()
             row[f"err_{name}"] = relerr(out[:c], r)
-        for rnd in range(2):
-            for key, fn in calls.items():
-                t = bench_graph(fn) if not DRY else bench(fn)
-                k = f"ms_{key[0]}_{'rope' if key[1] else 'off'}"
-                row[k] = min(row.get(k, t), t)
+        for (name, rope), t in bench_interleaved(calls, 2).items():
+            row[f"ms_{name}_{'rope' if rope else 'off'}"] = t
     except Exception as e:  # noqa: BLE001
         row["error"] = repr(e)[:300]
         traceback.print_exc()

@@ -406,6 +406,16 @@ class _LaunchSpy:
         return run
 
 
+def _short_seqs(gen, batch_n, n_chunks, nq, own):
+    """``batch_n`` sequences of ``n_chunks`` chunks of 20-50 tokens at random deltas, then
+    ``own`` tokens of their own, the last ``nq`` of them queries."""
+    seqs = []
+    for _ in range(batch_n):
+        chunks, pos = _chunks(gen, n_chunks, 0, lo=20, hi=50)
+        seqs.append((chunks + [(pos, own, 0)], nq))
+    return seqs
+
+
 @pytest.mark.parametrize("mode,dtype,rd,ps,batch_n,want", [
     ("auto", torch.float16, None, 64, 1, (3, 64)),  # 2 programs < 8 SMs (the interpreter's count): 64-key tiles
     ("auto", torch.float16, None, 64, 5, (3, 32)),  # 10 programs >= 8: 32-key tiles
@@ -424,11 +434,7 @@ def test_short_halves_choice(mode, dtype, rd, ps, batch_n, want, nq, monkeypatch
     monkeypatch.setattr(ta, "_SHORT_HALVES", mode)
     calls = []
     monkeypatch.setattr(ta, "_paged_attn_fwd", _LaunchSpy(ta._paged_attn_fwd, calls))
-    gen = random.Random(60 + batch_n)
-    seqs = []
-    for _ in range(batch_n):
-        chunks, pos = _chunks(gen, 2, 0, lo=20, hi=50)
-        seqs.append((chunks + [(pos, nq + 3, 0)], nq))
+    seqs = _short_seqs(random.Random(60 + batch_n), batch_n, 2, nq, nq + 3)
     batch = _make_batch(seqs, page_size=ps, hkv=2, group=4, d=128, rotary_dim=rd, dtype=dtype, seed=61)
     _check_attention(batch, max_seqlen_q=nq)
     if want is None:  # no run loop: the per-page decode kernel, or the key-rotating loop
@@ -518,11 +524,7 @@ def test_decode_split_count(batch_n, monkeypatch):
     key tiles a split); 8 and 16 are not (until session 11, 8-15 programs were split in two)."""
     calls = []
     monkeypatch.setattr(ta, "_paged_attn_fwd", _LaunchSpy(ta._paged_attn_fwd, calls))
-    gen = random.Random(70 + batch_n)
-    seqs = []
-    for _ in range(batch_n):
-        chunks, pos = _chunks(gen, 3, 0, lo=20, hi=50)
-        seqs.append((chunks + [(pos, 4, 0)], 1))
+    seqs = _short_seqs(random.Random(70 + batch_n), batch_n, 3, 1, 4)
     batch = _make_batch(seqs, page_size=64, hkv=2, group=4, d=128, dtype=torch.float16, seed=71)
     kv_tiles = batch["block_table"].shape[1]  # one 64-key tile a page (padding entries included)
     want_splits = min(-(-16 // (2 * batch_n)), kv_tiles // 2) if batch_n < 4 else 1
