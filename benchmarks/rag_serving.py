@@ -583,7 +583,9 @@ def main(argv=None):
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None)
     ap.add_argument("--model", default=None, help="model path (default: the embedded default model)")
     ap.add_argument("--random-8b", action="store_true", help="random bf16 weights in Llama-3.1-8B shapes (GPU)")
-    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--tokenizer", default=None,
+                    help="tokenizer folder for --random-8b (default: the default model's; to carry one to a GPU "
+                         "machine: python benchmarks/engine.py --save-tokenizer DIR)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--docs", type=int, default=100)
     ap.add_argument("--doc-tokens", type=int, default=2048)
