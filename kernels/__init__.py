@@ -1,16 +1,15 @@
 """Deferred-RoPE paged attention kernels (Triton) and their plain-torch twins.
 
 Installed as ``lazyllm.kernels``. ``reference`` is the specification and the CPU path.
-``triton_attention`` holds the Triton kernels; it is imported on first use (through
-``get_backend("triton")``, ``triton_kernels()`` or the attribute), so this package imports
-without Triton. ``triton_kernels(interpret=True)`` gives a private copy run in Triton's
-interpreter, which the engine's Triton backend uses on CPU.
-``gluon_prefill`` holds a warp-specialized prefill for Hopper GPUs, written in Gluon;
-``paged_attention_triton`` sends prefill there on Hopper when the caller passes
-``padding_finite=True`` (the engine does), and imports it only then.
+The Triton kernels live in the subpackage ``triton`` and are imported on first use
+(``triton_kernels()`` or the attribute), so this package imports without Triton.
+``triton_kernels(interpret=True)`` gives a private copy of that subpackage run in Triton's
+interpreter, which the engine's Triton backend uses on CPU. ``KernelOptions`` holds the
+launch choices that are not the engine's (loops, configurations, splits, the Gluon switch).
 """
 import threading
 
+from .options import KernelOptions  # noqa: F401
 from .reference import (  # noqa: F401
     apply_rope,
     paged_attention_ref,
@@ -20,70 +19,102 @@ from .reference import (  # noqa: F401
     write_kv_ref,
 )
 
-_TRITON_NAMES = ("paged_attention_triton", "rerotate_copy_triton", "write_kv_triton", "rope_table")
-_INTERPRETED = None  # the private interpreted copy of triton_attention, once loaded
-_INTERPRETED_LOCK = threading.Lock()
+_TRITON_NAMES = ("paged_attention_triton", "rerotate_copy_triton", "write_kv_triton", "rope_table", "delta_runs")
+_TRITON_PACKAGE = "triton"  # the subpackage of the Triton kernels
+_INTERPRETED = None  # the private interpreted copy of the subpackage, once loaded
+_COPIES = [0]  # private copies loaded so far (each gets its own module name)
+_LOCK = threading.RLock()
 
 
-def load_private_copy(filename: str, interpret: bool):
-    """A private copy of one of this package's Triton kernel files (``"triton_attention.py"``,
-    ``"fused.py"``), its kernels compiled or run in Triton's interpreter. Triton picks the
-    interpreter when a kernel is *defined*, so the copy is loaded with ``TRITON_INTERPRET``
-    set (or unset) for that import only: the result does not depend on what was imported
-    before, and the package's own modules are untouched."""
-    import importlib.util
-    import os
+class _TritonInterpret:
+    """``TRITON_INTERPRET`` set (``interpret``) or unset while a copy imports: Triton picks
+    the interpreter when a kernel is *defined*."""
 
-    stem = os.path.splitext(os.path.basename(filename))[0]
-    name = f"{__name__}._{stem}_{'interpreted' if interpret else 'compiled'}"
-    old = os.environ.get("TRITON_INTERPRET")
-    if interpret:
-        os.environ["TRITON_INTERPRET"] = "1"
-    else:
-        os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), filename))
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        if old is None:
+    def __init__(self, interpret: bool):
+        self.interpret = interpret
+
+    def __enter__(self):
+        import os
+
+        self.old = os.environ.get("TRITON_INTERPRET")
+        if self.interpret:
+            os.environ["TRITON_INTERPRET"] = "1"
+        else:
+            os.environ.pop("TRITON_INTERPRET", None)
+
+    def __exit__(self, *exc):
+        import os
+
+        if self.old is None:
             os.environ.pop("TRITON_INTERPRET", None)
         else:
-            os.environ["TRITON_INTERPRET"] = old
+            os.environ["TRITON_INTERPRET"] = self.old
+
+
+def load_private_copy(name: str, interpret: bool):
+    """A fresh private copy of this package's Triton kernels, compiled or run in Triton's
+    interpreter: ``"triton"`` (the whole kernel subpackage) or ``"fused.py"`` (one module).
+
+    The copy is imported under a private module name with ``TRITON_INTERPRET`` set (or
+    unset) for that import only; a package copy imports all its kernel modules then, and
+    its relative imports resolve inside the copy. So the result does not depend on what was
+    imported before, never shares a module with the package's own (compiled) kernels, and
+    leaves those untouched."""
+    import importlib.util
+    import os
+    import sys
+
+    here = os.path.dirname(__file__)
+    stem = os.path.splitext(os.path.basename(name))[0]
+    with _LOCK:
+        _COPIES[0] += 1
+        priv = f"{__name__}._{stem}_{'interpreted' if interpret else 'compiled'}_{_COPIES[0]}"
+        path = os.path.join(here, name)
+        if os.path.isdir(path):
+            spec = importlib.util.spec_from_file_location(priv, os.path.join(path, "__init__.py"),
+                                                          submodule_search_locations=[path])
+        else:
+            spec = importlib.util.spec_from_file_location(priv, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[priv] = mod  # the copy's relative imports find their package here
+        with _TritonInterpret(interpret):
+            try:
+                spec.loader.exec_module(mod)
+            except BaseException:
+                for key in [k for k in sys.modules if k == priv or k.startswith(priv + ".")]:
+                    del sys.modules[key]
+                raise
     return mod
 
 
 def triton_kernels(interpret: bool = False):
-    """The Triton kernel module (imports Triton; ``ImportError`` where it is missing).
+    """The Triton kernels (imports Triton; ``ImportError`` where it is missing), as a module
+    exposing ``paged_attention_triton``, ``rerotate_copy_triton``, ``write_kv_triton``,
+    ``rope_table`` and ``delta_runs``.
 
-    ``interpret=False``: the package's ``triton_attention`` (compiled kernels, for CUDA).
-    ``interpret=True``: one private copy of the same file whose kernels run in Triton's
-    interpreter (for CPU; ``load_private_copy``), loaded once: either module is right
+    ``interpret=False``: the package's ``lazyllm.kernels.triton`` (compiled kernels, for
+    CUDA). ``interpret=True``: one private copy of the same subpackage whose kernels run in
+    Triton's interpreter (for CPU; ``load_private_copy``), loaded once: either is right
     whatever was imported before, and neither changes the other."""
-    if not interpret:
-        import importlib
-
-        return importlib.import_module(".triton_attention", __name__)
     global _INTERPRETED
-    with _INTERPRETED_LOCK:
+    import importlib
+    import sys
+
+    with _LOCK:
+        if not interpret:
+            full = f"{__name__}.{_TRITON_PACKAGE}"
+            if full in sys.modules:
+                return sys.modules[full]
+            with _TritonInterpret(False):
+                return importlib.import_module(full)
         if _INTERPRETED is None:
-            _INTERPRETED = load_private_copy("triton_attention.py", interpret=True)
+            _INTERPRETED = load_private_copy(_TRITON_PACKAGE, interpret=True)
         return _INTERPRETED
 
 
-def get_backend(name: str = "torch"):
-    """``(paged_attention, rerotate_copy, write_kv)`` of backend ``"torch"`` (the reference)
-    or ``"triton"`` (imports Triton; raises ``ImportError`` where it is missing)."""
-    if name == "torch":
-        return paged_attention_ref, rerotate_copy_ref, write_kv_ref
-    if name == "triton":
-        ta = triton_kernels()
-        return ta.paged_attention_triton, ta.rerotate_copy_triton, ta.write_kv_triton
-    raise ValueError(f"unknown kernel backend {name!r}; use 'torch' or 'triton'")
-
-
 def __getattr__(name):  # lazy: `lazyllm.kernels.paged_attention_triton` imports Triton here
-    if name == "triton_attention" or name in _TRITON_NAMES:
-        ta = triton_kernels()
-        return ta if name == "triton_attention" else getattr(ta, name)
+    if name == _TRITON_PACKAGE:
+        return triton_kernels()
+    if name in _TRITON_NAMES:
+        return getattr(triton_kernels(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """Warp-specialized deferred-RoPE paged prefill for Hopper, in Gluon.
 
 The same function as ``reference.paged_attention_ref`` for prefill (and as
-``triton_attention.paged_attention_triton`` with ``qrot=3``), written with Gluon
+``paged_attention_triton`` with ``KernelOptions(loop="halves")``), written with Gluon
 (``triton.experimental.gluon``) so that the query rotation leaves the warps that issue the
 tensor-core work. ``paged_attention_triton`` sends prefill here on Hopper when the caller
 vouches that the pages hold finite values (``padding_finite=True``, as the engine does) and
@@ -18,14 +18,12 @@ that talk through mbarriers:
 * **loader** (1 warp): K and V pages by TMA (tensor descriptors over the caches viewed as
   ``(num_pages * page_size, num_kv_heads * head_dim)``) into a ring of ``stages`` stages.
 * **rotator** (4 warps): for each run, ``R(-delta) q`` into one of two query slots, on
-  pairs of 16-bit values with cos/sin computed from the delta, by ``triton_attention``'s own
-  helpers (``_fma2``, ``_mul2``, ``_cos_sin_of``), so it rounds as that kernel does; and the
+  pairs of 16-bit values with cos/sin computed from the delta, by the Triton kernels' own
+  helpers (``_common._fma2``, ``_mul2``, ``_cos_sin_of``), so it rounds as they do; and the
   run's end into ``rend[slot]``.
 
-In ``triton_attention`` the run start sits on the MMA warps' path and costs 3-5% against
-the same binary with a single run (BENCHMARKS.md); here it is another partition's work.
-Measured on an H200 (BENCHMARKS.md, "Kernels (issue 3)", session 9): see there for the
-figures against the Triton prefill and SDPA (flash).
+In the Triton rotary-halves loop the run start sits on the MMA warps' path; here it is
+another partition's work.
 
 Limits: compiled Hopper kernels only (Gluon has no interpreter), head_dim 128, fully
 rotary, 16-bit caches, pages of a multiple of 64 tokens, one key split. TMA reads whole
@@ -50,9 +48,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # the rotation's arithmetic is the Triton kernels' own (Gluon kernels call @triton.jit
-# helpers), so both round alike; the engine's CPU backend uses its own interpreted copy of
-# triton_attention (lazyllm.kernels.triton_kernels), so importing the compiled one here is safe
-from .triton_attention import _cos_sin_of, _fma2, _mul2, delta_runs
+# helpers), so both round alike
+from ._common import _cos_sin_of, _fma2, _mul2
+from .rope import delta_runs
 
 __all__ = ["paged_prefill_gluon"]
 
@@ -241,7 +239,7 @@ def _paged_prefill_ws(Q, QPos, CuQ, kd, vd, BT, BPos, BLen, Runs, Delta, InvFreq
         Runs_row = Runs + b.to(gl.int64) * max_blocks
         Delta_row = Delta + b.to(gl.int64) * stride_bdb
         # one scan of the table row: tiles before t_lo are seen in full by every row, none
-        # from t_hi on is seen at all (as triton_attention._scan_bounds)
+        # from t_hi on is seen at all (as the Triton prefill's scan)
         l1: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
         rr = row0 + gl.arange(0, BLOCK_M, layout=l1)
         rok = rr < n_rows
@@ -349,7 +347,7 @@ def paged_prefill_gluon(
     config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Deferred-RoPE paged prefill, warp-specialized (Gluon, Hopper); the arguments and
-    result of ``triton_attention.paged_attention_triton`` (see there and the module
+    result of ``paged_attention_triton`` (see there and the module
     docstring), with these differences:
 
     padding_finite : must be ``True``: the caller vouches that every slot of every page

@@ -1,0 +1,74 @@
+"""``KernelOptions``: the launch choices of the Triton attention kernels that are not part of
+the engine's call (loop, launch configuration, split count, the Gluon prefill switch).
+
+Plain Python (no Triton import), so ``lazyllm.kernels`` exports it without importing Triton.
+The defaults are what the engine runs; every other value is for benchmarks and tests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional, Tuple, Union
+
+__all__ = ["KernelOptions", "LOOPS"]
+
+# The key-tile loops of the prefill kernel (``prefill._paged_attn_fwd``), by the value of its
+# ``QROT`` constexpr: rotate every key tile, or rotate the query once per run of equal deltas
+# (a loop per run, one flat loop, one loop on the query's rotary halves).
+LOOPS = {"per_tile": 0, "per_run": 1, "flat_runs": 2, "halves": 3}
+_SHORT_HALVES = ("off", "auto", 64, 32)
+
+Loop = Literal["per_tile", "per_run", "flat_runs", "halves"]
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Launch choices of ``paged_attention_triton`` beyond the engine's arguments.
+
+    Parameters
+    ----------
+    loop : the prefill kernel's key-tile loop, ``None`` (default) to choose by shape:
+        ``"per_tile"`` rotates every key tile (any page size); the query-rotating loops
+        need ``page_size >= BLOCK_N`` (a key tile in one page): ``"per_run"`` an outer loop
+        per run of equal deltas, ``"flat_runs"`` the same as one flat loop, ``"halves"`` one
+        loop on the query's two rotary halves (fully rotary heads). ``"per_run"`` becomes
+        ``"flat_runs"`` on the short path (at most 64 query rows per KV head).
+    short_halves : the short path (decode, at most 64 query rows per KV head) for head_dim
+        128 in 16-bit with a fully rotary head: ``"off"`` (default) the flat float32 loop;
+        ``"auto"`` the rotary-halves loop with 64-key tiles below one program per SM and
+        32-key tiles from there; ``64`` or ``32`` that loop with that key tile.
+    gluon_prefill : let prefill on Hopper run the warp-specialized Gluon kernel where it
+        fits and is the faster (needs ``padding_finite``); ``False`` keeps the Triton one.
+    prefill_kernel : ``"triton"`` or ``"gluon"`` forces that prefill kernel (``"gluon"``
+        needs ``padding_finite`` and raises where it cannot serve the call).
+    num_splits : key-range splits per sequence (flash-decoding); default by occupancy.
+    config : ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``; ``BLOCK_M <= 0`` derives the
+        row tile from the query count (the decode kernel ignores it).
+    cs_per_page : the key-rotating loop loads the cos/sin table once per page and
+        broadcasts it over the page's slots (``True``) or gathers it per slot.
+    prefetch : load the next key tile's cos/sin during this one.
+    coef_from_delta : the run loops compute each run's cos/sin from its delta and
+        ``inv_freq`` instead of loading two table rows; ``None``: compiled kernels yes, the
+        interpreter no.
+    coef_lookahead : with ``coef_from_delta``, load the next run's delta and end a run ahead.
+    """
+
+    loop: Optional[Loop] = None
+    short_halves: Union[str, int] = "off"
+    gluon_prefill: bool = True
+    prefill_kernel: Optional[Literal["triton", "gluon"]] = None
+    num_splits: Optional[int] = None
+    config: Optional[Tuple[int, int, int, int]] = None
+    cs_per_page: bool = True
+    prefetch: bool = True
+    coef_from_delta: Optional[bool] = None
+    coef_lookahead: bool = True
+
+    def __post_init__(self):
+        if self.loop is not None and self.loop not in LOOPS:
+            raise ValueError(f"loop must be None or one of {tuple(LOOPS)}, got {self.loop!r}")
+        if self.short_halves not in _SHORT_HALVES:
+            raise ValueError(f"short_halves must be one of {_SHORT_HALVES}, got {self.short_halves!r}")
+        if self.prefill_kernel not in (None, "triton", "gluon"):
+            raise ValueError(f"prefill_kernel must be None, 'triton' or 'gluon', got {self.prefill_kernel!r}")
+        if self.config is not None:
+            object.__setattr__(self, "config", tuple(self.config))
