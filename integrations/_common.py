@@ -24,6 +24,7 @@ into this text: they always travel as chunks, whichever message carried them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 from lazyllm import Chunk, GenerationOutput, InvalidRequestError, LazyLLM
@@ -53,6 +54,24 @@ def fold_history(question: str, history: list[tuple[str, str]]) -> str:
     return f"{question.strip()}\n\n{HISTORY_HEADER}\n" + "\n".join(lines)
 
 
+def request_from_messages(messages: Iterable[tuple[str, str, list[Chunk]]], system_parts: list[str] | None = None,
+                          user: str = "user") -> RagRequest:
+    """The request a chat transcript asks, each message given as ``(role, text, chunks)``
+    (the framework adapters read their own message types into that): every message's
+    chunks, in order; ``system`` messages' text after ``system_parts``; the other messages
+    with text as turns (``request_from_turns``). ``user`` names the user role in errors."""
+    system_parts = list(system_parts or [])
+    chunks: list[Chunk] = []
+    turns: list[tuple[str, str]] = []
+    for role, text, docs in messages:
+        chunks.extend(docs)
+        if role == "system":
+            system_parts.append(text)
+        elif text.strip():
+            turns.append((role, text))
+    return request_from_turns(turns, chunks, system_parts, user=user)
+
+
 def request_from_turns(turns: list[tuple[str, str]], chunks: list[Chunk], system_parts: list[str],
                        user: str = "user") -> RagRequest:
     """The request a chat transcript asks: the last ``user`` turn is the question, the
@@ -79,6 +98,21 @@ def sampling_kwargs(**kw: Any) -> dict[str, Any]:
     return {k: v for k, v in kw.items() if k in SAMPLING_KEYS and v is not None}
 
 
+def call_sampling(defaults: dict[str, Any], options: dict[str, Any], owner: str) -> dict[str, Any]:
+    """The sampling options of one call: the model's ``defaults`` (a value for each of
+    ``SAMPLING_KEYS``) overridden by the per-call ``options``. ``max_tokens`` (the
+    LangChain and OpenAI name) stands for ``max_new_tokens`` and wins over it; any other
+    option raises ``InvalidRequestError`` naming ``owner``, rather than being ignored.
+    Values are kept as given (``None`` included): the adapters differ there."""
+    opts = dict(options)
+    if "max_tokens" in opts:
+        opts["max_new_tokens"] = opts.pop("max_tokens")
+    unknown = set(opts) - set(SAMPLING_KEYS)
+    if unknown:
+        raise InvalidRequestError(f"unsupported options for {owner}: {sorted(unknown)}")
+    return {**defaults, **opts}
+
+
 def hf_generate_kwargs(kw: dict[str, Any] | None) -> dict[str, Any]:
     """Map transformers-style generation options (``pipeline_kwargs`` of
     ``HuggingFacePipeline``, ``generate_kwargs`` of ``HuggingFaceLLM``) to ours, so that
@@ -92,7 +126,7 @@ def hf_generate_kwargs(kw: dict[str, Any] | None) -> dict[str, Any]:
         if k in kw:
             out[k] = kw.pop(k)
     if "stop_strings" in kw:
-        out["stop"] = kw.pop("stop_strings")
+        out["stop"] = list(kw.pop("stop_strings"))
     kw.pop("return_full_text", None)  # we never echo the prompt
     if kw:
         raise InvalidRequestError(f"unsupported generation options for lazyllm: {sorted(kw)}")
@@ -103,13 +137,32 @@ def hf_generate_kwargs(kw: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def device_from_hf(device: Any) -> str | None:
-    """transformers pipelines take ``device=-1`` for CPU and ``device=0`` for cuda:0."""
+def device_from_hf(device: Any, device_map: Any = None) -> str | None:
+    """transformers pipelines take ``device=-1`` for CPU and ``device=0`` for cuda:0;
+    a ``device_map`` string (``"cuda"``, ``"cpu"``) counts when ``device`` is not given,
+    a dict one (a multi-device placement) does not."""
     if device is None:
-        return None
-    if isinstance(device, int):
-        return "cpu" if device < 0 else f"cuda:{device}"
-    return str(device)
+        dev = None
+    elif isinstance(device, int):
+        dev = "cpu" if device < 0 else f"cuda:{device}"
+    else:
+        dev = str(device)
+    return dev or (device_map if isinstance(device_map, str) else None)
+
+
+def engine_kwargs_from_hf(model_kwargs: dict[str, Any] | None,
+                          engine_kwargs: dict[str, Any] | None = None) -> tuple[dict[str, Any], Any]:
+    """``(LazyLLM keyword arguments, dtype)`` from transformers' ``model_kwargs``
+    (``trust_remote_code``, ``dtype``/``torch_dtype``) added to ``engine_kwargs``; any
+    other model option raises, rather than being silently ignored."""
+    ek = dict(engine_kwargs or {})
+    mk = dict(model_kwargs or {})
+    if "trust_remote_code" in mk:
+        ek["trust_remote_code"] = mk.pop("trust_remote_code")
+    dtype = mk.pop("dtype", mk.pop("torch_dtype", None))
+    if mk:
+        raise InvalidRequestError(f"unsupported model_kwargs for lazyllm: {sorted(mk)}")
+    return ek, dtype
 
 
 # -- the engine ----------------------------------------------------------------------

@@ -86,10 +86,12 @@ from ._common import (
     GenerationStream,
     RagRequest,
     build_engine,
+    call_sampling,
     device_from_hf,
+    engine_kwargs_from_hf,
     hf_generate_kwargs,
     join_system,
-    request_from_turns,
+    request_from_messages,
     usage_dict,
 )
 
@@ -207,29 +209,22 @@ def messages_to_request(messages: Sequence[BaseMessage]) -> RagRequest:
     - reasoning and tool-call blocks of assistant messages are left out; any other
       block type (images, audio, files) is refused.
     """
-    system_parts: list[str] = []
-    chunks: list[Chunk] = []
-    turns: list[tuple[str, str]] = []
-    for m in messages:
-        role = _role(m)
-        texts = []
-        for b in _blocks(m):
-            kind = b.get("type") if isinstance(b, dict) else None
-            if kind == "text":
-                texts.append(b.get("text") or "")
-            elif kind == "text-plain":
-                chunks.append(block_to_chunk(b))
-            elif kind in _SKIPPED_BLOCKS:
-                continue
-            else:
-                raise InvalidRequestError(
-                    f"lazyllm takes text and text-plain (document) content blocks; got {kind or type(b).__name__!r}")
-        text = "".join(texts)
-        if role == "system":
-            system_parts.append(text)
-        elif text.strip():
-            turns.append((role, text))
-    return request_from_turns(turns, chunks, system_parts, user="human")
+    return request_from_messages(map(_message_parts, messages), user="human")
+
+
+def _message_parts(m: BaseMessage) -> tuple[str, str, list[Chunk]]:
+    """``(role, text, chunks)`` of one message, for ``request_from_messages``."""
+    texts, chunks = [], []
+    for b in _blocks(m):
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "text":
+            texts.append(b.get("text") or "")
+        elif kind == "text-plain":
+            chunks.append(block_to_chunk(b))
+        elif kind not in _SKIPPED_BLOCKS:
+            raise InvalidRequestError(
+                f"lazyllm takes text and text-plain (document) content blocks; got {kind or type(b).__name__!r}")
+    return _role(m), "".join(texts), chunks
 
 
 # -- requests <-> tagged strings (for the string LLM) ------------------------------
@@ -289,9 +284,6 @@ def decode_prompt(prompt: str) -> RagRequest:
 
 
 # -- shared engine parameters --------------------------------------------------------
-
-_CALL_KEYS = {"max_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "timeout", "model"}
-
 
 class _EngineParams(BaseModel):
     """Fields shared by ``ChatLazyLLM`` and ``LazyLLMText``: the engine (a ``LazyLLM``,
@@ -357,23 +349,15 @@ class _EngineParams(BaseModel):
         are fields of this class (``reuse``, ``max_tokens``...)."""
         if task not in (None, "text-generation"):
             raise InvalidRequestError(f"lazyllm only does text-generation, not {task!r}")
-        engine = dict(kwargs.pop("engine_kwargs", {}) or {})
-        mk = dict(model_kwargs or {})
-        if "trust_remote_code" in mk:
-            engine["trust_remote_code"] = mk.pop("trust_remote_code")
-        dtype = mk.pop("dtype", mk.pop("torch_dtype", None))
-        if mk:
-            raise InvalidRequestError(f"unsupported model_kwargs for lazyllm: {sorted(mk)}")
+        engine, dtype = engine_kwargs_from_hf(model_kwargs, kwargs.pop("engine_kwargs", {}))
         if dtype is not None:
             kwargs.setdefault("dtype", dtype)
-        dev = device_from_hf(device) or (device_map if isinstance(device_map, str) else None)
+        dev = device_from_hf(device, device_map)
         if dev is not None:
             kwargs.setdefault("device", dev)
         gen = hf_generate_kwargs(pipeline_kwargs)
         if "max_new_tokens" in gen:
             kwargs.setdefault("max_tokens", gen.pop("max_new_tokens"))
-        if "stop" in gen:
-            kwargs.setdefault("stop", list(gen.pop("stop")))
         for k, v in gen.items():
             kwargs.setdefault(k, v)
         return cls(model_name_or_path=model_id, engine_kwargs=engine, **kwargs)
@@ -390,19 +374,19 @@ class _EngineParams(BaseModel):
         return params
 
     def _sampling(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
-        unknown = set(kwargs) - _CALL_KEYS
-        if unknown:
-            raise InvalidRequestError(f"unsupported options for {type(self).__name__}: {sorted(unknown)}")
-        model = kwargs.get("model")
+        # LangChain passes `stop` as its own argument (so never inside kwargs) and may
+        # pass `model`, which an in-process engine can only check.
+        options = dict(kwargs)
+        model = options.pop("model", None)
+        if stop is not None:
+            options["stop"] = stop
+        defaults = dict(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                        top_k=self.top_k, seed=self.seed, stop=self.stop, timeout=self.timeout)
+        out = call_sampling(defaults, options, type(self).__name__)
         if model is not None and model != self.model_name:
             raise InvalidRequestError(
                 f"this model serves {self.model_name!r} in process; it cannot switch to {model!r}")
-        max_new = kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_tokens))
-        stop = stop if stop is not None else self.stop
-        out = dict(max_new_tokens=max_new, temperature=kwargs.get("temperature", self.temperature),
-                   top_p=kwargs.get("top_p", self.top_p), top_k=kwargs.get("top_k", self.top_k),
-                   seed=kwargs.get("seed", self.seed), timeout=kwargs.get("timeout", self.timeout),
-                   stop=list(stop) if stop else None)
+        out["stop"] = list(out["stop"]) if out["stop"] else None
         return out
 
     def _engine_params(self) -> dict[str, Any]:

@@ -70,10 +70,12 @@ from ._common import (
     GenerationStream,
     RagRequest,
     build_engine,
+    call_sampling,
     device_from_hf,
+    engine_kwargs_from_hf,
     hf_generate_kwargs,
     join_system,
-    request_from_turns,
+    request_from_messages,
     sampling_kwargs,
     usage_dict,
 )
@@ -106,28 +108,22 @@ def chat_to_request(messages: Sequence[ChatMessage], system_prompt: str | None =
     developer messages (after ``system_prompt``) form ``system``; text ``DocumentBlock``s
     become chunks; the last user message with text is the question; other turns are
     folded into the question text."""
-    system_parts = [system_prompt] if system_prompt else []
-    chunks: list[Chunk] = []
-    turns: list[tuple[str, str]] = []
-    for m in messages:
-        role = _ROLES.get(m.role, str(m.role.value if hasattr(m.role, "value") else m.role))
-        texts = []
-        for b in m.blocks:
-            if isinstance(b, TextBlock):
-                texts.append(b.text)
-            elif isinstance(b, DocumentBlock):
-                chunks.append(_document_block_chunk(b))
-            elif role == "assistant" and getattr(b, "block_type", None) in ("thinking", "tool_call"):
-                continue
-            else:
-                raise InvalidRequestError(
-                    f"lazyllm takes text and text document blocks; got {getattr(b, 'block_type', type(b).__name__)!r}")
-        text = "\n".join(texts)
-        if role == "system":
-            system_parts.append(text)
-        elif text.strip():
-            turns.append((role, text))
-    return request_from_turns(turns, chunks, system_parts)
+    return request_from_messages(map(_message_parts, messages), [system_prompt] if system_prompt else [])
+
+
+def _message_parts(m: ChatMessage) -> tuple[str, str, list[Chunk]]:
+    """``(role, text, chunks)`` of one message, for ``request_from_messages``."""
+    role = _ROLES.get(m.role, str(m.role.value if hasattr(m.role, "value") else m.role))
+    texts, chunks = [], []
+    for b in m.blocks:
+        if isinstance(b, TextBlock):
+            texts.append(b.text)
+        elif isinstance(b, DocumentBlock):
+            chunks.append(_document_block_chunk(b))
+        elif not (role == "assistant" and getattr(b, "block_type", None) in ("thinking", "tool_call")):
+            raise InvalidRequestError(
+                f"lazyllm takes text and text document blocks; got {getattr(b, 'block_type', type(b).__name__)!r}")
+    return role, "\n".join(texts), chunks
 
 
 class LlamaIndexLLM(CustomLLM):
@@ -165,24 +161,14 @@ class LlamaIndexLLM(CustomLLM):
                  model_kwargs: dict | None = None, tokenizer_name: str | None = None,
                  reuse: str = "lazy", chunk_context: str = "isolated", engine_kwargs: dict | None = None,
                  **kwargs: Any):
-        gen = hf_generate_kwargs(generate_kwargs)
-        if "stop" in gen:
-            kwargs.setdefault("stop", list(gen.pop("stop")))
-        for k, v in gen.items():
+        for k, v in hf_generate_kwargs(generate_kwargs).items():
             kwargs.setdefault(k, v)
         if tokenizer_name not in (None, model_name):
             raise InvalidRequestError("lazyllm uses the model's own tokenizer; tokenizer_name must match model_name")
         if llm is None:
-            ek = dict(engine_kwargs or {})
-            mk = dict(model_kwargs or {})
-            if "trust_remote_code" in mk:
-                ek["trust_remote_code"] = mk.pop("trust_remote_code")
-            dtype = mk.pop("dtype", mk.pop("torch_dtype", None))
-            if mk:
-                raise InvalidRequestError(f"unsupported model_kwargs for lazyllm: {sorted(mk)}")
-            dev = device_from_hf(device) or (device_map if isinstance(device_map, str) else None)
+            ek, dtype = engine_kwargs_from_hf(model_kwargs, engine_kwargs)
             llm = build_engine(model_name or None, reuse=reuse, chunk_context=chunk_context,
-                          device=dev or "auto", dtype=dtype, **ek)
+                               device=device_from_hf(device, device_map) or "auto", dtype=dtype, **ek)
         elif model_name not in (None, "", llm.model_name):
             raise InvalidRequestError("give either llm= or model_name=, not both")
         kwargs.setdefault("context_window", llm.model.spec.max_context)
@@ -207,16 +193,9 @@ class LlamaIndexLLM(CustomLLM):
 
     # -- helpers -------------------------------------------------------------------
     def _sampling(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        kw = dict(kwargs)
-        if "max_tokens" in kw:
-            kw["max_new_tokens"] = kw.pop("max_tokens")
-        unknown = set(kw) - {"max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "timeout"}
-        if unknown:
-            raise InvalidRequestError(f"unsupported options for LlamaIndexLLM: {sorted(unknown)}")
-        base = dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                    top_k=self.top_k, seed=self.seed, stop=self.stop, timeout=self.timeout)
-        base.update(kw)
-        return sampling_kwargs(**base)
+        defaults = dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                        top_k=self.top_k, seed=self.seed, stop=self.stop, timeout=self.timeout)
+        return sampling_kwargs(**call_sampling(defaults, kwargs, type(self).__name__))
 
     def _completion_request(self, prompt: str, formatted: bool, kwargs: dict) -> tuple[RagRequest, dict]:
         chunks = list(kwargs.pop("chunks", None) or [])
