@@ -56,15 +56,32 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 try:  # the installed package, else the source tree
+    from lazyllm.kernels import KernelOptions, triton_kernels
     from lazyllm.kernels import reference as ref
-    from lazyllm.kernels import triton_attention as ta
 except ImportError:
     sys.path.insert(0, str(ROOT))
+    from kernels import KernelOptions, triton_kernels  # type: ignore
     from kernels import reference as ref  # type: ignore
-    from kernels import triton_attention as ta  # type: ignore
+
+ta = triton_kernels(interpret=DRY)
 
 import triton
 import triton.testing
+
+# the prefill kernel's QROT values, as this script names loops, to KernelOptions.loop
+_LOOP_NAMES = {0: "per_tile", 1: "per_run", 2: "flat_runs", 3: "halves"}
+_OPTION_FIELDS = set(KernelOptions.__dataclass_fields__)
+
+
+def attention(**kw):
+    """``paged_attention_triton`` with this script's launch choices (``config``,
+    ``num_splits``, ``qrot`` as the kernel's ``QROT`` 0-3 or a bool, ``prefill_kernel``, ...)
+    passed as ``KernelOptions``."""
+    if "qrot" in kw:
+        qrot = kw.pop("qrot")
+        kw["loop"] = None if qrot is None else _LOOP_NAMES[int(qrot)]
+    opts = {k: kw.pop(k) for k in list(kw) if k in _OPTION_FIELDS}
+    return ta.paged_attention_triton(**kw, options=KernelOptions(**opts))
 
 HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -314,7 +331,7 @@ _GLUON_CALLS = [0]
 def _count_gluon_calls():
     """Counts launches of the Gluon prefill (to report which kernel served a call)."""
     try:
-        from lazyllm.kernels import gluon_prefill as gp
+        from lazyllm.kernels.triton import gluon_prefill as gp
     except Exception:  # noqa: BLE001  (no Gluon in this triton)
         return
     real = gp.paged_prefill_gluon
@@ -354,33 +371,33 @@ def run_prefill(nq, kv, ps, inv_freq, dev, configs=None, splits=(None,), sdpa=Tr
             try:
                 out.fill_(float("nan"))
                 n0 = _GLUON_CALLS[0]
-                ta.paged_attention_triton(**a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, **kw)
+                attention(**a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, **kw)
                 sync()
                 row["kernel"] = "gluon" if _GLUON_CALLS[0] > n0 else "triton"
                 row["nan"] = bool(torch.isnan(out).any())
                 row["err_ref"], row["err_sdpa"] = check_prefill(pg, qs, q, q_pos, cu, out, s_out)
-                row["ms_rope"] = bench(lambda: ta.paged_attention_triton(
+                row["ms_rope"] = bench(lambda: attention(
                     **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, **kw))
-                row["ms_norope"] = bench(lambda: ta.paged_attention_triton(
+                row["ms_norope"] = bench(lambda: attention(
                     **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, use_rope=False, **kw))
                 rt = ta.rope_table(pg.block_delta, inv_freq)
-                row["ms_rope_pretable"] = bench(lambda: ta.paged_attention_triton(
+                row["ms_rope_pretable"] = bench(lambda: attention(
                     **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, rope=rt, **kw))
                 if row["kernel"] == "gluon":
                     tk = dict(kw, prefill_kernel="triton")
-                    row["ms_triton_pretable"] = bench(lambda: ta.paged_attention_triton(
+                    row["ms_triton_pretable"] = bench(lambda: attention(
                         **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, rope=rt, **tk))
-                    row["ms_triton_norope"] = bench(lambda: ta.paged_attention_triton(
+                    row["ms_triton_norope"] = bench(lambda: attention(
                         **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, use_rope=False, **tk))
                 if graphs and not DRY:
-                    row["ms_rope_graph"] = bench_graph(lambda: ta.paged_attention_triton(
+                    row["ms_rope_graph"] = bench_graph(lambda: attention(
                         **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, rope=rt, **kw))
-                    row["ms_norope_graph"] = bench_graph(lambda: ta.paged_attention_triton(
+                    row["ms_norope_graph"] = bench_graph(lambda: attention(
                         **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, use_rope=False, **kw))
                     # again, interleaved: the two readings of each side bound the noise
-                    row["ms_rope_graph2"] = bench_graph(lambda: ta.paged_attention_triton(
+                    row["ms_rope_graph2"] = bench_graph(lambda: attention(
                         **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, rope=rt, **kw))
-                    row["ms_norope_graph2"] = bench_graph(lambda: ta.paged_attention_triton(
+                    row["ms_norope_graph2"] = bench_graph(lambda: attention(
                         **a, out=out, max_seqlen_q=nq, config=cfg, num_splits=sp, use_rope=False, **kw))
                     if sdpa:
                         row["ms_sdpa_graph"] = bench_graph(lambda: sdpa_flash(qs, pg.k_sdpa, pg.v_sdpa, True))
@@ -414,9 +431,9 @@ def run_prefill_runs(nq, kv, inv_freq, dev, kernels=("gluon", "triton"), rounds=
     calls = {}
     for kern in kernels:
         kw = dict(out=out, max_seqlen_q=nq, padding_finite=True, prefill_kernel=kern)
-        calls[(kern, "real")] = (lambda kw=kw: ta.paged_attention_triton(**a, rope=rt, **kw))
-        calls[(kern, "one_run")] = (lambda kw=kw: ta.paged_attention_triton(**a0, rope=rt0, **kw))
-        calls[(kern, "off")] = (lambda kw=kw: ta.paged_attention_triton(**a, use_rope=False, **kw))
+        calls[(kern, "real")] = (lambda kw=kw: attention(**a, rope=rt, **kw))
+        calls[(kern, "one_run")] = (lambda kw=kw: attention(**a0, rope=rt0, **kw))
+        calls[(kern, "off")] = (lambda kw=kw: attention(**a, use_rope=False, **kw))
     try:
         for fn in calls.values():
             fn()
@@ -449,15 +466,15 @@ def run_prefill_diag(nq, kv, inv_freq, dev, qrot, cfg):
     kw = dict(out=out, max_seqlen_q=nq, config=cfg, qrot=qrot)
     row = dict(kind="prefill_diag", q=nq, kv=kv, qrot=qrot, config=cfg, flops=flops)
     try:
-        ta.paged_attention_triton(**a, **kw)
+        attention(**a, **kw)
         sync()
         s_out = sdpa_flash(qs, pg.k_sdpa, pg.v_sdpa, True)
         row["err_ref"], row["err_sdpa"] = check_prefill(pg, qs, q, q_pos, cu, out, s_out)
         rt = ta.rope_table(pg.block_delta, inv_freq)
         rt0 = ta.rope_table(torch.zeros_like(pg.block_delta), inv_freq)
-        row["ms_rope"] = bench(lambda: ta.paged_attention_triton(**a, rope=rt, **kw))
-        row["ms_rope_one_run"] = bench(lambda: ta.paged_attention_triton(**a, rope=rt0, **kw))
-        row["ms_norope"] = bench(lambda: ta.paged_attention_triton(**a, use_rope=False, **kw))
+        row["ms_rope"] = bench(lambda: attention(**a, rope=rt, **kw))
+        row["ms_rope_one_run"] = bench(lambda: attention(**a, rope=rt0, **kw))
+        row["ms_norope"] = bench(lambda: attention(**a, use_rope=False, **kw))
         row["ms_sdpa"] = bench(lambda: sdpa_flash(qs, pg.k_sdpa, pg.v_sdpa, True))
         row["runs"] = int((pg.block_delta[:, 1:] != pg.block_delta[:, :-1]).sum()) + 1
         log(f"diag q={nq} kv={kv} qrot={qrot} cfg={cfg} | rope {row['ms_rope']:.4f} one-run {row['ms_rope_one_run']:.4f} "
@@ -489,25 +506,25 @@ def run_decode(batch, kv, ps, inv_freq, dev, configs=None, splits=(None,), sdpa=
             kw = dict(extra or {})
             try:
                 out.fill_(float("nan"))
-                ta.paged_attention_triton(**a, out=out, max_seqlen_q=1, config=cfg, num_splits=sp, **kw)
+                attention(**a, out=out, max_seqlen_q=1, config=cfg, num_splits=sp, **kw)
                 sync()
                 row["nan"] = bool(torch.isnan(out).any())
                 row["err_ref"] = relerr(out[:c], r)
                 if s_out is not None:
                     row["err_sdpa"] = relerr(out, s_out)
-                row["ms_rope"] = bench(lambda: ta.paged_attention_triton(
+                row["ms_rope"] = bench(lambda: attention(
                     **a, out=out, max_seqlen_q=1, config=cfg, num_splits=sp, **kw))
-                row["ms_norope"] = bench(lambda: ta.paged_attention_triton(
+                row["ms_norope"] = bench(lambda: attention(
                     **a, out=out, max_seqlen_q=1, config=cfg, num_splits=sp, use_rope=False, **kw))
                 rt = ta.rope_table(pg.block_delta, inv_freq)
-                row["ms_rope_pretable"] = bench(lambda: ta.paged_attention_triton(
+                row["ms_rope_pretable"] = bench(lambda: attention(
                     **a, out=out, max_seqlen_q=1, config=cfg, num_splits=sp, rope=rt, **kw))
                 if graphs and not DRY:  # as the engine runs decode: one CUDA graph, no launch gaps
                     # each side twice, interleaved, the lower reading kept (as for prefill)
                     for rnd in ("", "2"):
-                        row["ms_rope_graph" + rnd] = bench_graph(lambda: ta.paged_attention_triton(
+                        row["ms_rope_graph" + rnd] = bench_graph(lambda: attention(
                             **a, out=out, max_seqlen_q=1, config=cfg, num_splits=sp, rope=rt, **kw))
-                        row["ms_norope_graph" + rnd] = bench_graph(lambda: ta.paged_attention_triton(
+                        row["ms_norope_graph" + rnd] = bench_graph(lambda: attention(
                             **a, out=out, max_seqlen_q=1, config=cfg, num_splits=sp, use_rope=False, **kw))
                     if s_ms is not None:
                         row["ms_sdpa_graph"] = bench_graph(lambda: sdpa_flash(qs, pg.k_sdpa, pg.v_sdpa, False))
@@ -541,14 +558,12 @@ def run_decode_choice(batch, kv, ps, inv_freq, dev, shared, loops=DECODE_LOOPS):
     row = dict(kind="decode_choice", batch=batch, kv=kv, page_size=ps, shared=shared,
                bytes=batch * kv * HKV * D * 2 * 2 + 2 * q.numel() * 2)
     calls = {}
-    saved = ta._SHORT_HALVES
-    ta._SHORT_HALVES = "0"  # the flat loop for qrot=None, whatever the environment says
     try:
         for name, qrot, cfg in loops:
             for rope in (True, False):
                 kw = dict(a, out=out, max_seqlen_q=1, config=cfg, qrot=qrot, padding_finite=True)
                 kw.update(rope=rt) if rope else kw.update(use_rope=False)
-                calls[(name, rope)] = (lambda kw=kw: ta.paged_attention_triton(**kw))
+                calls[(name, rope)] = (lambda kw=kw: attention(**kw))
             out.fill_(float("nan"))
             calls[(name, True)]()
             sync()
@@ -558,8 +573,6 @@ def run_decode_choice(batch, kv, ps, inv_freq, dev, shared, loops=DECODE_LOOPS):
     except Exception as e:  # noqa: BLE001
         row["error"] = repr(e)[:300]
         traceback.print_exc()
-    finally:
-        ta._SHORT_HALVES = saved
     if "error" not in row:
         best_off = min(row[f"ms_{n}_off"] for n, _, _ in loops)
         log(f"decode b={batch:4d} kv={kv:6d} {'shared' if shared else 'own   '} | " + " | ".join(
@@ -1010,7 +1023,7 @@ def main():
 def compiled_report():
     """Registers, spills and shared memory of every compiled attention kernel."""
     try:
-        for fn in (ta._paged_attn_fwd, ta._rerotate_copy):
+        for fn in (ta.prefill._paged_attn_fwd, ta.copy_kv._rerotate_copy):
             for c, kern in ta.compiled_kernels(fn):
                 key = {k: c.get(k) for k in ("BLOCK_M", "BLOCK_N", "USE_ROPE", "SCAN", "SPLIT_OUT", "PAGE_SIZE",
                                              "CS_PER_PAGE", "BLOCK_R", "QROT")} if c else ""

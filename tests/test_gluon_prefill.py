@@ -1,4 +1,4 @@
-"""The warp-specialized Gluon prefill (``lazyllm.kernels.gluon_prefill``) against the reference.
+"""The warp-specialized Gluon prefill (``lazyllm.kernels.triton.gluon_prefill``) against the reference.
 
 Gluon has no interpreter, so the kernel itself runs only in the tests marked ``gpu`` (on
 the H200); on CPU this checks that the module imports and refuses what it cannot serve, and
@@ -11,11 +11,12 @@ import random
 import pytest
 import torch
 
+from lazyllm.kernels import KernelOptions
 from lazyllm.kernels.reference import paged_attention_ref
 from tests.test_kernels_triton import _chunks, _LaunchSpy, _make_batch, _relerr
 from tests.test_kernels_triton import ta as ta_interp
 
-gp = pytest.importorskip("lazyllm.kernels.gluon_prefill", reason="this triton has no Gluon (triton.experimental.gluon)")
+gp = pytest.importorskip("lazyllm.kernels.triton.gluon_prefill", reason="this triton has no Gluon (triton.experimental.gluon)")
 
 
 def _batch(dtype, seed=70, page_size=64, pad_extra=2):
@@ -77,25 +78,26 @@ def test_routing_sends_prefill_only_to_gluon(monkeypatch):
     """The launcher's routing as on a Hopper GPU (its checks stubbed on CPU, no kernel run):
     a prefill with the rotary-halves loop and one key split goes to the Gluon kernel; decode
     and a few queries per sequence never do, even on the rotary-halves short path
-    (``LAZYLLM_SHORT_HALVES=auto``) with one key split (the Gluon kernel's 128-row tiles
-    would hold 4 of them: that made the engine's batch-64 decode step 36% slower)."""
+    (``KernelOptions(short_halves="auto")``) with one key split (the Gluon kernel's 128-row
+    tiles would hold 4 of them, which made the engine's decode step slower)."""
     gluon, triton_calls = [], []
     fake = type("FakeGluon", (), {"paged_prefill_gluon": staticmethod(
         lambda *a, **k: gluon.append(k.get("max_seqlen_q")) or k.get("out", a[10] if len(a) > 10 else None))})
     for name, value in (("_interpreting", lambda: False), ("_gluon_supported", lambda *a: True),
-                        ("_gluon_module", lambda: fake), ("_GLUON_MIN_KEYS", 0), ("_SHORT_HALVES", "auto"),
+                        ("_gluon_module", lambda: fake), ("_GLUON_MIN_KEYS", 0),
                         ("_num_sms", lambda device: 2), ("_paged_attn_fwd", _LaunchSpy(None, triton_calls)),
                         ("_paged_decode_fwd", _LaunchSpy(None, triton_calls)), ("_merge_splits", _LaunchSpy(None, triton_calls))):
-        monkeypatch.setattr(ta_interp, name, value)
+        monkeypatch.setattr(ta_interp.launcher, name, value)
+    opts = KernelOptions(short_halves="auto", num_splits=1)
     b, nq = _batch(torch.float16)
     last = b["cu_seqlens_q"][1:] - 1
     one = dict(b, q=b["q"][last], q_pos=b["q_pos"][last], cu_seqlens_q=torch.arange(4, dtype=torch.int32))
-    ta_interp.paged_attention_triton(**one, max_seqlen_q=1, padding_finite=True, num_splits=1)
+    ta_interp.paged_attention_triton(**one, max_seqlen_q=1, padding_finite=True, options=opts)
     assert not gluon and triton_calls[-1]["QROT"] == 3, "decode went to the Gluon prefill"
     few = dict(b, q=b["q"][:30], q_pos=b["q_pos"][:30], cu_seqlens_q=torch.tensor([0, 15, 17, 30], dtype=torch.int32))
-    ta_interp.paged_attention_triton(**few, max_seqlen_q=15, padding_finite=True, num_splits=1)
+    ta_interp.paged_attention_triton(**few, max_seqlen_q=15, padding_finite=True, options=opts)
     assert not gluon and triton_calls[-1]["QROT"] == 3, "a short prefill went to the Gluon prefill"
-    ta_interp.paged_attention_triton(**b, max_seqlen_q=nq, padding_finite=True, num_splits=1)
+    ta_interp.paged_attention_triton(**b, max_seqlen_q=nq, padding_finite=True, options=opts)
     assert gluon == [nq], "the control: a long prefill should have gone to the Gluon prefill"
 
 
@@ -111,7 +113,7 @@ _hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_d
 def test_gpu_matches_reference(dtype, config, page_size):
     """Prefill of a varlen batch with RoPE on (deltas up to ~1e5) and off, against the
     float32 reference and against the Triton kernel; every output row written."""
-    from lazyllm.kernels.triton_attention import paged_attention_triton, rope_table
+    from lazyllm.kernels.triton import paged_attention_triton, rope_table
 
     b, nq = _batch(dtype, page_size=page_size)
     b = {k: v.cuda() if torch.is_tensor(v) else v for k, v in b.items()}
@@ -137,11 +139,13 @@ def test_gpu_matches_reference(dtype, config, page_size):
 @_hopper
 def test_gpu_triton_launcher_routes_prefill_to_gluon(monkeypatch):
     """``paged_attention_triton`` sends prefill to the Gluon kernel exactly when the caller
-    passes ``padding_finite=True`` and nothing asks for the Triton kernel (a config, ``qrot``,
-    batch invariance, key splits, ``prefill_kernel="triton"``) and the key ranges are long
-    enough (``_GLUON_MIN_KEYS``); decode never goes there. Routed calls return the Gluon
-    kernel's own bits."""
-    from lazyllm.kernels import triton_attention as ta
+    passes ``padding_finite=True`` and nothing asks for the Triton kernel (a config, a loop,
+    batch invariance, key splits, ``prefill_kernel="triton"``, ``gluon_prefill=False``) and
+    the key ranges are long enough (``_GLUON_MIN_KEYS``); decode never goes there. Routed
+    calls return the Gluon kernel's own bits."""
+    from lazyllm.kernels import triton_kernels
+
+    ta = triton_kernels()
 
     b, nq = _batch(torch.bfloat16)
     b = {k: v.cuda() if torch.is_tensor(v) else v for k, v in b.items()}
@@ -152,20 +156,23 @@ def test_gpu_triton_launcher_routes_prefill_to_gluon(monkeypatch):
     # this batch's key ranges are short (about 1.2k slots): left to the Triton kernel, which
     # is the faster there, unless the threshold is lowered
     hit = len(calls)
-    ta.paged_attention_triton(**b, max_seqlen_q=nq, num_splits=1, padding_finite=True)
+    ta.paged_attention_triton(**b, max_seqlen_q=nq, options=KernelOptions(num_splits=1), padding_finite=True)
     assert len(calls) == hit
-    monkeypatch.setattr(ta, "_GLUON_MIN_KEYS", 0)
+    monkeypatch.setattr(ta.launcher, "_GLUON_MIN_KEYS", 0)
 
     def routed(**kw):  # one key split: this small grid would take split-K by occupancy otherwise
         n = len(calls)
-        out = ta.paged_attention_triton(**b, max_seqlen_q=nq, **dict(dict(num_splits=1), **kw))
+        opts = {k: kw.pop(k) for k in list(kw) if k not in ("padding_finite", "batch_invariant", "rope")}
+        out = ta.paged_attention_triton(**b, max_seqlen_q=nq, options=KernelOptions(**dict(dict(num_splits=1), **opts)),
+                                        **kw)
         return len(calls) > n, out
 
     hit, out = routed(padding_finite=True)
     assert hit and torch.equal(out, direct)
     hit, out = routed(padding_finite=True, rope=ta.rope_table(b["block_delta"], b["inv_freq"]))
     assert hit and torch.equal(out, direct)
-    for kw in (dict(), dict(padding_finite=True, prefill_kernel="triton"), dict(padding_finite=True, qrot=3),
+    for kw in (dict(), dict(padding_finite=True, prefill_kernel="triton"), dict(padding_finite=True, loop="halves"),
+               dict(padding_finite=True, gluon_prefill=False),
                dict(padding_finite=True, batch_invariant=True), dict(padding_finite=True, config=(64, 64, 4, 2)),
                dict(padding_finite=True, num_splits=2)):
         hit, out = routed(**kw)
@@ -182,8 +189,8 @@ def test_gpu_triton_launcher_routes_prefill_to_gluon(monkeypatch):
     ta.paged_attention_triton(**one, max_seqlen_q=1, padding_finite=True)
     assert len(calls) == n
     # the rotary-halves short path with one key split: still the Triton kernel
-    monkeypatch.setattr(ta, "_SHORT_HALVES", "auto")
-    got = ta.paged_attention_triton(**one, max_seqlen_q=1, padding_finite=True, num_splits=1)
+    got = ta.paged_attention_triton(**one, max_seqlen_q=1, padding_finite=True,
+                                    options=KernelOptions(short_halves="auto", num_splits=1))
     assert len(calls) == n
     up = dict(one, q=one["q"].float(), k_cache=one["k_cache"].float(), v_cache=one["v_cache"].float())
     assert _relerr(got, paged_attention_ref(**up)) < 1e-2

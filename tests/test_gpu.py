@@ -55,7 +55,9 @@ def test_head_dim_128_prefill_kernel_in_engine_matches_torch_backend(tokenizer, 
     short), else, or with Gluon switched off, the Triton loop on the query's rotary halves.
     Greedy tokens equal those of the torch attention backend on the same weights, for lazy
     and block reuse."""
-    from lazyllm.kernels import triton_attention as ta
+    from lazyllm.kernels import triton_kernels
+
+    ta = triton_kernels().launcher
 
     if gluon and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon prefill runs on Hopper GPUs only")
@@ -63,7 +65,7 @@ def test_head_dim_128_prefill_kernel_in_engine_matches_torch_backend(tokenizer, 
     config = ta._prefill_config
     monkeypatch.setattr(ta, "_prefill_config", lambda *a: halves.append(a[-1]) or config(*a))
     if gluon:
-        from lazyllm.kernels import gluon_prefill as gp
+        from lazyllm.kernels.triton import gluon_prefill as gp
 
         real = gp.paged_prefill_gluon
         monkeypatch.setattr(gp, "paged_prefill_gluon", lambda *a, **k: gluon_calls.append(1) or real(*a, **k))

@@ -1,18 +1,21 @@
 """The Triton kernels against their torch twins in ``lazyllm.kernels.reference``.
 
 On CPU the real kernels run in Triton's interpreter. The interpreter is chosen when a
-kernel is *defined*, so this module loads its own copy of ``kernels/triton_attention.py``
-with ``TRITON_INTERPRET=1`` set only for that import: the result does not depend on which
+kernel is *defined*, so this module loads its own copy of the kernel package
+``kernels/triton/`` with ``TRITON_INTERPRET=1`` set only for that import: the result does not depend on which
 test modules ran before, and the package's own module (used by the engine) is untouched.
 Tests marked ``gpu`` run the compiled kernels on CUDA.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
+from lazyllm.kernels import KernelOptions
+from lazyllm.kernels.options import LOOPS
 from lazyllm.kernels.reference import paged_attention_ref, rerotate_copy_ref, write_kv_ref
 from tests._triton_load import load_kernel_module
 
@@ -20,8 +23,8 @@ triton = pytest.importorskip("triton", reason="triton is not installed")
 
 
 def _load_kernels(interpret: bool):
-    """A private copy of ``kernels/triton_attention.py``, compiled or interpreted."""
-    return load_kernel_module("triton_attention.py", interpret)
+    """A private copy of the kernel package ``kernels/triton/``, compiled or interpreted."""
+    return load_kernel_module("triton", interpret)
 
 
 ta = _load_kernels(interpret=True)
@@ -31,15 +34,15 @@ def test_module_is_interpreted():
     """Guards the premise of this file: the kernels below really run in the interpreter."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    assert isinstance(ta._paged_attn_fwd, InterpretedFunction)
+    assert isinstance(ta.prefill._paged_attn_fwd, InterpretedFunction)
 
 
 _CPU_BACKEND_SCRIPT = """
 import os, sys, torch
 assert "TRITON_INTERPRET" not in os.environ
-import lazyllm.kernels.triton_attention as compiled  # the package's module first, compiled
+import lazyllm.kernels.triton as compiled  # the package's module first, compiled
 from triton.runtime.interpreter import InterpretedFunction
-assert not isinstance(compiled._paged_attn_fwd, InterpretedFunction)
+assert not isinstance(compiled.prefill._paged_attn_fwd, InterpretedFunction)
 from lazyllm.api import _attention_backend
 from lazyllm.kernels import triton_kernels
 from lazyllm.kernels.reference import paged_attention_ref
@@ -168,12 +171,16 @@ def _tol(dtype):
     return dict(atol=2e-3, rtol=2e-3) if dtype == torch.float16 else dict(atol=2e-5, rtol=2e-5)
 
 
+_OPTIONS = {f.name for f in dataclasses.fields(KernelOptions)}
+
+
 def _check_attention(batch, *, max_seqlen_q=None, num_splits=None, config=None, use_rope=True, mod=None, **kw):
     mod = mod or ta
     ref = paged_attention_ref(**batch)
     out = torch.full_like(batch["q"], float("nan"))  # poisoned: every element must be written
-    got = mod.paged_attention_triton(**batch, out=out, max_seqlen_q=max_seqlen_q, num_splits=num_splits,
-                                     config=config, use_rope=use_rope, **kw)
+    opts = KernelOptions(num_splits=num_splits, config=config, **{k: kw.pop(k) for k in list(kw) if k in _OPTIONS})
+    got = mod.paged_attention_triton(**batch, out=out, max_seqlen_q=max_seqlen_q, use_rope=use_rope,
+                                     options=opts, **kw)
     assert got is out
     assert not torch.isnan(got).any(), "unwritten or NaN output"
     torch.testing.assert_close(got.float(), ref.float(), **_tol(batch["q"].dtype))
@@ -326,7 +333,7 @@ def test_delta_runs_matches_naive():
 
 
 # (group, head_dim, rotary_dim, dtype, page_size, config): key tiles inside one page, so
-# the kernel rotates the query once per run of equal deltas (qrot); 1, 2 and 4 tiles per page
+# the kernel rotates the query once per run of equal deltas (the run loops); 1, 2 and 4 tiles per page
 QROT_CASES = [
     (4, 128, None, torch.float16, 64, (32, 64, 4, 1)),
     (3, 64, 32, torch.float32, 32, (16, 16, 4, 1)),
@@ -336,18 +343,19 @@ QROT_CASES = [
 
 
 @pytest.mark.parametrize("case", QROT_CASES, ids=_case_id)
-@pytest.mark.parametrize("splits,qrot", [(None, 1), (1, 1), (3, 1), (None, 2), (3, 2), (None, 3), (1, 3), (3, 3)])
-def test_query_rotation_per_run(case, splits, qrot):
+@pytest.mark.parametrize("splits,loop", [(None, "per_run"), (1, "per_run"), (3, "per_run"), (None, "flat_runs"),
+                                        (3, "flat_runs"), (None, "halves"), (1, "halves"), (3, "halves")])
+def test_query_rotation_per_run(case, splits, loop):
     """Prefix, chunks at random deltas (two neighbours sharing one delta, so a run spans
-    chunks), then the queries' own pages; prefill, decode, split key ranges. Loops: 1 a
-    loop per run, 2 one flat loop, 3 one loop on the query's rotary halves (fully rotary
+    chunks), then the queries' own pages; prefill, decode, split key ranges. Loops: a
+    loop per run, one flat loop, one loop on the query's rotary halves (fully rotary
     heads only: refused otherwise)."""
     g, d, rd, dtype, ps, cfg = case
-    if qrot == 3 and rd is not None and rd != d:
+    if loop == "halves" and rd is not None and rd != d:
         batch = _make_batch([([(0, 9, 0), (9, 30, 0)], 5)], page_size=ps, hkv=2, group=g, d=d, rotary_dim=rd,
                             dtype=dtype, seed=21)
         with pytest.raises(ValueError, match="fully rotary"):
-            ta.paged_attention_triton(**batch, config=cfg, qrot=3)
+            ta.paged_attention_triton(**batch, options=KernelOptions(config=cfg, loop="halves"))
         return
     gen = random.Random(21)
     seqs = []
@@ -357,17 +365,17 @@ def test_query_rotation_per_run(case, splits, qrot):
             chunks[2] = (chunks[2][0], chunks[2][1], chunks[1][2])  # encoded together: one delta
         seqs.append(([(0, 9, 0)] + chunks + [(pos, nq + gen.randint(0, 20), 0)], nq))
     batch = _make_batch(seqs, page_size=ps, hkv=2, group=g, d=d, rotary_dim=rd, dtype=dtype, seed=21)
-    _check_attention(batch, config=cfg, num_splits=splits, qrot=qrot)
+    _check_attention(batch, config=cfg, num_splits=splits, loop=loop)
     # RoPE off: the same function as every delta 0 (the loop carries the unrotated query)
     _check_attention(dict(batch, block_delta=torch.zeros_like(batch["block_delta"])), config=cfg,
-                     num_splits=splits, qrot=qrot, use_rope=False)
+                     num_splits=splits, loop=loop, use_rope=False)
     one = [([(0, 9, 0)] + _chunks(gen, 5, 9, lo=3, hi=80)[0], 1) for _ in range(3)]
     for s_, _ in one:
         last = s_[-1]
         s_.append((last[0] + last[1], 4, 0))
     dec = _make_batch(one, page_size=ps, hkv=2, group=g, d=d, rotary_dim=rd, dtype=dtype, seed=22)
-    _check_attention(dec, max_seqlen_q=1, num_splits=splits, qrot=qrot, config=cfg)
-    if ps >= 64:  # the default decode tile (64 keys) fits a page: qrot is the default
+    _check_attention(dec, max_seqlen_q=1, num_splits=splits, loop=loop, config=cfg)
+    if ps >= 64:  # the default decode tile (64 keys) fits a page: a run loop is the default
         _check_attention(dec, max_seqlen_q=1, num_splits=splits)
 
 
@@ -379,8 +387,8 @@ def test_default_prefill_loop(dtype, rd, ps, halves, monkeypatch):
     rotary-halves loop for head_dim 128 in 16-bit with a fully rotary head and pages of at
     least 64, another loop otherwise; the reference's result either way."""
     calls = []
-    config = ta._prefill_config
-    monkeypatch.setattr(ta, "_prefill_config", lambda *a: calls.append(a[-1]) or config(*a))
+    config = ta.launcher._prefill_config
+    monkeypatch.setattr(ta.launcher, "_prefill_config", lambda *a: calls.append(a[-1]) or config(*a))
     gen = random.Random(40)
     chunks, pos = _chunks(gen, 2, 0, lo=20, hi=40)
     batch = _make_batch([(chunks + [(pos, 24, 0)], 20)], page_size=ps, hkv=2, group=4, d=128, rotary_dim=rd,
@@ -423,20 +431,20 @@ def _short_seqs(gen, batch_n, n_chunks, nq, own):
     ("auto", torch.float32, None, 64, 5, (2, 64)),  # float32: the flat loop
     ("auto", torch.float16, 64, 64, 5, (2, 64)),    # partial rotary: the flat loop
     ("auto", torch.float16, None, 16, 5, None),     # pages under the tile: no run loop
-    ("0", torch.float16, None, 64, 5, (2, 64)),     # the default: the flat loop where the halves could run
+    ("off", torch.float16, None, 64, 5, (2, 64)),   # the default: the flat loop where the halves could run
 ], ids=["fp16-few", "fp16-wide", "fp16-ps32", "fp32", "partial-rotary", "ps16", "default-flat"])
 @pytest.mark.parametrize("nq", [1, 9])
 def test_short_halves_choice(mode, dtype, rd, ps, batch_n, want, nq, monkeypatch):
-    """With ``LAZYLLM_SHORT_HALVES=auto`` the short path (decode, and up to 64 query rows per
-    KV head) runs the rotary-halves loop (qrot=3) for head_dim 128 in 16-bit with a fully
-    rotary head, 64-key tiles while there are fewer programs than SMs and 32-key tiles from
-    there; the flat loop otherwise, and by default (``0``); the reference's result either way."""
-    monkeypatch.setattr(ta, "_SHORT_HALVES", mode)
+    """With ``KernelOptions(short_halves="auto")`` the short path (decode, and up to 64 query
+    rows per KV head) runs the rotary-halves loop (QROT 3) for head_dim 128 in 16-bit with a
+    fully rotary head, 64-key tiles while there are fewer programs than SMs and 32-key tiles
+    from there; the flat loop otherwise, and by default (``"off"``); the reference's result
+    either way."""
     calls = []
-    monkeypatch.setattr(ta, "_paged_attn_fwd", _LaunchSpy(ta._paged_attn_fwd, calls))
+    monkeypatch.setattr(ta.launcher, "_paged_attn_fwd", _LaunchSpy(ta.launcher._paged_attn_fwd, calls))
     seqs = _short_seqs(random.Random(60 + batch_n), batch_n, 2, nq, nq + 3)
     batch = _make_batch(seqs, page_size=ps, hkv=2, group=4, d=128, rotary_dim=rd, dtype=dtype, seed=61)
-    _check_attention(batch, max_seqlen_q=nq)
+    _check_attention(batch, max_seqlen_q=nq, short_halves=mode)
     if want is None:  # no run loop: the per-page decode kernel, or the key-rotating loop
         assert not calls if nq == 1 else calls[-1]["QROT"] == 0, calls[-1:]
         return
@@ -444,11 +452,12 @@ def test_short_halves_choice(mode, dtype, rd, ps, batch_n, want, nq, monkeypatch
     assert (calls[-1]["QROT"], calls[-1]["BLOCK_N"]) == want
 
 
-@pytest.mark.parametrize("dtype,qrot,lookahead", [(torch.float16, 3, True), (torch.float32, 3, False),
-                                                   (torch.float16, 2, True), (torch.float32, 2, False),
-                                                   (torch.float32, 1, False)])
-def test_run_coefficients_from_delta(dtype, qrot, lookahead):
-    """The run loops (``qrot`` 1, 2, 3) computing each run's cos/sin from its delta in the
+@pytest.mark.parametrize("dtype,loop,lookahead", [(torch.float16, "halves", True), (torch.float32, "halves", False),
+                                                   (torch.float16, "flat_runs", True),
+                                                   (torch.float32, "flat_runs", False),
+                                                   (torch.float32, "per_run", False)])
+def test_run_coefficients_from_delta(dtype, loop, lookahead):
+    """The run loops (per run, flat, halves) computing each run's cos/sin from its delta in the
     kernel (range reduction, then cos/sin) instead of loading the table rows, with and
     without the next run's head loaded a run ahead: the reference's result for deltas up
     to ~1e5 positions (angles up to ~1e5 rad), split and unsplit."""
@@ -460,22 +469,22 @@ def test_run_coefficients_from_delta(dtype, qrot, lookahead):
     batch = _make_batch(seqs, page_size=64, hkv=2, group=4, d=128, dtype=dtype, seed=51)
     assert int(batch["block_delta"].max()) > 90000
     for splits in (None, 3):
-        _check_attention(batch, config=(32, 64, 4, 1), num_splits=splits, qrot=qrot, coef_from_delta=True,
+        _check_attention(batch, config=(32, 64, 4, 1), num_splits=splits, loop=loop, coef_from_delta=True,
                          coef_lookahead=lookahead)
     # the kernel reads block_delta itself: a view whose last dim is strided is copied first
     bd = batch["block_delta"]
     strided = torch.stack([bd, bd + 1], -1)[..., 0]
     assert strided.stride(-1) != 1
-    _check_attention(dict(batch, block_delta=strided), config=(32, 64, 4, 1), qrot=qrot, coef_from_delta=True,
+    _check_attention(dict(batch, block_delta=strided), config=(32, 64, 4, 1), loop=loop, coef_from_delta=True,
                      coef_lookahead=lookahead)
 
 
-def test_qrot_needs_tile_inside_page():
+def test_run_loop_needs_tile_inside_page():
     gen = random.Random(22)
     chunks, pos = _chunks(gen, 2, 0)
     batch = _make_batch([(chunks, 3)], page_size=16, hkv=2, group=2, d=64, dtype=torch.float32, seed=23)
-    with pytest.raises(ValueError, match="qrot"):
-        ta.paged_attention_triton(**batch, config=(16, 32, 4, 1), qrot=True)
+    with pytest.raises(ValueError, match="query-rotating loop"):
+        ta.paged_attention_triton(**batch, options=KernelOptions(config=(16, 32, 4, 1), loop="per_run"))
 
 
 # ----------------------------------------------------------------------------------------
@@ -512,7 +521,7 @@ def test_decode_auto_splits_are_used(monkeypatch):
     batch = _make_batch([(chunks + [(pos, 9, 0)], 1)], page_size=16, hkv=1, group=4, d=64,
                         dtype=torch.float16, seed=9)
     calls = []
-    monkeypatch.setattr(ta, "_merge_splits", _LaunchSpy(ta._merge_splits, calls))
+    monkeypatch.setattr(ta.launcher, "_merge_splits", _LaunchSpy(ta.launcher._merge_splits, calls))
     _check_attention(batch, max_seqlen_q=1)
     assert calls, "expected a split-K launch"
 
@@ -521,9 +530,9 @@ def test_decode_auto_splits_are_used(monkeypatch):
 def test_decode_split_count(batch_n, monkeypatch):
     """Split-K for decode only while there are fewer programs (batch * KV heads) than SMs
     (8 under the interpreter): 4 programs are split (about two programs per SM, at least two
-    key tiles a split); 8 and 16 are not (until session 11, 8-15 programs were split in two)."""
+    key tiles a split); 8 and 16 are not."""
     calls = []
-    monkeypatch.setattr(ta, "_paged_attn_fwd", _LaunchSpy(ta._paged_attn_fwd, calls))
+    monkeypatch.setattr(ta.launcher, "_paged_attn_fwd", _LaunchSpy(ta.launcher._paged_attn_fwd, calls))
     seqs = _short_seqs(random.Random(70 + batch_n), batch_n, 3, 1, 4)
     batch = _make_batch(seqs, page_size=64, hkv=2, group=4, d=128, dtype=torch.float16, seed=71)
     kv_tiles = batch["block_table"].shape[1]  # one 64-key tile a page (padding entries included)
@@ -633,56 +642,57 @@ def test_gpu_compiled_query_rotation(dtype, d):
     seqs = _gpu_seqs(23, ((5, 70), (2, 1), (1, 9)), 20, 200)
     for ps in (64, 128):
         _check_compiled(mod, seqs, dtype, page_size=ps, group=4, d=d, seed=24)
-    assert not mod._QROT_FAILED, f"fell back to the key-rotating kernel for {mod._QROT_FAILED}"
+    assert not mod.launcher._QROT_FAILED, f"fell back to the key-rotating kernel for {mod.launcher._QROT_FAILED}"
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compiled kernels run only on a GPU)")
-@pytest.mark.parametrize("qrot", [1, 2, 3])
+@pytest.mark.parametrize("loop", ["per_run", "flat_runs", "halves"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_compiled_run_loops(qrot, dtype):
+def test_gpu_compiled_run_loops(loop, dtype):
     """The three forms of the query-rotating loop (a loop per run, one flat loop, one loop
     on rotary halves) compiled, head_dim 128, pages of 64, split and unsplit."""
     mod = _load_kernels(interpret=False)
     seqs = _gpu_seqs(29, ((7, 90), (3, 1), (2, 17)), 40, 300)
     for splits in (None, 1, 3):
-        _check_compiled(mod, seqs, dtype, launch=dict(qrot=qrot, num_splits=splits), page_size=64, group=4, d=128,
+        _check_compiled(mod, seqs, dtype, launch=dict(options=KernelOptions(loop=loop, num_splits=splits)), page_size=64, group=4, d=128,
                         seed=30)
-    assert not mod._QROT_FAILED
+    assert not mod.launcher._QROT_FAILED
     # the rotary-halves loop rotated on 16-bit pairs (inline PTX) in what was checked above
-    packed = {c.get("PACKED_ROT") for c, _ in mod.compiled_kernels(mod._paged_attn_fwd) if c.get("QROT") == qrot}
-    assert packed == {qrot == 3}
+    packed = {c.get("PACKED_ROT") for c, _ in mod.compiled_kernels(mod.prefill._paged_attn_fwd)
+              if c.get("QROT") == LOOPS[loop]}
+    assert packed == {loop == "halves"}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compiled kernels run only on a GPU)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_compiled_short_halves(dtype):
-    """The short path on rotary halves (``LAZYLLM_SHORT_HALVES=auto``; decode, and 9 queries
-    per sequence) compiled: 64-key tiles for few programs and, with the SM count taken as 2,
-    32-key tiles; head_dim 128, pages of 64, against the reference."""
+    """The short path on rotary halves (``KernelOptions(short_halves="auto")``; decode, and 9
+    queries per sequence) compiled: 64-key tiles for few programs and, with the SM count
+    taken as 2, 32-key tiles; head_dim 128, pages of 64, against the reference."""
     mod = _load_kernels(interpret=False)
-    mod._SHORT_HALVES = "auto"
     seqs = _gpu_seqs(31, ((6, 9), (3, 1), (2, 5)), 40, 300)
     dev = torch.cuda.current_device()
-    sms = mod._num_sms(torch.device("cuda", dev))
+    sms = mod.launcher._num_sms(torch.device("cuda", dev))
     try:
         for n_sms, bn in ((sms, 64), (2, 32)):
-            mod._NUM_SMS[dev] = n_sms
-            _check_compiled(mod, seqs, dtype, page_size=64, group=4, d=128, seed=32)
+            mod.launcher._NUM_SMS[dev] = n_sms
+            _check_compiled(mod, seqs, dtype, launch=dict(options=KernelOptions(short_halves="auto")), page_size=64,
+                            group=4, d=128, seed=32)
             got = {(c.get("QROT"), c.get("BLOCK_N"), c.get("PACKED_ROT")) for c, _ in
-                   mod.compiled_kernels(mod._paged_attn_fwd)}
+                   mod.compiled_kernels(mod.prefill._paged_attn_fwd)}
             assert (3, bn, True) in got, got
     finally:
-        mod._NUM_SMS[dev] = sms
-    assert not mod._QROT_FAILED
+        mod.launcher._NUM_SMS[dev] = sms
+    assert not mod.launcher._QROT_FAILED
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compiled kernels run only on a GPU)")
-@pytest.mark.parametrize("qrot", [2, 3])
+@pytest.mark.parametrize("loop", ["flat_runs", "halves"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_gpu_run_coefficients_from_delta(qrot, dtype):
+def test_gpu_run_coefficients_from_delta(loop, dtype):
     """Compiled run loops computing cos/sin from the delta (``cos.approx``/``sin.approx``
     after the range reduction), with and without the run-ahead load, at deltas up to ~1e5
     positions: the reference's result, prefill and decode, split and unsplit."""
@@ -694,10 +704,11 @@ def test_gpu_run_coefficients_from_delta(qrot, dtype):
         seqs.append(([(0, 9, 0)] + chunks + [(pos, nq + 7, 0)], nq))
     for look in (False, True):
         for splits in (None, 3):
-            _check_compiled(mod, seqs, dtype, launch=dict(qrot=qrot, num_splits=splits, coef_from_delta=True,
-                                                          coef_lookahead=look),
+            _check_compiled(mod, seqs, dtype, launch=dict(options=KernelOptions(
+                                loop=loop, num_splits=splits, coef_from_delta=True, coef_lookahead=look)),
                             page_size=64, group=4, d=128, seed=53)
-    from_delta = {c.get("FROM_DELTA") for c, _ in mod.compiled_kernels(mod._paged_attn_fwd) if c.get("QROT") == qrot}
+    from_delta = {c.get("FROM_DELTA") for c, _ in mod.compiled_kernels(mod.prefill._paged_attn_fwd)
+                  if c.get("QROT") == LOOPS[loop]}
     assert from_delta == {True}
 
 
