@@ -71,7 +71,7 @@ def test_triton_launcher_on_cpu_ignores_padding_finite_and_checks_prefill_kernel
     got = ta_interp.paged_attention_triton(**b, max_seqlen_q=20, padding_finite=True)
     assert _relerr(got, ref) < 1e-4
     with pytest.raises(ValueError, match="prefill_kernel"):
-        ta_interp.paged_attention_triton(**b, max_seqlen_q=20, prefill_kernel="cuda")
+        ta_interp.paged_attention_triton(**b, max_seqlen_q=20, options=KernelOptions(prefill_kernel="cuda"))
 
 
 def test_routing_sends_prefill_only_to_gluon(monkeypatch):
