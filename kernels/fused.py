@@ -39,7 +39,7 @@ def _p2(n: int) -> int:
 @triton.jit
 def _sum(x, axis: tl.constexpr):
     # tl.sum spelled with its combine function: also runs in the interpreter when triton
-    # was imported before TRITON_INTERPRET was set (see triton_attention._sum)
+    # was imported before TRITON_INTERPRET was set (see lazyllm.kernels.triton._common._sum)
     return tl.reduce(x, axis, tl.standard._sum_combine)
 
 
@@ -229,8 +229,8 @@ def _gemv_parts_kernel(X, W, P, N, stride_w, stride_p,
 
 
 # (BLOCK_N, BLOCK_K, num_warps) by weight shape ``(N, K)``, or None: that shape stays with
-# the GEMM library; the default where a shape is not listed. H200 measurements in
-# BENCHMARKS.md (engine, "Session 4": the projections of one batch-1 step).
+# the GEMM library; the default where a shape is not listed (measured on H200, the
+# projections of one batch-1 step).
 # The down projection of an 8B model (4096 x 14336) stays with cuBLAS: split 14 ways, its
 # partial sums cost the single-program add + RMSNorm after it as much as the GEMV saves.
 GEMV_CONFIGS: dict = {(4096, 14336): None}
