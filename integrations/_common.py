@@ -23,8 +23,8 @@ into this text: they always travel as chunks, whichever message carried them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from lazyllm import Chunk, GenerationOutput, InvalidRequestError, LazyLLM

@@ -26,7 +26,8 @@ later queries reuse, in either framework.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from chromadb.api.types import Documents, EmbeddingFunction, Embeddings, Space
 from chromadb.utils.embedding_functions import register_embedding_function
@@ -65,7 +66,7 @@ class BundledMiniLM(EmbeddingFunction[Documents]):
         return {"model": MODEL_NAME, "batch_size": self.batch_size}
 
     @staticmethod
-    def build_from_config(config: dict[str, Any]) -> "BundledMiniLM":
+    def build_from_config(config: dict[str, Any]) -> BundledMiniLM:
         model = config.get("model", MODEL_NAME)
         if model != MODEL_NAME:
             raise InvalidRequestError(f"BundledMiniLM carries {MODEL_NAME}, not {model!r}")

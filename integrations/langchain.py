@@ -44,7 +44,8 @@ import binascii
 import html
 import json
 import re
-from typing import Any, AsyncIterator, Iterator, Optional, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
 
 from langchain_core.callbacks import (
     AsyncCallbackManagerForLLMRun,
@@ -291,18 +292,18 @@ class _EngineParams(BaseModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
-    llm: Optional[LazyLLM] = Field(default=None, exclude=True)
+    llm: LazyLLM | None = Field(default=None, exclude=True)
     """The engine. Built from the fields below when not given. Several models can share
     one engine (and so one chunk cache)."""
-    model_name: Optional[str] = None
+    model_name: str | None = None
     """Name reported in traces and metadata (defaults to the engine's)."""
-    model_name_or_path: Optional[str] = None
+    model_name_or_path: str | None = None
     """Constructor arguments of ``LazyLLM``, used only when ``llm`` is not given."""
     reuse: str = "lazy"
     chunk_context: str = "isolated"
     device: str = "auto"
     dtype: Any = None
-    kv_cache_bytes: Optional[int] = None
+    kv_cache_bytes: int | None = None
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Any other ``LazyLLM`` argument (``page_size``, ``attention_backend``...)."""
 
@@ -310,9 +311,9 @@ class _EngineParams(BaseModel):
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    seed: Optional[int] = None
-    stop: Optional[list[str]] = None
-    timeout: Optional[float] = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    timeout: float | None = None
     """Seconds before a request is cancelled (``RequestCancelled``)."""
     max_retries: int = 0
     """Accepted for LangChain's standard parameters; an in-process engine has no
@@ -596,8 +597,8 @@ class ChromaRetriever(BaseRetriever):
 
     collection: Any
     k: int = 4
-    where: Optional[dict] = None
-    where_document: Optional[dict] = None
+    where: dict | None = None
+    where_document: dict | None = None
 
     def _query(self, query: str) -> list[Document]:
         kw: dict[str, Any] = dict(query_texts=[query], n_results=self.k, include=["documents", "metadatas"])

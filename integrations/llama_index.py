@@ -31,7 +31,8 @@ as described in ``lazyllm.integrations._common``.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import llama_index.core.instrumentation as instrument
 from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
@@ -147,9 +148,9 @@ class LlamaIndexLLM(CustomLLM):
     temperature: float = Field(default=0.0, description="0 is greedy.")
     top_p: float = 1.0
     top_k: int = 0
-    seed: Optional[int] = None
-    stop: Optional[List[str]] = None
-    timeout: Optional[float] = Field(default=None, description="Seconds before a request is cancelled.")
+    seed: int | None = None
+    stop: list[str] | None = None
+    timeout: float | None = Field(default=None, description="Seconds before a request is cancelled.")
     is_chat_model: bool = Field(default=True, description="Use chat() (the model's chat template).")
     reuse: str = "lazy"
     chunk_context: str = "isolated"
@@ -321,7 +322,7 @@ class ChunkSynthesizer(BaseSynthesizer):
 
     def __init__(self, llm: LlamaIndexLLM, *, streaming: bool = False, system: str | None = None,
                  metadata_mode: MetadataMode = MetadataMode.NONE,
-                 callback_manager: Optional[CallbackManager] = None, **generate_kwargs: Any):
+                 callback_manager: CallbackManager | None = None, **generate_kwargs: Any):
         if not isinstance(llm, LlamaIndexLLM):
             raise InvalidRequestError(
                 f"ChunkSynthesizer needs a lazyllm LlamaIndexLLM, got {type(llm).__name__}")
@@ -375,7 +376,7 @@ class ChunkSynthesizer(BaseSynthesizer):
         dispatcher.event(SynthesizeEndEvent(query=query, response=resp))
         return resp
 
-    def _prepare(self, query: Any, nodes: List[NodeWithScore], additional_source_nodes, response_kwargs):
+    def _prepare(self, query: Any, nodes: list[NodeWithScore], additional_source_nodes, response_kwargs):
         """Query bundle, source nodes, response metadata and engine arguments (one chunk per
         node), shared by ``synthesize`` and ``asynthesize``."""
         if isinstance(query, str):
@@ -385,8 +386,8 @@ class ChunkSynthesizer(BaseSynthesizer):
         kw = self._kwargs([self.node_to_chunk(n.node) for n in nodes], response_kwargs)
         return query, source_nodes, meta, kw
 
-    def synthesize(self, query: Any, nodes: List[NodeWithScore],
-                   additional_source_nodes: Optional[Sequence[NodeWithScore]] = None,
+    def synthesize(self, query: Any, nodes: list[NodeWithScore],
+                   additional_source_nodes: Sequence[NodeWithScore] | None = None,
                    **response_kwargs: Any) -> RESPONSE_TYPE:
         dispatcher.event(SynthesizeStartEvent(query=query))
         if not nodes:
@@ -414,8 +415,8 @@ class ChunkSynthesizer(BaseSynthesizer):
         dispatcher.event(SynthesizeEndEvent(query=query, response=response))
         return response
 
-    async def asynthesize(self, query: Any, nodes: List[NodeWithScore],
-                          additional_source_nodes: Optional[Sequence[NodeWithScore]] = None,
+    async def asynthesize(self, query: Any, nodes: list[NodeWithScore],
+                          additional_source_nodes: Sequence[NodeWithScore] | None = None,
                           **response_kwargs: Any) -> RESPONSE_TYPE:
         dispatcher.event(SynthesizeStartEvent(query=query))
         if not nodes:
@@ -469,7 +470,7 @@ class MiniLMEmbedding(BaseEmbedding):
     def _get_text_embedding(self, text: str) -> Embedding:
         return get_encoder().encode([text])[0].tolist()
 
-    def _get_text_embeddings(self, texts: List[str]) -> List[Embedding]:
+    def _get_text_embeddings(self, texts: list[str]) -> list[Embedding]:
         return [v.tolist() for v in get_encoder().encode(list(texts))]
 
 

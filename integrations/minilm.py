@@ -25,7 +25,7 @@ DIM = 384
 MAX_TOKENS = 256  # sentence_bert_config.json: longer texts are truncated
 
 _lock = threading.Lock()
-_encoder: "MiniLMEncoder | None" = None
+_encoder: MiniLMEncoder | None = None
 
 
 def model_dir() -> Path:

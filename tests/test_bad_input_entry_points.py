@@ -57,7 +57,8 @@ def test_langchain_entry_points(engine, name, q, chunks, kw):
     if any(not isinstance(c, (str, Chunk)) for c in chunks) or not isinstance(q, str):
         # LangChain itself refuses non-str content before it reaches us; check its error is a clear one
         if isinstance(q, str):  # a document block whose text is not a string
-            content = [{"type": "text-plain", "mime_type": "text/plain", "text": chunks[0]}, {"type": "text", "text": q}]
+            content = [{"type": "text-plain", "mime_type": "text/plain", "text": chunks[0]},
+                       {"type": "text", "text": q}]
         else:
             content = [q]
         with pytest.raises((InvalidRequestError, ValueError, TypeError)):

@@ -326,7 +326,7 @@ def test_messages_to_request():
     assert req2.question == "Q?" and [c.id for c in req2.chunks] == ["a", "b"]
     # titles, base64 text
     block = {"type": "text-plain", "mime_type": "text/plain", "title": "T",
-             "base64": base64.b64encode("body".encode()).decode(), "id": "t"}
+             "base64": base64.b64encode(b"body").decode(), "id": "t"}
     c = messages_to_request([HumanMessage(content=[block, {"type": "text", "text": "Q?"}])]).chunks[0]
     assert (c.text, c.id, c.metadata) == ("T\n\nbody", "t", {"title": "T"})
     with pytest.raises(InvalidRequestError):
