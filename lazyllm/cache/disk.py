@@ -31,6 +31,7 @@ bytes of ``k``, then of ``v``, each length-prefixed).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -59,8 +60,8 @@ DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "b
 REJECT_REASONS = ("missing", "unreadable", "too_large", "truncated", "unparsable", "version",
                   "checksum", "key", "fingerprint", "settings", "inconsistent")
 
-_FINAL_RE = re.compile(r"^([0-9a-f]{2,%d})%s$" % (2 * MAX_KEY_BYTES, re.escape(SUFFIX)))
-_TMP_RE = re.compile(r"^%s(\d+)-" % re.escape(TMP_PREFIX))
+_FINAL_RE = re.compile(rf"^([0-9a-f]{{2,{2 * MAX_KEY_BYTES}}}){re.escape(SUFFIX)}$")
+_TMP_RE = re.compile(rf"^{re.escape(TMP_PREFIX)}(\d+)-")
 
 
 def _library_version() -> str:
@@ -212,10 +213,8 @@ class DiskKVStore:
         finally:
             # the temp file is gone after a successful rename; after any failure (or an
             # exception such as KeyboardInterrupt) remove what was written of it
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
 
     def get(self, key: bytes):
         """``(k, v, num_tokens, stored_pos)`` stored under ``key`` (CPU tensors, in their
@@ -271,10 +270,8 @@ class DiskKVStore:
                 self._bytes += st.st_size
                 self._make_room(0, exclude=hexkey)
             # else: evicted or replaced while we read it; what we read was valid all the same
-        try:
+        with contextlib.suppress(OSError):
             os.utime(path)  # recency survives a restart (best effort)
-        except OSError:
-            pass
         return out
 
     def __contains__(self, key: bytes) -> bool:

@@ -103,6 +103,13 @@ class PagePool:
 class ChunkStore:
     """Keyed, pinned, LRU-evicted KV segments inside a ``PagePool``.
 
+    The engine uses it only through these methods: ``acquire`` (look up and pin),
+    ``release`` (unpin, or drop a reservation nobody else waits for), ``create`` /
+    ``adopt`` / ``mark_ready`` (new entries), ``alloc_pages`` (pages for private tokens,
+    evicting LRU-first), ``evictable_pages``, ``clear_unpinned`` and ``stats``; ``key in
+    store`` says whether an entry (ready or still being computed) exists. ``entries`` is
+    the store's own LRU order, read by tests.
+
     All methods are called from the engine thread; ``stats()`` may be called from any
     thread.
     """
@@ -120,6 +127,49 @@ class ChunkStore:
             self.entries.move_to_end(key)
             return e
         return None
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.entries
+
+    def acquire(self, key: bytes, *, pending_ok: bool = False) -> Entry | None:
+        """Look ``key`` up and pin it for the caller (most recently used now, one more hit).
+        ``pending_ok``: also an entry still being computed (reserved this round by another
+        request, ready by the time the round's prefill ends)."""
+        e = self.entries.get(key)
+        if e is None or not (e.ready or pending_ok):
+            return None
+        e.pins += 1
+        e.hits += 1
+        self.entries.move_to_end(key)
+        return e
+
+    def release(self, e: Entry) -> bool:
+        """Give back one pin of ``e``. An entry that is not ready (its prefill has not run,
+        or failed) and that nobody else holds is dropped with its pages; returns True then,
+        so the caller forgets the work it had planned for it."""
+        if e.ready:
+            self.unpin(e)
+            return False
+        e.pins -= 1
+        if e.pins <= 0:
+            self.discard(e)
+            return True
+        return False
+
+    def mark_ready(self, e: Entry) -> None:
+        """The entry's KV is written: later lookups may use it."""
+        e.ready = True
+
+    def evictable_pages(self) -> int:
+        """Pages that eviction could free now (entries nobody pins)."""
+        return sum(len(e.pages) for e in self.entries.values() if e.pins == 0)
+
+    def clear_unpinned(self) -> int:
+        """Evict every entry nobody pins; returns how many."""
+        keys = [k for k, e in self.entries.items() if e.pins == 0]
+        for k in keys:
+            self._evict(k)
+        return len(keys)
 
     def record(self, hit: bool, tokens: int) -> None:
         with self._lock:
@@ -139,8 +189,7 @@ class ChunkStore:
         pages = self.pool.alloc(n)
         if pages is not None:
             return pages
-        evictable = sum(len(e.pages) for e in self.entries.values() if e.pins == 0)
-        if self.pool.num_free + evictable < n:
+        if self.pool.num_free + self.evictable_pages() < n:
             return None
         for key in list(self.entries.keys()):
             if self.pool.num_free >= n:
