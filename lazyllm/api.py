@@ -3,19 +3,24 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import os
 import queue
 import weakref
-from typing import Any, AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
 from .cache.store import ChunkStore, PagePool
-from .engine.engine import CHUNK_CONTEXTS, REUSE_MODES, Engine, Request, check_fits
+from .engine.detokenizer import Detokenizer
+from .engine.engine import Engine, check_fits
+from .engine.kv_planner import CHUNK_CACHING_MODES, CHUNK_CONTEXTS, REUSE_MODES
 from .engine.prompt import PromptBuilder, Segment
 from .engine.prompt import _check_text as check_text
-from .engine.sampler import Detokenizer
+from .engine.request import Request
 from .errors import InvalidRequestError
+from .model.attention import BACKENDS, make_backend
 from .model.llama import LlamaFamilyModel
 from .model.loader import fingerprint, load_hf
 from .types import Chunk, GenerationOutput, SamplingParams, ScoreOutput, as_chunk
@@ -49,47 +54,14 @@ def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     raise InvalidRequestError(f"unsupported dtype {dtype!r}; use float32, float16 or bfloat16")
 
 
-def _attention_backend(name: str, device: torch.device, batch_invariant: bool = False):
-    """(attention, rerotate_copy, step_extras, name) for the chosen backend."""
-    from lazyllm.kernels import reference
-
-    if name not in ("auto", "torch", "triton"):
-        raise InvalidRequestError(f"attention_backend must be 'auto', 'torch' or 'triton', got {name!r}")
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
-        return reference.paged_attention_ref, reference.rerotate_copy_ref, None, "torch"
-    try:
-        from lazyllm.kernels import triton_kernels
-
-        # on CPU the real kernels run in Triton's interpreter, from a private copy of the
-        # module (so it does not matter what imported the compiled one before)
-        ta = triton_kernels(interpret=device.type == "cpu")
-    except ImportError as e:
-        raise InvalidRequestError(f"attention_backend='triton' needs triton: {e}") from None
-    def step_extras(meta, inv_freq):
-        extras = {"max_seqlen_q": meta.max_seqlen_q, "rope": ta.rope_table(meta.block_delta, inv_freq)}
-        if batch_invariant:
-            extras["batch_invariant"] = True
-        if device.type == "cuda":
-            # the page pool is zero-initialized and only written with K/V (cache/store.py), so
-            # every slot the tables name is finite: prefill may use the Gluon kernel on Hopper
-            extras["padding_finite"] = True
-        return extras
-
-    return ta.paged_attention_triton, ta.rerotate_copy_triton, step_extras, "triton"
-
-
-_LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+_LIVE_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
 @atexit.register
 def _close_engines() -> None:
     for engine in list(_LIVE_ENGINES):
-        try:
+        with contextlib.suppress(Exception):  # best effort at exit
             engine.close()
-        except Exception:  # best effort at exit
-            pass
 
 
 class TextStream:
@@ -98,37 +70,44 @@ class TextStream:
 
     The request is validated when the stream is made (bad input raises at once) and
     submitted when iteration starts. Stopping early (``break``, ``close()``, task
-    cancellation) cancels the request and frees its pages.
+    cancellation) cancels the request; ``close()`` returns once the engine has released
+    the request's pages.
     """
+
+    # how long close() waits for the engine to retire a cancelled request (it does so at
+    # its next step; only a wedged engine takes longer)
+    CLOSE_TIMEOUT_S = 30.0
 
     def __init__(self, engine: Engine, req: Request):
         self._engine, self._req = engine, req
         self._sync: Iterator[str] | None = None
+        self._submitted = self._over = False
         self.output: GenerationOutput | None = None
 
-    def _handle(self, kind, val) -> bool:
-        """True when the stream is over; raises the request's error."""
-        if kind == "done":
-            self.output = val
-            return True
+    def _take(self, kind, val) -> str | None:
+        """The delta of one engine event; ``None`` when the stream is over (raises the
+        request's error)."""
+        if kind == "delta":
+            return val
+        self._over = True
         if kind == "error":
             raise val
-        return False
+        self.output = val
+        return None
+
+    def _submit(self) -> None:
+        self._submitted = True
+        self._engine.submit(self._req)
 
     def _iterate(self) -> Iterator[str]:
-        req = self._req
-        self._engine.submit(req)
+        self._submit()
         try:
-            while True:
-                kind, val = req.events.get()
-                if kind == "delta":
-                    yield val
-                elif self._handle(kind, val):
-                    return
+            while (delta := self._take(*self._req.events.get())) is not None:
+                yield delta
         finally:
-            req.cancelled.set()  # no-op once finished
+            self._cancel()
 
-    def __iter__(self) -> "TextStream":
+    def __iter__(self) -> TextStream:
         return self
 
     def __next__(self) -> str:
@@ -137,24 +116,32 @@ class TextStream:
         return next(self._sync)
 
     async def __aiter__(self) -> AsyncIterator[str]:
-        req = self._req
         loop = asyncio.get_running_loop()
-        self._engine.submit(req)
+        self._submit()
         try:
-            while True:
-                kind, val = await loop.run_in_executor(None, req.events.get)
-                if kind == "delta":
-                    yield val
-                elif self._handle(kind, val):
-                    return
+            while (delta := self._take(*await loop.run_in_executor(None, self._req.events.get))) is not None:
+                yield delta
         finally:
-            req.cancelled.set()
+            self._cancel()
+
+    def _cancel(self) -> None:
+        self._req.cancelled.set()  # a no-op once finished
 
     def close(self) -> None:
+        """Stop the stream: cancel the request and wait (up to ``CLOSE_TIMEOUT_S``) until the
+        engine has released its pages, so ``cache_stats()`` right after shows none pinned."""
         if self._sync is not None:
             self._sync.close()
-        else:
-            self._req.cancelled.set()
+        self._cancel()
+        if self._submitted and not self._over:
+            try:
+                while True:
+                    kind, _ = self._req.events.get(timeout=self.CLOSE_TIMEOUT_S)
+                    if kind != "delta":
+                        break
+            except queue.Empty:
+                pass
+            self._over = True
 
 
 class LazyLLM:
@@ -208,6 +195,9 @@ class LazyLLM:
         files, validated against the model fingerprint, settings and a checksum; atomic
         writes; LRU size cap): chunks computed once survive restarts. Written in the
         background; ``close()`` waits for pending writes.
+    kernel_options : a ``lazyllm.kernels.KernelOptions`` for the Triton backend's launch
+        choices (which prefill kernel and key-tile loop, tiles, splits), for A/B measurements;
+        ``None`` keeps the measured defaults.
     trust_remote_code : passed to transformers; off unless you ask.
     """
 
@@ -234,6 +224,7 @@ class LazyLLM:
         progress: bool = True,
         batch_invariant: bool = False,
         overlap_decode: bool | None = None,
+        kernel_options: Any = None,
     ):
         if reuse not in REUSE_MODES:
             raise InvalidRequestError(f"reuse must be one of {REUSE_MODES}, got {reuse!r}")
@@ -253,6 +244,14 @@ class LazyLLM:
                 f"recompute_selection must be 'deviation' or 'attention', got {recompute_selection!r}")
         if kv_cache_bytes is not None and (not isinstance(kv_cache_bytes, int) or kv_cache_bytes <= 0):
             raise InvalidRequestError(f"kv_cache_bytes must be a positive int, got {kv_cache_bytes!r}")
+        if attention_backend not in BACKENDS:
+            raise InvalidRequestError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
+        if kernel_options is not None:
+            from .kernels import KernelOptions
+
+            if not isinstance(kernel_options, KernelOptions):
+                raise InvalidRequestError(
+                    f"kernel_options must be a lazyllm.kernels.KernelOptions, got {type(kernel_options).__name__}")
         self.reuse = reuse
         self.chunk_context = chunk_context
         if model is not None:
@@ -275,14 +274,18 @@ class LazyLLM:
         if not isinstance(batch_invariant, bool):
             raise InvalidRequestError(f"batch_invariant must be a bool, got {batch_invariant!r}")
         self.batch_invariant = batch_invariant
-        attn, rerotate, extras, self.attention_backend = _attention_backend(attention_backend, self.device,
-                                                                            batch_invariant)
+        try:
+            backend = make_backend(attention_backend, self.device, batch_invariant=batch_invariant,
+                                   options=kernel_options)
+        except ImportError as e:
+            raise InvalidRequestError(f"attention_backend='triton' needs triton: {e}") from None
+        self.attention_backend = backend.name
         if page_size is None:
-            page_size = 64 if self.device.type == "cuda" and self.attention_backend == "triton" else 16
+            page_size = 64 if self.device.type == "cuda" and backend.name == "triton" else 16
         self.page_size = page_size
         self.hf_model = hf
         self.tokenizer = tok
-        self.model = LlamaFamilyModel(hf, attention=attn, step_extras=extras, batch_invariant=batch_invariant)
+        self.model = LlamaFamilyModel(hf, attention=backend, batch_invariant=batch_invariant)
         spec = self.model.spec
         self.fingerprint = fingerprint(self.model)
         page_bytes = PagePool.page_bytes(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, self.dtype)
@@ -305,7 +308,7 @@ class LazyLLM:
         self.eos_token_ids = eos
         self.engine = Engine(self.model, tok, self.store, reuse=reuse, chunk_context=chunk_context,
                              fingerprint=self.fingerprint, eos_ids=eos, max_batch_tokens=max_batch_tokens,
-                             rerotate=rerotate, recompute_first_tokens=recompute_first_tokens,
+                             rerotate_copy=backend.rerotate_copy, recompute_first_tokens=recompute_first_tokens,
                              recompute_ratio=float(recompute_ratio), recompute_selection=recompute_selection,
                              disk=self._open_disk(kv_disk_dir, kv_disk_bytes), async_decode=overlap_decode)
         self.recompute_first_tokens = recompute_first_tokens
@@ -322,7 +325,7 @@ class LazyLLM:
 
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
             raise InvalidRequestError(f"kv_disk_bytes must be a positive int, got {max_bytes!r}")
-        if self.reuse not in ("lazy", "block"):
+        if self.reuse not in CHUNK_CACHING_MODES:
             raise InvalidRequestError("kv_disk_dir needs reuse='lazy' or 'block' (the modes that cache chunks)")
         return DiskKVStore(directory, max_bytes, fingerprint=self.fingerprint,
                            settings={"chunk_context": self.chunk_context, "dtype": str(self.dtype)})
@@ -449,7 +452,7 @@ class LazyLLM:
         return [self._wait(r) for r in reqs]
 
     def score(self, question: str, chunks: Sequence[str | Chunk] | None = None, system: str | None = None, *,
-              continuation: Sequence[int] | str, return_logits: bool = False) -> "ScoreOutput":
+              continuation: Sequence[int] | str, return_logits: bool = False) -> ScoreOutput:
         """Teacher-forced log-probabilities of ``continuation`` (token ids, or a string to
         tokenize) after the request's prompt, under the current reuse and chunk-context
         settings: for evaluation and reranking.
@@ -488,7 +491,7 @@ class LazyLLM:
         if isinstance(chunks, (str, Chunk)):
             chunks = [chunks]
         chunks = [as_chunk(c, i) for i, c in enumerate(chunks)]
-        if self.reuse not in ("lazy", "block"):
+        if not self.engine.planner.caches_chunks:
             return {"chunks": len(chunks), "computed_tokens": 0, "cached_tokens": 0}
         from tqdm.auto import tqdm
 

@@ -6,8 +6,15 @@ import pytest
 import torch
 
 import lazyllm
-from lazyllm import (CacheCapacityError, Chunk, ContextLengthError, InvalidRequestError, LazyLLM,
-                     ModelLoadError, UnsupportedModelError)
+from lazyllm import (
+    CacheCapacityError,
+    Chunk,
+    ContextLengthError,
+    InvalidRequestError,
+    LazyLLM,
+    ModelLoadError,
+    UnsupportedModelError,
+)
 from tests.conftest import make_tiny
 
 DOCS = [f"Document {i}: " + " ".join(f"fact{i}_{j}" for j in range(12 + 3 * i)) for i in range(8)]
@@ -285,7 +292,9 @@ def test_fused_projections_compute_the_same(tokenizer):
         ref = _llm(model, tokenizer).generate("q?", chunks=DOCS[:2], max_new_tokens=8)
         llm = _llm(model, tokenizer)
         llm.model = LlamaFamilyModel(model, fuse=True)
-        llm.engine.model = llm.model
+        eng = llm.engine  # every part that runs the model
+        for part in (eng, eng.runner, eng.runner.graphs, eng.runner.prefill_graphs, eng.recovery):
+            part.model = llm.model
         assert "wqkv" in llm.model.layers[0]
         assert llm.generate("q?", chunks=DOCS[:2], max_new_tokens=8).token_ids == ref.token_ids
         # the transformers model still works on the re-pointed weights
@@ -333,7 +342,7 @@ def test_score_logprobs_against_transformers_full_attention(tiny_model, tokenize
 
 
 def test_incremental_detokenizer_matches_full_decode(tokenizer):
-    from lazyllm.engine.sampler import Detokenizer
+    from lazyllm.engine.detokenizer import Detokenizer
 
     rng = random.Random(0)
     texts = ["Hello wörld — ünïcode 日本語テキスト, emojis 🎉🚀 and more.", "a b c  d\n\nnew line\ttab end"]

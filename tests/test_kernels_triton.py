@@ -43,11 +43,12 @@ assert "TRITON_INTERPRET" not in os.environ
 import lazyllm.kernels.triton as compiled  # the package's module first, compiled
 from triton.runtime.interpreter import InterpretedFunction
 assert not isinstance(compiled.prefill._paged_attn_fwd, InterpretedFunction)
-from lazyllm.api import _attention_backend
 from lazyllm.kernels import triton_kernels
 from lazyllm.kernels.reference import paged_attention_ref
-attn, _, extras, name = _attention_backend("triton", torch.device("cpu"))
-assert name == "triton" and isinstance(attn.__globals__["_paged_attn_fwd"], InterpretedFunction)
+from lazyllm.model.attention import make_backend
+from lazyllm.model.llama import AttentionMetadata
+backend = make_backend("triton", torch.device("cpu"))
+assert backend.name == "triton" and isinstance(backend.kernels.prefill._paged_attn_fwd, InterpretedFunction)
 assert triton_kernels() is compiled and "TRITON_INTERPRET" not in os.environ
 g = torch.Generator().manual_seed(0)
 pages, ps, hkv, grp, d = 6, 16, 2, 2, 32
@@ -59,7 +60,10 @@ args = dict(q=q, q_pos=torch.arange(40, 60), cu_seqlens_q=torch.tensor([0, 20], 
             block_delta=torch.tensor([[7, 7, 0, 0]], dtype=torch.int32),
             block_len=torch.tensor([[16, 16, 16, 12]], dtype=torch.int32),
             inv_freq=1.0 / 10000 ** (torch.arange(0, d, 2).float() / d), sm_scale=d ** -0.5)
-out = attn(**args, max_seqlen_q=20)
+meta = AttentionMetadata(positions=args["q_pos"], cu_seqlens_q=args["cu_seqlens_q"], slot_mapping=None,
+                         block_table=args["block_table"], block_pos=args["block_pos"],
+                         block_delta=args["block_delta"], block_len=args["block_len"], max_seqlen_q=20)
+out = backend.run(q, meta, k, v, args["inv_freq"], args["sm_scale"], backend.plan(meta, args["inv_freq"]))
 ref = paged_attention_ref(**args)
 err = ((out - ref).norm() / ref.norm()).item()
 assert err < 1e-4, err

@@ -61,7 +61,7 @@ def test_recompute_leaves_the_shared_cache_untouched(model, tokenizer):
     ref = plain.generate("q?", chunks=DOCS[1:4], max_new_tokens=8)
     llm = LazyLLM(model=model, tokenizer=tokenizer, recompute_first_tokens=6, kv_cache_bytes=32 << 20)
     llm.generate("q?", chunks=DOCS[1:4], max_new_tokens=8)
-    llm.engine.recompute_first_tokens = 0
+    llm.engine.recovery.first_tokens = 0
     assert llm.generate("q?", chunks=DOCS[1:4], max_new_tokens=8).token_ids == ref.token_ids
     plain.close()
     llm.close()
@@ -119,7 +119,7 @@ def test_attention_selected_recompute_counts_and_reuse(model, tokenizer, reuse):
     assert total - out.usage.cached_chunk_tokens == -(-total // 5)
     assert warm.engine.metrics["recovery_skipped"] == 0
     # the first pass wrote nothing into the shared cache: a plain engine on it agrees
-    warm.engine.recompute_ratio = 0.0
+    warm.engine.recovery.ratio = 0.0
     plain = LazyLLM(model=model, tokenizer=tokenizer, reuse=reuse, chunk_context="prefix", kv_cache_bytes=32 << 20)
     assert warm.generate("q?", chunks=DOCS[:4], max_new_tokens=8).token_ids == \
         plain.generate("q?", chunks=DOCS[:4], max_new_tokens=8).token_ids
@@ -134,15 +134,15 @@ def test_attention_selection_picks_what_the_question_attends_to(model, tokenizer
     llm = LazyLLM(model=model, tokenizer=tokenizer, recompute_ratio=0.1, recompute_selection="attention",
                   kv_cache_bytes=32 << 20)
     seen = {}
-    real = llm.engine._question_attention
+    real = llm.engine.recovery.question_attention
 
-    def spy(r, spans, *a):
-        d = real(r, spans, *a)
+    def spy(r):
+        d = real(r)
         seen["mass"] = d
-        seen["n"] = sum(len(c) for _, c, _, _, _ in spans)
+        seen["n"] = sum(len(s.ids) for s in r.plan.spans)
         return d
 
-    llm.engine._question_attention = spy
+    llm.engine.recovery.question_attention = spy
     out = llm.generate("q?", chunks=DOCS[:3], max_new_tokens=1)
     s = len(out.prompt_segments[-1][1])
     spec = llm.model.spec
@@ -165,14 +165,14 @@ def test_key_deviation_is_zero_for_the_first_isolated_chunk_only(model, tokenize
     llm = LazyLLM(model=model, tokenizer=tokenizer, chunk_context="prefix", recompute_ratio=0.1,
                   kv_cache_bytes=32 << 20)
     seen = {}
-    real = llm.engine._key_deviation
+    real = llm.engine.recovery.key_deviation
 
-    def spy(r, spans):
-        d = real(r, spans)
-        seen["dev"], seen["lens"] = d, [len(c) for _, c, _, _, _ in spans]
+    def spy(r):
+        d = real(r)
+        seen["dev"], seen["lens"] = d, [len(s.ids) for s in r.plan.spans]
         return d
 
-    llm.engine._key_deviation = spy
+    llm.engine.recovery.key_deviation = spy
     llm.generate("q?", chunks=DOCS[:3], max_new_tokens=1)
     n0 = seen["lens"][0]
     assert float(seen["dev"][:n0].max()) < 1e-3

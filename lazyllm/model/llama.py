@@ -14,15 +14,24 @@ prefill or one decode token per sequence), their positions, where to write their
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from lazyllm.kernels.reference import (
+    apply_rope,
+    paged_attention_mass_ref,
+    paged_attention_ref,
+    rope_cos_sin,
+    write_kv_ref,
+)
+
 from ..errors import UnsupportedModelError
-from lazyllm.kernels.reference import (apply_rope, paged_attention_mass_ref, paged_attention_ref, rope_cos_sin,
-                                       write_kv_ref)
+from .attention import AttentionBackend, TorchAttention
+
+log = logging.getLogger("lazyllm")
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
@@ -114,8 +123,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 class LlamaFamilyModel:
     """Inference-only forward of a Llama-family causal LM over paged KV."""
 
-    def __init__(self, hf_model, attention: Callable | None = None, step_extras: Callable | None = None,
-                 fuse: bool | None = None, fused_kernels: bool | None = None, batch_invariant: bool = False):
+    def __init__(self, hf_model, attention: AttentionBackend | None = None, fuse: bool | None = None,
+                 fused_kernels: bool | None = None, batch_invariant: bool = False):
         cfg = hf_model.config
         mt = getattr(cfg, "model_type", None)
         if mt not in SUPPORTED_MODEL_TYPES:
@@ -142,7 +151,8 @@ class LlamaFamilyModel:
                 inv, sc, rtype = (getattr(rot, f"{t}_inv_freq"), getattr(rot, f"{t}_attention_scaling", 1.0),
                                   getattr(rot, "rope_type", {}).get(t, "default"))
             else:
-                inv, sc, rtype = rot.inv_freq, getattr(rot, "attention_scaling", 1.0), getattr(rot, "rope_type", "default")
+                inv, sc = rot.inv_freq, getattr(rot, "attention_scaling", 1.0)
+                rtype = getattr(rot, "rope_type", "default")
             if rtype == "dynamic":
                 raise UnsupportedModelError("dynamic NTK RoPE changes with sequence length and cannot be deferred")
             freq_of[t] = len(self.inv_freqs)
@@ -207,10 +217,13 @@ class LlamaFamilyModel:
         self.inv_freqs = [f.to(self.device) for f in self.inv_freqs]
         self.inv_freq = self.inv_freqs[self.freq_index[0]] if len(self.inv_freqs) == 1 else \
             self.inv_freq.to(self.device)
-        self.attention = attention or paged_attention_ref
-        # per-step extras for the attention launcher (e.g. the Triton rope table, built
-        # once per step instead of once per layer); None for the torch reference
-        self.step_extras = step_extras
+        # the attention backend: plan() once per forward and RoPE frequency, run() per layer
+        self.attention = attention or TorchAttention()
+        slow = [i for i, win in enumerate(self.windows) if win is not None]
+        if slow:
+            log.warning("%s: %d of %d layers use sliding-window attention, which runs on the torch reference "
+                        "(no Triton kernels, no fused kernels, no CUDA graphs): slower than the other layers",
+                        mt, len(slow), len(self.windows))
         self.write_kv = write_kv_ref
         if fuse if fuse is not None else self.device.type == "cuda":
             self._fuse_projections()
@@ -225,6 +238,10 @@ class LlamaFamilyModel:
             if want is True:
                 from lazyllm.kernels import fused as want
             self.fused = want
+        elif want and self.device.type == "cuda":
+            why = "Gemma norms" if self.spec.gemma else "per-head q/k norms" if self.spec.qk_norm else "unfused q/k/v"
+            log.warning("%s: %s are not in the fused per-layer kernels; its layers run as separate torch ops "
+                        "(slower per token than the Llama layer)", mt, why)
 
     def _fuse_projections(self) -> None:
         """One GEMM for q/k/v and one for gate/up. The fused tensor becomes the storage
@@ -235,7 +252,7 @@ class LlamaFamilyModel:
                 ts = [w[p] for p in parts]
                 cat = torch.cat([t.data for t in ts], dim=0)
                 off = 0
-                for p, t in zip(parts, ts):
+                for t in ts:
                     n = t.shape[0]
                     t.data = cat[off:off + n]
                     off += n
@@ -293,13 +310,15 @@ class LlamaFamilyModel:
         """Whether a forward can be captured in a CUDA graph: no layer runs the torch reference
         attention, which reads the batch layout on the host (the torch backend, and
         sliding-window layers, which always use it)."""
-        return self.attention is not paged_attention_ref and all(w["window"] is None for w in self.layers)
+        return self.attention.graph_capturable and all(w["window"] is None for w in self.layers)
 
-    def _attend(self, args: tuple, w: dict, extras: dict) -> torch.Tensor:
+    def _attend(self, q, meta: AttentionMetadata, k_cache, v_cache, li: int, plans: list) -> torch.Tensor:
+        w = self.layers[li]
         if w["window"] is None:
-            return self.attention(*args, **extras)
+            return self.attention.run(q, meta, k_cache[li], v_cache[li], self.inv_freqs[w["freq"]],
+                                      self.spec.sm_scale, plans[w["freq"]])
         # sliding-window layers: the torch reference (the Triton kernels have no window yet)
-        return paged_attention_ref(*args, window=w["window"])
+        return paged_attention_ref(*self._attn_args(q, meta, k_cache, v_cache, li), window=w["window"])
 
     @torch.inference_mode()
     def probe_keys(self, input_ids: torch.Tensor, layer: int) -> torch.Tensor:
@@ -378,15 +397,14 @@ class LlamaFamilyModel:
         s = self.spec
         h = self._embed(input_ids)
         tables = [rope_cos_sin(meta.positions, f, sc) for f, sc in zip(self.inv_freqs, self.rope_scales)]
-        extras = [self.step_extras(meta, f) if self.step_extras else {} for f in self.inv_freqs]
+        plans = [self.attention.plan(meta, f) for f in self.inv_freqs]
         if self.fused is not None and stop_after_layer is None:
-            return self._forward_fused(h, meta, k_cache, v_cache, tables, extras, logits_index)
+            return self._forward_fused(h, meta, k_cache, v_cache, tables, plans, logits_index)
         for li, w in enumerate(self.layers):
             fi = w["freq"]
             q, k, v = self._qkv(h, w, *tables[fi])
             self.write_kv(k_cache[li], v_cache[li], meta.slot_mapping, k, v)
-            args = self._attn_args(q, meta, k_cache, v_cache, li)
-            o = self._attend(args, w, extras[fi])
+            o = self._attend(q, meta, k_cache, v_cache, li, plans)
             h = self._finish_layer(h, o, w)
             if stop_after_layer is not None and li == stop_after_layer:
                 return h
@@ -395,7 +413,7 @@ class LlamaFamilyModel:
         h = self._norm(h, self.final_norm, s.rms_eps)
         return self._linear(h, self.lm_head).float()
 
-    def _forward_fused(self, h, meta, k_cache, v_cache, tables, extras, logits_index):
+    def _forward_fused(self, h, meta, k_cache, v_cache, tables, plans, logits_index):
         """``forward`` with the fused kernels: per layer one RMSNorm (+ residual add), the
         QKV GEMM, one RoPE + K/V write, attention, the output GEMM, one add + RMSNorm, the
         gate/up GEMM, one SiLU * up, the down GEMM (its residual add is fused into the
@@ -415,8 +433,7 @@ class LlamaFamilyModel:
             qkv = proj(x, w["wqkv"], w["bqkv"])
             q = fk.rope_qkv_write(qkv, *tables[fi], k_cache[li], v_cache[li], meta.slot_mapping,
                                   s.num_heads, s.num_kv_heads)
-            args = self._attn_args(q, meta, k_cache, v_cache, li)
-            o = self._attend(args, w, extras[fi])
+            o = self._attend(q, meta, k_cache, v_cache, li, plans)
             h, x = fk.add_rms_norm(h, proj(o.reshape(n, -1), w["wo"], w["bo"]), w["ln2"], s.rms_eps)
             pending = proj(fk.silu_mul(proj(x, w["wgu"]), h.dtype), w["wd"])
         if logits_index is not None:

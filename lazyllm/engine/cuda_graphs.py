@@ -14,27 +14,22 @@ the one before it (``Engine.async_decode``).
 
 ``PrefillGraphs`` does the same for short single-sequence prefills (a question over cached
 chunks).
+
+``PinnedTurns`` gives each step's argmax (and staged inputs) host buffers to copy through.
 """
 from __future__ import annotations
 
 import logging
 import time
 
+import numpy as np
 import torch
 
-import numpy as np
-
 from ..model.llama import AttentionMetadata
+from .request import next_pow2, pack_tables
 
 _PAGE, _POS, _DELTA, _LEN = range(4)
 log = logging.getLogger("lazyllm")
-
-
-def _bucket(n: int, lo: int) -> int:
-    b = lo
-    while b < n:
-        b *= 2
-    return b
 
 
 def _capture_graph(forward, pool, reset=None):
@@ -123,10 +118,7 @@ class DecodeState:
         row = len(self.rows)
         self.rows.append(r)
         r.row = row
-        host = torch.zeros((4, self.max_entries), dtype=torch.int32)
-        if table:
-            host[:, : len(table)] = torch.tensor([[e.page, e.pos, e.delta, e.length] for e in table],
-                                                 dtype=torch.int32).T
+        host = torch.from_numpy(pack_tables([table], self.max_entries)[:, 0]).to(torch.int32)
         self.tables[:, row].copy_(host.to(self.device, non_blocking=False))
 
     def detach(self, r) -> None:
@@ -214,14 +206,14 @@ class GraphRunner:
         self.capture_s = 0.0  # host time spent capturing (a step that meets a new bucket waits it)
 
     def batch_bucket(self, B: int) -> int:
-        return min(_bucket(B, 1), self.state.max_batch) if self.enabled else B
+        return min(next_pow2(B), self.state.max_batch) if self.enabled else B
 
     def width_bucket(self, W: int) -> int:
         # powers of two up to 64 entries, then multiples of 64: padding costs the decode
         # kernel work, each bucket costs one capture
         if not self.enabled:
             return W
-        b = _bucket(W, 16) if W <= 64 else -(-W // 64) * 64
+        b = next_pow2(W, 16) if W <= 64 else -(-W // 64) * 64
         return min(b, self.state.max_entries)
 
     def _step(self, B: int, W: int):
@@ -288,20 +280,17 @@ class PrefillGraphs:
         # powers of two: each new bucket costs a capture (two forwards and the capture, a
         # stall for the request that meets it), while padding entries cost the prefill kernel
         # only a scan (it stops at the last real entry)
-        return min(_bucket(W, 16), self.max_entries)
+        return min(next_pow2(W, 16), self.max_entries)
 
     def run(self, ids, pos, slots, table) -> torch.Tensor | None:
-        """Logits ``(1, vocab)`` of the last of ``ids``; ``table`` lists ``(page, pos, delta,
-        len)`` entries (cached context first, then the sequence's own pages). ``None`` if
-        the graph could not be captured (graphs are then switched off)."""
+        """Logits ``(1, vocab)`` of the last of ``ids``; ``table`` lists the sequence's
+        ``TableEntry`` rows (cached context first, then its own pages). ``None`` if the graph
+        could not be captured (graphs are then switched off)."""
         n, W = len(ids), len(table)
-        T = 16
-        while T < n:
-            T *= 2
+        T = next_pow2(n, 16)
         Wb = self._width(W)
         pad = T - n
-        tab = np.zeros((4, Wb), dtype=np.int64)
-        tab[:, :W] = np.asarray(table, dtype=np.int64).T
+        tab = pack_tables([table], Wb)[:, 0]
         host = torch.from_numpy(np.concatenate([
             np.asarray(list(ids) + [0] * pad, dtype=np.int64),
             np.asarray(list(pos) + [pos[-1]] * pad, dtype=np.int64),

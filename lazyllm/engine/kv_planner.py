@@ -1,0 +1,346 @@
+"""Where each reuse mode decides a request's pages.
+
+``KVPlanner.plan`` reserves everything a request needs before it is admitted: cached
+entries it reads (pinned), entries it must compute (reserved, filled by this round's
+prefill), private pages for its own tokens, and room for its decode. One policy object per
+reuse mode holds that mode's behaviour:
+
+* ``LazyPolicy``: chunk pages are referenced where they lie, with a rotation delta that the
+  attention kernel applies (zero copy).
+* ``BlockPolicy``: the same lookup, then a private re-rotated copy of every shifted chunk
+  page (the Block-Attention baseline).
+* ``PrefixPolicy``: full attention; reuses hash-chained full pages of an identical token
+  prefix (as vLLM), and hands the prompt's full pages to the store after the prefill.
+* ``NonePolicy``: full attention, nothing reused.
+
+Work for entries that several requests of one admission round need is gathered once per
+key (``pending_prefixes`` then ``pending_chunks``: a chunk encoded after the prefix needs
+the prefix's KV first) and run by the engine's prefill.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from ..cache.disk_tier import DiskTier
+from ..cache.store import ChunkStore, Entry, chunk_key
+from .request import ChunkSpan, Job, PrefillPlan, Request, TableEntry, entry_table, pages_for
+
+REUSE_MODES = ("lazy", "block", "prefix", "none")
+CHUNK_CONTEXTS = ("isolated", "prefix")
+
+
+@dataclass
+class PendingEntry:
+    entry: Entry
+    job: Job
+
+
+class KVPlanner:
+    """Reserves pages for requests under one reuse policy (engine thread only)."""
+
+    def __init__(self, store: ChunkStore, reuse: str, chunk_context: str, fingerprint: str,
+                 disk: DiskTier | None = None, metrics: dict | None = None):
+        if reuse not in REUSE_MODES:
+            raise ValueError(f"reuse must be one of {REUSE_MODES}, got {reuse!r}")
+        if chunk_context not in CHUNK_CONTEXTS:
+            raise ValueError(f"chunk_context must be one of {CHUNK_CONTEXTS}, got {chunk_context!r}")
+        self.store, self.pool = store, store.pool
+        self.page_size = self.pool.page_size
+        self.policy: ReusePolicy = _POLICIES[reuse]()
+        self.chunk_context = chunk_context
+        self.fingerprint = fingerprint
+        self.disk = disk
+        self.metrics = metrics if metrics is not None else {}
+        # prefill work gathered while admitting one round: key -> pending entry
+        self.pending_prefixes: dict[bytes, PendingEntry] = {}
+        self.pending_chunks: dict[bytes, PendingEntry] = {}
+
+    # -- planning ---------------------------------------------------------------------
+    def plan(self, r: Request) -> bool:
+        """Reserve everything request ``r`` needs; on failure undo and return False."""
+        decode_pages = pages_for(r.params.max_new_tokens + 1, self.page_size)
+        r.lookups = []
+        ok = self.policy.plan(self, r, decode_pages)
+        if not ok:
+            self.unplan(r)
+        else:
+            # a request waiting for pages is planned again every step: its lookups count
+            # once, when it is admitted, or cache_stats' hit rate would count the waiting
+            for hit, n in r.lookups:
+                self.store.record(hit, n)
+        r.lookups = []
+        return ok
+
+    def unplan(self, r: Request) -> None:
+        """Give back what planning reserved and forget what it counted, so the request can
+        be planned again from scratch (the caller detaches it from decoding first)."""
+        self.release(r)
+        r.table, r.plan = [], None
+        r.cached_tokens = r.cached_chunk_tokens = r.computed_tokens = r.recomputed_tokens = 0
+
+    def release(self, r: Request) -> None:
+        """Unpin what ``r`` reads, drop reservations nobody else waits for, free its pages."""
+        for e in r.pinned:
+            if self.store.release(e):
+                self.pending_prefixes.pop(e.key, None)
+                self.pending_chunks.pop(e.key, None)
+        r.pinned = []
+        self.pool.free(r.private_pages)
+        r.private_pages = []
+
+    def prefill_cost(self, r: Request) -> int:
+        """Tokens admitting ``r`` would prefill now (cached segments cost nothing)."""
+        return self.policy.prefill_cost(self, r)
+
+    def take_pending(self) -> list[list[PendingEntry]]:
+        """The round's entry prefills in dependency order (prefixes, then chunks)."""
+        rounds = [list(self.pending_prefixes.values()), list(self.pending_chunks.values())]
+        self.pending_prefixes.clear()
+        self.pending_chunks.clear()
+        return rounds
+
+    def after_prefill(self, r: Request) -> None:
+        """Called once the request's own prefill has written its KV."""
+        self.policy.after_prefill(self, r)
+
+    @property
+    def caches_chunks(self) -> bool:
+        return self.policy.caches_chunks
+
+    # -- shared steps of the policies ----------------------------------------------------
+    def alloc_private(self, r: Request, n_pages: int) -> list[int] | None:
+        """``n_pages`` pages owned by ``r`` alone (freed when it ends)."""
+        pages = self.store.alloc_pages(n_pages)
+        if pages is not None:
+            r.private_pages.extend(pages)
+        return pages
+
+    def own_table(self, pages: list[int], pos: int, n: int) -> list[TableEntry]:
+        return entry_table(pages, n, pos, 0, self.page_size)
+
+    def has_decode_room(self, decode_pages: int) -> bool:
+        return self.pool.num_free + self.store.evictable_pages() >= decode_pages
+
+    def segment_keys(self, r: Request) -> tuple[bytes, list[bytes]]:
+        """Cache keys of the request's prefix and chunks (computed once per request)."""
+        if r.keys is None or r.keys[0] is None:
+            prefix = r.segments[0]
+            pkey = chunk_key(self.fingerprint, f"prefix-segment:{self.chunk_context}", prefix.ids)
+            if self.chunk_context == "prefix":
+                ck = [chunk_key(self.fingerprint, "prefix", c.ids, pkey) for c in r.segments[1:-1]]
+            else:
+                ck = [chunk_key(self.fingerprint, "isolated", c.ids) for c in r.segments[1:-1]]
+            r.keys = (pkey, ck)
+        return r.keys
+
+    def lookup_or_create(self, r: Request, key: bytes, n: int, stored_pos: int, kind: str):
+        """Pinned entry for ``key`` and whether ``r`` must compute it; ``(None, False)`` when
+        the pool cannot hold it."""
+        e = self.store.acquire(key, pending_ok=True)
+        if e is not None:
+            r.pinned.append(e)
+            r.lookups.append((True, n))
+            return e, False  # ready, or computed once in this round for whoever created it
+        e = self.store.create(key, n, stored_pos, kind)
+        if e is None:
+            return None, False
+        r.pinned.append(e)
+        if self.disk is not None and self.disk.load(e):
+            self.store.mark_ready(e)
+            r.lookups.append((True, n))
+            self.metrics["disk_hits"] = self.metrics.get("disk_hits", 0) + 1
+            return e, False
+        r.computed_tokens += n
+        r.lookups.append((False, n))
+        return e, True
+
+
+class ReusePolicy:
+    """How one reuse mode plans a request's KV."""
+
+    name = ""
+    caches_chunks = False  # whether chunks (and the prefix) are cached as entries
+
+    def prefill_cost(self, planner: KVPlanner, r: Request) -> int:
+        return r.num_prompt_tokens
+
+    def plan(self, planner: KVPlanner, r: Request, decode_pages: int) -> bool:
+        raise NotImplementedError
+
+    def after_prefill(self, planner: KVPlanner, r: Request) -> None:
+        pass
+
+
+class LazyPolicy(ReusePolicy):
+    """Chunk pages referenced in place, positions applied in the kernel (zero copy)."""
+
+    name = "lazy"
+    caches_chunks = True
+
+    def prefill_cost(self, planner: KVPlanner, r: Request) -> int:
+        pkey, ck = planner.segment_keys(r)
+        segs = r.segments
+        cost = len(segs[-1].ids)
+        for key, seg in zip([pkey] + ck, segs[:-1]):
+            if key not in planner.store:
+                cost += len(seg.ids)
+        return cost
+
+    def plan(self, planner: KVPlanner, r: Request, decode_pages: int) -> bool:
+        ps = planner.page_size
+        segs = r.segments
+        prefix, chunks, suffix = segs[0], segs[1:-1], segs[-1]
+        P = len(prefix.ids)
+        table: list[TableEntry] = []
+        # the shared prefix (system prompt and template header), positions 0..P-1
+        pkey, chunk_keys = planner.segment_keys(r)
+        pe, need = planner.lookup_or_create(r, pkey, P, 0, "prefix")
+        if pe is None:
+            return False
+        if need:
+            planner.pending_prefixes[pkey] = PendingEntry(pe, Job(prefix.ids, 0, pe.pages, []))
+        else:
+            r.cached_tokens += P
+        prefix_entries = entry_table(pe.pages, pe.num_tokens, 0, 0, ps)
+        table += prefix_entries
+        # chunks, each encoded alone (isolated) or after the prefix
+        pos = P
+        spans = []
+        after_prefix = planner.chunk_context == "prefix"
+        for c, key in zip(chunks, chunk_keys):
+            n = len(c.ids)
+            stored = P if after_prefix else 0
+            ce, need = planner.lookup_or_create(r, key, n, stored, "chunk")
+            if ce is None:
+                return False
+            if need:
+                ctx = prefix_entries if after_prefix else []
+                planner.pending_chunks[key] = PendingEntry(ce, Job(c.ids, stored, ce.pages, ctx))
+            else:
+                r.cached_tokens += n
+                r.cached_chunk_tokens += n
+            entries = entry_table(ce.pages, ce.num_tokens, pos, pos - stored, ps)
+            spans.append(ChunkSpan(pos, c.ids, len(table), need, entries))
+            table += entries
+            pos += n
+        if r.warm_only:
+            r.plan = PrefillPlan()
+            return True
+        # the suffix in private pages
+        S = len(suffix.ids)
+        own = planner.alloc_private(r, pages_for(S, ps))
+        if own is None:
+            return False
+        plan = PrefillPlan(spans=spans, own=own, suffix_ids=list(suffix.ids), suffix_pos=pos)
+        table = self.place(planner, r, table, plan)
+        if table is None or not planner.has_decode_room(decode_pages):
+            return False
+        plan.job = Job(suffix.ids, pos, own, list(table), logit_rows=r.logit_rows)
+        plan.context = table
+        r.plan = plan
+        r.computed_tokens += S
+        r.table = table + planner.own_table(own, pos, S)
+        r.next_pos = pos + S
+        return True
+
+    def place(self, planner: KVPlanner, r: Request, table: list[TableEntry],
+              plan: PrefillPlan) -> list[TableEntry] | None:
+        """The cached part of the request's table as its attention reads it."""
+        return table
+
+
+class BlockPolicy(LazyPolicy):
+    """The Block-Attention baseline: a private re-rotated copy of every shifted chunk page."""
+
+    name = "block"
+
+    def place(self, planner: KVPlanner, r: Request, table: list[TableEntry],
+              plan: PrefillPlan) -> list[TableEntry] | None:
+        shifted = [e for e in table if e.delta != 0]
+        dst = planner.alloc_private(r, len(shifted))
+        if dst is None:
+            return None
+        it = iter(dst)
+        out = []
+        for e in table:
+            if e.delta != 0:
+                d = next(it)
+                plan.copies.append((e.page, d, e.delta))
+                out.append(TableEntry(d, e.pos, 0, e.length))
+            else:
+                out.append(e)
+        return out
+
+
+class NonePolicy(ReusePolicy):
+    """Full attention over the whole prompt, nothing reused."""
+
+    name = "none"
+
+    def reuse_prefix(self, planner: KVPlanner, r: Request, ids: list[int]):
+        """``(table of reused pages, tokens reused, chain keys)``."""
+        return [], 0, []
+
+    def plan(self, planner: KVPlanner, r: Request, decode_pages: int) -> bool:
+        ids = r.prompt_ids
+        N = len(ids)
+        table, m, keys = self.reuse_prefix(planner, r, ids)
+        rest = ids[m:]
+        if self.name == "prefix":
+            r.lookups.append((False, len(rest)))
+        own = planner.alloc_private(r, pages_for(len(rest), planner.page_size))
+        if own is None or not planner.has_decode_room(decode_pages):
+            return False
+        r.plan = PrefillPlan(job=Job(rest, m, own, list(table), logit_rows=r.logit_rows),
+                             chain=(keys, m // planner.page_size))
+        r.computed_tokens = len(rest)
+        r.table = table + planner.own_table(own, m, len(rest))
+        r.next_pos = N
+        return True
+
+
+class PrefixPolicy(NonePolicy):
+    """Full attention reusing the full pages of an identical token prefix (as vLLM)."""
+
+    name = "prefix"
+
+    def reuse_prefix(self, planner: KVPlanner, r: Request, ids: list[int]):
+        ps = planner.page_size
+        N = len(ids)
+        keys = []
+        prev = planner.fingerprint.encode()
+        for j in range(N // ps):
+            h = hashlib.blake2b(prev + str(ids[j * ps:(j + 1) * ps]).encode(), digest_size=20).digest()
+            keys.append(h)
+            prev = h
+        table: list[TableEntry] = []
+        m = 0
+        while m < len(keys) and m < (N - 1) // ps:
+            e = planner.store.acquire(keys[m])
+            if e is None:
+                break
+            r.pinned.append(e)
+            table.append(TableEntry(e.pages[0], m * ps, 0, ps))
+            m += 1
+        if m:
+            r.lookups.append((True, m * ps))
+        r.cached_tokens = m * ps
+        return table, m * ps, keys
+
+    def after_prefill(self, planner: KVPlanner, r: Request) -> None:
+        """Hand the request's full prompt pages to the store, for later identical prefixes."""
+        keys, m = r.plan.chain
+        ps = planner.page_size
+        for j in range(m, len(keys)):
+            page = r.table[j].page
+            if keys[j] in planner.store or page not in r.private_pages:
+                continue
+            r.private_pages.remove(page)
+            r.pinned.append(planner.store.adopt(keys[j], [page], ps, j * ps, "page"))
+
+
+_POLICIES = {p.name: p for p in (LazyPolicy, BlockPolicy, PrefixPolicy, NonePolicy)}
+assert tuple(_POLICIES) == REUSE_MODES
+# the modes whose policy caches chunks (and the prefix) as entries
+CHUNK_CACHING_MODES = tuple(name for name, p in _POLICIES.items() if p.caches_chunks)

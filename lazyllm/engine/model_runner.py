@@ -1,0 +1,201 @@
+"""The model runner: runs the forwards the scheduler decided, and nothing else.
+
+It turns prefill jobs into one varlen forward (metadata packed and sent to the device in one
+copy, short single-sequence prefills replayed from CUDA graphs), makes re-rotated page
+copies, and launches decode steps from the device-resident decode state. It never admits,
+frees or finishes a request: it calls nothing in the scheduler or the output.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..cache.store import PagePool
+from ..model.llama import AttentionMetadata
+from .cuda_graphs import DecodeState, GraphRunner, PinnedTurns, PrefillGraphs
+from .request import Job, Request, TableEntry, entry_table, pack_tables, slot_of
+
+
+@dataclass
+class DecodeStep:
+    """A launched decode step: its requests in row order, logits, argmax on its way to the
+    host (``(buffer, event)``), and when it was staged."""
+
+    reqs: list
+    logits: torch.Tensor
+    picks: tuple
+    t_launch: float
+    overlapped: bool = False  # launched while the step before it was still unread
+
+
+class ModelRunner:
+    """Forwards of one model over one page pool (engine thread only)."""
+
+    def __init__(self, model, pool: PagePool, *, rerotate_copy, max_batch_tokens: int, max_batch_size: int,
+                 cuda_graphs: bool, metrics: dict):
+        self.model, self.pool = model, pool
+        self.device = model.device
+        self.rerotate_copy = rerotate_copy
+        self.max_batch_tokens = max_batch_tokens
+        self.metrics = metrics
+        max_entries = -(-model.spec.max_context // pool.page_size) + 2
+        self.decode_state = DecodeState(max_batch_size, max_entries, self.device)
+        # no CUDA graphs where a layer's attention reads the batch layout on the host (the
+        # torch reference: the torch backend, Gemma 3's sliding-window layers)
+        graphs = cuda_graphs and model.graph_capturable
+        self.graphs = GraphRunner(model, self.decode_state, pool.k, pool.v, enabled=graphs)
+        self.prefill_graphs = PrefillGraphs(model, pool.k, pool.v, max_entries, self.device,
+                                            pool.scratch_page * pool.page_size, enabled=graphs)
+        self._picks = PinnedTurns(max_batch_size, self.device)  # each step's argmax, on its way to the host
+
+    def graph_stats(self) -> dict:
+        d, p = self.graphs, self.prefill_graphs
+        return {"decode_graphs": len(d.graphs), "prefill_graphs": len(p.graphs),
+                "capture_s": d.capture_s + p.capture_s}
+
+    # -- prefill -------------------------------------------------------------------------
+    def run_jobs(self, jobs: list[Job]) -> list[torch.Tensor | None]:
+        """Logits of each job's last ``logit_rows`` tokens (``None`` for jobs that need
+        none), from one forward, or a few capped by ``max_batch_tokens``."""
+        out: list[torch.Tensor | None] = []
+        group: list[Job] = []
+        n = 0
+        for j in jobs:
+            if group and n + len(j.ids) > self.max_batch_tokens:
+                out += self._forward_jobs(group)
+                group, n = [], 0
+            group.append(j)
+            n += len(j.ids)
+        if group:
+            out += self._forward_jobs(group)
+        return out
+
+    def _forward_jobs(self, jobs: list[Job]) -> list[torch.Tensor | None]:
+        ps = self.pool.page_size
+        ids, pos, slots, cu, tables, logit_rows = [], [], [], [0], [], []
+        for j in jobs:
+            n = len(j.ids)
+            ids += j.ids
+            if j.positions is not None:
+                pos += j.positions
+                slots += j.slots
+                tables.append(j.context)
+            else:
+                pos += range(j.start_pos, j.start_pos + n)
+                slots += [slot_of(j.own_pages, i, ps) for i in range(n)]
+                tables.append(j.context + entry_table(j.own_pages, n, j.start_pos, 0, ps))
+            cu.append(cu[-1] + n)
+            logit_rows += range(cu[-1] - j.logit_rows, cu[-1])
+        self.metrics["prefill_tokens"] += len(ids)
+        if len(jobs) == 1 and self.prefill_graphs.accepts(len(ids), len(tables[0]), jobs[0].logit_rows):
+            # a short single-sequence prefill (a question over cached chunks): one graph replay
+            out = self.prefill_graphs.run(ids, pos, slots, tables[0])
+            if out is not None:  # None: the capture failed and graphs are off; run eagerly
+                return [out]
+        ids_t, rows, meta = self.metadata(ids, pos, slots, cu, tables, max(len(j.ids) for j in jobs), logit_rows)
+        logits = self.model.forward(ids_t, meta, self.pool.k, self.pool.v, logits_index=rows)
+        out, i = [], 0
+        for j in jobs:
+            out.append(logits[i:i + j.logit_rows] if j.logit_rows else None)
+            i += j.logit_rows
+        return out
+
+    def metadata(self, ids, pos, slots, cu, tables: list[list[TableEntry]], max_q: int, logit_rows):
+        """Token ids, logit rows and attention metadata of a prefill step, sent to the
+        device in one copy."""
+        B = len(tables)
+        W = max(1, max(len(t) for t in tables))
+        n, nr = len(ids), len(logit_rows)
+        host = torch.from_numpy(np.concatenate([
+            np.asarray(ids, dtype=np.int64), np.asarray(pos, dtype=np.int64), np.asarray(slots, dtype=np.int64),
+            np.asarray(cu, dtype=np.int64), np.asarray(logit_rows, dtype=np.int64),
+            pack_tables(tables, W).ravel()]))
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        o = 0
+
+        def take(k):
+            nonlocal o
+            o += k
+            return dev[o - k:o]
+
+        ids_t, pos_t, slots_t, cu_t, rows_t = take(n), take(n), take(n), take(B + 1), take(nr)
+        tab_t = take(4 * B * W).view(4, B, W).to(torch.int32)
+        meta = AttentionMetadata(
+            positions=pos_t.to(torch.int32), cu_seqlens_q=cu_t.to(torch.int32), slot_mapping=slots_t,
+            block_table=tab_t[0], block_pos=tab_t[1], block_delta=tab_t[2], block_len=tab_t[3], max_seqlen_q=max_q,
+        )
+        return ids_t, rows_t, meta
+
+    def copy_pages(self, copies: list[tuple[int, int, int]]) -> None:
+        """Make re-rotated private copies: ``(src page, dst page, delta)`` each, keys rotated
+        by ``delta``, every layer with its own RoPE frequencies (one launch when all layers
+        share them)."""
+        if not copies:
+            return
+        src, dst, delta = (torch.tensor(x, dtype=torch.int32, device=self.device) for x in zip(*copies))
+        m, pool = self.model, self.pool
+        if len(m.inv_freqs) == 1:
+            self.rerotate_copy(pool.k, pool.v, src, dst, delta, m.inv_freqs[0])
+        else:
+            for li, fi in enumerate(m.freq_index):
+                self.rerotate_copy(pool.k[li:li + 1], pool.v[li:li + 1], src, dst, delta, m.inv_freqs[fi])
+        self.metrics["copied_pages"] += len(copies)
+
+    # -- decode --------------------------------------------------------------------------
+    def launch_decode(self, reqs: list[Request], pending: dict[int, int], dead: set[int]) -> DecodeStep:
+        """Stage and launch one decode step for ``reqs`` (the decode state's rows, each with
+        room for its next token in its last page). ``pending``: requests (by ``id``) whose
+        latest token is still in the unread step in flight, to the row it has there: their
+        input is that step's argmax on the device. ``dead``: requests that ride along with
+        no page (their K/V to the scratch slot, their token dropped)."""
+        ps = self.pool.page_size
+        state = self.decode_state
+        updates, ids, src, pos, slots = [], [], [], [], []
+        W = 0
+        scratch = self.pool.scratch_page * ps
+        for r in reqs:
+            last = r.table[-1]
+            col = len(r.table) - 1
+            if id(r) in dead:
+                slots.append(scratch)
+                updates.append((state.max_batch, 0, 0, 0, 0, 0))  # the dump row
+            else:
+                slots.append(last.page * ps + last.length)
+                last.length += 1
+                updates.append((r.row, col, last.page, last.pos, last.delta, last.length))
+            i = pending.get(id(r), -1)
+            src.append(i)  # its token: step n's argmax of that row, still on the device
+            ids.append(r.generated[-1] if i < 0 else 0)
+            pos.append(r.next_pos + (i >= 0))
+            W = max(W, len(r.table))
+        B = len(reqs)
+        t_step = time.perf_counter()
+        Bp, Wp = self.graphs.batch_bucket(B), self.graphs.width_bucket(W)
+        # the graph loads the staged inputs, runs the forward and the argmax
+        state.stage(updates, ids, pos, slots, Bp, scratch, src=src if pending else None)
+        logits, argmax = self.graphs.run(Bp, Wp)
+        self.metrics["decode_steps"] += 1
+        self.metrics["decode_tokens"] += B
+        return DecodeStep(reqs, logits[:B], self._picks_to_host(argmax, B), t_step, overlapped=bool(pending))
+
+    def _picks_to_host(self, argmax: torch.Tensor, B: int):
+        """Start copying a step's argmax to the host (the graph overwrites ``argmax`` at the
+        next step of its bucket); returns ``(buffer, event)`` for ``read_picks``."""
+        k = self._picks.take()
+        buf = self._picks.bufs[k][:B]
+        buf.copy_(argmax[:B], non_blocking=True)
+        self._picks.record(k)
+        return buf, self._picks.events[k]
+
+    @staticmethod
+    def read_picks(step: DecodeStep) -> list[int]:
+        """The step's argmax per row, once the GPU has produced it."""
+        buf, ev = step.picks
+        if ev is not None:
+            ev.synchronize()
+        return buf.tolist()

@@ -1,0 +1,102 @@
+"""Output: turns a request's logits into tokens and text, and its end into a result.
+
+``OutputProcessor`` samples each new token, streams its text (``Detokenizer``), decides
+when a request is done (EOS, a stop string, its length or the model's context) and builds
+the ``GenerationOutput`` / ``ScoreOutput`` or the error the caller receives on the
+request's event queue. It never touches pages: the engine retires a
+request (frees what it holds) before handing its result out.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..errors import RequestCancelled
+from ..types import GenerationOutput, ScoreOutput, Usage
+from .request import Request
+from .sampler import sample_token
+
+__all__ = ["OutputProcessor"]
+
+
+class OutputProcessor:
+    """Tokens, text and results of requests (engine thread only)."""
+
+    def __init__(self, tokenizer, eos_ids: set[int], max_context: int, metrics: dict):
+        self.tok, self.eos_ids, self.max_context, self.metrics = tokenizer, eos_ids, max_context, metrics
+
+    def emit(self, r: Request, logits: torch.Tensor, greedy_pick: int | None = None) -> bool:
+        """Append the request's next token (``greedy_pick`` when the device already took the
+        argmax, else sampled from ``logits``) and stream its text; True when the request is
+        done (``r.finish_reason`` set)."""
+        tok = greedy_pick if greedy_pick is not None else sample_token(logits, r.params, r.gen)
+        if not r.generated and not r.first_token_time:
+            # the first token exists once it is sampled (the forward before it may still have
+            # been running on the GPU when the host got here); a recomputed request keeps its own
+            r.first_token_time = time.perf_counter()
+        r.generated.append(tok)
+        is_eos = tok in self.eos_ids
+        if r.streaming or r.params.stop:  # text is needed now: for the caller, or to stop
+            delta = r.detok.add(tok) if not is_eos else r.detok.finish()
+            if delta:
+                r.events.put(("delta", delta))
+        if is_eos or r.detok.stopped:
+            r.finish_reason = "stop"
+        elif len(r.generated) >= r.params.max_new_tokens or r.next_pos >= self.max_context:
+            r.finish_reason = "length"
+        if r.finish_reason:
+            if not (r.streaming or r.params.stop):  # detokenize once, at the end
+                for t in (r.generated[:-1] if is_eos else r.generated):
+                    r.detok.ids.append(t)
+                r.detok.text = self.tok.decode(r.detok.ids, skip_special_tokens=True)
+            tail = r.detok.finish()
+            if tail:
+                r.events.put(("delta", tail))
+            return True
+        return False
+
+    def fail(self, r: Request, error: Exception) -> None:
+        """Hand the caller the request's error."""
+        self.metrics["cancelled" if isinstance(error, RequestCancelled) else "failed"] += 1
+        r.events.put(("error", error))
+
+    def done(self, r: Request) -> None:
+        """Hand the caller the finished request's ``GenerationOutput``."""
+        self.metrics["requests"] += 1
+        now = time.perf_counter()
+        segs = r.orig_segments or r.segments
+        r.events.put(("done", GenerationOutput(
+            text=r.detok.text,
+            token_ids=list(r.generated),
+            prompt_segments=[(s.kind, list(s.ids)) for s in segs],
+            usage=Usage(prompt_tokens=sum(len(s.ids) for s in segs), cached_tokens=r.cached_tokens,
+                        completion_tokens=len(r.generated), cached_chunk_tokens=r.cached_chunk_tokens),
+            finish_reason=r.finish_reason or "stop",
+            ttft_s=r.first_token_time - r.submit_time,
+            total_s=now - r.submit_time,
+            queue_s=r.admit_time - r.submit_time,
+            chunk_ids=[s.chunk.id for s in r.segments if s.kind == "chunk"],
+        )))
+
+    def score(self, r: Request, logits: torch.Tensor) -> ScoreOutput:
+        """Teacher-forced log-probabilities of the continuation (the last ``logit_rows``
+        tokens of the suffix are the continuation shifted by one)."""
+        cont = r.score_ids
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        idx = torch.tensor(cont, device=logp.device)
+        token_logp = logp.gather(1, idx[:, None])[:, 0]
+        r.first_token_time = time.perf_counter()
+        segs = r.orig_segments or r.segments
+        return ScoreOutput(
+            token_ids=list(cont), logprobs=token_logp.tolist(),
+            logits=logits.float().cpu() if r.return_logits else None,
+            prompt_segments=[(sg.kind, list(sg.ids)) for sg in segs],
+            usage=Usage(prompt_tokens=sum(len(sg.ids) for sg in segs), cached_tokens=r.cached_tokens,
+                        completion_tokens=0, cached_chunk_tokens=r.cached_chunk_tokens),
+            prefilled_tokens=r.computed_tokens,
+            ttft_s=r.first_token_time - r.submit_time)
+
+    def done_score(self, r: Request, result: ScoreOutput) -> None:
+        self.metrics["requests"] += 1
+        r.events.put(("done", result))

@@ -1,0 +1,144 @@
+"""Quality recovery: recompute a few chunk tokens of a request with full context.
+
+A chunk encoded alone never saw the other documents. Recovery recomputes, for one request
+only, the first ``first_tokens`` tokens of each chunk (EPIC-style) and the ``ratio`` fraction
+of chunk tokens chosen by ``selection``: ``"deviation"``, those whose early-layer keys
+deviate most from full attention (CacheBlend-style), or ``"attention"``, those the question
+attends to most in a first pass over the cached KV. The recomputed tokens run in the same
+forward as the suffix. Pages holding them are replaced, for this request only, by private
+copies re-rotated to their logical positions; the shared cache is never written, so it stays
+reusable by every other request.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lazyllm.kernels.reference import rotate_by_delta
+
+from .kv_planner import KVPlanner
+from .model_runner import ModelRunner
+from .request import ChunkSpan, Job, Request, TableEntry, slot_of
+
+SELECTIONS = ("deviation", "attention")
+
+
+class Recovery:
+    """Recomputes chosen chunk tokens of a request (engine thread only)."""
+
+    def __init__(self, runner: ModelRunner, planner: KVPlanner, *, first_tokens: int = 0, ratio: float = 0.0,
+                 selection: str = "deviation", probe_layer: int = 1, metrics: dict | None = None):
+        if selection not in SELECTIONS:
+            raise ValueError(f"recompute_selection must be one of {SELECTIONS}, got {selection!r}")
+        self.runner, self.planner = runner, planner
+        self.model, self.pool = runner.model, runner.pool
+        self.first_tokens, self.ratio, self.selection = first_tokens, ratio, selection
+        self.probe_layer = min(probe_layer, self.model.spec.num_layers - 1)
+        self.metrics = metrics if metrics is not None else {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.first_tokens > 0 or self.ratio > 0
+
+    def apply(self, r: Request) -> None:
+        """Once the request's chunk KV is in the pool, rewrite its plan so that its prefill
+        also recomputes the chosen chunk tokens. If the pool cannot give the page copies,
+        the request goes ahead without recovery (counted in ``recovery_skipped``)."""
+        plan = r.plan
+        spans = plan.spans
+        k, ratio = self.first_tokens, self.ratio
+        if not spans or (k <= 0 and ratio <= 0):
+            return
+        sel = [set(range(min(k, len(s.ids)))) for s in spans]
+        if ratio > 0:
+            if self.selection == "attention":
+                dev = self.question_attention(r)
+            else:
+                dev = self.key_deviation(r)
+            total = sum(len(s.ids) for s in spans)
+            n_pick = min(total, int(math.ceil(ratio * total)))
+            flat = [(ci, i) for ci, s in enumerate(spans) for i in range(len(s.ids))]
+            for j in torch.topk(dev, n_pick).indices.tolist():
+                ci, i = flat[j]
+                sel[ci].add(i)
+        ps = self.pool.page_size
+        copies = list(plan.copies)
+        table = list(plan.context)
+        for s, chosen in zip(spans, sel):
+            for j in sorted({i // ps for i in chosen}):
+                e = table[s.first_entry + j]
+                if e.page not in r.private_pages:  # a shared page: this request's private copy
+                    dst = self.planner.alloc_private(r, 1)
+                    if dst is None:
+                        self.metrics["recovery_skipped"] += 1
+                        return
+                    copies.append((e.page, dst[0], e.delta))
+                    table[s.first_entry + j] = TableEntry(dst[0], e.pos, 0, e.length)
+        ids, positions, slots = [], [], []
+        for s, chosen in zip(spans, sel):
+            for i in sorted(chosen):
+                ids.append(s.ids[i])
+                positions.append(s.start + i)
+                slots.append(table[s.first_entry + i // ps].page * ps + i % ps)
+            r.recomputed_tokens += len(chosen)
+            if not s.computed_now:  # these tokens were counted as reused: they are not
+                r.cached_tokens -= len(chosen)
+                r.cached_chunk_tokens -= len(chosen)
+        r.computed_tokens += len(ids)
+        S = len(plan.suffix_ids)
+        ids += plan.suffix_ids
+        positions += range(plan.suffix_pos, plan.suffix_pos + S)
+        slots += [slot_of(plan.own, i, ps) for i in range(S)]
+        plan.copies = copies
+        own_table = self.planner.own_table(plan.own, plan.suffix_pos, S)
+        plan.job = Job(ids, plan.suffix_pos, [], table + own_table, logit_rows=r.logit_rows,
+                       positions=positions, slots=slots)
+        r.table = table + own_table
+
+    def question_attention(self, r: Request) -> torch.Tensor:
+        """Per chunk token (in chunk order), the attention mass the question's queries give
+        it (summed over layers, heads and queries) in a forward of the suffix over the
+        cached prefix and chunk KV as they are (nothing recomputed yet). The suffix's K/V
+        go to its own pages and are overwritten by the real pass."""
+        plan = r.plan
+        spans: list[ChunkSpan] = plan.spans
+        probe = list(plan.context[:spans[0].first_entry])  # the prefix (never shifted, never copied)
+        offsets = []
+        for s in spans:  # the shared chunk pages with their rotations
+            offsets.append(len(probe))
+            probe += s.entries
+        S, pos0 = len(plan.suffix_ids), plan.suffix_pos
+        ps = self.pool.page_size
+        slots = [slot_of(plan.own, i, ps) for i in range(S)]
+        tables = [probe + self.planner.own_table(plan.own, pos0, S)]
+        ids_t, _, meta = self.runner.metadata(list(plan.suffix_ids), list(range(pos0, pos0 + S)), slots, [0, S],
+                                              tables, S, [])
+        self.metrics["prefill_tokens"] += S
+        mass = self.model.attention_mass(ids_t, meta, self.pool.k, self.pool.v)[0].reshape(-1)
+        idx = [(off + i // ps) * ps + i % ps for off, s in zip(offsets, spans) for i in range(len(s.ids))]
+        return mass[torch.tensor(idx, device=mass.device)].float()
+
+    def key_deviation(self, r: Request) -> torch.Tensor:
+        """Per chunk token (in chunk order), the distance between its cached keys at layer
+        ``probe_layer`` and the keys full attention gives it there."""
+        spans: list[ChunkSpan] = r.plan.spans
+        layer = self.probe_layer
+        n_head = spans[-1].start + len(spans[-1].ids)  # prefix + chunks: the suffix is not needed
+        dev = self.pool.k.device
+        ids = torch.tensor(r.prompt_ids[:n_head], dtype=torch.long, device=dev)
+        full = self.model.probe_keys(ids, layer)
+        ps = self.pool.page_size
+        pages, slot_idx, deltas, rows = [], [], [], []
+        for s in spans:
+            for i in range(len(s.ids)):
+                e = s.entries[i // ps]
+                pages.append(e.page)
+                slot_idx.append(i % ps)
+                deltas.append(e.delta)
+                rows.append(s.start + i)
+        cached = self.pool.k[layer][torch.tensor(pages, device=dev), torch.tensor(slot_idx, device=dev)]
+        inv = self.model.inv_freqs[self.model.freq_index[layer]]
+        cached = rotate_by_delta(cached, torch.tensor(deltas, device=dev), inv)
+        diff = full[torch.tensor(rows, device=dev)].float() - cached.float()
+        return diff.pow(2).sum(dim=(-1, -2)).sqrt()

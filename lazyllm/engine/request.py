@@ -1,0 +1,166 @@
+"""A request as the engine sees it, and the page-table vocabulary every part shares.
+
+A request's page table lists ``TableEntry`` rows: a page, the logical position of its first
+slot in the request, the rotation (delta) the attention kernel applies to its stored keys,
+and how many of its slots are valid. ``pack_tables`` turns tables into the four int planes
+(page, pos, delta, len) the kernels read, in one place for prefill, decode and graphs.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ..types import SamplingParams
+from .prompt import Segment
+
+if TYPE_CHECKING:
+    from ..cache.store import Entry
+    from .detokenizer import Detokenizer
+
+
+@dataclass
+class TableEntry:
+    page: int
+    pos: int  # position of slot 0 in the request's frame
+    delta: int  # rotation added to stored keys
+    length: int  # valid slots
+
+    def astuple(self) -> tuple[int, int, int, int]:
+        return (self.page, self.pos, self.delta, self.length)
+
+
+@dataclass
+class Job:
+    """One sequence of new tokens in a prefill forward."""
+
+    ids: list[int]
+    start_pos: int
+    own_pages: list[int]
+    context: list[TableEntry]  # cached pages it attends to besides its own
+    logit_rows: int = 0  # how many of its last tokens need logits (1 to sample, more to score)
+    # explicit per-token positions and KV slots (tokens scattered over pages, as in
+    # recomputation); then ``context`` lists every page attended to, its own included
+    positions: list[int] | None = None
+    slots: list[int] | None = None
+
+
+@dataclass
+class ChunkSpan:
+    """Where one chunk of a request sits: its logical start, its tokens, the index of its
+    first page in the request's table, whether this request computes it, and its pages."""
+
+    start: int
+    ids: list[int]
+    first_entry: int
+    computed_now: bool
+    entries: list[TableEntry]
+
+
+@dataclass
+class PrefillPlan:
+    """What a reuse policy decided for one request, consumed by its prefill.
+
+    ``job``: the request's own forward (suffix, or the whole prompt in full-attention modes).
+    ``copies``: ``(src page, dst page, delta)`` re-rotated private copies to make first.
+    ``spans``, ``context``, ``own``: the chunk layout, the cached table before the suffix
+    and the suffix's pages, for quality recovery. ``chain``: identical-prefix page keys and
+    how many were reused, for handing the prompt's full pages to the store afterwards."""
+
+    job: Job | None = None
+    copies: list[tuple[int, int, int]] = field(default_factory=list)
+    spans: list[ChunkSpan] = field(default_factory=list)
+    context: list[TableEntry] = field(default_factory=list)
+    own: list[int] = field(default_factory=list)
+    suffix_ids: list[int] = field(default_factory=list)
+    suffix_pos: int = 0
+    chain: tuple[list[bytes], int] | None = None
+
+
+@dataclass
+class Request:
+    segments: list[Segment]
+    params: SamplingParams
+    events: queue.Queue
+    submit_time: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    deadline: float | None = None
+    warm_only: bool = False  # compute prefix and chunk KV, generate nothing
+    logit_rows: int = 1  # >1: a scoring request (teacher forcing), finished after prefill
+    return_logits: bool = False
+    score_only: bool = False
+    score_ids: list | None = None
+    streaming: bool = True  # emit text deltas as tokens come (False: decode the text once at the end)
+    detok: Detokenizer | None = None
+    gen: torch.Generator | None = None
+    # planned by the KV planner (reset by ``KVPlanner.unplan``)
+    plan: PrefillPlan | None = None
+    table: list[TableEntry] = field(default_factory=list)
+    private_pages: list[int] = field(default_factory=list)
+    pinned: list[Entry] = field(default_factory=list)
+    keys: tuple | None = None  # (prefix key, chunk keys), see KVPlanner.segment_keys
+    lookups: list = field(default_factory=list)  # (hit, tokens) of the plan being made
+    cached_tokens: int = 0
+    cached_chunk_tokens: int = 0
+    computed_tokens: int = 0  # tokens this request ran through the model in prefill
+    recomputed_tokens: int = 0  # chunk tokens recomputed with full context
+    # scheduling and decoding state
+    next_pos: int = 0
+    generated: list[int] = field(default_factory=list)
+    admit_time: float = 0.0
+    first_token_time: float = 0.0
+    finish_reason: str | None = None
+    row: int | None = None  # row in the decode state while decoding
+    orig_segments: list | None = None  # the segments as submitted, if preemption changed them
+    preempted: bool = False
+    solo: bool = False  # prefill alone (a batched prefill with it failed)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return [t for s in self.segments for t in s.ids]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(s.ids) for s in self.segments)
+
+
+def pages_for(n: int, page_size: int) -> int:
+    """Pages that hold ``n`` tokens."""
+    return -(-n // page_size)
+
+
+def slot_of(pages: list[int], i: int, page_size: int) -> int:
+    """Pool slot of the ``i``-th token laid out over ``pages``."""
+    return pages[i // page_size] * page_size + i % page_size
+
+
+def entry_table(pages: list[int], num_tokens: int, pos: int, delta: int, page_size: int) -> list[TableEntry]:
+    """Table rows of ``num_tokens`` tokens stored in ``pages``, placed at logical position
+    ``pos`` with rotation ``delta``."""
+    return [TableEntry(p, pos + i * page_size, delta, min(page_size, num_tokens - i * page_size))
+            for i, p in enumerate(pages)]
+
+
+def pack_tables(tables: list[list[TableEntry]] | list[list[tuple]], width: int) -> np.ndarray:
+    """``(4, len(tables), width)`` int64 planes (page, pos, delta, len) of page tables
+    (``TableEntry`` rows or ``(page, pos, delta, len)`` tuples), zero-padded: a padding
+    entry has length 0 and is never read."""
+    out = np.zeros((4, len(tables), width), dtype=np.int64)
+    for b, t in enumerate(tables):
+        if t:
+            rows = [e.astuple() if isinstance(e, TableEntry) else e for e in t]
+            out[:, b, : len(rows)] = np.asarray(rows, dtype=np.int64).T
+    return out
+
+
+def next_pow2(n: int, lo: int = 1) -> int:
+    """The smallest power-of-two multiple of ``lo`` that is ``>= n``."""
+    b = lo
+    while b < n:
+        b *= 2
+    return b

@@ -1,0 +1,123 @@
+"""Where admission happens: which waiting requests run next, and what they hold.
+
+Each step the scheduler admits waiting requests in arrival order while the step's prefill
+token budget and the batch size allow, planning each one's pages through the ``KVPlanner``
+(a request the pool cannot hold yet waits; one it can never hold fails). While requests
+decode it gives each a new page when its last one fills up, preempting the most recently
+started requests when the pool is exhausted (they are queued again and recomputed later,
+their generated tokens prefilled as part of their suffix).
+"""
+from __future__ import annotations
+
+import time
+
+from ..errors import CacheCapacityError, LazyLLMError
+from .cuda_graphs import DecodeState
+from .kv_planner import KVPlanner
+from .prompt import Segment
+from .request import Request, TableEntry
+
+
+class Scheduler:
+    """Waiting and running requests and the pages they hold (engine thread only)."""
+
+    def __init__(self, planner: KVPlanner, decode_state: DecodeState, *, max_batch_tokens: int,
+                 max_batch_size: int, metrics: dict):
+        self.planner, self.pool = planner, planner.pool
+        self.decode_state = decode_state
+        self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
+        self.metrics = metrics
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+
+    def admit(self) -> tuple[list[Request], list[tuple[Request, Exception]]]:
+        """Admit what fits this step: ``(admitted, failed)``; failed requests are out of the
+        queue and their errors are for the caller."""
+        admitted: list[Request] = []
+        failed: list[tuple[Request, Exception]] = []
+        budget = self.max_batch_tokens
+        for r in list(self.waiting):
+            cost = self.planner.prefill_cost(r)
+            if admitted and cost > budget:
+                break
+            if len(self.running) >= self.max_batch_size:
+                break
+            if r.solo and admitted:
+                break
+            try:
+                ok = self.planner.plan(r)
+            except LazyLLMError as e:
+                self.waiting.remove(r)
+                failed.append((r, e))
+                continue
+            if not ok:
+                if not self.running and not admitted:
+                    self.waiting.remove(r)
+                    failed.append((r, CacheCapacityError(
+                        f"the KV pool ({self.pool.num_pages} pages of {self.pool.page_size} tokens) "
+                        f"cannot hold this request ({r.num_prompt_tokens} prompt tokens + "
+                        f"{r.params.max_new_tokens} new); raise kv_cache_bytes")))
+                    continue
+                break  # wait for running requests to free pages
+            self.waiting.remove(r)
+            self.running.append(r)
+            admitted.append(r)
+            budget -= cost
+            if r.solo:
+                break
+            r.admit_time = time.perf_counter()
+        return admitted, failed
+
+    def retire(self, r: Request) -> None:
+        """``r`` is over: it leaves the queues and gives back everything it holds."""
+        self.decode_state.detach(r)
+        self.planner.release(r)
+        if r in self.running:
+            self.running.remove(r)
+        if r in self.waiting:
+            self.waiting.remove(r)
+
+    def requeue(self, r: Request, *, solo: bool = False) -> None:
+        """Back to the front of the queue, holding nothing. ``solo``: its next prefill runs
+        alone (a batched prefill with it failed; a bad request then fails only itself)."""
+        self.decode_state.detach(r)
+        self.planner.unplan(r)
+        if r in self.running:
+            self.running.remove(r)
+        self.waiting.insert(0, r)
+        if solo:
+            r.solo = True
+            self.metrics["prefill_retries"] += 1
+
+    def preempt(self, r: Request) -> None:
+        """Give back everything ``r`` holds and queue it again; when readmitted, its
+        generated tokens are prefilled as part of its suffix (same semantics: they attend
+        to everything before them), and decoding continues where it stopped."""
+        self.requeue(r)
+        if r.orig_segments is None:
+            r.orig_segments = list(r.segments)
+        base = r.orig_segments
+        r.segments = base[:-1] + [Segment("suffix", base[-1].ids + r.generated)]
+        r.preempted = True
+        self.metrics["preemptions"] += 1
+
+    def grow_decode_pages(self, pending: dict[int, int], dead: set[int]) -> None:
+        """Give every decoding request room for its next token: a new page when its last
+        one is full (or shared), preempting the most recently started requests when the pool
+        is exhausted. ``pending``/``dead`` as in ``ModelRunner.launch_decode``."""
+        ps = self.pool.page_size
+        for r in list(self.decode_state.rows):
+            if r.row is None or id(r) in dead:
+                continue
+            last = r.table[-1]
+            if last.length < ps and last.page in r.private_pages:
+                continue
+            while True:
+                pages = self.planner.alloc_private(r, 1)
+                if pages is not None:
+                    r.table.append(TableEntry(pages[0], r.next_pos + (id(r) in pending), 0, 0))
+                    break
+                victim = self.decode_state.rows[-1]
+                self.preempt(victim)
+                if victim is r:
+                    break

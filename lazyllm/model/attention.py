@@ -1,0 +1,112 @@
+"""Attention backends: where a kernel is chosen.
+
+A backend is an object with ``plan(meta, inv_freq)``, called once per forward (a step) and
+RoPE frequency vector, and ``run(q, meta, k_cache, v_cache, inv_freq, sm_scale, plan)``,
+called per layer: FlashInfer's plan/run split. ``plan`` builds what every layer of the step
+shares (the Triton backend's rotation table and launch settings); ``run`` only launches.
+Each backend also gives its re-rotating page copy (``rerotate_copy``) and says whether its
+forwards can be captured in CUDA graphs.
+
+* ``TorchAttention``: the plain-torch reference (``lazyllm.kernels.reference``), any device.
+* ``TritonAttention``: the Triton kernels, compiled on CUDA, run in Triton's interpreter on
+  CPU (for tests), with ``lazyllm.kernels.KernelOptions`` for launch choices.
+
+``make_backend`` picks one by name; ``"auto"`` is Triton on CUDA and torch on CPU.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lazyllm.kernels import reference
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+class AttentionBackend:
+    """Deferred-RoPE paged attention for the model's layers."""
+
+    name = ""
+    graph_capturable = False  # whether a forward through it can be captured in a CUDA graph
+
+    def plan(self, meta, inv_freq: torch.Tensor) -> Any:
+        """Per-step state shared by every layer that uses ``inv_freq``."""
+        return None
+
+    def run(self, q: torch.Tensor, meta, k_cache: torch.Tensor, v_cache: torch.Tensor, inv_freq: torch.Tensor,
+            sm_scale: float, plan: Any) -> torch.Tensor:
+        """Attention output ``(total_q, num_q_heads, head_dim)`` of queries ``q`` (RoPE
+        applied at ``meta.positions``) over one layer's pages ``k_cache``/``v_cache``
+        ``(num_pages, page_size, num_kv_heads, head_dim)``."""
+        raise NotImplementedError
+
+    def rerotate_copy(self, k_cache, v_cache, src, dst, delta, inv_freq) -> None:
+        """Copy pages ``src -> dst`` (all layers of ``k_cache``/``v_cache``), keys rotated by
+        ``delta``."""
+        raise NotImplementedError
+
+
+class TorchAttention(AttentionBackend):
+    """The plain-torch reference: reads the batch layout on the host (no CUDA graphs)."""
+
+    name = "torch"
+    graph_capturable = False
+
+    def run(self, q, meta, k_cache, v_cache, inv_freq, sm_scale, plan):
+        return reference.paged_attention_ref(q, meta.positions, meta.cu_seqlens_q, k_cache, v_cache,
+                                             meta.block_table, meta.block_pos, meta.block_delta, meta.block_len,
+                                             inv_freq, sm_scale)
+
+    def rerotate_copy(self, k_cache, v_cache, src, dst, delta, inv_freq) -> None:
+        reference.rerotate_copy_ref(k_cache, v_cache, src, dst, delta, inv_freq)
+
+
+class TritonAttention(AttentionBackend):
+    """The Triton kernels (``lazyllm.kernels``)."""
+
+    name = "triton"
+    graph_capturable = True
+
+    def __init__(self, device: torch.device, *, batch_invariant: bool = False, options=None):
+        from lazyllm.kernels import triton_kernels
+
+        # on CPU the real kernels run in Triton's interpreter, from a private copy of the
+        # modules (so it does not matter what imported the compiled ones before)
+        self.kernels = triton_kernels(interpret=device.type == "cpu")
+        self.batch_invariant = batch_invariant
+        self.options = options
+        # the page pool is zero-initialized and only written with K/V (cache/store.py), so
+        # every slot the tables name is finite: prefill may read whole pages (the Gluon kernel)
+        self.padding_finite = device.type == "cuda"
+
+    def plan(self, meta, inv_freq):
+        extras = {"max_seqlen_q": meta.max_seqlen_q, "rope": self.kernels.rope_table(meta.block_delta, inv_freq)}
+        if self.batch_invariant:
+            extras["batch_invariant"] = True
+        if self.padding_finite:
+            extras["padding_finite"] = True
+        if self.options is not None:
+            extras["options"] = self.options
+        return extras
+
+    def run(self, q, meta, k_cache, v_cache, inv_freq, sm_scale, plan):
+        return self.kernels.paged_attention_triton(q, meta.positions, meta.cu_seqlens_q, k_cache, v_cache,
+                                              meta.block_table, meta.block_pos, meta.block_delta, meta.block_len,
+                                              inv_freq, sm_scale, **plan)
+
+    def rerotate_copy(self, k_cache, v_cache, src, dst, delta, inv_freq) -> None:
+        self.kernels.rerotate_copy_triton(k_cache, v_cache, src, dst, delta, inv_freq)
+
+
+def make_backend(name: str, device: torch.device, *, batch_invariant: bool = False,
+                 options=None) -> AttentionBackend:
+    """The backend ``name`` (``"auto"``, ``"torch"`` or ``"triton"``) for ``device``.
+    Raises ``ValueError`` for an unknown name and ``ImportError`` where Triton is missing."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttention()
+    return TritonAttention(device, batch_invariant=batch_invariant, options=options)
