@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from .errors import InvalidRequestError
 
@@ -87,7 +88,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def replace(self, **kw) -> "SamplingParams":
+    def replace(self, **kw) -> SamplingParams:
         return dataclasses.replace(self, **kw)
 
 
