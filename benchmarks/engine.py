@@ -212,7 +212,8 @@ def main():
     print("| --- | ---: | --- |")
     print(f"| TTFT, {results['cached_tokens']} cached chunk tokens + {results['suffix_tokens']}-token suffix | "
           f"{results['warm_ttft_ms']:.2f} ms | target <= 8 ms |")
-    print(f"| TTFT, same prompt cold ({results['prompt_tokens']} tokens prefilled) | {results['cold_ttft_ms']:.1f} ms | |")
+    print(f"| TTFT, same prompt cold ({results['prompt_tokens']} tokens prefilled) | "
+          f"{results['cold_ttft_ms']:.1f} ms | |")
     print(f"| transformers prefill of the same prompt | {results['transformers_prefill_ms']:.1f} ms | |")
     for b in (1, 64):
         m, f = results[f"decode_b{b}_ms"], results[f"decode_b{b}_floor_ms"]
@@ -223,7 +224,8 @@ def main():
               f"{st:.2f} ms ({st / f:.2f}x floor) | {tgt} |")
     st, f = results["decode_b64_distinct_step_ms"], results["decode_b64_distinct_floor_ms"]
     print(f"| decode, batch 64, every request over its own chunks: step with exactly 64 decoding (median of "
-          f"{results['decode_b64_distinct_steps']}) | {st:.2f} ms ({st / f:.2f}x floor {f:.2f} ms) | target <= 1.3x floor |")
+          f"{results['decode_b64_distinct_steps']}) | {st:.2f} ms ({st / f:.2f}x floor {f:.2f} ms) | "
+          "target <= 1.3x floor |")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2, default=str)

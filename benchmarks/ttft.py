@@ -41,7 +41,7 @@ def main():
         base = base or llm
         llm.generate("warm-up", chunks=chunks[:1], max_new_tokens=1)
         cold, warm = [], []
-        for t in range(args.trials):
+        for _ in range(args.trials):
             llm.clear_cache()
             out_c = llm.generate(QUESTION, chunks=chunks, system=SYSTEM, max_new_tokens=1)
             cold.append(out_c.ttft_s)
@@ -55,7 +55,7 @@ def main():
     dev = str(base.device)
     print(f"\nTTFT, same request cold vs warm ({base.model_name}, {dev}, {base.dtype}, median of {args.trials}; "
           f"{time.strftime('%Y-%m-%d')})")
-    print(f"| reuse | prompt tokens | cached when warm | cold TTFT ms | warm TTFT ms | cold/warm |")
+    print("| reuse | prompt tokens | cached when warm | cold TTFT ms | warm TTFT ms | cold/warm |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['mode']} | {r['prompt_tokens']} | {r['cached_tokens']} | {r['cold_ttft_ms']:.1f} | "

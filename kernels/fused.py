@@ -102,14 +102,14 @@ def add_rms_norm(h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
 
 
 @triton.jit
-def _silu_mul_kernel(GU, O, stride_gu, stride_o, N, stride_s, BLOCK: tl.constexpr, SPLITS: tl.constexpr = 0):
+def _silu_mul_kernel(GU, Out, stride_gu, stride_o, N, stride_s, BLOCK: tl.constexpr, SPLITS: tl.constexpr = 0):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
-    g = _load_proj(GU, row * stride_gu + offs, m, stride_s, SPLITS, O.dtype.element_ty)
-    u = _load_proj(GU, row * stride_gu + N + offs, m, stride_s, SPLITS, O.dtype.element_ty)
-    a = (g / (1.0 + tl.exp(-g))).to(O.dtype.element_ty)  # F.silu, rounded to the dtype
-    tl.store(O + row * stride_o + offs, (a.to(tl.float32) * u).to(O.dtype.element_ty), mask=m)
+    g = _load_proj(GU, row * stride_gu + offs, m, stride_s, SPLITS, Out.dtype.element_ty)
+    u = _load_proj(GU, row * stride_gu + N + offs, m, stride_s, SPLITS, Out.dtype.element_ty)
+    a = (g / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty)  # F.silu, rounded to the dtype
+    tl.store(Out + row * stride_o + offs, (a.to(tl.float32) * u).to(Out.dtype.element_ty), mask=m)
 
 
 def silu_mul(gu: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -7,7 +7,7 @@ The defaults are what the engine runs; every other value is for benchmarks and t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional, Tuple, Union
+from typing import Literal
 
 __all__ = ["KernelOptions", "LOOPS"]
 
@@ -52,15 +52,15 @@ class KernelOptions:
     coef_lookahead : with ``coef_from_delta``, load the next run's delta and end a run ahead.
     """
 
-    loop: Optional[Loop] = None
-    short_halves: Union[str, int] = "off"
+    loop: Loop | None = None
+    short_halves: str | int = "off"
     gluon_prefill: bool = True
-    prefill_kernel: Optional[Literal["triton", "gluon"]] = None
-    num_splits: Optional[int] = None
-    config: Optional[Tuple[int, int, int, int]] = None
+    prefill_kernel: Literal["triton", "gluon"] | None = None
+    num_splits: int | None = None
+    config: tuple[int, int, int, int] | None = None
     cs_per_page: bool = True
     prefetch: bool = True
-    coef_from_delta: Optional[bool] = None
+    coef_from_delta: bool | None = None
     coef_lookahead: bool = True
 
     def __post_init__(self):

@@ -124,7 +124,8 @@ def test_randomized_mix_equals_one_step_at_a_time(tokenizer):
     words = probe.generate("q?", chunks=DOCS[:2], max_new_tokens=14).text.split()
     probe.close()
     spec = make_tiny("llama", seed=9).config
-    page_bytes = 2 * spec.num_hidden_layers * 16 * spec.num_key_value_heads * (spec.hidden_size // spec.num_attention_heads) * 4
+    head_dim = spec.hidden_size // spec.num_attention_heads
+    page_bytes = 2 * spec.num_hidden_layers * 16 * spec.num_key_value_heads * head_dim * 4
     for seed in (1, 2):
         rng = _random.Random(seed)
         batch = []
@@ -142,7 +143,7 @@ def test_randomized_mix_equals_one_step_at_a_time(tokenizer):
             llm.engine.async_decode = overlap
             got = [None] * len(batch)
 
-            def work(i, llm=llm, got=got):
+            def work(i, llm=llm, got=got, batch=batch):
                 kw = dict(batch[i])
                 got[i] = llm.generate(kw.pop("question"), **kw)
 

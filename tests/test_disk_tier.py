@@ -1,5 +1,6 @@
 """Persistent chunk-KV tier (lazyllm/cache/disk.py): round trips, every way a file can lie,
 crashes mid-write, the size cap, restarts and concurrent use."""
+import contextlib
 import json
 import logging
 import os
@@ -308,7 +309,7 @@ def test_write_failing_halfway_leaves_no_file(tmp_path, monkeypatch, error):
     assert len(calls) == 3
     assert _entries(tmp_path) == before and _tmps(tmp_path) == []
     assert b"new" not in s and s.get(b"new") is None
-    for key, (k, v) in old.items():
+    for key, (k, _v) in old.items():
         assert _same(s.get(key)[0], k)
     assert s.stats()["rejected"] == 0
 
@@ -357,18 +358,14 @@ def test_process_killed_mid_write_leaves_the_store_readable(tmp_path):
                 names = os.listdir(d)
                 for n in names:  # never a partial file under a final name
                     if n.endswith(".safetensors"):
-                        try:
+                        with contextlib.suppress(FileNotFoundError):
                             assert os.path.getsize(d / n) in (old_size, child_size), n
-                        except FileNotFoundError:
-                            pass
                 done = [n for n in names if n.startswith(bytes(b"child-%02d" % rnd).hex())]
                 partial = []
                 for n in names:
                     if n.startswith(".tmp-"):
-                        try:
+                        with contextlib.suppress(FileNotFoundError):
                             partial.append(0 < os.path.getsize(d / n) < child_size)
-                        except FileNotFoundError:
-                            pass
                 if done and any(partial):
                     break
                 time.sleep(0.001)

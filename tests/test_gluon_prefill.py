@@ -16,7 +16,8 @@ from lazyllm.kernels.reference import paged_attention_ref
 from tests.test_kernels_triton import _chunks, _LaunchSpy, _make_batch, _relerr
 from tests.test_kernels_triton import ta as ta_interp
 
-gp = pytest.importorskip("lazyllm.kernels.triton.gluon_prefill", reason="this triton has no Gluon (triton.experimental.gluon)")
+gp = pytest.importorskip("lazyllm.kernels.triton.gluon_prefill",
+                         reason="this triton has no Gluon (triton.experimental.gluon)")
 
 
 def _batch(dtype, seed=70, page_size=64, pad_extra=2):
@@ -86,7 +87,8 @@ def test_routing_sends_prefill_only_to_gluon(monkeypatch):
     for name, value in (("_interpreting", lambda: False), ("_gluon_supported", lambda *a: True),
                         ("_gluon_module", lambda: fake), ("_GLUON_MIN_KEYS", 0),
                         ("_num_sms", lambda device: 2), ("_paged_attn_fwd", _LaunchSpy(None, triton_calls)),
-                        ("_paged_decode_fwd", _LaunchSpy(None, triton_calls)), ("_merge_splits", _LaunchSpy(None, triton_calls))):
+                        ("_paged_decode_fwd", _LaunchSpy(None, triton_calls)),
+                        ("_merge_splits", _LaunchSpy(None, triton_calls))):
         monkeypatch.setattr(ta_interp.launcher, name, value)
     opts = KernelOptions(short_halves="auto", num_splits=1)
     b, nq = _batch(torch.float16)

@@ -287,7 +287,8 @@ def test_cos_sin_prefetch_variant(ps, cfg):
                         rotary_dim=32, dtype=torch.float32, seed=11)
     _check_attention(batch, config=cfg, prefetch=True)
     _check_attention(batch, config=cfg, cs_per_page=False)
-    dec = dict(batch, q=batch["q"][:2], q_pos=batch["q_pos"][:2], cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32))
+    dec = dict(batch, q=batch["q"][:2], q_pos=batch["q_pos"][:2],
+               cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32))
     _check_attention(dec, max_seqlen_q=1, prefetch=True)
 
 
@@ -659,8 +660,8 @@ def test_gpu_compiled_run_loops(loop, dtype):
     mod = _load_kernels(interpret=False)
     seqs = _gpu_seqs(29, ((7, 90), (3, 1), (2, 17)), 40, 300)
     for splits in (None, 1, 3):
-        _check_compiled(mod, seqs, dtype, launch=dict(options=KernelOptions(loop=loop, num_splits=splits)), page_size=64, group=4, d=128,
-                        seed=30)
+        _check_compiled(mod, seqs, dtype, launch=dict(options=KernelOptions(loop=loop, num_splits=splits)),
+                        page_size=64, group=4, d=128, seed=30)
     assert not mod.launcher._QROT_FAILED
     # the rotary-halves loop rotated on 16-bit pairs (inline PTX) in what was checked above
     packed = {c.get("PACKED_ROT") for c, _ in mod.compiled_kernels(mod.prefill._paged_attn_fwd)

@@ -1,8 +1,8 @@
 """The serving benchmark itself, run small on CPU with the default model: every system
 answers, the figures are sane, and block's re-rotated copies cost cache capacity."""
+import importlib.util
 import json
 import math
-import importlib.util
 import sys
 from pathlib import Path
 

@@ -3,7 +3,13 @@ import pytest
 import torch
 
 from lazyllm.kernels.reference import (
-    apply_rope, paged_attention_mass_ref, paged_attention_ref, rerotate_copy_ref, rope_cos_sin, rotate_by_delta, write_kv_ref,
+    apply_rope,
+    paged_attention_mass_ref,
+    paged_attention_ref,
+    rerotate_copy_ref,
+    rope_cos_sin,
+    rotate_by_delta,
+    write_kv_ref,
 )
 
 
@@ -34,7 +40,7 @@ def test_paged_attention_matches_dense(hq, hkv, d, rot):
     v_cache = torch.randn(n_pages, ps, hkv, d, generator=g)
     free = torch.randperm(n_pages, generator=g).tolist()
     seqs = []
-    for b in range(3):
+    for _ in range(3):
         # segments: (logical start, stored start, length); the last one is the query segment
         lens = [int(x) for x in torch.randint(1, 20, (3,), generator=g)]
         nq = int(torch.randint(1, 6, (1,), generator=g))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
 _LOG2E = 1.4426950408889634
 # Finite start of the running max: a row that has seen only masked keys keeps
 # exp2(-inf - _M_INIT) == 0 instead of exp2(-inf + inf) == nan.

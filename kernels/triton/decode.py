@@ -15,6 +15,7 @@ import triton.language as tl
 
 from ._common import _M_INIT, _max, _sum
 
+
 @triton.jit
 def _load_qcs(Cos_row, Sin_row, t, max_blocks, row_ok, row_page, cs_col, in_rot,
               HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PPT: tl.constexpr):

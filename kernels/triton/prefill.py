@@ -54,6 +54,7 @@ import triton.language as tl
 
 from ._common import _M_INIT, _cos_sin_of, _fma2, _max, _min, _mul2, _sum
 
+
 @triton.jit
 def _load_cs(Cos_row, Sin_row, t, max_blocks,
              HALF: tl.constexpr, HALF_P: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
