@@ -516,6 +516,13 @@ class LazyLLM:
         s["chunk_context"] = self.chunk_context
         return s
 
+    def resident_chunk_keys(self, limit: int | None = None) -> list[bytes]:
+        """Cache keys of the chunks whose KV is resident now, most recently used first (at
+        most ``limit``): what a replica reports to a router that routes by document. A
+        chunk's key does not depend on its position, only on the model, the chunk context,
+        the prefix when it matters and its tokens (``lazyllm.cache.store.chunk_key``)."""
+        return self.store.keys("chunk", limit)
+
     def clear_cache(self) -> int:
         """Drop every cached chunk that no running request uses; returns how many."""
         return self.engine.clear_cache()

@@ -243,6 +243,19 @@ class ChunkStore:
         e.pins -= 1
 
     # -- reporting -------------------------------------------------------------
+    def keys(self, kind: str = "chunk", limit: int | None = None) -> list[bytes]:
+        """Keys of the ready entries of ``kind`` (``"chunk"``, ``"prefix"`` or ``"page"``),
+        most recently used first, at most ``limit`` of them; for replicas that report what
+        they hold to a router. Safe from any thread (one snapshot, as in ``stats``)."""
+        entries = list(self.entries.values())
+        out: list[bytes] = []
+        for e in reversed(entries):
+            if e.kind == kind and e.ready:
+                out.append(e.key)
+                if limit is not None and len(out) >= limit:
+                    break
+        return out
+
     def stats(self) -> dict:
         with self._lock:
             c = self.counters
