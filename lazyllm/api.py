@@ -18,11 +18,13 @@ from .engine.engine import Engine, check_fits
 from .engine.kv_planner import CHUNK_CACHING_MODES, CHUNK_CONTEXTS, REUSE_MODES
 from .engine.prompt import PromptBuilder, Segment
 from .engine.prompt import _check_text as check_text
+from .engine.recovery import SELECTIONS
 from .engine.request import Request
 from .errors import InvalidRequestError
 from .model.attention import BACKENDS, make_backend
 from .model.llama import LlamaFamilyModel
 from .model.loader import fingerprint, load_hf
+from .quality_presets import resolve as resolve_quality
 from .types import Chunk, GenerationOutput, SamplingParams, ScoreOutput, as_chunk
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -198,6 +200,14 @@ class LazyLLM:
     kernel_options : a ``lazyllm.kernels.KernelOptions`` for the Triton backend's launch
         choices (which prefill kernel and key-tile loop, tiles, splits), for A/B measurements;
         ``None`` keeps the measured defaults.
+    quality : a named fidelity preset (``lazyllm.quality_presets.PRESETS``), measured on
+        the default model (README, "Answer fidelity"): ``"fast"`` (``chunk_context="prefix"``,
+        nothing recomputed), ``"balanced"`` (``fast`` plus the first 4 tokens of each chunk
+        and attention-selected chunk tokens recomputed with full context, per request) or
+        ``"exact"`` (``reuse="prefix"``: full attention). ``None`` (default): each option's
+        own default (``reuse="lazy"``, ``chunk_context="isolated"``, no recovery). Options
+        passed explicitly (``reuse``, ``chunk_context``, ``recompute_*``) override the
+        preset's. ``lazyllm.quality.compare`` measures them on your own data.
     trust_remote_code : passed to transformers; off unless you ask.
     """
 
@@ -209,15 +219,16 @@ class LazyLLM:
         tokenizer: Any = None,
         device: str = "auto",
         dtype: Any = None,
-        reuse: str = "lazy",
-        chunk_context: str = "isolated",
+        reuse: str | None = None,
+        chunk_context: str | None = None,
         kv_cache_bytes: int | None = None,
         page_size: int | None = None,
         attention_backend: str = "auto",
         max_batch_tokens: int = 8192,
-        recompute_first_tokens: int = 0,
-        recompute_ratio: float = 0.0,
-        recompute_selection: str = "deviation",
+        recompute_first_tokens: int | None = None,
+        recompute_ratio: float | None = None,
+        recompute_selection: str | None = None,
+        quality: str | None = None,
         kv_disk_dir: str | os.PathLike | None = None,
         kv_disk_bytes: int = 16 << 30,
         trust_remote_code: bool = False,
@@ -226,6 +237,16 @@ class LazyLLM:
         overlap_decode: bool | None = None,
         kernel_options: Any = None,
     ):
+        try:
+            opts = resolve_quality(quality, dict(
+                reuse=reuse, chunk_context=chunk_context, recompute_first_tokens=recompute_first_tokens,
+                recompute_ratio=recompute_ratio, recompute_selection=recompute_selection))
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        self.quality = quality
+        reuse, chunk_context = opts["reuse"], opts["chunk_context"]
+        recompute_first_tokens, recompute_ratio = opts["recompute_first_tokens"], opts["recompute_ratio"]
+        recompute_selection = opts["recompute_selection"]
         if reuse not in REUSE_MODES:
             raise InvalidRequestError(f"reuse must be one of {REUSE_MODES}, got {reuse!r}")
         if chunk_context not in CHUNK_CONTEXTS:
@@ -239,9 +260,9 @@ class LazyLLM:
         if isinstance(recompute_ratio, bool) or not isinstance(recompute_ratio, (int, float)) \
                 or not 0.0 <= recompute_ratio <= 1.0:
             raise InvalidRequestError(f"recompute_ratio must be in [0, 1], got {recompute_ratio!r}")
-        if recompute_selection not in ("deviation", "attention"):
+        if recompute_selection not in SELECTIONS:
             raise InvalidRequestError(
-                f"recompute_selection must be 'deviation' or 'attention', got {recompute_selection!r}")
+                f"recompute_selection must be one of {SELECTIONS}, got {recompute_selection!r}")
         if kv_cache_bytes is not None and (not isinstance(kv_cache_bytes, int) or kv_cache_bytes <= 0):
             raise InvalidRequestError(f"kv_cache_bytes must be a positive int, got {kv_cache_bytes!r}")
         if attention_backend not in BACKENDS:

@@ -178,3 +178,26 @@ def test_key_deviation_is_zero_for_the_first_isolated_chunk_only(model, tokenize
     assert float(seen["dev"][:n0].max()) < 1e-3
     assert float(seen["dev"][n0:].max()) > 1e-2
     llm.close()
+
+
+def test_quality_presets_set_options_and_explicit_options_win(model, tokenizer):
+    from lazyllm.errors import InvalidRequestError
+    from lazyllm.quality_presets import PRESETS
+
+    kw = dict(model=model, tokenizer=tokenizer, kv_cache_bytes=8 << 20)
+    for name, preset in PRESETS.items():
+        llm = LazyLLM(quality=name, **kw)
+        assert llm.quality == name
+        assert llm.reuse == preset["reuse"] and llm.chunk_context == preset["chunk_context"]
+        assert llm.recompute_first_tokens == preset.get("recompute_first_tokens", 0)
+        assert llm.recompute_ratio == preset.get("recompute_ratio", 0.0)
+        llm.close()
+    llm = LazyLLM(quality="balanced", recompute_ratio=0.3, recompute_first_tokens=0, **kw)
+    assert (llm.recompute_ratio, llm.recompute_first_tokens, llm.chunk_context) == (0.3, 0, "prefix")
+    llm.close()
+    plain = LazyLLM(**kw)  # no preset: today's defaults
+    assert (plain.reuse, plain.chunk_context, plain.recompute_first_tokens, plain.recompute_ratio) == \
+        ("lazy", "isolated", 0, 0.0)
+    plain.close()
+    with pytest.raises(InvalidRequestError, match="quality"):
+        LazyLLM(quality="best", **kw)

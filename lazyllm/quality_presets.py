@@ -1,0 +1,48 @@
+"""Named fidelity presets for ``LazyLLM(quality=...)``: each a measured setting of the reuse
+and recovery options (BENCHMARKS.md, "Quality presets"). A leaf module: ``lazyllm.api`` and
+``lazyllm.quality`` both read it.
+
+* ``"fast"``: chunk KV reused as is, encoded after the shared system prefix; nothing
+  recomputed. The cheapest TTFT after full reuse.
+* ``"balanced"``: ``fast`` plus query-aware selective recompute: the first tokens of each
+  chunk and a fraction of chunk tokens chosen by the question's attention are recomputed
+  with full context, for this request only (the shared cache stays reusable).
+* ``"exact"``: full attention (identical-prefix reuse only, as vLLM): the model's own
+  answer, at full prefill cost for the documents.
+
+Explicit options passed to ``LazyLLM`` override the preset's values.
+"""
+from __future__ import annotations
+
+# the options a preset may set, with the values LazyLLM uses when neither a preset nor the
+# caller sets them (today's defaults)
+QUALITY_OPTIONS: dict[str, object] = {
+    "reuse": "lazy",
+    "chunk_context": "isolated",
+    "recompute_first_tokens": 0,
+    "recompute_ratio": 0.0,
+    "recompute_selection": "deviation",
+}
+
+PRESETS: dict[str, dict[str, object]] = {
+    "fast": {"reuse": "lazy", "chunk_context": "prefix", "recompute_first_tokens": 0, "recompute_ratio": 0.0},
+    "balanced": {"reuse": "lazy", "chunk_context": "prefix", "recompute_first_tokens": 4, "recompute_ratio": 0.15,
+                 "recompute_selection": "attention"},
+    "exact": {"reuse": "prefix", "chunk_context": "prefix", "recompute_first_tokens": 0, "recompute_ratio": 0.0},
+}
+
+
+def resolve(quality: str | None, explicit: dict[str, object]) -> dict[str, object]:
+    """The quality options for ``quality`` (a preset name or ``None``), with every option in
+    ``explicit`` that is not ``None`` taking precedence. Raises ``ValueError`` for an unknown
+    preset name."""
+    if quality is not None and quality not in PRESETS:
+        raise ValueError(f"quality must be one of {tuple(PRESETS)} or None, got {quality!r}")
+    out = dict(QUALITY_OPTIONS)
+    if quality is not None:
+        out.update(PRESETS[quality])
+    out.update({k: v for k, v in explicit.items() if v is not None})
+    return out
+
+
+__all__ = ["PRESETS", "QUALITY_OPTIONS", "resolve"]
