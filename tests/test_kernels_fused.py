@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from lazyllm.kernels.reference import apply_rope, rope_cos_sin, write_kv_ref
-from lazyllm.model.llama import _rms_norm
+from lazyllm.model.llama import _gemma_norm, _rms_norm
 from tests._triton_load import load_kernel_module
 
 pytest.importorskip("triton", reason="triton is not installed")
@@ -37,6 +37,67 @@ def test_rms_norm_and_add(dtype, n, hidden):
     h0 = h.clone()
     fk.add_rms_norm(h, y, w, 1e-6)
     assert torch.equal(h, h0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,hidden", [(1, 64), (3, 96)])
+def test_gemma_norms(dtype, n, hidden):
+    """Gemma's ``(1 + w)`` RMSNorm, alone, after the residual add, and the sandwich (the
+    projection normalised before the add), against ``llama._gemma_norm``."""
+    g = torch.Generator().manual_seed(7 * n + hidden)
+    h = torch.randn(n, hidden, generator=g).to(dtype)
+    y = (4 * torch.randn(n, hidden, generator=g)).to(dtype)
+    w = (0.3 * torch.randn(hidden, generator=g)).to(dtype)
+    wy = (0.3 * torch.randn(hidden, generator=g)).to(dtype)
+    torch.testing.assert_close(fk.rms_norm(h, w, 1e-6, gemma=True), _gemma_norm(h, w, 1e-6), **_tol(dtype))
+    hs, x = fk.add_rms_norm(h, y, w, 1e-6, gemma=True)
+    assert torch.equal(hs, h + y)
+    torch.testing.assert_close(x, _gemma_norm(h + y, w, 1e-6), **_tol(dtype))
+    hs, x = fk.add_rms_norm(h, y, w, 1e-6, gemma=True, y_weight=wy)
+    ref_h = h + _gemma_norm(y, wy, 1e-6)
+    torch.testing.assert_close(hs, ref_h, **_tol(dtype))
+    torch.testing.assert_close(x, _gemma_norm(ref_h, w, 1e-6), **_tol(dtype))
+    with pytest.raises(ValueError):
+        fk.add_rms_norm(h, y, w, 1e-6, y_weight=wy)  # the sandwich norm is Gemma's only
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_mul(dtype):
+    g = torch.Generator().manual_seed(2)
+    gu = (3 * torch.randn(3, 2 * 1100, generator=g)).to(dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(fk.silu_mul(gu, gelu_tanh=True), F.gelu(gate, approximate="tanh") * up,
+                               **_tol(dtype))
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d,rd", [(4, 2, 32, 32), (3, 1, 16, 8)])
+def test_rope_qkv_write_with_qk_norm(gemma, dtype, hq, hkv, d, rd):
+    """Per-head q/k RMSNorm (Qwen3; Gemma 3 with ``gemma``) then RoPE, then the K/V write:
+    what the model's ``_qkv`` computes."""
+    g = torch.Generator().manual_seed(hq * d + rd + gemma)
+    n, pages, ps = 5, 3, 4
+    qkv = (3 * torch.randn(n, (hq + 2 * hkv) * d, generator=g)).to(dtype)
+    qn = (1 + 0.3 * torch.randn(d, generator=g)).to(dtype)
+    kn = (1 + 0.3 * torch.randn(d, generator=g)).to(dtype)
+    pos = torch.randint(0, 3000, (n,), generator=g)
+    cos, sin = rope_cos_sin(pos, 1.0 / 10000 ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
+    slots = torch.randperm(pages * ps, generator=g)[:n]
+    kc = torch.full((pages, ps, hkv, d), float("nan"), dtype=dtype)
+    vc = torch.full_like(kc, float("nan"))
+    kr, vr = kc.clone(), vc.clone()
+    q = fk.rope_qkv_write(qkv, cos, sin, kc, vc, slots, hq, hkv, q_norm=qn, k_norm=kn, eps=1e-6, gemma=gemma)
+    norm = _gemma_norm if gemma else _rms_norm
+    qs = norm(qkv[:, : hq * d].view(n, hq, d), qn, 1e-6)
+    ks = norm(qkv[:, hq * d: (hq + hkv) * d].view(n, hkv, d), kn, 1e-6)
+    vs = qkv[:, (hq + hkv) * d:].view(n, hkv, d)
+    torch.testing.assert_close(q, apply_rope(qs, cos, sin), **_tol(dtype))
+    write_kv_ref(kr, vr, slots, apply_rope(ks, cos, sin), vs)
+    torch.testing.assert_close(kc, kr, equal_nan=True, **_tol(dtype))
+    assert torch.equal(vc.nan_to_num(), vr.nan_to_num())
+    with pytest.raises(ValueError):
+        fk.rope_qkv_write(qkv, cos, sin, kc, vc, slots, hq, hkv, q_norm=qn)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -71,13 +132,15 @@ def test_rope_qkv_write(dtype, hq, hkv, d, rd, ps):
     assert torch.isnan(kc).sum() == torch.isnan(kr).sum()  # nothing written outside the slots
 
 
-def test_model_forward_with_fused_kernels():
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_model_forward_with_fused_kernels(family):
     """The model's fused forward (kernels/fused.py in the interpreter) gives the logits and
-    K/V of the plain forward, on a varlen batch over pages."""
+    K/V of the plain forward, on a varlen batch over pages: the Llama layer, Qwen3's q/k
+    norms, Gemma 3's (1 + w) and sandwich norms, q/k norms and gelu-tanh."""
     from lazyllm.model.llama import AttentionMetadata, LlamaFamilyModel
     from tests.conftest import make_tiny
 
-    hf = make_tiny("llama", seed=3)
+    hf = make_tiny(family, seed=3)
     plain = LlamaFamilyModel(hf, fuse=True, fused_kernels=False)
     fused = LlamaFamilyModel(hf, fuse=True, fused_kernels=fk)
     assert fused.fused is fk and plain.fused is None
@@ -158,14 +221,16 @@ def test_kernels_take_partial_sums():
         fk.add_rms_norm(h, parts.to(dt), w, 1e-6)
 
 
-def test_model_decode_one_token_with_gemv():
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_model_decode_one_token_with_gemv(family):
     """A single-token step of the fused forward in float16 runs its projections as split-K
-    GEMVs; its logits and K/V match the plain forward's to float16 accuracy; under
-    ``batch_invariant`` it keeps the row-blocked GEMMs (no GEMV call)."""
+    GEMVs (Qwen3 and Gemma 3 too: the single-token projection path); its logits and K/V
+    match the plain forward's to float16 accuracy; under ``batch_invariant`` it keeps the
+    row-blocked GEMMs (no GEMV call)."""
     from lazyllm.model.llama import AttentionMetadata, LlamaFamilyModel
     from tests.conftest import forward_pair, make_tiny
 
-    hf = make_tiny("llama", seed=4).to(torch.float16)
+    hf = make_tiny(family, seed=4).to(torch.float16)
     plain = LlamaFamilyModel(hf, fuse=True, fused_kernels=False)
     fused = LlamaFamilyModel(hf, fuse=True, fused_kernels=fk)
     s = plain.spec

@@ -29,16 +29,19 @@ class AttentionBackend:
 
     name = ""
     graph_capturable = False  # whether a forward through it can be captured in a CUDA graph
+    supports_window = False  # whether run() takes ``window`` (sliding-window layers)
 
     def plan(self, meta, inv_freq: torch.Tensor) -> Any:
         """Per-step state shared by every layer that uses ``inv_freq``."""
         return None
 
     def run(self, q: torch.Tensor, meta, k_cache: torch.Tensor, v_cache: torch.Tensor, inv_freq: torch.Tensor,
-            sm_scale: float, plan: Any) -> torch.Tensor:
+            sm_scale: float, plan: Any, *, window: int | None = None) -> torch.Tensor:
         """Attention output ``(total_q, num_q_heads, head_dim)`` of queries ``q`` (RoPE
         applied at ``meta.positions``) over one layer's pages ``k_cache``/``v_cache``
-        ``(num_pages, page_size, num_kv_heads, head_dim)``."""
+        ``(num_pages, page_size, num_kv_heads, head_dim)``. ``window``: a sliding window
+        (a query at ``p`` sees keys at ``p - window < pos <= p``), only where
+        ``supports_window``."""
         raise NotImplementedError
 
     def rerotate_copy(self, k_cache, v_cache, src, dst, delta, inv_freq) -> None:
@@ -52,11 +55,12 @@ class TorchAttention(AttentionBackend):
 
     name = "torch"
     graph_capturable = False
+    supports_window = True
 
-    def run(self, q, meta, k_cache, v_cache, inv_freq, sm_scale, plan):
+    def run(self, q, meta, k_cache, v_cache, inv_freq, sm_scale, plan, *, window=None):
         return reference.paged_attention_ref(q, meta.positions, meta.cu_seqlens_q, k_cache, v_cache,
                                              meta.block_table, meta.block_pos, meta.block_delta, meta.block_len,
-                                             inv_freq, sm_scale)
+                                             inv_freq, sm_scale, window=window)
 
     def rerotate_copy(self, k_cache, v_cache, src, dst, delta, inv_freq) -> None:
         reference.rerotate_copy_ref(k_cache, v_cache, src, dst, delta, inv_freq)
@@ -67,6 +71,7 @@ class TritonAttention(AttentionBackend):
 
     name = "triton"
     graph_capturable = True
+    supports_window = True
 
     def __init__(self, device: torch.device, *, batch_invariant: bool = False, options=None):
         from lazyllm.kernels import triton_kernels
@@ -90,7 +95,11 @@ class TritonAttention(AttentionBackend):
             extras["options"] = self.options
         return extras
 
-    def run(self, q, meta, k_cache, v_cache, inv_freq, sm_scale, plan):
+    def run(self, q, meta, k_cache, v_cache, inv_freq, sm_scale, plan, *, window=None):
+        if window is not None:  # sliding-window layers (the others' launch is unchanged)
+            return self.kernels.paged_attention_triton(
+                q, meta.positions, meta.cu_seqlens_q, k_cache, v_cache, meta.block_table, meta.block_pos,
+                meta.block_delta, meta.block_len, inv_freq, sm_scale, window=window, **plan)
         return self.kernels.paged_attention_triton(q, meta.positions, meta.cu_seqlens_q, k_cache, v_cache,
                                               meta.block_table, meta.block_pos, meta.block_delta, meta.block_len,
                                               inv_freq, sm_scale, **plan)

@@ -219,11 +219,14 @@ class LlamaFamilyModel:
             self.inv_freq.to(self.device)
         # the attention backend: plan() once per forward and RoPE frequency, run() per layer
         self.attention = attention or TorchAttention()
-        slow = [i for i, win in enumerate(self.windows) if win is not None]
-        if slow:
-            log.warning("%s: %d of %d layers use sliding-window attention, which runs on the torch reference "
-                        "(no Triton kernels, no fused kernels, no CUDA graphs): slower than the other layers",
-                        mt, len(slow), len(self.windows))
+        # sliding-window layers run on the backend when it takes a window (the torch
+        # reference and the Triton kernels do), else on the torch reference
+        self._window_fallback = any(win is not None for win in self.windows) and \
+            not getattr(self.attention, "supports_window", False)
+        if self._window_fallback:
+            log.warning("%s: the %s attention backend has no sliding window; %d of %d layers run on the torch "
+                        "reference (a Python loop with host syncs, no CUDA graphs)", mt, self.attention.name,
+                        sum(win is not None for win in self.windows), len(self.windows))
         self.write_kv = write_kv_ref
         if fuse if fuse is not None else self.device.type == "cuda":
             self._fuse_projections()
@@ -234,14 +237,13 @@ class LlamaFamilyModel:
         # (tests pass an interpreted copy).
         self.fused = None
         want = fused_kernels if fused_kernels is not None else self.device.type == "cuda"
-        if want and not (self.spec.gemma or self.spec.qk_norm) and "wqkv" in self.layers[0]:
+        if want and "wqkv" in self.layers[0]:
             if want is True:
                 from lazyllm.kernels import fused as want
             self.fused = want
-        elif want and self.device.type == "cuda":
-            why = "Gemma norms" if self.spec.gemma else "per-head q/k norms" if self.spec.qk_norm else "unfused q/k/v"
-            log.warning("%s: %s are not in the fused per-layer kernels; its layers run as separate torch ops "
-                        "(slower per token than the Llama layer)", mt, why)
+        elif want:
+            log.warning("%s: unfused q/k/v projections are not in the fused per-layer kernels; its layers run as "
+                        "separate torch ops (slower per token)", mt)
 
     def _fuse_projections(self) -> None:
         """One GEMM for q/k/v and one for gate/up. The fused tensor becomes the storage
@@ -309,16 +311,18 @@ class LlamaFamilyModel:
     def graph_capturable(self) -> bool:
         """Whether a forward can be captured in a CUDA graph: no layer runs the torch reference
         attention, which reads the batch layout on the host (the torch backend, and
-        sliding-window layers, which always use it)."""
-        return self.attention.graph_capturable and all(w["window"] is None for w in self.layers)
+        sliding-window layers on a backend without windows)."""
+        return self.attention.graph_capturable and not self._window_fallback
 
     def _attend(self, q, meta: AttentionMetadata, k_cache, v_cache, li: int, plans: list) -> torch.Tensor:
         w = self.layers[li]
         if w["window"] is None:
             return self.attention.run(q, meta, k_cache[li], v_cache[li], self.inv_freqs[w["freq"]],
                                       self.spec.sm_scale, plans[w["freq"]])
-        # sliding-window layers: the torch reference (the Triton kernels have no window yet)
-        return paged_attention_ref(*self._attn_args(q, meta, k_cache, v_cache, li), window=w["window"])
+        if self._window_fallback:  # a backend without windows: the torch reference
+            return paged_attention_ref(*self._attn_args(q, meta, k_cache, v_cache, li), window=w["window"])
+        return self.attention.run(q, meta, k_cache[li], v_cache[li], self.inv_freqs[w["freq"]],
+                                  self.spec.sm_scale, plans[w["freq"]], window=w["window"])
 
     @torch.inference_mode()
     def probe_keys(self, input_ids: torch.Tensor, layer: int) -> torch.Tensor:
@@ -415,29 +419,45 @@ class LlamaFamilyModel:
 
     def _forward_fused(self, h, meta, k_cache, v_cache, tables, plans, logits_index):
         """``forward`` with the fused kernels: per layer one RMSNorm (+ residual add), the
-        QKV GEMM, one RoPE + K/V write, attention, the output GEMM, one add + RMSNorm, the
-        gate/up GEMM, one SiLU * up, the down GEMM (its residual add is fused into the
-        next layer's norm). For a single token (decode at batch 1) the projections are
-        split-K GEMVs whose partial sums the next fused kernel adds up (``gemv_parts``),
-        unless ``batch_invariant``."""
+        QKV GEMM, one RoPE + K/V write (with the per-head q/k norms of Qwen3 and Gemma 3),
+        attention, the output GEMM, one add + RMSNorm, the gate/up GEMM, one SiLU (Gemma:
+        gelu-tanh) * up, the down GEMM (its residual add is fused into the next layer's
+        norm). Gemma's sandwich norms (after attention, after the MLP) are fused into the
+        add + RMSNorm that follows them. For a single token (decode at batch 1) the
+        projections are split-K GEMVs whose partial sums the next fused kernel adds up
+        (``gemv_parts``), unless ``batch_invariant``."""
         s, fk = self.spec, self.fused
         n = h.shape[0]
         proj = self._linear if self.batch_invariant else functools.partial(fk.linear_or_parts, linear=self._linear)
-        pending = None
+        gemma = s.gemma
+        g = dict(gemma=True) if gemma else {}
+        pending = post_ff = None
         for li, w in enumerate(self.layers):
             fi = w["freq"]
             if pending is None:
-                x = fk.rms_norm(h, w["ln1"], s.rms_eps)
+                x = fk.rms_norm(h, w["ln1"], s.rms_eps, **g)
+            elif gemma:
+                h, x = fk.add_rms_norm(h, pending, w["ln1"], s.rms_eps, gemma=True, y_weight=post_ff)
             else:
                 h, x = fk.add_rms_norm(h, pending, w["ln1"], s.rms_eps)
             qkv = proj(x, w["wqkv"], w["bqkv"])
+            qk = dict(q_norm=w["qn"], k_norm=w["kn"], eps=s.rms_eps, **g) if s.qk_norm else {}
             q = fk.rope_qkv_write(qkv, *tables[fi], k_cache[li], v_cache[li], meta.slot_mapping,
-                                  s.num_heads, s.num_kv_heads)
+                                  s.num_heads, s.num_kv_heads, **qk)
             o = self._attend(q, meta, k_cache, v_cache, li, plans)
-            h, x = fk.add_rms_norm(h, proj(o.reshape(n, -1), w["wo"], w["bo"]), w["ln2"], s.rms_eps)
-            pending = proj(fk.silu_mul(proj(x, w["wgu"]), h.dtype), w["wd"])
+            y = proj(o.reshape(n, -1), w["wo"], w["bo"])
+            if gemma:  # h + post_attn(y), then pre_ff: one kernel
+                h, x = fk.add_rms_norm(h, y, w["pre_ff"], s.rms_eps, gemma=True, y_weight=w["post_attn"])
+                pending = proj(fk.silu_mul(proj(x, w["wgu"]), h.dtype, gelu_tanh=True), w["wd"])
+                post_ff = w["post_ff"]
+            else:
+                h, x = fk.add_rms_norm(h, y, w["ln2"], s.rms_eps)
+                pending = proj(fk.silu_mul(proj(x, w["wgu"]), h.dtype), w["wd"])
         if logits_index is not None:
             h = h[logits_index]
             pending = pending[:, logits_index] if pending.dim() == 3 else pending[logits_index]
-        _, x = fk.add_rms_norm(h, pending, self.final_norm, s.rms_eps)
+        if gemma:
+            _, x = fk.add_rms_norm(h, pending, self.final_norm, s.rms_eps, gemma=True, y_weight=post_ff)
+        else:
+            _, x = fk.add_rms_norm(h, pending, self.final_norm, s.rms_eps)
         return self._linear(x, self.lm_head).float()
