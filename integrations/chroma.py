@@ -1,27 +1,42 @@
-"""chromadb glue: an offline embedding function, ingestion with KV warm-up, retrievers.
+"""chromadb glue: an offline embedding function and ingestion with KV warm-up.
 
->>> import chromadb
->>> from lazyllm.integrations.chroma import BundledMiniLM, ingest
->>> client = chromadb.PersistentClient(path="./db")
->>> col = client.get_or_create_collection("docs", embedding_function=BundledMiniLM())
->>> ingest(col, ["Paris is the capital of France.", ...], llm=llm)   # embeds and warms
+Retrieval goes through each framework's standard chroma package, with the bundled MiniLM
+in the interface that framework expects (no network: chromadb's own default embedding
+function downloads a model)::
+
+    # LangChain (langchain-chroma)
+    from langchain_chroma import Chroma
+    from lazyllm.integrations.langchain import BundledMiniLMEmbeddings
+    store = Chroma.from_texts(texts, embedding=BundledMiniLMEmbeddings(), ids=ids, client=client)
+    retriever = store.as_retriever(search_kwargs={"k": 4})
+
+    # LlamaIndex (llama-index-vector-stores-chroma)
+    from llama_index.core import StorageContext, VectorStoreIndex
+    from llama_index.vector_stores.chroma import ChromaVectorStore
+    from lazyllm.integrations.llama_index import BundledMiniLMEmbedding
+    store = ChromaVectorStore(chroma_collection=client.get_or_create_collection("docs"))
+    index = VectorStoreIndex.from_documents(docs, embed_model=BundledMiniLMEmbedding(),
+                                            storage_context=StorageContext.from_defaults(vector_store=store))
+
+    # chromadb itself
+    from lazyllm.integrations.chroma import BundledMiniLM, ingest
+    col = client.get_or_create_collection("docs", embedding_function=BundledMiniLM())
+    ingest(col, ["Paris is the capital of France.", ...], llm=llm)   # embeds and warms
+
+Make clients with ``Settings(anonymized_telemetry=False)`` to keep chromadb from
+reporting usage.
 
 ``BundledMiniLM`` is registered with chromadb's embedding-function registry, so once this
 module is imported a persistent collection reopens with
-``client.get_collection("docs")``, no embedding function passed, and no network.
-(chromadb's own default embedding function downloads a model, which fails offline.)
+``client.get_collection("docs")``, no embedding function passed, and no network. The
+three embedding adapters return the same vectors, so one collection serves all of them.
 
-Retrievers over a collection, for either framework:
-
-- LangChain: ``ChromaRetriever(collection=col, k=4)`` (a ``BaseRetriever`` returning
-  ``Document``s whose ``id`` is the chroma id);
-- LlamaIndex: ``as_llama_index(col)``, a ``VectorStoreIndex`` over the same collection
-  (needs ``llama-index-vector-stores-chroma``), so ``as_llama_index(col).as_query_engine(
-  llm=llm, response_synthesizer=ChunkSynthesizer(llm))`` answers from it.
-
-Ingested document text is stored as is and handed to the engine as is (chunk text = the
-stored document), so the KV that ``ingest(..., llm=...)`` precomputes is exactly what
-later queries reuse, in either framework.
+``ingest(store, documents, llm=...)`` adds documents to a chroma collection or to a
+LangChain ``Chroma`` vector store and precomputes their KV. Ingested document text is
+stored as is and handed to the engine as is (chunk text = the stored document), so the
+KV that ``ingest`` precomputes is exactly what later queries reuse, in either framework.
+``as_llama_index(col)`` is a ``VectorStoreIndex`` over an existing collection.
+(``ChromaRetriever`` is deprecated: use ``Chroma(...).as_retriever()``.)
 """
 from __future__ import annotations
 
@@ -35,7 +50,7 @@ from chromadb.utils.embedding_functions import register_embedding_function
 from lazyllm import Chunk, InvalidRequestError
 
 from ._common import resolve_lazyllm
-from .minilm import MODEL_NAME, get_encoder
+from .minilm import MODEL_NAME, check_batch_size, embed
 
 
 @register_embedding_function
@@ -45,12 +60,10 @@ class BundledMiniLM(EmbeddingFunction[Documents]):
     needed to rebuild it from a collection's stored configuration."""
 
     def __init__(self, batch_size: int = 32):
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise InvalidRequestError(f"batch_size must be a positive int, got {batch_size!r}")
-        self.batch_size = batch_size
+        self.batch_size = check_batch_size(batch_size)
 
     def __call__(self, input: Documents) -> Embeddings:
-        return list(get_encoder().encode(list(input), batch_size=self.batch_size))
+        return list(embed(input, batch_size=self.batch_size))
 
     @staticmethod
     def name() -> str:
@@ -117,9 +130,9 @@ def _as_records(documents, ids, metadatas):
 def ingest(collection, documents: Sequence[Any], ids: Sequence[str] | None = None,
            metadatas: Sequence[dict] | None = None, llm: Any = None, system: str | None = None,
            *, batch_size: int = 256, progress: bool | None = None) -> dict:
-    """Add ``documents`` to a chroma ``collection`` (upsert: re-ingesting is idempotent)
-    and, when ``llm`` is given, precompute their chunk KV so the first queries that
-    retrieve them are already warm.
+    """Add ``documents`` to a chroma ``collection`` or a LangChain ``Chroma`` vector store
+    (upsert: re-ingesting is idempotent) and, when ``llm`` is given, precompute their
+    chunk KV so the first queries that retrieve them are already warm.
 
     ``documents`` are strings, LangChain ``Document``s or LlamaIndex nodes. ``ids``
     default to the documents' own ids, else a hash of the text. ``llm`` is a ``LazyLLM``
@@ -136,6 +149,11 @@ def ingest(collection, documents: Sequence[Any], ids: Sequence[str] | None = Non
         raise InvalidRequestError("two documents have the same id")
     for i in range(0, len(texts), batch_size):
         sl = slice(i, i + batch_size)
+        if hasattr(collection, "add_texts"):  # a LangChain vector store: it embeds, then upserts
+            has_meta = any(m for m in metas[sl])
+            collection.add_texts(texts[sl], metadatas=[m or {} for m in metas[sl]] if has_meta else None,
+                                 ids=ids_[sl])
+            continue
         kw: dict[str, Any] = dict(ids=ids_[sl], documents=texts[sl])
         if any(m for m in metas[sl]):
             kw["metadatas"] = [m or None for m in metas[sl]]
@@ -158,10 +176,10 @@ def as_llama_index(collection, embed_model: Any = None):
         from llama_index.vector_stores.chroma import ChromaVectorStore
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("as_llama_index needs `pip install llama-index-vector-stores-chroma`") from e
-    from .llama_index import MiniLMEmbedding
+    from .llama_index import BundledMiniLMEmbedding
 
     store = ChromaVectorStore(chroma_collection=collection)
-    return VectorStoreIndex.from_vector_store(store, embed_model=embed_model or MiniLMEmbedding())
+    return VectorStoreIndex.from_vector_store(store, embed_model=embed_model or BundledMiniLMEmbedding())
 
 
 def __getattr__(name: str):

@@ -1,6 +1,7 @@
 """LangChain adapter: ``ChatLazyLLM`` (a chat model), ``LazyLLMText`` (a string LLM),
-helpers that turn retrieved ``Document``s into chunk-carrying messages, and a retriever
-over a chroma collection.
+helpers that turn retrieved ``Document``s into chunk-carrying messages, and
+``BundledMiniLMEmbeddings`` (the bundled offline embedding model, for ``langchain_chroma.Chroma``
+or any LangChain vector store).
 
 Documents reach the engine as chunks, never as one flattened string. In LangChain terms a
 document is a v1 ``text-plain`` content block::
@@ -44,6 +45,7 @@ import binascii
 import html
 import json
 import re
+import warnings
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -54,6 +56,7 @@ from langchain_core.callbacks import (
     CallbackManagerForRetrieverRun,
 )
 from langchain_core.documents import Document
+from langchain_core.embeddings import Embeddings
 from langchain_core.language_models import BaseChatModel, BaseLLM, LangSmithParams
 from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
 from langchain_core.messages import (
@@ -95,6 +98,7 @@ from ._common import (
     request_from_messages,
     usage_dict,
 )
+from .minilm import check_batch_size, embed
 
 PROVIDER = "lazyllm"
 
@@ -586,19 +590,49 @@ class LazyLLMText(_EngineParams, BaseLLM):
         yield GenerationChunk(text="", generation_info=usage_dict(stream.output))
 
 
-# -- retriever over a chroma collection --------------------------------------------
+# -- the bundled embedding model ---------------------------------------------------
+
+
+class BundledMiniLMEmbeddings(Embeddings):
+    """LangChain ``Embeddings`` backed by the bundled all-MiniLM-L6-v2 (384-d, unit-length
+    vectors), offline: the same vectors as ``lazyllm.integrations.chroma.BundledMiniLM``
+    and the LlamaIndex ``BundledMiniLMEmbedding``. For ``langchain_chroma.Chroma`` or any
+    LangChain vector store::
+
+        store = Chroma.from_texts(texts, embedding=BundledMiniLMEmbeddings(), client=client)
+        retriever = store.as_retriever(search_kwargs={"k": 4})
+    """
+
+    def __init__(self, batch_size: int = 32):
+        self.batch_size = check_batch_size(batch_size)
+
+    def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        return embed(texts, batch_size=self.batch_size).tolist()
+
+    def embed_query(self, text: str) -> list[float]:
+        return embed([text])[0].tolist()
+
+
+# -- retriever over a chroma collection (deprecated) ---------------------------------
 
 
 class ChromaRetriever(BaseRetriever):
-    """LangChain retriever over a chromadb collection: the ``k`` nearest documents to
-    the query, as ``Document``s with the chroma id as ``id`` and the stored metadata.
-    The collection embeds the query with its own embedding function (``BundledMiniLM``
-    for collections made with ``lazyllm.integrations.chroma``)."""
+    """Deprecated: use ``langchain_chroma.Chroma(client=..., collection_name=...,
+    embedding_function=BundledMiniLMEmbeddings()).as_retriever(search_kwargs={"k": k})``,
+    which returns the same documents (chroma id as ``id``, stored metadata).
+
+    LangChain retriever over a chromadb collection: the ``k`` nearest documents to the
+    query. The collection embeds the query with its own embedding function."""
 
     collection: Any
     k: int = 4
     where: dict | None = None
     where_document: dict | None = None
+
+    def model_post_init(self, context: Any, /) -> None:
+        warnings.warn("ChromaRetriever is deprecated: use langchain_chroma.Chroma(..., embedding_function="
+                      "BundledMiniLMEmbeddings()).as_retriever()", DeprecationWarning, stacklevel=3)
+        super().model_post_init(context)
 
     def _query(self, query: str) -> list[Document]:
         kw: dict[str, Any] = dict(query_texts=[query], n_results=self.k, include=["documents", "metadatas"])
@@ -621,6 +655,7 @@ class ChromaRetriever(BaseRetriever):
 
 
 __all__ = [
-    "ChatLazyLLM", "LazyLLMText", "ChromaRetriever", "documents_to_messages", "document_block", "to_chunks",
+    "ChatLazyLLM", "LazyLLMText", "BundledMiniLMEmbeddings", "ChromaRetriever", "documents_to_messages",
+    "document_block", "to_chunks",
     "chunk_prompt", "format_documents", "messages_to_request", "encode_prompt", "decode_prompt", "block_to_chunk",
 ]

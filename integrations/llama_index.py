@@ -1,6 +1,6 @@
 """LlamaIndex adapter: ``LlamaIndexLLM`` (a ``CustomLLM``), ``ChunkSynthesizer`` (a
 response synthesizer that hands each retrieved node to the engine as its own chunk) and
-``MiniLMEmbedding`` (the bundled offline embedding model).
+``BundledMiniLMEmbedding`` (the bundled offline embedding model).
 
 The default ``compact`` synthesizer joins the retrieved texts into one string and
 re-splits it to fit the context window, so no two requests ever share a document's KV.
@@ -9,10 +9,10 @@ node metadata as chunk metadata), so a document's KV is computed once and reused
 later query that retrieves it, in any order::
 
     from llama_index.core import VectorStoreIndex
-    from lazyllm.integrations.llama_index import ChunkSynthesizer, LlamaIndexLLM, MiniLMEmbedding
+    from lazyllm.integrations.llama_index import BundledMiniLMEmbedding, ChunkSynthesizer, LlamaIndexLLM
 
     llm = LlamaIndexLLM(max_new_tokens=128)                       # default model, offline
-    index = VectorStoreIndex.from_documents(docs, embed_model=MiniLMEmbedding())
+    index = VectorStoreIndex.from_documents(docs, embed_model=BundledMiniLMEmbedding())
     engine = index.as_query_engine(llm=llm, response_synthesizer=ChunkSynthesizer(llm))
     response = engine.query("Who wrote it?")
     response.metadata["lazyllm"]["cached_tokens"]                # reused chunk tokens
@@ -80,7 +80,7 @@ from ._common import (
     sampling_kwargs,
     usage_dict,
 )
-from .minilm import DIM, MODEL_NAME, get_encoder
+from .minilm import DIM, MODEL_NAME, embed
 
 dispatcher = instrument.get_dispatcher(__name__)
 
@@ -449,9 +449,11 @@ class ChunkSynthesizer(BaseSynthesizer):
         return response
 
 
-class MiniLMEmbedding(BaseEmbedding):
-    """LlamaIndex embedding model: the bundled all-MiniLM-L6-v2, offline (the same
-    vectors as ``lazyllm.integrations.chroma.BundledMiniLM``)."""
+class BundledMiniLMEmbedding(BaseEmbedding):
+    """LlamaIndex embedding model: the bundled all-MiniLM-L6-v2 (384-d, unit-length
+    vectors), offline: the same vectors as ``lazyllm.integrations.chroma.BundledMiniLM``
+    and the LangChain ``BundledMiniLMEmbeddings``. For ``VectorStoreIndex`` over
+    ``llama_index.vector_stores.chroma.ChromaVectorStore`` or any other store."""
 
     model_name: str = MODEL_NAME
     embed_batch_size: int = 32
@@ -462,16 +464,19 @@ class MiniLMEmbedding(BaseEmbedding):
         return "LazyLLMBundledMiniLM"
 
     def _get_query_embedding(self, query: str) -> Embedding:
-        return get_encoder().encode([query])[0].tolist()
+        return embed([query])[0].tolist()
 
     async def _aget_query_embedding(self, query: str) -> Embedding:
         return await asyncio.get_running_loop().run_in_executor(None, self._get_query_embedding, query)
 
     def _get_text_embedding(self, text: str) -> Embedding:
-        return get_encoder().encode([text])[0].tolist()
+        return embed([text])[0].tolist()
 
     def _get_text_embeddings(self, texts: list[str]) -> list[Embedding]:
-        return [v.tolist() for v in get_encoder().encode(list(texts))]
+        return embed(texts, batch_size=self.embed_batch_size).tolist()
 
 
-__all__ = ["LlamaIndexLLM", "ChunkSynthesizer", "MiniLMEmbedding", "chat_to_request"]
+MiniLMEmbedding = BundledMiniLMEmbedding  # the earlier name
+
+
+__all__ = ["LlamaIndexLLM", "ChunkSynthesizer", "BundledMiniLMEmbedding", "MiniLMEmbedding", "chat_to_request"]
