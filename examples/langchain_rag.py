@@ -1,8 +1,10 @@
 """RAG with LangChain, chromadb and lazyllm, offline, in a few seconds on a CPU.
 
-The retrieved documents reach the model as separate chunks (LangChain ``text-plain``
-content blocks), so the second question, which retrieves some of the same documents in
-another order, reuses their KV: see ``cache_read`` and the TTFT.
+Retrieval is the standard ``langchain-chroma`` vector store, embedding with the bundled
+MiniLM (a LangChain ``Embeddings``, no network). The retrieved documents reach the model
+as separate chunks (LangChain ``text-plain`` content blocks), so the second question,
+which retrieves some of the same documents in another order, reuses their KV: see
+``cache_read`` and the TTFT.
 
     python examples/langchain_rag.py [--db PATH] [--max-new-tokens N] [--model PATH]
 """
@@ -11,12 +13,11 @@ from __future__ import annotations
 import argparse
 import tempfile
 
-import chromadb
 from chromadb.config import Settings
+from langchain_chroma import Chroma
 from langchain_core.runnables import RunnablePassthrough
 
-from lazyllm.integrations.chroma import BundledMiniLM, ChromaRetriever, ingest
-from lazyllm.integrations.langchain import ChatLazyLLM, chunk_prompt, to_chunks
+from lazyllm.integrations.langchain import BundledMiniLMEmbeddings, ChatLazyLLM, chunk_prompt, to_chunks
 
 CORPUS = {
     "mercury": "Mercury is the smallest planet and the closest to the Sun. A year on Mercury lasts 88 days.",
@@ -41,13 +42,13 @@ def main() -> None:
     args = ap.parse_args()
 
     db = args.db or tempfile.mkdtemp(prefix="lazyllm-chroma-")
-    client = chromadb.PersistentClient(path=db, settings=Settings(anonymized_telemetry=False))
-    collection = client.get_or_create_collection("planets", embedding_function=BundledMiniLM())
-    ingest(collection, list(CORPUS.values()), ids=list(CORPUS), metadatas=[{"planet": k} for k in CORPUS])
+    store = Chroma.from_texts(list(CORPUS.values()), embedding=BundledMiniLMEmbeddings(), ids=list(CORPUS),
+                              metadatas=[{"planet": k} for k in CORPUS], collection_name="planets",
+                              persist_directory=db, client_settings=Settings(anonymized_telemetry=False))
+    retriever = store.as_retriever(search_kwargs={"k": args.k})
 
     # The one line that differs from a ChatHuggingFace chain:
     llm = ChatLazyLLM.from_model_id(args.model, max_tokens=args.max_new_tokens)
-    retriever = ChromaRetriever(collection=collection, k=args.k)
     chain = {"documents": retriever | to_chunks, "question": RunnablePassthrough()} | chunk_prompt(SYSTEM) | llm
 
     try:

@@ -1,19 +1,25 @@
-"""RAG with LlamaIndex and lazyllm, offline, in a few seconds on a CPU.
+"""RAG with LlamaIndex, chromadb and lazyllm, offline, in a few seconds on a CPU.
 
-``ChunkSynthesizer`` hands each retrieved node to the model as its own chunk (instead of
-the default ``compact`` mode, which joins and re-splits them), so the second question,
-which retrieves some of the same nodes in another order, reuses their KV: see the cached
-tokens and the TTFT. The third question streams.
+The index lives in the standard ``llama-index-vector-stores-chroma`` store and embeds with
+the bundled MiniLM (a LlamaIndex ``BaseEmbedding``, no network). ``ChunkSynthesizer`` hands
+each retrieved node to the model as its own chunk (instead of the default ``compact`` mode,
+which joins and re-splits them), so the second question, which retrieves some of the same
+nodes in another order, reuses their KV: see the cached tokens and the TTFT. The third
+question streams.
 
-    python examples/llamaindex_rag.py [--max-new-tokens N] [--model PATH]
+    python examples/llamaindex_rag.py [--db PATH] [--max-new-tokens N] [--model PATH]
 """
 from __future__ import annotations
 
 import argparse
+import tempfile
 
-from llama_index.core import Document, VectorStoreIndex
+import chromadb
+from chromadb.config import Settings
+from llama_index.core import Document, StorageContext, VectorStoreIndex
+from llama_index.vector_stores.chroma import ChromaVectorStore
 
-from lazyllm.integrations.llama_index import ChunkSynthesizer, LlamaIndexLLM, MiniLMEmbedding
+from lazyllm.integrations.llama_index import BundledMiniLMEmbedding, ChunkSynthesizer, LlamaIndexLLM
 
 CORPUS = {
     "mercury": "Mercury is the smallest planet and the closest to the Sun. A year on Mercury lasts 88 days.",
@@ -31,13 +37,20 @@ SYSTEM = "You answer questions about the solar system in one or two sentences, u
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--db", help="chroma folder (default: a temporary one)")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--model", default=None, help="model path or hub id (default: the embedded model)")
     ap.add_argument("--k", type=int, default=3, help="nodes retrieved per question")
     args = ap.parse_args()
 
+    client = chromadb.PersistentClient(path=args.db or tempfile.mkdtemp(prefix="lazyllm-chroma-"),
+                                       settings=Settings(anonymized_telemetry=False))
+    # embedding_function=None: LlamaIndex passes its own vectors (chromadb's default function
+    # would download a model)
+    store = ChromaVectorStore(chroma_collection=client.get_or_create_collection("planets", embedding_function=None))
     docs = [Document(text=t, id_=k, metadata={"planet": k}) for k, t in CORPUS.items()]
-    index = VectorStoreIndex.from_documents(docs, embed_model=MiniLMEmbedding())
+    index = VectorStoreIndex.from_documents(docs, embed_model=BundledMiniLMEmbedding(),
+                                            storage_context=StorageContext.from_defaults(vector_store=store))
 
     # The one line that differs from a HuggingFaceLLM setup:
     llm = LlamaIndexLLM(model_name=args.model, max_new_tokens=args.max_new_tokens, system_prompt=SYSTEM)

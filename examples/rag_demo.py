@@ -30,6 +30,11 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=40)
     args = ap.parse_args()
 
+    # The weights load in well under a second: no per-tensor progress bar. (A first run that
+    # converts the packaged GGUF model still shows the conversion's progress.)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     t0 = time.perf_counter()
     llm = LazyLLM(args.model, device=args.device, reuse=args.reuse, chunk_context=args.chunk_context)
     print(f"loaded {llm} in {time.perf_counter() - t0:.1f} s\n")
