@@ -1,0 +1,523 @@
+"""Replicas of ``LazyLLM`` on Ray Serve, routed by the documents each replica holds.
+
+A chunk's KV is cached under a key that does not depend on where the chunk sits in the
+prompt (``lazyllm.cache.store.chunk_key``: model, chunk context, prefix when it matters,
+tokens). So a router can score a replica by how many of *this request's* chunk tokens it
+already holds, one set lookup per chunk, whatever the order of the documents, where a
+prefix-affinity router only sees the longest shared prefix.
+
+Pieces:
+
+* ``LazyLLMDeployment``: the replica. Wraps a ``LazyLLM`` (built in the replica from a model
+  path, keyword arguments or a factory) and reports, through Ray Serve's routing
+  statistics (``record_routing_stats``), a Bloom filter of its resident chunk keys, the
+  model fingerprint and the chunk context.
+* ``DocumentAffinityRouter``: a Ray Serve ``RequestRouter``. It computes the request's chunk
+  keys (tokenizer in the router's process, a bounded cache per document text), ranks the
+  replicas by the chunk tokens each holds (Bloom filter from the stats, plus the keys it
+  routed there itself since, which the stats cannot show yet), breaks ties by the cold
+  chunks each replica owns under rendezvous hashing (so every router agrees where a new
+  document goes), and falls back to the less loaded of two random replicas when the queues
+  are unbalanced.
+* ``build_app``: the application (deployment options passed through), ``warm``: precompute
+  documents on the replicas that will own them.
+
+Pure functions (``BloomFilter``, ``rank_replicas``, ``rendezvous_owner``) carry the policy,
+so it is tested without a Ray cluster.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lazyllm import Chunk, InvalidRequestError
+from lazyllm.types import as_chunk
+
+ROUTERS = ("documents", "default", "prefix")
+PREFIX_ROUTER = "ray.serve.llm.request_router.PrefixCacheAffinityRouter"
+
+
+# -- requests ------------------------------------------------------------------------
+
+@dataclass
+class ServeRequest:
+    """One generation request as replicas and routers see it. ``prompt`` (the documents
+    in order, between the system prompt and the question) is what Ray's
+    ``PrefixCacheAffinityRouter`` matches on, so the baseline routes the same object."""
+
+    question: str
+    chunks: list[Chunk] = field(default_factory=list)
+    system: str | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if isinstance(self.chunks, (str, Chunk)):
+            raise InvalidRequestError("chunks must be a list of str or Chunk, not a single one")
+        self.chunks = [as_chunk(c, i) for i, c in enumerate(self.chunks)]
+
+    @property
+    def prompt(self) -> str:
+        return "\n\n".join([self.system or ""] + [c.text for c in self.chunks] + [self.question])
+
+
+@dataclass
+class WarmRequest:
+    """Precompute ``chunks`` (routed like a request, but never to a fallback replica)."""
+
+    chunks: list[Chunk]
+    system: str | None = None
+
+    def __post_init__(self):
+        self.chunks = [as_chunk(c, i) for i, c in enumerate(self.chunks)]
+
+    @property
+    def prompt(self) -> str:
+        return "\n\n".join([self.system or ""] + [c.text for c in self.chunks])
+
+
+# -- what a replica reports ------------------------------------------------------------
+
+class BloomFilter:
+    """A Bloom filter over chunk keys (20-byte blake2b digests, so their bytes are already
+    uniform: the ``k`` bit positions are read from the key, nothing is hashed again).
+
+    ``bits`` is a power of two; with 16 bits per key and 4 positions the false-positive
+    rate is about 0.24% (a false positive only costs a less good routing choice)."""
+
+    def __init__(self, bits: int, hashes: int = 4, data: bytes | bytearray | None = None):
+        if bits < 8 or bits & (bits - 1):
+            raise ValueError("bits must be a power of two >= 8")
+        if not 1 <= hashes <= 5:
+            raise ValueError("hashes must be 1..5 (a 20-byte key has five 32-bit words)")
+        self.bits, self.hashes = bits, hashes
+        self.data = bytearray(data) if data is not None else bytearray(bits // 8)
+        if len(self.data) != bits // 8:
+            raise ValueError("data does not match bits")
+
+    @classmethod
+    def for_keys(cls, keys: Sequence[bytes], bits_per_key: int = 16, hashes: int = 4) -> BloomFilter:
+        bits = max(1024, 1 << math.ceil(math.log2(max(1, len(keys)) * bits_per_key)))
+        f = cls(bits, hashes)
+        for k in keys:
+            f.add(k)
+        return f
+
+    def _positions(self, key: bytes):
+        if len(key) < 4 * self.hashes:
+            key = hashlib.blake2b(key, digest_size=20).digest()
+        mask = self.bits - 1
+        for i in range(self.hashes):
+            yield int.from_bytes(key[4 * i:4 * i + 4], "little") & mask
+
+    def add(self, key: bytes) -> None:
+        for p in self._positions(key):
+            self.data[p >> 3] |= 1 << (p & 7)
+
+    def __contains__(self, key: bytes) -> bool:
+        return all(self.data[p >> 3] >> (p & 7) & 1 for p in self._positions(key))
+
+    def to_stats(self) -> dict:
+        return {"bits": self.bits, "hashes": self.hashes, "data": bytes(self.data)}
+
+    @classmethod
+    def from_stats(cls, d: Mapping) -> BloomFilter:
+        return cls(d["bits"], d["hashes"], d["data"])
+
+
+def replica_stats(llm, limit: int = 4096) -> dict:
+    """The routing statistics of a replica serving ``llm``: a Bloom filter of (at most
+    ``limit``, most recently used first) resident chunk keys, and what a router needs to
+    compute keys itself (fingerprint, chunk context, tokenizer path)."""
+    keys = llm.resident_chunk_keys(limit)
+    return {
+        "lazyllm": 1,
+        "fingerprint": llm.fingerprint,
+        "chunk_context": llm.chunk_context,
+        "caches_chunks": bool(llm.engine.planner.caches_chunks),
+        "tokenizer": getattr(llm.tokenizer, "name_or_path", None),
+        "chunks": len(keys),
+        "bloom": BloomFilter.for_keys(keys).to_stats(),
+        "time": time.time(),
+    }
+
+
+# -- chunk keys in the router ---------------------------------------------------------
+
+class ChunkKeyer:
+    """The engine's cache keys of a request's chunks, computed without a model: the
+    tokenizer, the model fingerprint and the chunk context are enough. Keys and token
+    counts are cached per document text (bounded LRU), so a popular document is tokenized
+    once per router, not once per request.
+
+    Mirrors ``KVPlanner.segment_keys`` (tests hold the two together)."""
+
+    def __init__(self, tokenizer, fingerprint: str, chunk_context: str = "isolated", cache_size: int = 65536):
+        from lazyllm.cache.store import chunk_key
+        from lazyllm.engine.prompt import PromptBuilder
+
+        self._chunk_key = chunk_key
+        self.prompts = PromptBuilder(tokenizer)
+        self.fingerprint, self.chunk_context = fingerprint, chunk_context
+        self.cache_size = cache_size
+        self._cache: OrderedDict[tuple, tuple[bytes, int]] = OrderedDict()
+        self._prefix: dict[str | None, bytes] = {}
+
+    def _prefix_key(self, system: str | None) -> bytes:
+        if system not in self._prefix:
+            ids = self.prompts.build("q", [Chunk("x")], system)[0].ids
+            if len(self._prefix) > 1024:
+                self._prefix.clear()
+            self._prefix[system] = self._chunk_key(self.fingerprint, f"prefix-segment:{self.chunk_context}", ids)
+        return self._prefix[system]
+
+    def keys(self, chunks: Iterable[Chunk], system: str | None = None) -> list[tuple[bytes, int]]:
+        """``(key, tokens)`` of each chunk, in order."""
+        pkey = self._prefix_key(system) if self.chunk_context == "prefix" else None
+        out = []
+        for c in chunks:
+            ck = (c.text, pkey)
+            hit = self._cache.get(ck)
+            if hit is None:
+                ids = self.prompts.encode(self.prompts.chunk_text(c))
+                if pkey is None:
+                    hit = (self._chunk_key(self.fingerprint, "isolated", ids), len(ids))
+                else:
+                    hit = (self._chunk_key(self.fingerprint, "prefix", ids, pkey), len(ids))
+                self._cache[ck] = hit
+                if len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(ck)
+            out.append(hit)
+        return out
+
+
+# -- the policy (pure) -----------------------------------------------------------------
+
+def rendezvous_owner(key: bytes, replica_ids: Sequence[str]) -> str | None:
+    """The replica that owns ``key`` under rendezvous (highest random weight) hashing:
+    every router computes the same owner, and adding or removing a replica moves only
+    the keys it owns."""
+    best, best_w = None, b""
+    for rid in replica_ids:
+        w = hashlib.blake2b(key + rid.encode(), digest_size=8).digest()
+        if best is None or w > best_w:
+            best, best_w = rid, w
+    return best
+
+
+@dataclass
+class Decision:
+    """Replica ranks (most preferred first; the framework sends the request to the least
+    loaded replica of the first rank that has room) and why."""
+
+    ranks: list[list[str]]
+    reason: str  # "affinity", "owner", "imbalanced", "no-chunks", "no-stats"
+    held_tokens: dict[str, int] = field(default_factory=dict)
+
+
+def rank_replicas(chunks: Sequence[tuple[bytes, int]], holds: Mapping[str, Callable[[bytes], bool]],
+                  queue_lens: Mapping[str, int | None], *, imbalanced_threshold: float = 4,
+                  rng: random.Random | None = None, allow_fallback: bool = True) -> Decision:
+    """Rank the replicas ``holds`` (id -> membership test of chunk keys) for a request
+    whose chunks are ``(key, tokens)``.
+
+    * Queues unbalanced (longest minus shortest known queue above ``imbalanced_threshold``)
+      and ``allow_fallback``: power of two choices, two random replicas in one rank.
+    * Otherwise by the chunk tokens each replica holds, most first; ties (and a request
+      whose chunks nobody holds) by the tokens of cold chunks it owns under rendezvous
+      hashing, then by queue length. Every replica is ranked, so a full first choice
+      spills to the next best one rather than waiting.
+    """
+    rng = rng or random
+    ids = list(holds)
+    if not ids:
+        return Decision([], "no-replicas")
+    known = [q for q in (queue_lens.get(r) for r in ids) if q is not None]
+    if allow_fallback and len(known) >= 2 and max(known) - min(known) > imbalanced_threshold:
+        return Decision([rng.sample(ids, min(2, len(ids)))], "imbalanced")
+    if not chunks:
+        return Decision([rng.sample(ids, min(2, len(ids)))], "no-chunks")
+    held = {r: 0 for r in ids}
+    owned = {r: 0 for r in ids}
+    for key, n in chunks:
+        holders = [r for r in ids if holds[r](key)]
+        for r in holders:
+            held[r] += n
+        if not holders:
+            owned[rendezvous_owner(key, ids)] += n
+    tie = {r: rng.random() for r in ids}
+    order = sorted(ids, key=lambda r: (-held[r], -owned[r], queue_lens.get(r) or 0, tie[r]))
+    reason = "affinity" if held[order[0]] > 0 else "owner"
+    return Decision([[r] for r in order], reason, held)
+
+
+# -- the router -------------------------------------------------------------------------
+
+try:  # Ray Serve is an optional dependency (the `ray` extra)
+    from ray.serve.request_router import LocalityMixin, MultiplexMixin, RequestRouter
+    _HAVE_RAY = True
+except ImportError:  # pragma: no cover - exercised only without ray
+    _HAVE_RAY = False
+    RequestRouter = LocalityMixin = MultiplexMixin = object
+
+
+class DocumentAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+    """Ray Serve request router: sends a request to the replica holding most of its chunk
+    tokens (see ``rank_replicas``). Configure with
+    ``RequestRouterConfig(request_router_class=DocumentAffinityRouter, request_router_kwargs={...})``;
+    the keyword arguments are those of ``initialize_state``."""
+
+    def initialize_state(self, tokenizer: str | None = None, imbalanced_threshold: float = 4,
+                         overlay_ttl_s: float = 30.0, key_cache_size: int = 65536, seed: int | None = None):
+        """``tokenizer``: path of the tokenizer (default: the one replicas report);
+        ``imbalanced_threshold``: queue-length spread above which to fall back to power of
+        two choices; ``overlay_ttl_s``: how long keys this router sent to a replica count
+        as held there without the replica's stats showing them."""
+        self._tokenizer_path = tokenizer
+        self._imbalanced_threshold = imbalanced_threshold
+        self._overlay_ttl_s = overlay_ttl_s
+        self._key_cache_size = key_cache_size
+        self._rng = random.Random(seed)
+        self._keyer: ChunkKeyer | None = None
+        self._keyer_id: tuple | None = None
+        self._blooms: dict[str, tuple[float, BloomFilter]] = {}
+        self._overlay: dict[str, dict[bytes, float]] = {}
+        self.decisions: dict[str, int] = {}  # reason -> count, for tests and benchmarks
+
+    # -- keys
+    def _stats(self, replica) -> dict:
+        s = replica.routing_stats or {}
+        return s if s.get("lazyllm") else {}
+
+    def _get_keyer(self, candidates) -> ChunkKeyer | None:
+        for r in candidates:
+            s = self._stats(r)
+            if s.get("fingerprint") and s.get("caches_chunks", True):
+                ident = (s["fingerprint"], s["chunk_context"])
+                if self._keyer is None or self._keyer_id != ident:
+                    from transformers import AutoTokenizer
+
+                    path = self._tokenizer_path or s.get("tokenizer")
+                    if not path:
+                        return None
+                    self._keyer = ChunkKeyer(AutoTokenizer.from_pretrained(path), *ident,
+                                             cache_size=self._key_cache_size)
+                    self._keyer_id = ident
+                return self._keyer
+        return None
+
+    def _holds(self, replica) -> Callable[[bytes], bool]:
+        rid = replica.replica_id.unique_id
+        s = self._stats(replica)
+        bloom = None
+        if s.get("bloom"):
+            cached = self._blooms.get(rid)
+            if cached is None or cached[0] != s.get("time"):
+                cached = (s.get("time"), BloomFilter.from_stats(s["bloom"]))
+                self._blooms[rid] = cached
+            bloom = cached[1]
+        overlay = self._overlay.get(rid, {})
+        now = time.time()
+
+        def holds(key: bytes) -> bool:
+            t = overlay.get(key)
+            return (t is not None and now - t < self._overlay_ttl_s) or (bloom is not None and key in bloom)
+        return holds
+
+    @staticmethod
+    def _request_of(pending_request):
+        for a in (pending_request.args if pending_request is not None else ()) or ():
+            if isinstance(a, (ServeRequest, WarmRequest)):
+                return a
+        return None
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        if pending_request is not None and pending_request.metadata.multiplexed_model_id:
+            ids = self.apply_multiplex_routing(pending_request=pending_request)
+        else:
+            ids = self.apply_locality_routing(pending_request=pending_request)
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        replicas = [by_id[i] for i in ids if i in by_id] or list(candidate_replicas)
+        if not replicas:
+            return []
+        req = self._request_of(pending_request)
+        keyer = self._get_keyer(replicas) if req is not None else None
+        chunks = keyer.keys(req.chunks, req.system) if keyer is not None and req.chunks else []
+        queue_lens = await self._queue_lens(replicas)
+        rid = {r.replica_id.unique_id: r for r in replicas}
+        d = rank_replicas(chunks, {k: self._holds(r) for k, r in rid.items()}, queue_lens,
+                          imbalanced_threshold=self._imbalanced_threshold, rng=self._rng,
+                          allow_fallback=not isinstance(req, WarmRequest))
+        if keyer is None and req is not None and req.chunks:
+            d.reason = "no-stats"
+        self.decisions[d.reason] = self.decisions.get(d.reason, 0) + 1
+        if pending_request is not None and chunks:
+            pending_request.routing_context.lazyllm_chunk_keys = [k for k, _ in chunks]
+        return [[rid[i] for i in rank] for rank in d.ranks]
+
+    async def _queue_lens(self, replicas) -> dict[str, int | None]:
+        cache = self.replica_queue_len_cache
+        out, missing = {}, []
+        for r in replicas:
+            q = cache.get(r.replica_id)
+            out[r.replica_id.unique_id] = q
+            if q is None:
+                missing.append(r)
+        if missing and len(replicas) > 1:
+            for r, q in await self._probe_queue_lens(missing, 0):
+                out[r.replica_id.unique_id] = q
+        return out
+
+    def on_request_routed(self, pending_request, replica_id, result):
+        keys = getattr(pending_request.routing_context, "lazyllm_chunk_keys", None) if pending_request else None
+        if keys:
+            ov = self._overlay.setdefault(replica_id.unique_id, {})
+            now = time.time()
+            for k in keys:
+                ov[k] = now
+            if len(ov) > 4 * self._key_cache_size:  # drop the expired ones
+                for k in [k for k, t in ov.items() if now - t >= self._overlay_ttl_s]:
+                    del ov[k]
+
+    def on_replica_actor_died(self, replica_id):
+        super().on_replica_actor_died(replica_id)
+        self._overlay.pop(replica_id.unique_id, None)
+        self._blooms.pop(replica_id.unique_id, None)
+
+
+# -- the replica --------------------------------------------------------------------------
+
+class LazyLLMDeployment:
+    """A Ray Serve replica serving one ``LazyLLM``: ``generate`` (a ``ServeRequest`` ->
+    dict), ``stream`` (text deltas, then a final dict with usage), ``warm``,
+    ``cache_stats``, and ``record_routing_stats`` for the router.
+
+    The engine is built inside the replica: from ``llm_factory()`` when given (any
+    picklable callable returning a ``LazyLLM``), else ``LazyLLM(model, **llm_kwargs)``.
+    ``torch_threads`` caps the intra-op threads (several CPU replicas on one host)."""
+
+    def __init__(self, model: str | None = None, llm_factory: Callable[[], Any] | None = None,
+                 report_limit: int = 4096, torch_threads: int | None = None, **llm_kwargs):
+        import torch
+
+        from lazyllm import LazyLLM
+
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.llm = llm_factory() if llm_factory is not None else LazyLLM(model, **llm_kwargs)
+        self.report_limit = report_limit
+        try:
+            from ray import serve
+
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # outside Ray Serve (unit use)
+            self.replica_id = "local"
+
+    def _result(self, out) -> dict:
+        return {"text": out.text, "finish_reason": getattr(out, "finish_reason", None),
+                "prompt_tokens": out.usage.prompt_tokens, "cached_tokens": out.usage.cached_tokens,
+                "cached_chunk_tokens": out.usage.cached_chunk_tokens,
+                "completion_tokens": out.usage.completion_tokens, "ttft_s": out.ttft_s,
+                "tpot_s": getattr(out, "tpot_s", None), "replica": self.replica_id}
+
+    async def generate(self, request: ServeRequest) -> dict:
+        out = await self.llm.agenerate(request.question, request.chunks, request.system, **request.sampling)
+        return self._result(out)
+
+    async def stream(self, request: ServeRequest):
+        s = self.llm.astream(request.question, request.chunks, request.system, **request.sampling)
+        async for delta in s:
+            yield {"delta": delta}
+        yield {"done": self._result(s.output)}
+
+    async def warm(self, request: WarmRequest) -> dict:
+        loop = asyncio.get_running_loop()
+        out = await loop.run_in_executor(None, lambda: self.llm.warm(request.chunks, request.system,
+                                                                     progress=False))
+        return {**out, "replica": self.replica_id}
+
+    def cache_stats(self) -> dict:
+        return {**self.llm.cache_stats(), "replica": self.replica_id}
+
+    def record_routing_stats(self) -> dict:
+        return replica_stats(self.llm, self.report_limit)
+
+    def __del__(self):
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            llm.close()
+
+
+def router_config(router: str = "documents", *, stats_period_s: float = 2.0, imbalanced_threshold: float = 4,
+                  tokenizer: str | None = None, **router_kwargs):
+    """The ``RequestRouterConfig`` of ``router``: ``"documents"`` (``DocumentAffinityRouter``),
+    ``"default"`` (Ray's power of two choices) or ``"prefix"`` (Ray's
+    ``PrefixCacheAffinityRouter``, with the same imbalance threshold)."""
+    from ray.serve.config import RequestRouterConfig
+
+    if router not in ROUTERS:
+        raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
+    common = dict(request_routing_stats_period_s=stats_period_s)
+    if router == "documents":
+        kw = dict(imbalanced_threshold=imbalanced_threshold, **router_kwargs)
+        if tokenizer:
+            kw["tokenizer"] = tokenizer
+        return RequestRouterConfig(request_router_class=DocumentAffinityRouter, request_router_kwargs=kw, **common)
+    if router == "prefix":
+        return RequestRouterConfig(request_router_class=PREFIX_ROUTER,
+                                   request_router_kwargs=dict(imbalanced_threshold=imbalanced_threshold,
+                                                              **router_kwargs), **common)
+    return RequestRouterConfig(**common)
+
+
+def build_app(model: str | None = None, *, num_replicas: int | str | None = 2, num_gpus: float = 0,
+              num_cpus: float | None = None, autoscaling_config: dict | None = None, router: str = "documents",
+              max_ongoing_requests: int = 16, stats_period_s: float = 2.0, imbalanced_threshold: float = 4,
+              router_kwargs: dict | None = None, name: str = "LazyLLM", ray_actor_options: dict | None = None,
+              llm_factory: Callable[[], Any] | None = None, report_limit: int = 4096,
+              torch_threads: int | None = None, **llm_kwargs):
+    """A Ray Serve application of ``LazyLLMDeployment`` replicas behind ``router``.
+
+    ``num_gpus`` / ``num_cpus`` go to ``ray_actor_options`` (one GPU per replica is the usual
+    setting); ``autoscaling_config`` is passed to Ray as is (then ``num_replicas`` is
+    ignored); ``llm_kwargs`` (``reuse``, ``kv_cache_bytes``, ``device``...) go to ``LazyLLM``.
+    Run it with ``serve.run(build_app(...))``, which returns the handle to send
+    ``ServeRequest``s to (``handle.generate.remote(req)``)."""
+    from ray import serve
+
+    opts = dict(ray_actor_options or {})
+    opts.setdefault("num_gpus", num_gpus)
+    if num_cpus is not None:
+        opts.setdefault("num_cpus", num_cpus)
+    dep_kw: dict[str, Any] = dict(name=name, ray_actor_options=opts, max_ongoing_requests=max_ongoing_requests,
+                                  request_router_config=router_config(router, stats_period_s=stats_period_s,
+                                                                      imbalanced_threshold=imbalanced_threshold,
+                                                                      **(router_kwargs or {})))
+    if autoscaling_config is not None:
+        dep_kw["autoscaling_config"] = autoscaling_config
+    else:
+        dep_kw["num_replicas"] = num_replicas
+    dep = serve.deployment(LazyLLMDeployment).options(**dep_kw)
+    return dep.bind(model, llm_factory=llm_factory, report_limit=report_limit, torch_threads=torch_threads,
+                    **llm_kwargs)
+
+
+def warm(handle, documents: Sequence[str | Chunk], system: str | None = None, *, timeout_s: float = 600) -> list:
+    """Precompute ``documents`` on the replicas that will own them: one ``WarmRequest`` per
+    document, which ``DocumentAffinityRouter`` sends to the replica already holding it or,
+    for a cold document, to its rendezvous owner (never to a fallback replica). Returns
+    each replica's ``warm`` result."""
+    responses = [handle.warm.remote(WarmRequest([d], system)) for d in documents]
+    return [r.result(timeout_s=timeout_s) for r in responses]
+
+
+__all__ = ["BloomFilter", "ChunkKeyer", "Decision", "DocumentAffinityRouter", "LazyLLMDeployment", "ServeRequest",
+           "WarmRequest", "build_app", "rank_replicas", "rendezvous_owner", "replica_stats", "router_config", "warm"]
