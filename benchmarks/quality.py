@@ -70,6 +70,8 @@ if ROOT not in sys.path:
 
 from lazyllm import LazyLLM  # noqa: E402
 from lazyllm.errors import LazyLLMError, UnsupportedModelError  # noqa: E402
+from lazyllm.quality import kl_and_agreement  # noqa: E402  (the fidelity report's metric code)
+from lazyllm.quality_presets import PRESETS, QUALITY_OPTIONS  # noqa: E402
 
 SYSTEM = "You are a helpful assistant. Answer the question briefly, using only the documents."
 
@@ -309,7 +311,12 @@ class Setting:
 def available_options() -> dict:
     """LazyLLM's keyword arguments and their defaults."""
     sig = inspect.signature(LazyLLM.__init__)
-    return {k: (None if p.default is inspect.Parameter.empty else p.default) for k, p in sig.parameters.items()}
+    out = {k: (None if p.default is inspect.Parameter.empty else p.default) for k, p in sig.parameters.items()}
+    # options a preset may set default to None in the signature: their effective default
+    for k, v in QUALITY_OPTIONS.items():
+        if k in out and out[k] is None:
+            out[k] = v
+    return out
 
 
 def recovery_available(opts: dict | None = None) -> dict:
@@ -389,14 +396,6 @@ def build_settings(modes, contexts, recoveries, opts) -> tuple[list[Setting], li
 
 
 # -- measurement -----------------------------------------------------------------------
-def _kl_and_agree(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[list[float], list[bool]]:
-    lp = torch.log_softmax(ref_logits.double(), dim=-1)
-    lq = torch.log_softmax(logits.double(), dim=-1)
-    kl = (lp.exp() * (lp - lq)).sum(-1).clamp_min(0.0)  # >= 0 up to float64 rounding
-    agree = ref_logits.argmax(-1) == logits.argmax(-1)
-    return kl.tolist(), agree.tolist()
-
-
 def _gen_items(prompts, args):
     return [dict(question=p.question, chunks=p.chunks, system=SYSTEM,
                  max_new_tokens=args.needle_tokens if p.kind == "needle" else args.answer_tokens)
@@ -449,7 +448,7 @@ def run_setting(llm, setting: Setting, prompts, refs, canonical, args, log) -> d
     unexpected = 0
     scores = _score_all(llm, prompts, [r["ids"] for r in refs], args.score_workers)
     for p, ref, sc in zip(prompts, refs, scores):
-        kl, ag = _kl_and_agree(ref["logits"], sc.logits)
+        kl, ag = kl_and_agreement(ref["logits"], sc.logits)
         kls += kl
         agrees += ag
         argmaxes.append(sc.logits.argmax(-1).tolist())
@@ -554,6 +553,31 @@ def markdown_table(out: dict) -> str:
                               f"on needle prompts)"
 
 
+def run_cases(args, log) -> dict:
+    """The fidelity report on a JSONL of cases (held-out or your own)."""
+    from lazyllm.quality import compare
+
+    settings = ["default"] + [p for p in (args.presets.split(",") if args.presets else PRESETS) if p]
+    if args.settings_json:
+        settings = [(n, None) for n in settings] + list(json.loads(args.settings_json).items())
+    llm = LazyLLM(args.model, device=args.device, dtype=args.dtype, reuse="none", kv_cache_bytes=args.kv_cache_mb
+                  << 20, progress=False)
+    try:
+        rep = compare(llm, args.cases, settings, answer_tokens=args.answer_tokens, ttft_cases=args.ttft_prompts,
+                      workers=args.score_workers, progress=not args.quiet, kv_cache_bytes=args.kv_cache_mb << 20)
+    finally:
+        llm.close()
+    out = rep.to_dict()
+    out.update(date=time.strftime("%Y-%m-%d"), command="python benchmarks/quality.py " + " ".join(
+        sys.argv[1:]), table=rep.to_markdown(), device=str(llm.device), dtype=str(llm.dtype))
+    log(out["table"])
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2, default=str)
+    return out
+
+
 # -- main ------------------------------------------------------------------------------
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -577,6 +601,14 @@ def parse_args(argv=None):
     ap.add_argument("--score-workers", type=int, default=8,
                     help="score requests in flight at once (batched by the engine; 1: one at a time)")
     ap.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool per engine")
+    ap.add_argument("--presets", default="", help=f"comma-separated LazyLLM(quality=...) presets to add: "
+                                                  f"{','.join(PRESETS)}")
+    ap.add_argument("--cases", default=None,
+                    help="a JSONL of your own cases (question, documents, system, reference): run the fidelity "
+                         "report (lazyllm.quality.compare) on it instead, with --presets (default: all) and "
+                         "--settings-json")
+    ap.add_argument("--settings-json", default=None,
+                    help="with --cases: extra settings, a JSON object {name: LazyLLM kwargs}")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true",
                     help="small slice for CI: 4 questions + 2 needles, one order, lazy only, recovery none / "
@@ -599,6 +631,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
     t_start = time.perf_counter()
+    if args.cases:
+        return run_cases(args, log)
     opts = available_options()
     rec_avail = recovery_available(opts)
     kv_bytes = args.kv_cache_mb << 20
@@ -627,8 +661,15 @@ def main(argv=None) -> dict:
     for k, ok in rec_avail.items():
         if not ok:
             log(f"note: LazyLLM has no `{k}` option (yet): its settings are skipped")
-    settings, skipped = build_settings(args.modes.split(","), args.contexts.split(","),
-                                       args.recoveries.split(","), opts)
+    settings, skipped = build_settings([m for m in args.modes.split(",") if m], args.contexts.split(","),
+                                       [r for r in args.recoveries.split(",") if r], opts)
+    for name in filter(None, args.presets.split(",")):
+        p = PRESETS[name]
+        rec = "+".join(([f"first-{p['recompute_first_tokens']}"] if p.get("recompute_first_tokens") else [])
+                       + ([f"{p.get('recompute_selection', 'deviation')}-{p['recompute_ratio']}"]
+                          if p.get("recompute_ratio") else [])) or "none"
+        settings.append(Setting(f"preset {name} ({p['reuse']}/{p['chunk_context']}/{rec})", {"quality": name},
+                                p["reuse"], p["chunk_context"], rec))
     for k, v in opts.items():
         if not _neutral(k) and k not in ("reuse", "chunk_context", SELECTION, *RECOVERY_OPTIONS) \
                 and v not in (None, 0, 0.0, False):
