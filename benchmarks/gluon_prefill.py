@@ -12,6 +12,8 @@ Needs a Hopper GPU; writes ``gluon_prefill.json`` and ``gluon_prefill.md`` to ``
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import sys
 import time
@@ -22,6 +24,15 @@ import torch
 HERE = Path(__file__).resolve().parent
 
 
+def _load_kernels_bench():
+    """``benchmarks/kernels.py`` loaded by path, under a name that cannot shadow ``kernels``."""
+    spec = importlib.util.spec_from_file_location("_lazyllm_bench_kernels", HERE / "kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def markdown(meta, rows, md_table) -> list[str]:
     """The table of ``gluon_prefill.md`` (``md_table``: ``benchmarks/kernels.py``'s)."""
     return md_table(
@@ -30,7 +41,8 @@ def markdown(meta, rows, md_table) -> list[str]:
          "Triton prefill ms", "Gluon / Triton time", "rel err vs ref"],
         [[r["q"], r["kv"], r["config"], f"error: {r['error'][:80]}"] if "error" in r else
          [r["q"], r["kv"], r["config"], f"{r['ms_rope']:.3f}", f"{r['flops'] / r['ms_rope'] / 1e9:.0f}",
-          f"{r['ms_off']:.3f}", f"{100 * (r['ms_rope'] / r['ms_off'] - 1):+.1f}%", f"{100 * r['ms_sdpa'] / r['ms_rope']:.0f}%",
+          f"{r['ms_off']:.3f}", f"{100 * (r['ms_rope'] / r['ms_off'] - 1):+.1f}%",
+          f"{100 * r['ms_sdpa'] / r['ms_rope']:.0f}%",
           f"{r['ms_triton']:.3f}", f"{r['ms_rope'] / r['ms_triton']:.2f}", f"{r['err_ref']:.1e}"] for r in rows],
         align=["---:", "---:", "---"] + ["---:"] * 8)[:-1]  # no blank line at the end of the file
 
@@ -42,14 +54,10 @@ def main() -> None:
     args = ap.parse_args()
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
         sys.exit("gluon_prefill.py needs a Hopper GPU (sm_90)")
-    from kernel_variants import _load  # this folder (the script's) is on sys.path
-
-    kb = _load(HERE / "kernels.py", "_lazyllm_bench_kernels")
-    from lazyllm.kernels import KernelOptions, triton_kernels
-    from lazyllm.kernels.triton import gluon_prefill as gp
-
-    ta = triton_kernels()
-    triton_prefill = KernelOptions(prefill_kernel="triton")
+    kb = _load_kernels_bench()
+    ta = kb.ta
+    gp = importlib.import_module(f"{ta.__name__}.gluon_prefill")
+    triton_prefill = kb.TRITON_PREFILL
 
     configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
     inv = kb.llama3_inv_freq().cuda()
@@ -91,14 +99,16 @@ def main() -> None:
                 r["ms_rope"], r["ms_off"] = min(t[0] for t in ts), min(t[1] for t in ts)
                 kb.log(f"q={nq} kv={kv} {cfg}: gluon {r['ms_rope']:.4f} ms, RoPE off {r['ms_off']:.4f} "
                        f"({100 * (r['ms_rope'] / r['ms_off'] - 1):+.1f}%) | triton {r['ms_triton']:.4f} "
-                       f"(off {r['ms_triton_off']:.4f}) | sdpa {r['ms_sdpa']:.4f} | err ref {r['err_ref']:.1e} nan={r['nan']}")
+                       f"(off {r['ms_triton_off']:.4f}) | sdpa {r['ms_sdpa']:.4f} | err ref {r['err_ref']:.1e} "
+                       f"nan={r['nan']}")
             except Exception as e:  # keep the rest of the run
                 r["error"] = repr(e)[:300]
                 kb.log(f"q={nq} kv={kv} {cfg}: ERROR {e!r:.300}")
             rows.append(r)
         pg = None
         torch.cuda.empty_cache()
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "gluon_prefill.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
