@@ -1,5 +1,6 @@
 """Ground truth for the engine tests: the transformers model itself, fed the request's
-logical token sequence with the 4-D attention mask and position ids of DESIGN.md §3."""
+logical token sequence with the 4-D attention mask and position ids that docs/design.md
+defines ("What a request means")."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
-"""The engine computes exactly what DESIGN.md §3 defines: checked against transformers."""
+"""The engine computes exactly what docs/design.md defines ("What a request means"): checked
+against transformers."""
 import random
 
 import pytest
