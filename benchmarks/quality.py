@@ -358,16 +358,16 @@ def build_settings(modes, contexts, recoveries, opts) -> tuple[list[Setting], li
                 for part in ([] if rec == "none" else rec.split("+")):
                     kind, val = part.split("-", 1)
                     opt = {"first": "recompute_first_tokens", "ratio": "recompute_ratio",
-                           "attn": "recompute_ratio"}[kind]
+                           "attn": "recompute_ratio", "two": "recompute_ratio"}[kind]
                     if opt not in opts:
                         missing.append(opt)
                     kw[opt] = int(val) if kind == "first" else float(val)
-                    if kind in ("ratio", "attn"):
+                    if kind in ("ratio", "attn", "two"):
                         if SELECTION not in opts:
-                            if kind == "attn":
+                            if kind != "ratio":
                                 missing.append(SELECTION)
                         else:
-                            kw[SELECTION] = "attention" if kind == "attn" else "deviation"
+                            kw[SELECTION] = {"attn": "attention", "two": "two-stage"}.get(kind, "deviation")
                 if missing:
                     skipped.append({"setting": f"{reuse}/{ctx}/{rec}",
                                     "reason": "LazyLLM has no " + ", ".join(f"`{m}`" for m in missing)
@@ -597,7 +597,8 @@ def parse_args(argv=None):
     ap.add_argument("--contexts", default="isolated,prefix")
     ap.add_argument("--recoveries", default="none,first-4,first-16,first-32,ratio-0.05,ratio-0.15",
                     help="none, first-K (recompute_first_tokens=K), ratio-R (recompute_ratio=R, key deviation), "
-                         "attn-R (recompute_ratio=R, recompute_selection='attention'), joined by +")
+                         "attn-R (recompute_ratio=R, recompute_selection='attention'), two-R ('two-stage'), "
+                         "joined by +")
     ap.add_argument("--score-workers", type=int, default=8,
                     help="score requests in flight at once (batched by the engine; 1: one at a time)")
     ap.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool per engine")

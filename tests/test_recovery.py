@@ -2,6 +2,7 @@
 import random
 
 import pytest
+import torch
 
 from lazyllm import LazyLLM
 from tests.conftest import make_tiny
@@ -201,3 +202,53 @@ def test_quality_presets_set_options_and_explicit_options_win(model, tokenizer):
     plain.close()
     with pytest.raises(InvalidRequestError, match="quality"):
         LazyLLM(quality="best", **kw)
+
+
+@pytest.mark.parametrize("preset", ["fast", "balanced", "two-stage"])
+def test_one_shared_copy_serves_every_neighbour_and_position(model, tokenizer, preset):
+    """Under each preset that reuses chunk KV, one physical copy of a chunk serves requests
+    that place it at other positions next to other documents; recovery recomputes into
+    private copies, so the shared pages stay bit-identical and answers match a cold engine."""
+    kw = dict(model=model, tokenizer=tokenizer, kv_cache_bytes=32 << 20)
+    if preset == "two-stage":
+        kw.update(quality="balanced", recompute_selection="two-stage")
+    else:
+        kw.update(quality=preset)
+    x = DOCS[3]
+    llm = LazyLLM(**kw)
+    llm.warm([x], system="Sys.")
+    [(key, entry)] = [(k, e) for k, e in llm.store.entries.items() if e.kind == "chunk"]
+    pages = list(entry.pages)
+    k0, v0 = llm.store.pool.k[:, pages].clone(), llm.store.pool.v[:, pages].clone()
+    requests = [("First?", [DOCS[0], x, DOCS[5]]), ("Second?", [x, DOCS[1]]), ("Third?", [DOCS[2], DOCS[4], x])]
+    outs = [llm.generate(q, chunks=c, system="Sys.", max_new_tokens=6) for q, c in requests]
+    e = llm.store.entries[key]
+    assert e.pages == pages and e.hits >= len(requests)  # the same physical pages, hit by each request
+    assert torch.equal(llm.store.pool.k[:, pages], k0) and torch.equal(llm.store.pool.v[:, pages], v0)
+    assert len([k for k, e in llm.store.entries.items() if e.kind == "chunk" and e.num_tokens == entry.num_tokens
+                and e.pages == pages]) == 1
+    if llm.recompute_ratio or llm.recompute_first_tokens:
+        assert any(o.usage.cached_chunk_tokens < sum(len(i) for k_, i in o.prompt_segments if k_ == "chunk")
+                   for o in outs)
+    for (q, c), out in zip(requests, outs):  # the same answer as an engine that computes everything cold
+        cold = LazyLLM(**kw)
+        assert cold.generate(q, chunks=c, system="Sys.", max_new_tokens=6).token_ids == out.token_ids
+        cold.close()
+    llm.close()
+
+
+@pytest.mark.parametrize("selection", ["attention", "two-stage"])
+def test_query_aware_selections(model, tokenizer, selection):
+    """Everything selected is full attention; a partial selection recomputes its share."""
+    llm = LazyLLM(model=model, tokenizer=tokenizer, chunk_context="prefix", recompute_ratio=1.0,
+                  recompute_selection=selection, kv_cache_bytes=32 << 20)
+    out = llm.generate("Which item is first?", chunks=DOCS[1:5], max_new_tokens=10)
+    assert out.token_ids == hf_generate(model, out.prompt_token_ids, 10, llm.eos_token_ids)
+    llm.close()
+    llm = LazyLLM(model=model, tokenizer=tokenizer, chunk_context="prefix", recompute_ratio=0.25,
+                  recompute_selection=selection, kv_cache_bytes=32 << 20)
+    llm.warm(DOCS[1:5])
+    out = llm.generate("Which item is first?", chunks=DOCS[4:0:-1], max_new_tokens=4)
+    total = sum(len(ids) for kind, ids in out.prompt_segments if kind == "chunk")
+    assert total - out.usage.cached_chunk_tokens == -(-total // 4)
+    llm.close()

@@ -3,8 +3,9 @@
 A chunk encoded alone never saw the other documents. Recovery recomputes, for one request
 only, the first ``first_tokens`` tokens of each chunk (EPIC-style) and the ``ratio`` fraction
 of chunk tokens chosen by ``selection``: ``"deviation"``, those whose early-layer keys
-deviate most from full attention (CacheBlend-style), or ``"attention"``, those the question
-attends to most in a first pass over the cached KV. The recomputed tokens run in the same
+deviate most from full attention (CacheBlend-style), ``"attention"``, those the question
+attends to most in a first pass over the cached KV, or ``"two-stage"``, a shortlist by the
+question's attention ranked by attention times key deviation (ProphetKV-style). The recomputed tokens run in the same
 forward as the suffix. Pages holding them are replaced, for this request only, by private
 copies re-rotated to their logical positions; the shared cache is never written, so it stays
 reusable by every other request.
@@ -21,7 +22,7 @@ from .kv_planner import KVPlanner
 from .model_runner import ModelRunner
 from .request import ChunkSpan, Job, Request, TableEntry, slot_of
 
-SELECTIONS = ("deviation", "attention")
+SELECTIONS = ("deviation", "attention", "two-stage")
 
 
 class Recovery:
@@ -52,12 +53,14 @@ class Recovery:
             return
         sel = [set(range(min(k, len(s.ids)))) for s in spans]
         if ratio > 0:
-            if self.selection == "attention":
-                dev = self.question_attention(r)
-            else:
-                dev = self.key_deviation(r)
             total = sum(len(s.ids) for s in spans)
             n_pick = min(total, int(math.ceil(ratio * total)))
+            if self.selection == "attention":
+                dev = self.question_attention(r)
+            elif self.selection == "two-stage":
+                dev = self.two_stage(r, n_pick)
+            else:
+                dev = self.key_deviation(r)
             flat = [(ci, i) for ci, s in enumerate(spans) for i in range(len(s.ids))]
             for j in torch.topk(dev, n_pick).indices.tolist():
                 ci, i = flat[j]
@@ -118,6 +121,20 @@ class Recovery:
         mass = self.model.attention_mass(ids_t, meta, self.pool.k, self.pool.v)[0].reshape(-1)
         idx = [(off + i // ps) * ps + i % ps for off, s in zip(offsets, spans) for i in range(len(s.ids))]
         return mass[torch.tensor(idx, device=mass.device)].float()
+
+    def two_stage(self, r: Request, n_pick: int) -> torch.Tensor:
+        """Query-aware two-stage choice (ProphetKV-style): the question's attention over the
+        cached KV shortlists ``2 * n_pick`` chunk tokens; among them, those whose cached keys
+        also deviate most from full attention's (``key_deviation``) rank first, by the product
+        of the two (each scaled to its maximum). Tokens off the shortlist score -inf."""
+        mass = self.question_attention(r)
+        n_cand = min(mass.numel(), 2 * n_pick)
+        cand = torch.topk(mass, n_cand).indices
+        dev = self.key_deviation(r).to(mass.device)
+        m, d = mass[cand], dev[cand]
+        score = torch.full_like(mass, float("-inf"))
+        score[cand] = (m / m.max().clamp_min(1e-30)) * (d / d.max().clamp_min(1e-30))
+        return score
 
     def key_deviation(self, r: Request) -> torch.Tensor:
         """Per chunk token (in chunk order), the distance between its cached keys at layer
