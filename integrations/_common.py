@@ -23,6 +23,7 @@ into this text: they always travel as chunks, whichever message carried them.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -204,3 +205,255 @@ def usage_dict(out: GenerationOutput) -> dict[str, Any]:
         "total_s": out.total_s,
         "chunk_ids": list(out.chunk_ids),
     }
+
+
+# -- a lazyllm server instead of an in-process engine -------------------------------------
+
+class RemoteLazyLLM:
+    """The part of ``LazyLLM`` the adapters call (``generate``, ``agenerate``, ``stream``,
+    ``astream``, ``generate_batch``), served by a ``lazyllm serve`` server (or anything
+    speaking its OpenAI dialect) at ``base_url`` (``http://host:port/v1``).
+
+    Documents travel as the server's ``documents`` extension, so they are cached as chunks
+    there exactly as in process; the system prompt and the (already folded) question go as
+    a system and a user message. Results are ``GenerationOutput``s with the usage
+    (``cached_tokens``...), finish reason and the server's TTFT, queue and total times;
+    ``token_ids`` and ``prompt_segments`` stay empty (the server does not send them).
+    ``model``: the ``model`` id to send (``None``: the server's one). Errors: a 400 raises
+    ``InvalidRequestError`` (``ContextLengthError`` for a prompt too long), anything else
+    ``LazyLLMError``, both with the server's message.
+    """
+
+    reuse = "remote"
+    chunk_context = "remote"
+
+    def __init__(self, base_url: str, api_key: str | None = None, model: str | None = None, *,
+                 timeout: float = 600.0, headers: dict[str, str] | None = None):
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise InvalidRequestError(f"base_url must be an http(s) URL, got {base_url!r}")
+        base_url = base_url.rstrip("/")
+        self.base_url = base_url if base_url.endswith("/v1") else base_url + "/v1"
+        self.model = model
+        self.model_name = model or "lazyllm-server"
+        self.timeout = timeout
+        self.headers = dict(headers or {})
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self._client = None
+
+    def __repr__(self) -> str:
+        return f"RemoteLazyLLM(base_url={self.base_url!r}, model={self.model!r})"
+
+    # -- plumbing --------------------------------------------------------------------
+    def _sync(self):
+        import httpx
+
+        if self._client is None:
+            self._client = httpx.Client(base_url=self.base_url, headers=self.headers, timeout=self.timeout)
+        return self._client
+
+    def _async(self):
+        import httpx
+
+        return httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=self.timeout)
+
+    def payload(self, question: str, chunks: Any = None, system: str | None = None, *, stream: bool = False,
+                **sampling: Any) -> dict[str, Any]:
+        """The chat completion body of one request."""
+        from lazyllm.types import as_chunk
+
+        if isinstance(chunks, (str, Chunk)):
+            raise InvalidRequestError("chunks must be a list of str or Chunk, not a single one")
+        if not isinstance(question, str):
+            raise InvalidRequestError(f"question must be a str, got {type(question).__name__}")
+        docs = []
+        for i, c in enumerate(chunks or []):
+            c = as_chunk(c, i)
+            d: dict[str, Any] = {"text": c.text}
+            if c.id is not None:
+                d["id"] = c.id
+            if c.metadata:
+                d["metadata"] = c.metadata
+            docs.append(d)
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": question}]
+        body: dict[str, Any] = {"messages": messages, "documents": docs, "stream": stream}
+        if self.model is not None:
+            body["model"] = self.model
+        unknown = set(sampling) - set(SAMPLING_KEYS)
+        if unknown:
+            raise InvalidRequestError(f"unsupported options: {sorted(unknown)}")
+        for ours, theirs in (("max_new_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+                             ("top_k", "top_k"), ("seed", "seed"), ("stop", "stop")):
+            if sampling.get(ours) is not None:
+                body[theirs] = list(sampling[ours]) if ours == "stop" and not isinstance(
+                    sampling[ours], str) else sampling[ours]
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    @staticmethod
+    def raise_for(status: int, body: Any) -> None:
+        """Raise the lazyllm error for an HTTP error answer."""
+        from lazyllm.errors import ContextLengthError, LazyLLMError
+
+        err = body.get("error") if isinstance(body, dict) else None
+        msg = err.get("message") if isinstance(err, dict) else str(body)[:500]
+        if status == 400:
+            if isinstance(err, dict) and err.get("code") == "context_length_exceeded":
+                raise ContextLengthError(msg)
+            raise InvalidRequestError(msg)
+        raise LazyLLMError(f"lazyllm server answered {status}: {msg}")
+
+    @staticmethod
+    def output(text: str, finish_reason: str | None, usage: dict | None, extra: dict | None) -> GenerationOutput:
+        """A ``GenerationOutput`` from the server's answer."""
+        from lazyllm.types import Usage
+
+        usage, extra = usage or {}, extra or {}
+        details = usage.get("prompt_tokens_details") or {}
+        u = Usage(prompt_tokens=usage.get("prompt_tokens", 0), cached_tokens=details.get("cached_tokens", 0) or 0,
+                  completion_tokens=usage.get("completion_tokens", 0),
+                  cached_chunk_tokens=extra.get("cached_chunk_tokens", 0))
+        return GenerationOutput(text=text, token_ids=[], prompt_segments=[], usage=u,
+                                finish_reason=finish_reason or "stop", ttft_s=extra.get("ttft_s", 0.0),
+                                total_s=extra.get("total_s", 0.0), queue_s=extra.get("queue_s", 0.0),
+                                chunk_ids=list(extra.get("chunk_ids", [])))
+
+    @classmethod
+    def _from_json(cls, status: int, body: Any) -> GenerationOutput:
+        if status != 200:
+            cls.raise_for(status, body)
+        choice = body["choices"][0]
+        return cls.output(choice["message"].get("content") or "", choice.get("finish_reason"), body.get("usage"),
+                          body.get("lazyllm"))
+
+    @staticmethod
+    def _json(resp) -> Any:
+        try:
+            return resp.json()
+        except ValueError:
+            return resp.text
+
+    # -- the LazyLLM calls -------------------------------------------------------------
+    def generate(self, question: str, chunks: Any = None, system: str | None = None, **sampling: Any
+                 ) -> GenerationOutput:
+        timeout = sampling.pop("timeout", None) or self.timeout
+        r = self._sync().post("/chat/completions", json=self.payload(question, chunks, system, **sampling),
+                              timeout=timeout)
+        return self._from_json(r.status_code, self._json(r))
+
+    __call__ = generate
+
+    async def agenerate(self, question: str, chunks: Any = None, system: str | None = None, **sampling: Any
+                        ) -> GenerationOutput:
+        timeout = sampling.pop("timeout", None) or self.timeout
+        async with self._async() as client:
+            r = await client.post("/chat/completions", json=self.payload(question, chunks, system, **sampling),
+                                  timeout=timeout)
+            return self._from_json(r.status_code, self._json(r))
+
+    def stream(self, question: str, chunks: Any = None, system: str | None = None, **sampling: Any
+               ) -> RemoteStream:
+        timeout = sampling.pop("timeout", None) or self.timeout
+        return RemoteStream(self, self.payload(question, chunks, system, stream=True, **sampling), timeout)
+
+    astream = stream
+
+    def generate_batch(self, requests: Any, **common: Any) -> list[GenerationOutput]:
+        """The requests sent at once (the server batches them)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        items = []
+        for item in requests:
+            args = dict(common)
+            args.update({"question": item} if isinstance(item, str) else item)
+            items.append(args)
+        bodies = [(a.pop("question", None), a.pop("chunks", None), a.pop("system", None), a) for a in items]
+        with ThreadPoolExecutor(max_workers=min(32, max(1, len(bodies)))) as ex:
+            return list(ex.map(lambda b: self.generate(b[0], b[1], b[2], **b[3]), bodies))
+
+    def models(self) -> list[dict[str, Any]]:
+        """The server's ``/v1/models`` entries (``id``, ``max_model_len``...)."""
+        r = self._sync().get("/models")
+        body = self._json(r)
+        if r.status_code != 200:
+            self.raise_for(r.status_code, body)
+        return body["data"]
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+class RemoteStream:
+    """Text deltas of one request to a server, for ``for`` or ``async for``; ``output``
+    holds the ``GenerationOutput`` once the iteration ends. Stopping early closes the
+    connection, which cancels the request on the server."""
+
+    def __init__(self, remote: RemoteLazyLLM, body: dict[str, Any], timeout: float):
+        self.remote, self.body, self.timeout = remote, body, timeout
+        self.output: GenerationOutput | None = None
+        self._text: list[str] = []
+        self._finish: str | None = None
+        self._sync_iter = None
+
+    def _event(self, line: str) -> str | None:
+        """The delta of one SSE line (``None`` for none); sets ``output`` at the end."""
+        if not line.startswith("data:"):
+            return None
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return None
+        obj = json.loads(data)
+        if "error" in obj:
+            RemoteLazyLLM.raise_for(500 if obj["error"].get("type") == "server_error" else 400, obj)
+        if obj.get("usage") is not None:
+            self.output = RemoteLazyLLM.output("".join(self._text), self._finish, obj["usage"], obj.get("lazyllm"))
+        for choice in obj.get("choices") or []:
+            self._finish = choice.get("finish_reason") or self._finish
+            delta = (choice.get("delta") or {}).get("content")
+            if delta:
+                self._text.append(delta)
+                return delta
+        return None
+
+    def _finish_output(self) -> None:
+        if self.output is None:
+            self.output = RemoteLazyLLM.output("".join(self._text), self._finish, None, None)
+
+    def _iterate(self):
+        with self.remote._sync().stream("POST", "/chat/completions", json=self.body, timeout=self.timeout) as r:
+            if r.status_code != 200:
+                r.read()
+                RemoteLazyLLM.raise_for(r.status_code, RemoteLazyLLM._json(r))
+            for line in r.iter_lines():
+                delta = self._event(line)
+                if delta:
+                    yield delta
+        self._finish_output()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        if self._sync_iter is None:
+            self._sync_iter = self._iterate()
+        return next(self._sync_iter)
+
+    async def __aiter__(self):
+        async with self.remote._async() as client, client.stream(
+                "POST", "/chat/completions", json=self.body, timeout=self.timeout) as r:
+            if r.status_code != 200:
+                await r.aread()
+                RemoteLazyLLM.raise_for(r.status_code, RemoteLazyLLM._json(r))
+            async for line in r.aiter_lines():
+                delta = self._event(line)
+                if delta:
+                    yield delta
+        self._finish_output()
+
+    def close(self) -> None:
+        if self._sync_iter is not None:
+            self._sync_iter.close()

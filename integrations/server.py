@@ -191,13 +191,20 @@ def _param(loc: tuple) -> str | None:
     return "".join(parts) or None
 
 
+def _first_error(e: ValidationError) -> dict[str, Any]:
+    """The most specific error: where a value matches no member of a union (``str`` or an
+    object), pydantic reports one error per member; the deepest names the field."""
+    errors = e.errors(include_url=False)
+    return max(errors, key=lambda err: len((_param(tuple(err["loc"])) or "").replace("[", ".").split(".")))
+
+
 def validate_body(raw: bytes | str) -> ChatCompletionRequest:
     """Parse and validate a request body (JSON, strict types: ``"5"`` is not a number).
     Raises ``APIError(400)`` naming the offending field (``param``, e.g. ``messages[0].role``)."""
     try:
         return ChatCompletionRequest.model_validate_json(raw, strict=True)
     except ValidationError as e:
-        err = e.errors(include_url=False)[0]
+        err = _first_error(e)
         if err["type"] == "json_invalid":
             raise APIError(400, f"the body is not valid JSON: {err['msg']}", code="invalid_json") from None
         param = _param(tuple(err["loc"]))
@@ -281,7 +288,7 @@ def parse_chat_request(body: ChatCompletionRequest | dict | bytes | str, *,
         try:
             body = ChatCompletionRequest.model_validate(body)
         except ValidationError as e:
-            err = e.errors(include_url=False)[0]
+            err = _first_error(e)
             param = _param(tuple(err["loc"]))
             raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
     _unsupported(body)
@@ -352,14 +359,17 @@ def completion_response(out: GenerationOutput, *, model: str, request_id: str | 
 
 def stream_chunk(request_id: str, created: int, model: str, *, content: str | None = None,
                  role: str | None = None, finish_reason: str | None = None,
-                 usage: dict[str, Any] | None = None) -> dict[str, Any]:
+                 usage: dict[str, Any] | None = None, out: GenerationOutput | None = None) -> dict[str, Any]:
     """One ``chat.completion.chunk``: a delta (``role`` and/or ``content``), the closing
-    delta (``finish_reason``), or, with ``usage``, the final usage chunk (no choices)."""
+    delta (``finish_reason``), or, with ``usage``, the final usage chunk (no choices; with
+    ``out``, a ``lazyllm`` field adds TTFT, queue time and chunk ids)."""
     obj: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                            "system_fingerprint": None}
     if usage is not None:
         obj["choices"] = []
         obj["usage"] = usage
+        if out is not None:
+            obj["lazyllm"] = _timings(out)
         return obj
     delta: dict[str, Any] = {}
     if role is not None:
@@ -662,7 +672,7 @@ def create_app(llm: LazyLLM, *, api_key: str | None = None, model_name: str | No
                         metrics.observe(val)
                         yield sse(stream_chunk(rid, created, served, finish_reason=val.finish_reason))
                         if include_usage:
-                            yield sse(stream_chunk(rid, created, served, usage=usage_json(val)))
+                            yield sse(stream_chunk(rid, created, served, usage=usage_json(val), out=val))
                     else:
                         err = error_from_exception(val)
                         metrics.requests.labels(str(err.status), mode).inc()
