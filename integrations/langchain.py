@@ -82,13 +82,14 @@ from langchain_core.prompt_values import ChatPromptValue, PromptValue, StringPro
 from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableLambda
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from lazyllm import Chunk, GenerationOutput, InvalidRequestError, LazyLLM
 
 from ._common import (
     GenerationStream,
     RagRequest,
+    RemoteLazyLLM,
     build_engine,
     call_sampling,
     device_from_hf,
@@ -296,9 +297,16 @@ class _EngineParams(BaseModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
-    llm: LazyLLM | None = Field(default=None, exclude=True)
+    llm: LazyLLM | RemoteLazyLLM | None = Field(default=None, exclude=True)
     """The engine. Built from the fields below when not given. Several models can share
     one engine (and so one chunk cache)."""
+    base_url: str | None = None
+    """A lazyllm server (``lazyllm serve``) at ``http://host:port/v1`` that runs the
+    requests instead of an in-process engine; documents still travel as chunks (the
+    server's ``documents`` field) and are cached there. ``model_name`` is then the
+    ``model`` id sent (default: the server's model)."""
+    api_key: SecretStr | None = None
+    """The server's API key (``lazyllm serve --api-key``), sent as a Bearer token."""
     model_name: str | None = None
     """Name reported in traces and metadata (defaults to the engine's)."""
     model_name_or_path: str | None = None
@@ -327,7 +335,13 @@ class _EngineParams(BaseModel):
 
     @model_validator(mode="after")
     def _build_engine(self):
-        if self.llm is None:
+        if self.base_url is not None:
+            if self.llm is not None or self.model_name_or_path is not None:
+                raise InvalidRequestError("give base_url= (a server) or llm=/model_name_or_path=, not both")
+            key = self.api_key.get_secret_value() if self.api_key is not None else None
+            self.llm = RemoteLazyLLM(self.base_url, key, self.model_name)
+            self.reuse, self.chunk_context = self.llm.reuse, self.llm.chunk_context
+        elif self.llm is None:
             self.llm = build_engine(self.model_name_or_path, reuse=self.reuse, chunk_context=self.chunk_context,
                                device=self.device, dtype=self.dtype, kv_cache_bytes=self.kv_cache_bytes,
                                **self.engine_kwargs)
@@ -400,7 +414,10 @@ class _EngineParams(BaseModel):
                 "top_k": self.top_k, "seed": self.seed, "stop": self.stop}
 
     def get_token_ids(self, text: str) -> list[int]:
-        """Token ids of ``text`` with the engine's tokenizer."""
+        """Token ids of ``text`` with the engine's tokenizer (LangChain's default one for a
+        server)."""
+        if isinstance(self.llm, RemoteLazyLLM):
+            return super().get_token_ids(text)
         return self.llm.prompts.encode(text)
 
 
@@ -426,6 +443,7 @@ class ChatLazyLLM(_EngineParams, BaseChatModel):
 
     >>> chat = ChatLazyLLM(max_tokens=64)                    # embedded default model
     >>> chat = ChatLazyLLM(llm=LazyLLM("path/to/model"))     # share an engine
+    >>> chat = ChatLazyLLM(base_url="http://127.0.0.1:8000/v1", api_key=KEY)  # a lazyllm serve server
     >>> chat = ChatLazyLLM.from_model_id("HuggingFaceTB/SmolLM2-360M-Instruct",
     ...                                  pipeline_kwargs={"max_new_tokens": 128})
     >>> msg = chat.invoke(documents_to_messages(docs, "Who?", system="Be brief."))

@@ -70,6 +70,7 @@ from lazyllm import Chunk, GenerationOutput, InvalidRequestError, LazyLLM
 from ._common import (
     GenerationStream,
     RagRequest,
+    RemoteLazyLLM,
     build_engine,
     call_sampling,
     device_from_hf,
@@ -135,6 +136,7 @@ class LlamaIndexLLM(CustomLLM):
 
     >>> llm = LlamaIndexLLM()                                  # embedded default model
     >>> llm = LlamaIndexLLM(llm=engine)                        # share a LazyLLM
+    >>> llm = LlamaIndexLLM(base_url="http://127.0.0.1:8000/v1", api_key=KEY)  # a lazyllm serve server
     >>> llm.complete("Who?", chunks=["doc one", "doc two"]).additional_kwargs["cached_tokens"]
 
     Responses carry the usage (``prompt_tokens``, ``cached_tokens``,
@@ -161,18 +163,29 @@ class LlamaIndexLLM(CustomLLM):
                  generate_kwargs: dict | None = None, device_map: Any = None, device: Any = None,
                  model_kwargs: dict | None = None, tokenizer_name: str | None = None,
                  reuse: str = "lazy", chunk_context: str = "isolated", engine_kwargs: dict | None = None,
-                 **kwargs: Any):
+                 base_url: str | None = None, api_key: str | None = None, **kwargs: Any):
         for k, v in hf_generate_kwargs(generate_kwargs).items():
             kwargs.setdefault(k, v)
         if tokenizer_name not in (None, model_name):
             raise InvalidRequestError("lazyllm uses the model's own tokenizer; tokenizer_name must match model_name")
-        if llm is None:
+        if base_url is not None:  # a lazyllm server (lazyllm serve); model_name: the model id to send
+            if llm is not None:
+                raise InvalidRequestError("give base_url= (a server) or llm=, not both")
+            llm = RemoteLazyLLM(base_url, api_key, model_name or None)
+            if "context_window" not in kwargs:
+                try:
+                    kwargs["context_window"] = int(llm.models()[0]["max_model_len"])
+                except Exception as e:
+                    raise InvalidRequestError(f"could not read the context window from {llm.base_url}/models "
+                                              f"({e}); pass context_window=") from None
+        elif llm is None:
             ek, dtype = engine_kwargs_from_hf(model_kwargs, engine_kwargs)
             llm = build_engine(model_name or None, reuse=reuse, chunk_context=chunk_context,
                                device=device_from_hf(device, device_map) or "auto", dtype=dtype, **ek)
         elif model_name not in (None, "", llm.model_name):
             raise InvalidRequestError("give either llm= or model_name=, not both")
-        kwargs.setdefault("context_window", llm.model.spec.max_context)
+        if "context_window" not in kwargs:
+            kwargs["context_window"] = llm.model.spec.max_context
         super().__init__(model_name=str(llm.model_name), reuse=llm.reuse, chunk_context=llm.chunk_context,
                          **kwargs)
         self._engine = llm
