@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Old code against new code on one GPU, interleaved, in one call: the engine figures
+# (benchmarks/engine.py: warm TTFT, decode step at batch 1 and 64 over shared and over own
+# chunks) and the kernel table (benchmarks/kernels.py), each tree running its own scripts.
+#
+#   bash benchmarks/compare_trees.sh OLD_DIR NEW_DIR TOKENIZER_DIR [engine] [kernels] [rounds=N]
+#
+# OLD_DIR and NEW_DIR hold a checkout each (e.g. `git archive REF | tar -x -C DIR`), carried to
+# the GPU machine next to the tokenizer files (`python benchmarks/engine.py --save-tokenizer
+# DIR`). Each tree is laid out as the installed package (lazyllm/, with kernels/ and
+# integrations/ inside it, and its benchmarks/) under /tmp/tree_old and /tmp/tree_new, and runs
+# from there with only itself on PYTHONPATH.
+# Engine runs alternate old, new, old, new... (rounds, default 2); the summary prints every
+# run and the new/old ratio of the medians. Logs and JSON go to $OUT.
+set -uo pipefail
+OLD=$(cd "$1" && pwd) NEW=$(cd "$2" && pwd) TOK=$(cd "$3" && pwd)
+shift 3
+OUT=${OUT:-/tmp/compare}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+what="" rounds=2
+for a in "$@"; do
+  case $a in rounds=*) rounds=${a#rounds=} ;; *) what="$what $a" ;; esac
+done
+what=${what:-engine kernels}
+for side in old new; do
+  src=$OLD; [ $side = new ] && src=$NEW
+  rm -rf "/tmp/tree_$side"; mkdir -p "/tmp/tree_$side"
+  cp -R "$src/lazyllm" "/tmp/tree_$side/lazyllm"
+  cp -R "$src/kernels" "/tmp/tree_$side/lazyllm/kernels"
+  cp -R "$src/integrations" "/tmp/tree_$side/lazyllm/integrations"
+  cp -R "$src/benchmarks" "/tmp/tree_$side/benchmarks"
+done
+run() {  # side, then the script and its arguments relative to that tree
+  local side=$1; shift
+  (cd "/tmp/tree_$side" && PYTHONPATH="/tmp/tree_$side" python3 "$@")
+}
+for w in $what; do
+  case $w in
+    engine)
+      for i in $(seq 1 "$rounds"); do
+        for side in old new; do
+          echo "== engine $side round $i"
+          run $side benchmarks/engine.py --tokenizer "$TOK" --json "$OUT/engine_${side}_$i.json" \
+            >"$OUT/engine_${side}_$i.log" 2>&1 || tail -20 "$OUT/engine_${side}_$i.log"
+        done
+      done
+      python3 - "$OUT" "$rounds" <<'EOF'
+import json, statistics, sys
+out, rounds = sys.argv[1], int(sys.argv[2])
+keys = ["warm_ttft_ms", "cold_ttft_ms", "decode_b1_step_ms", "decode_b64_step_ms", "decode_b64_distinct_step_ms"]
+runs = {s: [json.load(open(f"{out}/engine_{s}_{i}.json")) for i in range(1, rounds + 1)] for s in ("old", "new")}
+print("| figure | old runs (ms) | new runs (ms) | new/old (medians) |")
+print("| --- | --- | --- | ---: |")
+for k in keys:
+    o, n = [r[k] for r in runs["old"]], [r[k] for r in runs["new"]]
+    print(f"| {k} | {', '.join(f'{x:.2f}' for x in o)} | {', '.join(f'{x:.2f}' for x in n)} | "
+          f"{statistics.median(n) / statistics.median(o):.3f} |")
+EOF
+      ;;
+    kernels)
+      for side in old new; do
+        echo "== kernels $side"
+        run $side benchmarks/kernels.py --out "$OUT/kernels_$side" --page-size 64 --sections prefill,decode,copy \
+          >"$OUT/kernels_$side.log" 2>&1 || tail -20 "$OUT/kernels_$side.log"
+      done
+      python3 - "$OUT" <<'EOF'
+import json, sys
+out = sys.argv[1]
+rows = {s: json.load(open(f"{out}/kernels_{s}/kernels.json")) for s in ("old", "new")}
+rows = {s: (r["rows"] if isinstance(r, dict) else r) for s, r in rows.items()}
+def key(r):
+    return (r.get("kind"), r.get("q"), r.get("batch"), r.get("kv"), r.get("pages"), str(r.get("config")),
+            str(r.get("splits")))
+new = {key(r): r for r in rows["new"]}
+print("| kernel row | timing | old ms | new ms | new/old | RoPE cost old | RoPE cost new |")
+print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+for r in rows["old"]:
+    n = new.get(key(r))
+    t = next((t for t in ("ms_rope_graph_min", "ms_rope", "ms") if t in r), None)
+    if n is None or t is None or t not in n:
+        continue
+    name = f"{r['kind']} " + " ".join(f"{k}={r[k]}" for k in ("q", "batch", "kv", "pages") if r.get(k) is not None)
+    cost = "rope_cost_graph" if "rope_cost_graph" in r else "rope_cost"
+    rc = [f"{100 * x[cost]:+.1f}%" if x.get(cost) is not None else "" for x in (r, n)]
+    print(f"| {name} | {t} | {r[t]:.4f} | {n[t]:.4f} | {n[t] / r[t]:.3f} | {rc[0]} | {rc[1]} |")
+EOF
+      ;;
+    *) echo "unknown: $w (engine | kernels | rounds=N)"; exit 2 ;;
+  esac
+done
