@@ -134,6 +134,9 @@ def paged_attention_ref(
     *,
     window: int | None = None,
     max_seqlen_q: int | None = None,
+    ctx_range: torch.Tensor | None = None,
+    ctx_temperature: float = 1.0,
+    ctx_lse_scale: float = 1.0,
 ) -> torch.Tensor:
     """Deferred-RoPE attention of a varlen batch of queries over paged KV.
 
@@ -158,11 +161,22 @@ def paged_attention_ref(
     window : sliding window (Gemma 3, Mistral): a query at ``p`` also needs
         ``p - key_pos < window``. ``None``: no window.
     max_seqlen_q : accepted for signature parity with the Triton launcher; unused.
+    ctx_range, ctx_temperature, ctx_lse_scale : APE-style calibration of how queries after
+        the retrieved documents read them (off by default: ``ctx_range=None``, or
+        temperature and scale 1). ``ctx_range`` ``(batch, 2)`` int gives each sequence's
+        context key positions ``[start, end)`` (``start == end``: none). For a query at
+        position ``>= end``, the context keys' logits are divided by ``ctx_temperature`` and
+        the context's log-sum-exp is multiplied by ``ctx_lse_scale``: with ``C`` the context
+        keys and ``N`` the others it sees, ``o = (e^{S L_C} o_C + e^{L_N} o_N) / (e^{S L_C} +
+        e^{L_N})``, ``L_C = logsumexp(z_C / T)``, ``o_C = softmax(z_C / T) V_C``. That is one
+        softmax over logits ``z_j / T + (S - 1) L_C`` on ``C`` and ``z_j`` elsewhere. The
+        cached KV is not touched: it is a per-query change, so chunk KV stays shared.
 
     Returns
     -------
     ``(total_q, num_q_heads, head_dim)`` in ``q.dtype``. A query that sees no key gets 0.
     """
+    ape = ctx_range is not None and (ctx_temperature != 1.0 or ctx_lse_scale != 1.0)
     total_q, hq, d = q.shape
     hkv = k_cache.shape[2]
     if hq % hkv:
@@ -184,11 +198,37 @@ def paged_attention_ref(
         qb = q[q0:q1].to(torch.float32).transpose(0, 1)  # (hq, nq, d)
         kb = k.to(torch.float32).transpose(0, 1)  # (hkv, nk, d)
         vb = v.to(torch.float32).transpose(0, 1)
+        if ape:
+            c0, c1 = (int(x) for x in ctx_range[b].tolist())
+            after = q_pos[q0:q1].long() >= c1  # (nq,) queries past the context
+            if c1 > c0 and bool(after.any()):
+                in_ctx = (kpos >= c0) & (kpos < c1)  # (nk,)
+                o = _ape_attention(qb, kb, vb, allowed, in_ctx, after, sm_scale, group, ctx_temperature,
+                                   ctx_lse_scale)
+                o = o.masked_fill(~allowed.any(-1)[None, :, None], 0.0)
+                out[q0:q1] = o.transpose(0, 1).to(out.dtype)
+                continue
         o = F.scaled_dot_product_attention(qb[None], kb[None], vb[None], attn_mask=allowed[None, None],
                                            scale=sm_scale, enable_gqa=group > 1)[0]
         o = o.masked_fill(~allowed.any(-1)[None, :, None], 0.0)  # rows with no visible key
         out[q0:q1] = o.transpose(0, 1).to(out.dtype)
     return out
+
+
+def _ape_attention(qb, kb, vb, allowed, in_ctx, after, sm_scale, group, temperature, lse_scale):
+    """``paged_attention_ref``'s APE path for one sequence: explicit logits, context logits of
+    the rows in ``after`` tempered and offset by ``(S - 1) * L_C``."""
+    if group > 1:
+        kb, vb = kb.repeat_interleave(group, 0), vb.repeat_interleave(group, 0)
+    z = torch.einsum("hqd,hkd->hqk", qb, kb) * sm_scale
+    z = z.masked_fill(~allowed[None], float("-inf"))
+    cmask = (in_ctx[None, :] & allowed & after[:, None])[None]  # (1, nq, nk) context keys of APE rows
+    zc = torch.where(cmask, z / temperature, torch.full_like(z, float("-inf")))
+    lse_c = torch.logsumexp(zc, dim=-1, keepdim=True)  # (h, nq, 1); -inf where no context key
+    lse_c = torch.where(torch.isfinite(lse_c), lse_c, torch.zeros_like(lse_c))
+    z = torch.where(cmask, zc + (lse_scale - 1.0) * lse_c, z)
+    p = torch.softmax(z, dim=-1).nan_to_num(0.0)
+    return p @ vb
 
 
 def paged_attention_mass_ref(
