@@ -1,6 +1,7 @@
 """LangChain, LlamaIndex and chromadb integrations, end to end and offline: a real
-persistent chroma collection embedded with the bundled MiniLM, the embedded default
-model, and chunk reuse checked through each framework's own usage fields.
+persistent chroma collection embedded with the bundled MiniLM, read through each
+framework's standard chroma package (``langchain-chroma``, ``llama-index-vector-stores-chroma``),
+the embedded default model, and chunk reuse checked through each framework's own usage fields.
 
 No timing is asserted (timings on shared CI machines are noise); the TTFT of cold and
 warm calls is printed (``pytest -s``) for the reader.
@@ -19,6 +20,7 @@ import chromadb
 import numpy as np
 import pytest
 from chromadb.config import Settings
+from langchain_chroma import Chroma
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
@@ -33,6 +35,7 @@ from lazyllm import Chunk, InvalidRequestError, LazyLLM
 from lazyllm.integrations._common import HISTORY_HEADER
 from lazyllm.integrations.chroma import BundledMiniLM, ChromaRetriever, as_llama_index, ingest
 from lazyllm.integrations.langchain import (
+    BundledMiniLMEmbeddings,
     ChatLazyLLM,
     LazyLLMText,
     chunk_prompt,
@@ -43,7 +46,13 @@ from lazyllm.integrations.langchain import (
     messages_to_request,
     to_chunks,
 )
-from lazyllm.integrations.llama_index import ChunkSynthesizer, LlamaIndexLLM, MiniLMEmbedding, chat_to_request
+from lazyllm.integrations.llama_index import (
+    BundledMiniLMEmbedding,
+    ChunkSynthesizer,
+    LlamaIndexLLM,
+    MiniLMEmbedding,
+    chat_to_request,
+)
 
 CORPUS = {
     "paris": "Paris is the capital of France. The Eiffel Tower, finished in 1889, stands in Paris.",
@@ -86,6 +95,14 @@ def collection(db_path):
     return col
 
 
+@pytest.fixture(scope="module")
+def lc_store(collection, db_path):
+    """langchain-chroma's vector store over the same collection, embedding queries with the
+    LangChain adapter of the same model."""
+    return Chroma(client=_client(db_path), collection_name=collection.name,
+                  embedding_function=BundledMiniLMEmbeddings())
+
+
 @pytest.fixture
 def make_engine(default_llm_parts):
     """Fresh engines (empty chunk store) over the one loaded default model."""
@@ -118,8 +135,8 @@ def _overlap(collection):
     return a, b, shared
 
 
-def _lc_chain(collection, chat):
-    retriever = ChromaRetriever(collection=collection, k=K)
+def _lc_chain(store, chat):
+    retriever = store.as_retriever(search_kwargs={"k": K})
     return {"documents": retriever | to_chunks, "question": RunnablePassthrough()} | chunk_prompt(SYSTEM) | chat
 
 
@@ -136,10 +153,80 @@ def test_bundled_minilm_vectors(collection):
     assert v.shape == (2, 384)
     np.testing.assert_allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-5)
     # LlamaIndex's embedding class gives the same vectors
-    li = np.asarray(MiniLMEmbedding().get_text_embedding_batch(["The Eiffel Tower is in Paris."]))
+    li = np.asarray(BundledMiniLMEmbedding().get_text_embedding_batch(["The Eiffel Tower is in Paris."]))
     np.testing.assert_allclose(li[0], v[0], atol=1e-5)
     assert _ids(collection, "Where did gladiators fight?")[0] == "rome"
     assert BundledMiniLM.build_from_config(ef.get_config()).get_config() == ef.get_config()
+
+
+TEXTS = ["The Eiffel Tower is in Paris.", "Gladiators fought in the Colosseum.", "Vienna has coffee houses."]
+
+
+def test_langchain_embeddings_adapter():
+    emb = BundledMiniLMEmbeddings()
+    docs = emb.embed_documents(TEXTS)
+    assert isinstance(docs, list) and all(isinstance(v, list) and isinstance(v[0], float) for v in docs)
+    v = np.asarray(docs)
+    assert v.shape == (len(TEXTS), 384)
+    np.testing.assert_allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-5)
+    assert emb.embed_documents(TEXTS) == docs  # deterministic
+    np.testing.assert_allclose(BundledMiniLMEmbeddings(batch_size=1).embed_documents(TEXTS), v, atol=1e-5)
+    np.testing.assert_allclose(v, np.asarray(BundledMiniLM()(TEXTS)), atol=1e-6)  # chromadb's function
+    q = emb.embed_query(TEXTS[1])
+    assert len(q) == 384 and emb.embed_query(TEXTS[1]) == q
+    np.testing.assert_allclose(q, BundledMiniLM()([TEXTS[1]])[0], atol=1e-6)
+    assert asyncio.run(emb.aembed_query(TEXTS[1])) == q
+    with pytest.raises(InvalidRequestError):
+        BundledMiniLMEmbeddings(batch_size=0)
+
+
+def test_llama_index_embedding_adapter():
+    emb = BundledMiniLMEmbedding()
+    assert MiniLMEmbedding is BundledMiniLMEmbedding  # the earlier name still works
+    batch = emb.get_text_embedding_batch(TEXTS)
+    v = np.asarray(batch)
+    assert v.shape == (len(TEXTS), 384) and emb.dimensions == 384
+    np.testing.assert_allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-5)
+    assert emb.get_text_embedding_batch(TEXTS) == batch  # deterministic
+    np.testing.assert_allclose(v, np.asarray(BundledMiniLM()(TEXTS)), atol=1e-6)  # chromadb's function
+    q = emb.get_query_embedding(TEXTS[1])
+    np.testing.assert_allclose(q, BundledMiniLM()([TEXTS[1]])[0], atol=1e-6)
+    np.testing.assert_allclose(emb.get_text_embedding(TEXTS[0]), v[0], atol=1e-5)
+    assert asyncio.run(emb.aget_query_embedding(TEXTS[1])) == q
+
+
+def test_standard_retrievers_match_the_collection(collection, lc_store):
+    """langchain-chroma's retriever and LlamaIndex's ChromaVectorStore return what a plain
+    chroma query over the same collection returns (the three embedding adapters agree), and
+    the deprecated ChromaRetriever still gives the same documents."""
+    for q in (Q1, Q2, "Where did gladiators fight?"):
+        ids = _ids(collection, q)
+        docs = lc_store.as_retriever(search_kwargs={"k": K}).invoke(q)
+        assert [d.id for d in docs] == ids
+        assert [d.page_content for d in docs] == [CORPUS[i] for i in ids]
+        assert [d.metadata for d in docs] == [META[i] for i in ids]
+        nodes = as_llama_index(collection).as_retriever(similarity_top_k=K).retrieve(q)
+        assert [n.node.node_id for n in nodes] == ids
+        with pytest.warns(DeprecationWarning, match="langchain_chroma"):
+            old = ChromaRetriever(collection=collection, k=K)
+        assert [(d.id, d.page_content, d.metadata) for d in old.invoke(q)] == [
+            (d.id, d.page_content, d.metadata) for d in docs]
+
+
+def test_ingest_into_langchain_chroma_store(db_path, make_engine):
+    engine = make_engine()
+    store = Chroma(client=_client(db_path), collection_name="lc_ingest", embedding_function=BundledMiniLMEmbeddings())
+    docs = [Document(page_content=CORPUS[k], metadata=META[k], id=k) for k in CORPUS]
+    out = ingest(store, docs, llm=engine)
+    assert out["ids"] == list(CORPUS) and out["added"] == len(CORPUS)
+    assert out["warm"]["computed_tokens"] == sum(_chunk_tokens(engine, t) for t in CORPUS.values())
+    again = ingest(store, docs, llm=engine)  # upsert: no duplicates, nothing recomputed
+    assert again["warm"]["computed_tokens"] == 0
+    got = store.get(include=["documents", "metadatas"])
+    assert sorted(got["ids"]) == sorted(CORPUS)
+    assert {i: (d, m) for i, d, m in zip(got["ids"], got["documents"], got["metadatas"])} == {
+        k: (CORPUS[k], META[k]) for k in CORPUS}
+    assert [d.id for d in store.similarity_search("Where did gladiators fight?", k=1)] == ["rome"]
 
 
 def test_collection_reopens_without_embedding_function(collection, db_path):
@@ -164,7 +251,7 @@ def test_collection_reopens_without_embedding_function(collection, db_path):
     assert got == {"ef": BundledMiniLM.name(), "ids": ["berlin"]}
 
 
-def test_ingest_is_idempotent_and_warms(collection, make_engine):
+def test_ingest_is_idempotent_and_warms(collection, lc_store, make_engine):
     engine = make_engine()
     texts = list(CORPUS.values())
     out = ingest(collection, texts, ids=list(CORPUS), metadatas=[META[k] for k in CORPUS], llm=ChatLazyLLM(llm=engine))
@@ -173,7 +260,7 @@ def test_ingest_is_idempotent_and_warms(collection, make_engine):
     again = ingest(collection, texts, ids=list(CORPUS), metadatas=[META[k] for k in CORPUS], llm=engine)
     assert again["warm"]["computed_tokens"] == 0 and again["warm"]["cached_tokens"] == out["warm"]["computed_tokens"]
     # a query after the warm-up reuses every chunk it retrieves
-    msg = _lc_chain(collection, ChatLazyLLM(llm=engine, max_tokens=NEW_TOKENS)).invoke(Q1)
+    msg = _lc_chain(lc_store, ChatLazyLLM(llm=engine, max_tokens=NEW_TOKENS)).invoke(Q1)
     chunk_tokens = sum(_chunk_tokens(engine, CORPUS[i]) for i in _ids(collection, Q1))
     assert msg.usage_metadata["input_token_details"]["cache_read"] >= chunk_tokens
     with pytest.raises(InvalidRequestError):
@@ -182,10 +269,10 @@ def test_ingest_is_idempotent_and_warms(collection, make_engine):
 
 # -- LangChain ---------------------------------------------------------------------
 
-def test_langchain_chain_answers_and_reuses_chunks(collection, make_engine):
+def test_langchain_chain_answers_and_reuses_chunks(collection, lc_store, make_engine):
     a, b, shared = _overlap(collection)
     engine = make_engine()
-    chain = _lc_chain(collection, ChatLazyLLM(llm=engine, max_tokens=NEW_TOKENS))
+    chain = _lc_chain(lc_store, ChatLazyLLM(llm=engine, max_tokens=NEW_TOKENS))
     first = chain.invoke(Q1)
     second = chain.invoke(Q2)
     for msg, ids in ((first, a), (second, b)):
@@ -204,10 +291,10 @@ def test_langchain_chain_answers_and_reuses_chunks(collection, make_engine):
     print(f"  Q1: {first.text!r}\n  Q2: {second.text!r}")
 
 
-def test_langchain_stream_callbacks_and_stop(collection, make_engine):
+def test_langchain_stream_callbacks_and_stop(collection, lc_store, make_engine):
     engine = make_engine()
     chat = ChatLazyLLM(llm=engine, max_tokens=NEW_TOKENS)
-    chain = _lc_chain(collection, chat)
+    chain = _lc_chain(lc_store, chat)
     seen = []
 
     class Tokens(BaseCallbackHandler):
@@ -225,20 +312,20 @@ def test_langchain_stream_callbacks_and_stop(collection, make_engine):
     assert reference.text == full.text  # greedy: streaming changes nothing
     # streaming=True: invoke streams inside, callbacks see every token
     seen.clear()
-    streamed = _lc_chain(collection, ChatLazyLLM(llm=engine, max_tokens=NEW_TOKENS, streaming=True)).invoke(
+    streamed = _lc_chain(lc_store, ChatLazyLLM(llm=engine, max_tokens=NEW_TOKENS, streaming=True)).invoke(
         Q1, config={"callbacks": [Tokens()]})
     assert streamed.text == reference.text == "".join(seen)
     assert streamed.usage_metadata == reference.usage_metadata
     # stop sequences cut the text before the stop string
     word = reference.text.split()[2]
-    stopped = _lc_chain(collection, chat.bind(stop=[word])).invoke(Q1)
+    stopped = _lc_chain(lc_store, chat.bind(stop=[word])).invoke(Q1)
     assert word not in stopped.text and reference.text.startswith(stopped.text)
     assert stopped.response_metadata["finish_reason"] == "stop"
 
 
-def test_langchain_async_and_batch(collection, make_engine):
+def test_langchain_async_and_batch(collection, lc_store, make_engine):
     engine = make_engine()
-    chain = _lc_chain(collection, ChatLazyLLM(llm=engine, max_tokens=NEW_TOKENS))
+    chain = _lc_chain(lc_store, ChatLazyLLM(llm=engine, max_tokens=NEW_TOKENS))
     ref = [chain.invoke(q).text for q in (Q1, Q2)]
     assert [m.text for m in chain.batch([Q1, Q2])] == ref
 
@@ -252,14 +339,14 @@ def test_langchain_async_and_batch(collection, make_engine):
     assert usage["input_token_details"]["cache_read"] > 0
 
 
-def test_lazy_answers_do_not_depend_on_cache(collection, make_engine):
+def test_lazy_answers_do_not_depend_on_cache(collection, lc_store, make_engine):
     """Same query, same answer, on a fresh engine and on one whose chunk store already
     holds every document (computed in other requests, at other positions)."""
     fresh = make_engine()
     warmed = make_engine()
     ingest(collection, list(CORPUS.values()), ids=list(CORPUS), metadatas=[META[k] for k in CORPUS], llm=warmed)
-    cold_chain = _lc_chain(collection, ChatLazyLLM(llm=fresh, max_tokens=NEW_TOKENS))
-    warm_chain = _lc_chain(collection, ChatLazyLLM(llm=warmed, max_tokens=NEW_TOKENS))
+    cold_chain = _lc_chain(lc_store, ChatLazyLLM(llm=fresh, max_tokens=NEW_TOKENS))
+    warm_chain = _lc_chain(lc_store, ChatLazyLLM(llm=warmed, max_tokens=NEW_TOKENS))
     warm_chain.invoke(Q1)
     cold, warm = cold_chain.invoke(Q2), warm_chain.invoke(Q2)
     assert cold.usage_metadata["input_token_details"]["cache_read"] == 0
@@ -427,7 +514,7 @@ def test_llamaindex_in_memory_index_one_liner(make_engine):
     engine = make_engine()
     llm = LlamaIndexLLM(llm=engine, max_new_tokens=NEW_TOKENS)
     docs = [LIDocument(text=t, id_=k, metadata=META[k]) for k, t in CORPUS.items()]
-    index = VectorStoreIndex.from_documents(docs, embed_model=MiniLMEmbedding())
+    index = VectorStoreIndex.from_documents(docs, embed_model=BundledMiniLMEmbedding())
     synth = ChunkSynthesizer(llm, metadata_mode=MetadataMode.LLM)
     nodes = list(index.docstore.docs.values())
     assert synth.warm(nodes)["computed_tokens"] > 0
@@ -441,13 +528,21 @@ def test_llamaindex_in_memory_index_one_liner(make_engine):
         ChunkSynthesizer(object())
 
 
+# Any HTTP(S) request (a model download, telemetry) goes to a closed local port and fails.
+OFFLINE_PROXIES = {k: "http://127.0.0.1:9" for k in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY",
+                                                     "http_proxy", "https_proxy", "all_proxy")}
+OFFLINE_PROXIES.update(NO_PROXY="", no_proxy="")
+
+
 @pytest.mark.parametrize("script", ["langchain_rag.py", "llamaindex_rag.py"])
 def test_examples_run(script):
     path = os.path.join(os.path.dirname(__file__), "..", "examples", script)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               **OFFLINE_PROXIES)
     out = subprocess.run([sys.executable, path, "--max-new-tokens", "8"], capture_output=True, text=True,
                          env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "Warning" not in out.stderr, out.stderr[-3000:]
     cached = [int(line.split("cached ", 1)[1].split(",", 1)[0]) for line in out.stdout.splitlines()
               if "cached " in line and "prompt " in line]
     assert len(cached) >= 2 and cached[0] == 0 and cached[1] > 0, out.stdout
