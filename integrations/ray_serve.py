@@ -41,7 +41,10 @@ from lazyllm import Chunk, InvalidRequestError
 from lazyllm.types import as_chunk
 
 ROUTERS = ("documents", "default", "prefix")
-PREFIX_ROUTER = "ray.serve.llm.request_router.PrefixCacheAffinityRouter"
+# Ray's prefix-affinity router. ``ray.serve.llm.request_router.PrefixCacheAffinityRouter`` is
+# an empty public subclass of this class, but importing ``ray.serve.llm`` needs the `ray[llm]`
+# dependencies (pyarrow...), which a CPU replica does not: the same class from where it lives.
+PREFIX_ROUTER = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter"
 
 
 # -- requests ------------------------------------------------------------------------
@@ -426,11 +429,23 @@ class LazyLLMDeployment:
                 "prompt_tokens": out.usage.prompt_tokens, "cached_tokens": out.usage.cached_tokens,
                 "cached_chunk_tokens": out.usage.cached_chunk_tokens,
                 "completion_tokens": out.usage.completion_tokens, "ttft_s": out.ttft_s,
+                "chunk_tokens": sum(len(ids) for kind, ids in out.prompt_segments if kind == "chunk"),
                 "tpot_s": getattr(out, "tpot_s", None), "replica": self.replica_id}
 
     async def generate(self, request: ServeRequest) -> dict:
         out = await self.llm.agenerate(request.question, request.chunks, request.system, **request.sampling)
         return self._result(out)
+
+    async def generate_output(self, request: ServeRequest):
+        """The ``GenerationOutput`` itself (for the HTTP ingress's response bodies)."""
+        return await self.llm.agenerate(request.question, request.chunks, request.system, **request.sampling)
+
+    async def stream_output(self, request: ServeRequest):
+        """Text deltas (str), then the ``GenerationOutput``."""
+        s = self.llm.astream(request.question, request.chunks, request.system, **request.sampling)
+        async for delta in s:
+            yield delta
+        yield s.output
 
     async def stream(self, request: ServeRequest):
         s = self.llm.astream(request.question, request.chunks, request.system, **request.sampling)
@@ -510,6 +525,95 @@ def build_app(model: str | None = None, *, num_replicas: int | str | None = 2, n
                     **llm_kwargs)
 
 
+def _ingress_class():
+    """The HTTP ingress: the OpenAI-compatible ``/v1/chat/completions`` of
+    ``lazyllm.integrations.server`` (its body validation, request translation, response
+    bodies and error bodies), in front of the replicas' handle, whose router (this one,
+    in the ingress replica) picks a replica per request."""
+    from fastapi import FastAPI
+    from fastapi import Request as FastAPIRequest
+    from fastapi.responses import StreamingResponse
+    from ray import serve
+
+    from . import server as http
+
+    api = FastAPI(title="lazyllm on Ray Serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @api.exception_handler(http.APIError)
+    async def _api_error(request, e: http.APIError):
+        return http._error_response(e)
+
+    @serve.ingress(api)
+    class LazyLLMIngress:
+        def __init__(self, llm_handle, model_name: str = "lazyllm",
+                     max_new_tokens_limit: int = http.DEFAULT_MAX_NEW_TOKENS_LIMIT,
+                     default_max_tokens: int = http.DEFAULT_MAX_TOKENS):
+            self.llm, self.model_name = llm_handle, model_name
+            self.limits = dict(max_new_tokens_limit=max_new_tokens_limit, default_max_tokens=default_max_tokens)
+
+        @api.get("/health")
+        async def health(self):
+            return http._json_response({"status": "ok", "model": self.model_name})
+
+        async def chat_completions(self, request):
+            body = http.validate_body(await request.body())
+            if body.model is not None and body.model != self.model_name:
+                raise http.APIError(404, f"the model {body.model!r} does not exist; this server serves "
+                                         f"{self.model_name!r}", param="model", code="model_not_found")
+            q, chunks, system, sampling = http.parse_chat_request(body, **self.limits)
+            req = ServeRequest(q, chunks, system, {k: v for k, v in sampling.items() if v is not None})
+            rid, created = http.new_request_id(), int(time.time())
+            if not body.stream:
+                try:
+                    out = await self.llm.generate_output.remote(req)
+                except Exception as e:
+                    raise http.error_from_exception(getattr(e, "cause", None) or e) from None
+                return http._json_response(http.completion_response(out, model=self.model_name, request_id=rid,
+                                                                    created=created))
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            gen = self.llm.options(stream=True).stream_output.remote(req)
+
+            async def events():
+                yield http.sse(http.stream_chunk(rid, created, self.model_name, role="assistant", content=""))
+                try:
+                    async for part in gen:
+                        if isinstance(part, str):
+                            yield http.sse(http.stream_chunk(rid, created, self.model_name, content=part))
+                        else:
+                            yield http.sse(http.stream_chunk(rid, created, self.model_name,
+                                                             finish_reason=part.finish_reason))
+                            if usage:
+                                yield http.sse(http.stream_chunk(rid, created, self.model_name,
+                                                                 usage=http.usage_json(part), out=part))
+                except Exception as e:
+                    yield http.sse(http.error_from_exception(getattr(e, "cause", None) or e).body())
+                yield http.sse("[DONE]")
+
+            return StreamingResponse(events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+
+        # the annotation as a class, not a string: the class travels to the replica by
+        # value, without this module's globals, where FastAPI would look the name up
+        chat_completions.__annotations__["request"] = FastAPIRequest
+        chat_completions = api.post("/v1/chat/completions")(chat_completions)
+
+    return LazyLLMIngress
+
+
+def build_http_app(model: str | None = None, *, model_name: str = "lazyllm", ingress_kwargs: dict | None = None,
+                   **kwargs):
+    """``build_app(model, **kwargs)`` behind the OpenAI-compatible HTTP API (one ingress
+    replica; its handle routes each request to a ``LazyLLMDeployment`` replica):
+    ``serve.run(build_http_app(...), route_prefix="/")``, then ``POST /v1/chat/completions``
+    with ``documents`` as in the single-process server."""
+    from ray import serve
+
+    llm_app = build_app(model, **kwargs)
+    ingress = serve.deployment(_ingress_class()).options(name=f"{kwargs.get('name', 'LazyLLM')}Ingress",
+                                                         ray_actor_options={"num_cpus": 0})
+    return ingress.bind(llm_app, model_name=model_name, **(ingress_kwargs or {}))
+
+
 def warm(handle, documents: Sequence[str | Chunk], system: str | None = None, *, timeout_s: float = 600) -> list:
     """Precompute ``documents`` on the replicas that will own them: one ``WarmRequest`` per
     document, which ``DocumentAffinityRouter`` sends to the replica already holding it or,
@@ -520,4 +624,5 @@ def warm(handle, documents: Sequence[str | Chunk], system: str | None = None, *,
 
 
 __all__ = ["BloomFilter", "ChunkKeyer", "Decision", "DocumentAffinityRouter", "LazyLLMDeployment", "ServeRequest",
-           "WarmRequest", "build_app", "rank_replicas", "rendezvous_owner", "replica_stats", "router_config", "warm"]
+           "WarmRequest", "build_app", "build_http_app", "rank_replicas", "rendezvous_owner", "replica_stats",
+           "router_config", "warm"]

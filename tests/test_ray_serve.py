@@ -188,7 +188,7 @@ def _tiny_factory():
 def test_two_replicas_a_request_goes_where_its_documents_are():
     ray = pytest.importorskip("ray", reason="Ray Serve is the optional `ray` extra")
     serve = pytest.importorskip("ray.serve", reason="Ray Serve is the optional `ray` extra")
-    from lazyllm.integrations.ray_serve import ServeRequest, build_app, warm
+    from lazyllm.integrations.ray_serve import ServeRequest, build_http_app, warm
 
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
@@ -196,10 +196,16 @@ def test_two_replicas_a_request_goes_where_its_documents_are():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}})
     try:
-        serve.start(proxy_location="Disabled")
-        app = build_app(llm_factory=_tiny_factory, num_replicas=2, num_cpus=0.5, stats_period_s=0.5,
-                        torch_threads=1, name="tiny")
-        handle = serve.run(app, name="tiny", route_prefix=None)
+        import socket
+
+        with socket.socket() as so:  # a free loopback port for the HTTP proxy
+            so.bind(("127.0.0.1", 0))
+            port = so.getsockname()[1]
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = build_http_app(llm_factory=_tiny_factory, num_replicas=2, num_cpus=0.5, stats_period_s=0.5,
+                             torch_threads=1, name="tiny", model_name="tiny")
+        serve.run(app, name="tiny", route_prefix="/")
+        handle = serve.get_deployment_handle("tiny", app_name="tiny")
         docs = [f"Document {i}: " + " ".join(f"word{i}x{j}" for j in range(30)) for i in range(5)]
         # precompute four documents: each goes to its owner; then a request over one of
         # them and a cold one must go to the replica holding it, and reuse its KV
@@ -216,6 +222,16 @@ def test_two_replicas_a_request_goes_where_its_documents_are():
         parts = list(handle.options(stream=True).stream.remote(
             ServeRequest("Again?", [docs[0]], sampling={"max_new_tokens": 2})))
         assert "done" in parts[-1] and parts[-1]["done"]["cached_chunk_tokens"] > 0
+        # and behind the OpenAI-compatible HTTP API, documents as chunks
+        import httpx
+
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
+                       json={"model": "tiny", "messages": [{"role": "user", "content": "Which words?"}],
+                             "documents": [docs[2]], "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        bad = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={"messages": []})
+        assert bad.status_code == 400 and "error" in bad.json()
         print(f"owners {owners}; end to end {time.perf_counter() - t0:.1f} s")
     finally:
         serve.shutdown()
