@@ -1,0 +1,105 @@
+"""TTFT of each ``LazyLLM(quality=...)`` preset on Llama-3.1-8B shapes (random bf16 weights:
+speed does not depend on the values), one GPU.
+
+A request of 8 cached chunks of 512 tokens and a 64-token question (the prompt of
+``benchmarks/engine.py``); the chunks were cached beforehand (``warm``), and each timed
+request puts them in another rotation.
+Per preset: median TTFT over ``--reps`` requests, and the prefill tokens per request (the
+question plus the chunk tokens recovery recomputes). ``exact`` is full attention with
+identical-prefix reuse: every chunk token is prefilled.
+
+    python benchmarks/preset_ttft.py [--layers 32] [--tokenizer DIR] [--json out.json]
+    python benchmarks/preset_ttft.py --tiny --device cpu        # a smoke run of the script
+
+See benchmarks/engine.py for carrying the tokenizer to a GPU machine (--save-tokenizer).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [p for p in (ROOT, os.path.join(ROOT, "benchmarks")) if p not in sys.path]
+
+from engine import llama31_8b_config, random_model, text_of_tokens  # noqa: E402
+
+from lazyllm.quality_presets import PRESETS  # noqa: E402
+
+SETTINGS = {"default": {}, **{name: {"quality": name} for name in PRESETS},
+            "balanced-two-stage": {"quality": "balanced", "recompute_selection": "two-stage"}}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the default model's)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="a small random Llama instead of 8B shapes (smoke run)")
+    ap.add_argument("--chunks", type=int, default=8)
+    ap.add_argument("--chunk-tokens", type=int, default=510)
+    ap.add_argument("--reps", type=int, default=8, help="timed requests (at most --chunks: one per rotation)")
+    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from lazyllm import LazyLLM
+
+    tok_dir = args.tokenizer
+    if tok_dir is None:
+        from lazyllm.model.loader import default_model_dir
+
+        tok_dir = str(default_model_dir())
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    cfg = llama31_8b_config(args.layers)
+    if args.tiny:
+        cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads = 64, 128, 4, 2
+        cfg.head_dim, cfg.vocab_size, cfg.num_hidden_layers = 16, len(tok), min(args.layers, 2)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    model = random_model(cfg, device=args.device, dtype=dtype)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    results = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+               "date": time.strftime("%Y-%m-%d"), "layers": cfg.num_hidden_layers, "tiny": args.tiny, "rows": []}
+    chunks = question = None
+    for name in filter(None, args.settings.split(",")):
+        kw = SETTINGS[name]
+        llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=(16 << 30) if args.device.startswith("cuda")
+                      else (256 << 20), **kw)
+        llm.engine.eos_ids = set()
+        if chunks is None:
+            chunks = [text_of_tokens(llm, args.chunk_tokens, seed=i) for i in range(args.chunks)]
+            question = text_of_tokens(llm, 50, seed=99)
+        system = "You answer from the documents."
+        llm.warm(chunks, system=system)  # the chunk-caching presets: every chunk cached (no-op for exact)
+        llm.generate("warm-up " + question, chunks=chunks[:1], system=system, max_new_tokens=2)
+        ttft, prefill = [], []
+        for i in range(args.reps):
+            # each request starts with another chunk: full attention reuses only the system prompt
+            order = chunks[i % len(chunks):] + chunks[:i % len(chunks)]
+            sync()
+            out = llm.generate(f"{i} {question}", chunks=order, system=system, max_new_tokens=1)
+            ttft.append(out.ttft_s)
+            prefill.append(out.usage.prompt_tokens - out.usage.cached_tokens)
+        chunk_tokens = sum(len(ids) for k, ids in out.prompt_segments if k == "chunk")
+        row = dict(setting=name, kwargs=kw, ttft_ms=statistics.median(ttft) * 1e3, ttft_all_ms=[t * 1e3 for t in ttft],
+                   prefill_tokens=statistics.median(prefill), chunk_tokens=chunk_tokens,
+                   recomputed=(chunk_tokens - out.usage.cached_chunk_tokens) / chunk_tokens)
+        results["rows"].append(row)
+        print(f"{name:>22}: TTFT {row['ttft_ms']:8.2f} ms  prefill {row['prefill_tokens']:6.0f} tokens  "
+              f"recomputed {100 * row['recomputed']:5.1f}% of {chunk_tokens} chunk tokens", flush=True)
+        llm.close()
+        del llm
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()
