@@ -490,11 +490,16 @@ class _Pump:
         # its next step, even while the worker waits for its next event
         self.stream._cancel()
 
-    async def events(self) -> AsyncIterator[tuple[str, Any]]:
+    async def batches(self) -> AsyncIterator[list[tuple[str, Any]]]:
+        """The events as they come, each batch every event already queued (one write for
+        several tokens when the client reads slower than the engine decodes); the last
+        batch ends with ``done`` or ``error``."""
         while True:
-            kind, val = await self.queue.get()
-            yield kind, val
-            if kind != "delta":
+            batch = [await self.queue.get()]
+            while batch[-1][0] == "delta" and not self.queue.empty():
+                batch.append(self.queue.get_nowait())
+            yield batch
+            if batch[-1][0] != "delta":
                 return
 
 
@@ -665,19 +670,23 @@ def create_app(llm: LazyLLM, *, api_key: str | None = None, model_name: str | No
             complete = False
             try:
                 yield sse(stream_chunk(rid, created, served, role="assistant", content=""))
-                async for kind, val in pump.events():
-                    if kind == "delta":
-                        yield sse(stream_chunk(rid, created, served, content=val))
-                    elif kind == "done":
-                        metrics.observe(val)
-                        yield sse(stream_chunk(rid, created, served, finish_reason=val.finish_reason))
-                        if include_usage:
-                            yield sse(stream_chunk(rid, created, served, usage=usage_json(val), out=val))
-                    else:
-                        err = error_from_exception(val)
-                        metrics.requests.labels(str(err.status), mode).inc()
-                        yield sse(err.body())
-                yield sse("[DONE]")
+                async for batch in pump.batches():
+                    data = []
+                    for kind, val in batch:
+                        if kind == "delta":
+                            data.append(sse(stream_chunk(rid, created, served, content=val)))
+                        elif kind == "done":
+                            metrics.observe(val)
+                            data.append(sse(stream_chunk(rid, created, served, finish_reason=val.finish_reason)))
+                            if include_usage:
+                                data.append(sse(stream_chunk(rid, created, served, usage=usage_json(val), out=val)))
+                        else:
+                            err = error_from_exception(val)
+                            metrics.requests.labels(str(err.status), mode).inc()
+                            data.append(sse(err.body()))
+                    if batch[-1][0] != "delta":
+                        data.append(sse("[DONE]"))
+                    yield b"".join(data)
                 complete = True
             finally:
                 in_flight -= 1
