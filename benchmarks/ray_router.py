@@ -166,7 +166,7 @@ def fault(args, docs, reqs, kv_bytes):
     # the controller replaces the dead replica
     t = time.perf_counter()
     while time.perf_counter() - t < 120:
-        st = serve.status().applications[name].deployments["LazyLLM"]
+        st = serve.status().applications[name].deployments[name]
         running = st.replica_states.get("RUNNING", 0)
         if running >= args.replicas:
             break
