@@ -488,7 +488,7 @@ class _Pump:
         self.stopped.set()
         # TextStream's own cancel flag (a threading.Event): the engine drops the request at
         # its next step, even while the worker waits for its next event
-        self.stream._cancel()
+        self.stream.cancel()
 
     async def batches(self) -> AsyncIterator[list[tuple[str, Any]]]:
         """The events as they come, each batch every event already queued (one write for
@@ -646,7 +646,7 @@ def create_app(llm: LazyLLM, *, api_key: str | None = None, model_name: str | No
             try:
                 out = await loop.run_in_executor(executor, _collect, stream)
             except asyncio.CancelledError:
-                stream._cancel()
+                stream.cancel()
                 raise
             except Exception as e:
                 err = error_from_exception(e)

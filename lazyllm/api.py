@@ -107,7 +107,7 @@ class TextStream:
             while (delta := self._take(*self._req.events.get())) is not None:
                 yield delta
         finally:
-            self._cancel()
+            self.cancel()
 
     def __iter__(self) -> TextStream:
         return self
@@ -124,17 +124,20 @@ class TextStream:
             while (delta := self._take(*await loop.run_in_executor(None, self._req.events.get))) is not None:
                 yield delta
         finally:
-            self._cancel()
+            self.cancel()
 
-    def _cancel(self) -> None:
-        self._req.cancelled.set()  # a no-op once finished
+    def cancel(self) -> None:
+        """Ask the engine to stop the request (a no-op once it has finished). Returns at once
+        and may be called from any thread, also while another thread iterates the stream,
+        which then ends with ``RequestCancelled``; ``close()`` also waits for the pages."""
+        self._req.cancelled.set()
 
     def close(self) -> None:
         """Stop the stream: cancel the request and wait (up to ``CLOSE_TIMEOUT_S``) until the
         engine has released its pages, so ``cache_stats()`` right after shows none pinned."""
         if self._sync is not None:
             self._sync.close()
-        self._cancel()
+        self.cancel()
         if self._submitted and not self._over:
             try:
                 while True:
