@@ -207,7 +207,9 @@ class LazyLLM:
         the default model (README, "Answer fidelity"): ``"fast"`` (``chunk_context="prefix"``,
         nothing recomputed), ``"balanced"`` (``fast`` plus the first 4 tokens of each chunk
         and attention-selected chunk tokens recomputed with full context, per request) or
-        ``"exact"`` (``reuse="prefix"``: full attention). ``None`` (default): each option's
+        ``"exact"`` (``reuse="prefix"``: full attention), or ``"block-ft"`` for Block-Attention
+        fine-tuned checkpoints (isolated chunks in the prompt layout they were trained with,
+        ``lazyllm.quality_blockft``). ``None`` (default): each option's
         own default (``reuse="lazy"``, ``chunk_context="isolated"``, no recovery). Options
         passed explicitly (``reuse``, ``chunk_context``, ``recompute_*``) override the
         preset's. ``lazyllm.quality.compare`` measures them on your own data.
@@ -323,6 +325,10 @@ class LazyLLM:
                         num_pages=kv_cache_bytes // page_bytes, dtype=self.dtype, device=self.device)
         self.store = ChunkStore(pool)
         self.prompts = PromptBuilder(tok)
+        if quality == "block-ft":  # the Block-Attention training layout
+            from .quality_blockft import BlockFTPromptBuilder
+
+            self.prompts = BlockFTPromptBuilder(tok)
         eos = set()
         for src in (getattr(getattr(hf, "generation_config", None), "eos_token_id", None), tok.eos_token_id):
             if isinstance(src, int):

@@ -9,6 +9,9 @@ and recovery options (BENCHMARKS.md, "Quality presets"). A leaf module: ``lazyll
   with full context, for this request only (the shared cache stays reusable).
 * ``"exact"``: full attention (identical-prefix reuse only, as vLLM): the model's own
   answer, at full prefill cost for the documents.
+* ``"block-ft"``: for Block-Attention fine-tuned checkpoints (``ldsjmdy/Tulu3-Block-FT``,
+  ``hxia7/Llama-3.2-1B-Block-FT``...): isolated chunks in the prompt layout they were
+  trained with (``lazyllm.quality_blockft``).
 
 Explicit options passed to ``LazyLLM`` override the preset's values.
 """
@@ -29,7 +32,12 @@ PRESETS: dict[str, dict[str, object]] = {
     "balanced": {"reuse": "lazy", "chunk_context": "prefix", "recompute_first_tokens": 4, "recompute_ratio": 0.15,
                  "recompute_selection": "attention"},
     "exact": {"reuse": "prefix", "chunk_context": "prefix", "recompute_first_tokens": 0, "recompute_ratio": 0.0},
+    # for Block-Attention fine-tuned checkpoints: the isolated blocks they were trained on, in
+    # their training prompt layout (lazyllm.quality_blockft)
+    "block-ft": {"reuse": "lazy", "chunk_context": "isolated", "recompute_first_tokens": 0, "recompute_ratio": 0.0},
 }
+# presets that also change the prompt layout
+PROMPT_LAYOUT_PRESETS = ("block-ft",)
 
 
 def resolve(quality: str | None, explicit: dict[str, object]) -> dict[str, object]:
@@ -45,4 +53,4 @@ def resolve(quality: str | None, explicit: dict[str, object]) -> dict[str, objec
     return out
 
 
-__all__ = ["PRESETS", "QUALITY_OPTIONS", "resolve"]
+__all__ = ["PRESETS", "PROMPT_LAYOUT_PRESETS", "QUALITY_OPTIONS", "resolve"]
