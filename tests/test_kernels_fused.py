@@ -254,3 +254,40 @@ def test_model_decode_one_token_with_gemv(family):
     (c, d), _, calls = forward_pair(fk, inv, ids, meta, base_k, base_v)
     assert not calls
     torch.testing.assert_close(d, c, atol=2e-2, rtol=2e-2)
+
+
+def test_fallback_warnings(caplog):
+    """Every supported family, on the Triton attention backend with the fused kernels, runs
+    no layer on a slow fallback and logs nothing; a model that does logs one warning naming
+    the reason: q/k/v projections left unfused, a sliding window on a backend without one
+    (which also rules out CUDA graphs)."""
+    import logging
+
+    from lazyllm.model.attention import AttentionBackend, make_backend
+    from lazyllm.model.llama import LlamaFamilyModel
+    from tests.conftest import FAMILIES, make_tiny
+
+    triton_cpu = make_backend("triton", torch.device("cpu"))
+    models = {f: make_tiny(f, seed=1) for f in FAMILIES}
+    with caplog.at_level(logging.WARNING, logger="lazyllm"):
+        for f, hf in models.items():
+            m = LlamaFamilyModel(hf, attention=triton_cpu, fuse=True, fused_kernels=fk)
+            assert m.fused is fk and m.graph_capturable, f
+    assert not [r for r in caplog.records if r.name == "lazyllm"], caplog.text
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lazyllm"):
+        LlamaFamilyModel(models["qwen3"], fuse=False, fused_kernels=fk)
+    assert len(caplog.records) == 1 and "unfused q/k/v" in caplog.records[0].getMessage()
+
+    class NoWindow(AttentionBackend):
+        name = "nowindow"
+        graph_capturable = True
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lazyllm"):
+        m = LlamaFamilyModel(models["gemma3"], attention=NoWindow())
+        assert not m.graph_capturable
+        assert LlamaFamilyModel(models["llama"], attention=NoWindow()).graph_capturable
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "no sliding window" in msgs[0] and "2 of 3 layers" in msgs[0], msgs

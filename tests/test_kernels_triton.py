@@ -178,11 +178,14 @@ def _tol(dtype):
 _OPTIONS = {f.name for f in dataclasses.fields(KernelOptions)}
 
 
-def _check_attention(batch, *, max_seqlen_q=None, num_splits=None, config=None, use_rope=True, mod=None, **kw):
+def _check_attention(batch, *, max_seqlen_q=None, num_splits=None, config=None, use_rope=True, mod=None,
+                     window=None, **kw):
     mod = mod or ta
-    ref = paged_attention_ref(**batch)
+    ref = paged_attention_ref(**batch, window=window)
     out = torch.full_like(batch["q"], float("nan"))  # poisoned: every element must be written
     opts = KernelOptions(num_splits=num_splits, config=config, **{k: kw.pop(k) for k in list(kw) if k in _OPTIONS})
+    if window is not None:
+        kw["window"] = window
     got = mod.paged_attention_triton(**batch, out=out, max_seqlen_q=max_seqlen_q, use_rope=use_rope,
                                      options=opts, **kw)
     assert got is out
@@ -490,6 +493,121 @@ def test_run_loop_needs_tile_inside_page():
     batch = _make_batch([(chunks, 3)], page_size=16, hkv=2, group=2, d=64, dtype=torch.float32, seed=23)
     with pytest.raises(ValueError, match="query-rotating loop"):
         ta.paged_attention_triton(**batch, options=KernelOptions(config=(16, 32, 4, 1), loop="per_run"))
+
+
+# ----------------------------------------------------------------------------------------
+# sliding windows (Gemma 3's local layers)
+# ----------------------------------------------------------------------------------------
+
+# (group, head_dim, rotary_dim, dtype, page_size, config, loop): every key-tile loop: the
+# key-rotating one and the decode kernel (pages smaller than the key tile), the run loop, the
+# flat run loop and the rotary-halves loop (key tiles inside a page); GQA 1, 2 and 4
+WINDOW_CASES = [
+    (1, 32, None, torch.float32, 8, (16, 16, 4, 1), None),
+    (4, 32, 16, torch.float16, 16, (16, 16, 4, 1), "per_run"),
+    (2, 32, None, torch.float16, 16, (16, 16, 4, 1), "flat_runs"),
+    (2, 32, None, torch.float32, 32, (16, 16, 4, 1), "halves"),
+]
+
+
+def _window_id(c):
+    return f"{_case_id(c[:6])}-{c[6] or 'per_tile'}"
+
+
+def _window_seqs(gen, window, nq):
+    """Sequences whose key spans are shorter than, equal to and longer than ``window``:
+    a chunk prefilled alone (its queries cross the window's edge), and a suffix over a
+    prefix and cached chunks of those lengths at random deltas (``nq`` queries each)."""
+    seqs = [([(0, 3 * window + 5, 0)], min(nq, 3 * window + 5) if nq > 1 else 1),
+            ([(0, window, 0)], min(nq, window)), ([(0, window - 3, 0)], min(nq, window - 3))]
+    chunks, pos = [], 5
+    for length in (window - 2, window, window + 17):
+        chunks.append((pos, length, gen.randint(1, 3000)))
+        pos += length
+    seqs.append(([(0, 5, 0)] + chunks + [(pos, nq + 3, 0)], nq))
+    return seqs
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=_window_id)
+@pytest.mark.parametrize("window", [8, 21])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_window_prefill_and_decode(case, window, splits):
+    """A sliding window against ``paged_attention_ref(..., window=)``: prefill and decode,
+    chunks shorter than, equal to and longer than the window, queries on both sides of its
+    edge, split key ranges; pages outside every window are NaN-poisoned padding or skipped."""
+    g, d, rd, dtype, ps, cfg, loop = case
+    gen = random.Random(window * 7 + g)
+    kw = dict(config=cfg, num_splits=splits, window=window)
+    if loop:
+        kw["loop"] = loop
+    batch = _make_batch(_window_seqs(gen, window, 30), page_size=ps, hkv=2, group=g, d=d, rotary_dim=rd,
+                        dtype=dtype, seed=window)
+    assert (batch["block_delta"] != 0).any()
+    got, ref = _check_attention(batch, **kw)
+    assert not torch.allclose(ref, paged_attention_ref(**batch))  # the window changed the answer
+    dec = _make_batch(_window_seqs(gen, window, 1), page_size=ps, hkv=2, group=g, d=d, rotary_dim=rd,
+                      dtype=dtype, seed=window + 1)
+    _check_attention(dec, max_seqlen_q=1, **kw)
+
+
+@pytest.mark.parametrize("max_seqlen_q", [1, None])
+def test_window_any_table_order(max_seqlen_q):
+    """Table entries in random order (padding included): the window's scan bounds are
+    order-free, so the result is exact, with and without split key ranges."""
+    gen = random.Random(5)
+    nq = 1 if max_seqlen_q == 1 else 12
+    batch = _make_batch(_window_seqs(gen, 10, nq), page_size=8, hkv=1, group=2, d=32, dtype=torch.float32,
+                        seed=6)
+    for b in range(batch["block_table"].shape[0]):
+        perm = torch.randperm(batch["block_table"].shape[1])
+        for key in ("block_table", "block_pos", "block_delta", "block_len"):
+            batch[key][b] = batch[key][b][perm]
+    for splits in (1, 4):
+        _check_attention(batch, max_seqlen_q=max_seqlen_q, num_splits=splits, config=(16, 16, 4, 1), window=10)
+        _check_attention(batch, max_seqlen_q=max_seqlen_q, num_splits=splits, config=(16, 8, 4, 1), window=10,
+                         loop="flat_runs")
+
+
+def test_window_skips_tiles_outside_it(monkeypatch):
+    """The key range starts at the first tile a window reaches: with one long sequence,
+    split-K by default, and the splits cover only the window's tiles (the launcher counts
+    them), and the answer is the reference's."""
+    seen = []
+    real = ta.launcher.plan_launch
+    monkeypatch.setattr(ta.launcher, "plan_launch", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    gen = random.Random(9)
+    chunks, pos = _chunks(gen, 10, 0, lo=30, hi=40)
+    batch = _make_batch([(chunks + [(pos, 6, 0)], 1)], page_size=16, hkv=1, group=2, d=32, dtype=torch.float32,
+                        seed=9)
+    _check_attention(batch, max_seqlen_q=1, window=20)
+    _check_attention(batch, max_seqlen_q=1)
+    assert seen[0].window == 20 and seen[1].window == 0
+    assert seen[0].num_splits < seen[1].num_splits
+    # pages wholly before the window (key tile == page) are never read: NaN there changes nothing
+    ref = paged_attention_ref(**batch, window=20)
+    qpos = int(batch["q_pos"][0])
+    ends = batch["block_pos"][0] + batch["block_len"][0] - 1
+    out_of_window = (batch["block_len"][0] > 0) & (ends <= qpos - 20)
+    assert out_of_window.sum() >= 5
+    k, v = batch["k_cache"].clone(), batch["v_cache"].clone()
+    for page in batch["block_table"][0][out_of_window].tolist():
+        k[page], v[page] = float("nan"), float("nan")
+    for splits, cfg, loop in ((None, (0, 16, 4, 1), None), (3, (16, 16, 4, 1), "flat_runs"),
+                              (1, (16, 16, 4, 1), "per_tile")):
+        opts = KernelOptions(num_splits=splits, config=cfg, loop=loop)
+        got = ta.paged_attention_triton(**dict(batch, k_cache=k, v_cache=v), max_seqlen_q=1, window=20, options=opts)
+        torch.testing.assert_close(got, ref, **_tol(torch.float32))
+
+
+def test_window_arguments():
+    """A window must be a positive int; the Gluon prefill has none, so forcing it with a
+    window is refused."""
+    batch = _make_batch([([(0, 20, 0)], 4)], page_size=16, hkv=1, group=2, d=32, dtype=torch.float32, seed=3)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="window"):
+            ta.paged_attention_triton(**batch, window=bad)
+    with pytest.raises(ValueError, match="sliding window"):
+        ta.paged_attention_triton(**batch, window=8, options=KernelOptions(prefill_kernel="gluon"))
 
 
 # ----------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import _M_INIT, _max, _sum
+from ._common import _M_INIT, _max, _min, _sum
 
 
 @triton.jit
@@ -43,7 +43,7 @@ def _paged_decode_fwd(
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PPT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_OUT: tl.constexpr, USE_ROPE: tl.constexpr, DOT_PREC: tl.constexpr, IDX64: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, WINDOW: tl.constexpr = 0,
 ):
     """Decode: one query per sequence, the delta applied to the *query*.
 
@@ -55,6 +55,11 @@ def _paged_decode_fwd(
     the tensor cores untouched. Row group ``p`` is a partial softmax over the pages
     ``p, p + PPT, ...``; all are written as partials ``split * PPT + p`` for
     ``_merge_splits`` (``SPLIT_OUT``), or straight to ``Out`` when there is one.
+
+    ``WINDOW`` (``0``: none): a sliding window, the query at ``p`` sees keys at
+    ``p - WINDOW < pos <= p``. A scan of the table row finds the entries the window can
+    reach, and the key range (and its splits) covers only their tiles; keys inside it but
+    outside the window are masked, so any table order is served exactly.
     """
     pid_hs = tl.program_id(0)
     b = tl.program_id(1)
@@ -97,10 +102,28 @@ def _paged_decode_fwd(
     Kh = K + kvh * stride_kh
     Vh = V + kvh * stride_vh
 
-    t_hi = (max_blocks * PAGE_SIZE + BLOCK_N - 1) // BLOCK_N
-    per_split = (t_hi + num_splits - 1) // num_splits
-    s_start = split * per_split
-    s_end = tl.minimum(s_start + per_split, t_hi)
+    if WINDOW > 0:
+        qp = tl.load(QPos + q_start).to(tl.int32)
+        lo_e = max_blocks
+        hi_e = 0
+        for e0 in range(0, max_blocks, 256):
+            e = e0 + tl.arange(0, 256)
+            em = e < max_blocks
+            ln = tl.load(BLen_row + e, mask=em, other=0).to(tl.int32)
+            bp = tl.load(BPos_row + e, mask=em, other=0).to(tl.int32)
+            reach = (ln > 0) & (bp <= qp) & (bp + ln - 1 > qp - WINDOW)
+            lo_e = tl.minimum(lo_e, _min(tl.where(reach, e, max_blocks), 0))
+            hi_e = tl.maximum(hi_e, _max(tl.where(reach, e + 1, 0), 0))
+        t_hi = (hi_e * PAGE_SIZE + BLOCK_N - 1) // BLOCK_N
+        t_lo = tl.minimum((lo_e * PAGE_SIZE) // BLOCK_N, t_hi)
+        per_split = (t_hi - t_lo + num_splits - 1) // num_splits
+        s_start = t_lo + split * per_split
+        s_end = tl.minimum(s_start + per_split, t_hi)
+    else:
+        t_hi = (max_blocks * PAGE_SIZE + BLOCK_N - 1) // BLOCK_N
+        per_split = (t_hi + num_splits - 1) // num_splits
+        s_start = split * per_split
+        s_end = tl.minimum(s_start + per_split, t_hi)
 
     m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
@@ -131,6 +154,8 @@ def _paged_decode_fwd(
         qk = tl.dot(qr, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         kpos = tl.load(BPos_row + ent, mask=kvalid, other=0).to(tl.int32) + slot
         seen = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
+        if WINDOW > 0:
+            seen = seen & (qpos[:, None] - kpos[None, :] < WINDOW)
         if PPT > 1:
             seen = seen & ((ent % PPT)[None, :] == row_page[:, None])
         qk = tl.where(seen, qk, float("-inf"))

@@ -69,7 +69,8 @@ class LaunchPlan:
     ``qrot`` is the prefill kernel's ``QROT`` (``options.LOOPS``); ``decode_kernel``: the
     per-page decode kernel runs instead; ``gluon``: the Gluon prefill serves the call (the
     Triton fields then describe the fallback); ``config``: the configuration asked for (or
-    the batch-invariant one), kept for the key-rotating fallback."""
+    the batch-invariant one), kept for the key-rotating fallback; ``window``: a sliding
+    window (never the Gluon prefill)."""
 
     qrot: int
     decode_kernel: bool
@@ -90,6 +91,7 @@ class LaunchPlan:
     gluon_key: tuple
     qrot_key: tuple
     config: tuple | None
+    window: int = 0  # a sliding window (the kernels' WINDOW constexpr); 0: none
 
 
 def _validate(q, k_cache, v_cache, inv_freq) -> None:
@@ -111,9 +113,9 @@ def _validate(q, k_cache, v_cache, inv_freq) -> None:
 
 
 def plan_launch(q, k_cache, v_cache, block_table, inv_freq, batch: int, max_seqlen_q: int, use_rope: bool,
-                batch_invariant: bool, padding_finite: bool, opts: KernelOptions) -> LaunchPlan:
+                batch_invariant: bool, padding_finite: bool, opts: KernelOptions, window: int = 0) -> LaunchPlan:
     """The launch choices for a validated call with ``batch`` sequences (``use_rope``: RoPE
-    on and a rotary part)."""
+    on and a rotary part; ``window``: a sliding window, 0 for none)."""
     _, hq, d = q.shape
     _, page_size, hkv, _ = k_cache.shape
     half = int(inv_freq.numel())
@@ -177,6 +179,8 @@ def plan_launch(q, k_cache, v_cache, block_table, inv_freq, batch: int, max_seql
         raise ValueError(f"a query-rotating loop needs page_size >= BLOCK_N, got {page_size} < {block_n}")
     q_tiles = 1 if decode_kernel else triton.cdiv(rows, block_m)
     kv_tiles = triton.cdiv(max_blocks * page_size, block_n)
+    if window:  # the kernels visit only the tiles a window reaches: split those
+        kv_tiles = min(kv_tiles, triton.cdiv(window + max_seqlen_q, block_n) + 1)
     if num_splits is None:
         # about one program per SM at least; split-K only while there are fewer
         ctas = q_tiles * batch * hkv
@@ -196,12 +200,14 @@ def plan_launch(q, k_cache, v_cache, block_table, inv_freq, batch: int, max_seql
 
     gkey = (d, k_cache.dtype, page_size)
     forced = opts.prefill_kernel == "gluon"
+    if forced and window:
+        raise ValueError("the Gluon prefill has no sliding window (prefill_kernel='gluon' with window=)")
     gluon = forced or (
         opts.prefill_kernel is None and padding_finite and not short and qrot == 3 and opts.loop is None
         and num_splits == 1 and config is None and not batch_invariant and not _interpreting()
         and max_blocks * page_size - max_seqlen_q // 2 >= _GLUON_MIN_KEYS
         and gkey not in _GLUON_FAILED and opts.gluon_prefill
-        and _gluon_supported(q, k_cache, v_cache, block_table, inv_freq))
+        and _gluon_supported(q, k_cache, v_cache, block_table, inv_freq) and not window)
 
     coef_from_delta = opts.coef_from_delta
     if coef_from_delta is None:
@@ -213,7 +219,7 @@ def plan_launch(q, k_cache, v_cache, block_table, inv_freq, batch: int, max_seql
         qrot=qrot, decode_kernel=decode_kernel, short=short, block_m=block_m, block_n=block_n,
         num_warps=num_warps, num_stages=num_stages, ppt=ppt, q_tiles=q_tiles, num_splits=num_splits,
         cs_per_page=opts.cs_per_page, prefetch=opts.prefetch, from_delta=from_delta, lookahead=lookahead,
-        packed_rot=packed_rot, gluon=gluon, gluon_key=gkey, qrot_key=qkey, config=config,
+        packed_rot=packed_rot, gluon=gluon, gluon_key=gkey, qrot_key=qkey, config=config, window=int(window),
     )
 
 
@@ -237,6 +243,7 @@ def paged_attention_triton(
     batch_invariant: bool = False,
     padding_finite: bool = False,
     options: KernelOptions | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Deferred-RoPE attention of a varlen batch of queries over paged KV (Triton).
 
@@ -275,6 +282,11 @@ def paged_attention_triton(
         where it is the faster: long key ranges (``configs.GLUON_MIN_KEYS``).
     options : ``KernelOptions`` (loop, launch configuration, splits, Gluon switch); the
         default is what the engine runs.
+    window : sliding window (Gemma 3's local layers, Mistral): a query at ``p`` sees keys at
+        ``p - window < pos <= p``, as ``reference.paged_attention_ref(..., window=)``. The
+        kernels skip the key tiles no query's window reaches and mask the rest; each window
+        size is a compiled variant (``WINDOW`` constexpr). Never the Gluon prefill.
+        ``None``: no window (the launch is exactly the one without the argument).
 
     Returns
     -------
@@ -283,6 +295,9 @@ def paged_attention_triton(
     """
     opts = _DEFAULT_OPTIONS if options is None else options
     _validate(q, k_cache, v_cache, inv_freq)
+    if window is not None and (isinstance(window, bool) or int(window) != window or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    window = 0 if window is None else int(window)
     if out is None:
         out = torch.empty_like(q)
     total_q = q.shape[0]
@@ -297,7 +312,7 @@ def paged_attention_triton(
         return out
     use_rope = bool(use_rope) and int(inv_freq.numel()) > 0
     plan = plan_launch(q, k_cache, v_cache, block_table, inv_freq, batch, max_seqlen_q, use_rope,
-                       batch_invariant, padding_finite, opts)
+                       batch_invariant, padding_finite, opts, window)
     args = (q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, block_pos, block_delta, block_len,
             inv_freq, sm_scale, out)
     if plan.gluon:
@@ -376,6 +391,7 @@ def _launch_triton(plan: LaunchPlan, args, max_seqlen_q, use_rope, rope, batch_i
         part_o = part_lse = target  # never read
 
     dot_prec = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    win = dict(WINDOW=plan.window) if plan.window else {}  # absent: the kernels' code without a window
     idx64 = max(k_cache.numel(), v_cache.numel()) >= 2**31  # element offsets fit in int32 otherwise
     common = (
         float(sm_scale) * _LOG2E,
@@ -392,7 +408,7 @@ def _launch_triton(plan: LaunchPlan, args, max_seqlen_q, use_rope, rope, batch_i
             NUM_Q_HEADS=hq, G=group, HEAD_DIM=d, HALF=half, ROT=2 * half, PAGE_SIZE=page_size,
             PPT=plan.ppt, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_OUT=n_parts > 1, USE_ROPE=use_rope,
             DOT_PREC=dot_prec, IDX64=idx64, PREFETCH=plan.prefetch,
-            num_warps=plan.num_warps, num_stages=plan.num_stages,
+            num_warps=plan.num_warps, num_stages=plan.num_stages, **win,
         )
     else:
         half_p = max(16, _next_pow2(half)) if half else 16
@@ -405,12 +421,12 @@ def _launch_triton(plan: LaunchPlan, args, max_seqlen_q, use_rope, rope, batch_i
                 NUM_Q_HEADS=hq, G=group, HEAD_DIM=d, HALF=half, HALF_P=half_p,
                 PASS=pass_dim, PASS_P=pass_p, PAGE_SIZE=page_size,
                 BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_OUT=num_splits > 1,
-                SCAN=not plan.short or bool(qrot), SCAN_BLOCK=256, USE_ROPE=use_rope,
+                SCAN=not plan.short or bool(qrot) or bool(plan.window), SCAN_BLOCK=256, USE_ROPE=use_rope,
                 CS_PER_PAGE=plan.cs_per_page, DOT_PREC=dot_prec,
                 IDX64=idx64, NPG=max(1, block_n // page_size), PREFETCH=plan.prefetch, QROT=qrot,
                 PACKED_ROT=plan.packed_rot, FROM_DELTA=plan.from_delta, LOOKAHEAD=plan.lookahead,
                 APPROX=not _interpreting(),
-                num_warps=plan.num_warps, num_stages=plan.num_stages,
+                num_warps=plan.num_warps, num_stages=plan.num_stages, **win,
             )
         except Exception as e:  # noqa: BLE001
             if not qrot or _interpreting() or torch.cuda.is_current_stream_capturing():
@@ -427,7 +443,8 @@ def _launch_triton(plan: LaunchPlan, args, max_seqlen_q, use_rope, rope, batch_i
                 inv_freq, sm_scale, out, max_seqlen_q=max_seqlen_q, use_rope=use_rope,
                 rope=None if rope_arg is None else (rope_arg[0], rope_arg[1]),
                 options=KernelOptions(config=plan.config, loop="per_tile",
-                                      num_splits=num_splits if batch_invariant else None))
+                                      num_splits=num_splits if batch_invariant else None),
+                window=plan.window or None)
     if n_parts > 1:
         _merge_splits[(total_q * hq,)](
             part_o, part_lse, target, target.stride(0), target.stride(1), n_parts,

@@ -80,6 +80,7 @@ def _attn_tiles(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_ROPE: tl.constexpr, CS_PER_PAGE: tl.constexpr, CAUSAL_MASK: tl.constexpr,
     DOT_PREC: tl.constexpr, IDX64: tl.constexpr, NPG: tl.constexpr, PREFETCH: tl.constexpr,
+    WINDOW: tl.constexpr = 0,
 ):
     """Online-softmax update of ``acc/l_i/m_i`` over key tiles ``[t_start, t_end)``.
 
@@ -136,6 +137,8 @@ def _attn_tiles(
         if CAUSAL_MASK:
             kpos = tl.load(BPos_row + ent, mask=kvalid, other=0).to(tl.int32) + slot
             seen = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
+            if WINDOW > 0:  # sliding window: keys at qpos - WINDOW and before are out
+                seen = seen & (qpos[:, None] - kpos[None, :] < WINDOW)
             qk = tl.where(seen, qk, float("-inf"))
         else:
             qk = qk + tl.where(kvalid, 0.0, float("-inf"))[None, :]
@@ -224,11 +227,14 @@ def _rot_q(q_row, row_ok, Cos_row, Sin_row, InvFreq, e, dlt, K,
 
 
 @triton.jit
-def _mask_scores(qk, kvalid, BPos_row, ent, slot, qpos, CAUSAL: tl.constexpr):
-    """Scores of padding slots (and, ``CAUSAL``, of keys after a row's position) to -inf."""
+def _mask_scores(qk, kvalid, BPos_row, ent, slot, qpos, CAUSAL: tl.constexpr, WINDOW: tl.constexpr = 0):
+    """Scores of padding slots (and, ``CAUSAL``, of keys after a row's position, and with a
+    ``WINDOW``, of keys ``WINDOW`` or more positions before it) to -inf."""
     if CAUSAL:
         kpos = tl.load(BPos_row + ent).to(tl.int32) + slot
         seen = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
+        if WINDOW > 0:
+            seen = seen & (qpos[:, None] - kpos[None, :] < WINDOW)
         return tl.where(seen, qk, float("-inf"))
     else:
         return qk + tl.where(kvalid, 0.0, float("-inf"))[None, :]
@@ -239,14 +245,16 @@ def _tile_update(acc, l_i, m_i, qa, qb, qpos, K, V, BT_row, BPos_row, BLen_row,
                  stride_kp, stride_ks, stride_vp, stride_vs, tt, t_lo, qk_scale,
                  HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                  CAUSAL_MASK: tl.constexpr, DOT_PREC: tl.constexpr, IDX64: tl.constexpr,
-                 HALVES: tl.constexpr):
+                 HALVES: tl.constexpr, WINDOW: tl.constexpr = 0):
     """Online-softmax update with key tile ``tt`` (which lies in one page).
 
     ``HALVES``: the query is given as its two halves ``qa, qb`` ``(BLOCK_M, HEAD_DIM // 2)``
     and scored with two products of depth ``HEAD_DIM // 2`` on the key tile's halves;
     otherwise ``qa`` is the whole ``(BLOCK_M, HEAD_DIM)`` query (``qb`` unused).
     ``CAUSAL_MASK``: ``0`` slot validity only, ``1`` the causal mask, ``2`` the causal mask
-    on the tiles from ``t_lo`` on (a branch per tile)."""
+    on the tiles from ``t_lo`` on (a branch per tile). ``WINDOW``: the causal mask also
+    masks keys ``WINDOW`` or more positions before the row (the launch then masks every
+    tile it visits)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     ent = (tt * BLOCK_N) // PAGE_SIZE
@@ -268,11 +276,11 @@ def _tile_update(acc, l_i, m_i, qa, qb, qpos, K, V, BT_row, BPos_row, BLen_row,
         qk = tl.dot(qa, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     if CAUSAL_MASK == 2:
         if tt >= t_lo:
-            qk = _mask_scores(qk, kvalid, BPos_row, ent, slot, qpos, True)
+            qk = _mask_scores(qk, kvalid, BPos_row, ent, slot, qpos, True, WINDOW)
         else:
-            qk = _mask_scores(qk, kvalid, BPos_row, ent, slot, qpos, False)
+            qk = _mask_scores(qk, kvalid, BPos_row, ent, slot, qpos, False, WINDOW)
     else:
-        qk = _mask_scores(qk, kvalid, BPos_row, ent, slot, qpos, CAUSAL_MASK == 1)
+        qk = _mask_scores(qk, kvalid, BPos_row, ent, slot, qpos, CAUSAL_MASK == 1, WINDOW)
     m_new = tl.maximum(m_i, _max(qk, 1))
     p = tl.math.exp2(qk - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
@@ -294,7 +302,7 @@ def _attn_runs(
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, DOT_PREC: tl.constexpr, IDX64: tl.constexpr, FLAT: tl.constexpr,
-    FROM_DELTA: tl.constexpr, LOOKAHEAD: tl.constexpr, APPROX: tl.constexpr,
+    FROM_DELTA: tl.constexpr, LOOKAHEAD: tl.constexpr, APPROX: tl.constexpr, WINDOW: tl.constexpr = 0,
 ):
     """Online-softmax update over key tiles ``[t_start, t_end)``, the delta applied to the
     *query*, once per run of table entries that share one delta.
@@ -321,7 +329,7 @@ def _attn_runs(
                 qr = _rot_q(q_row, row_ok, Cos_row, Sin_row, InvFreq, e, d, K, HEAD_DIM, HALF, ROT, FD, APPROX)
             acc, l_i, m_i = _tile_update(acc, l_i, m_i, qr, qr, qpos, K, V, BT_row, BPos_row, BLen_row,
                                          stride_kp, stride_ks, stride_vp, stride_vs, tt, t_start, qk_scale,
-                                         HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL_MASK, DOT_PREC, IDX64, False)
+                                         HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL_MASK, DOT_PREC, IDX64, False, WINDOW)
     else:
         t = t_start
         while t < t_end:
@@ -332,7 +340,7 @@ def _attn_runs(
             for tt in range(t, r_end):
                 acc, l_i, m_i = _tile_update(acc, l_i, m_i, qr, qr, qpos, K, V, BT_row, BPos_row, BLen_row,
                                              stride_kp, stride_ks, stride_vp, stride_vs, tt, t, qk_scale,
-                                             HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL_MASK, DOT_PREC, IDX64, False)
+                                             HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL_MASK, DOT_PREC, IDX64, False, WINDOW)
             t = r_end
     return acc, l_i, m_i
 
@@ -393,6 +401,7 @@ def _attn_runs_h(
     HEAD_DIM: tl.constexpr, USE_ROPE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, IDX64: tl.constexpr,
     PACKED: tl.constexpr, FROM_DELTA: tl.constexpr, LOOKAHEAD: tl.constexpr, APPROX: tl.constexpr,
+    WINDOW: tl.constexpr = 0,
 ):
     """The run loop as one loop over key tiles ``[t_start, t_end)`` on the query's two
     rotary halves (needs ``PAGE_SIZE >= BLOCK_N`` and, with RoPE, a fully rotary head).
@@ -432,7 +441,7 @@ def _attn_runs_h(
             q1, q2 = _rot_q_h(q_row, row_ok, Cos_row, Sin_row, InvFreq, e, d, m_i, K, H2, USE_ROPE, PACKED, FD, APPROX)
         acc, l_i, m_i = _tile_update(acc, l_i, m_i, q1, q2, qpos, K, V, BT_row, BPos_row, BLen_row,
                                      stride_kp, stride_ks, stride_vp, stride_vs, tt, t_lo, qk_scale,
-                                     HEAD_DIM, PAGE_SIZE, BLOCK_N, 2, DOT_PREC, IDX64, True)
+                                     HEAD_DIM, PAGE_SIZE, BLOCK_N, 2, DOT_PREC, IDX64, True, WINDOW)
     return acc, l_i, m_i
 
 
@@ -454,8 +463,15 @@ def _paged_attn_fwd(
     USE_ROPE: tl.constexpr, CS_PER_PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
     IDX64: tl.constexpr, NPG: tl.constexpr, PREFETCH: tl.constexpr, QROT: tl.constexpr,
     PACKED_ROT: tl.constexpr, FROM_DELTA: tl.constexpr, LOOKAHEAD: tl.constexpr, APPROX: tl.constexpr,
+    WINDOW: tl.constexpr = 0,
 ):
     """Grid ``(q_tiles, num_kv_heads * num_splits, batch)``; see the module docstring.
+
+    ``WINDOW`` (``0``: none): a sliding window, a row at ``p`` sees keys at
+    ``p - WINDOW < pos <= p`` (needs ``SCAN``). The scan also finds the first table entry any
+    row's window reaches; the key range (and its splits) starts at its tile, and every tile
+    visited gets the causal and window mask. Exact for any table order (entries outside the
+    windows inside the range are masked), tight for the usual order.
 
     ``QROT``: the key-tile loop (module docstring). ``0`` rotates every key tile
     (``_attn_tiles``); ``1``-``3`` apply the deltas to the query once per run of equal
@@ -523,6 +539,7 @@ def _paged_attn_fwd(
         qmax = _max(tl.where(row_ok, qpos, -2147483647), 0)
         lo_e = max_blocks
         hi_e = 0
+        w_e = max_blocks  # WINDOW: the first entry that any row's window reaches
         for e0 in range(0, max_blocks, SCAN_BLOCK):
             e = e0 + tl.arange(0, SCAN_BLOCK)
             em = e < max_blocks
@@ -531,15 +548,25 @@ def _paged_attn_fwd(
             used = ln > 0
             hi_e = tl.maximum(hi_e, _max(tl.where(used & (bp <= qmax), e + 1, 0), 0))
             lo_e = tl.minimum(lo_e, _min(tl.where(used & (bp + ln - 1 > qmin), e, max_blocks), 0))
+            if WINDOW > 0:
+                reach = used & (bp <= qmax) & (bp + ln - 1 > qmin - WINDOW)
+                w_e = tl.minimum(w_e, _min(tl.where(reach, e, max_blocks), 0))
         t_hi = (hi_e * PAGE_SIZE + BLOCK_N - 1) // BLOCK_N
         t_lo = tl.minimum((lo_e * PAGE_SIZE) // BLOCK_N, t_hi)
     else:
         t_hi = (max_blocks * PAGE_SIZE + BLOCK_N - 1) // BLOCK_N
         t_lo = 0
 
-    per_split = (t_hi + num_splits - 1) // num_splits
-    s_start = split * per_split
-    s_end = tl.minimum(s_start + per_split, t_hi)
+    if WINDOW > 0:
+        # key tiles [t_lo, t_hi) from the first one a window reaches, all masked
+        t_lo = tl.minimum((w_e * PAGE_SIZE) // BLOCK_N, t_hi)
+        per_split = (t_hi - t_lo + num_splits - 1) // num_splits
+        s_start = t_lo + split * per_split
+        s_end = tl.minimum(s_start + per_split, t_hi)
+    else:
+        per_split = (t_hi + num_splits - 1) // num_splits
+        s_start = split * per_split
+        s_end = tl.minimum(s_start + per_split, t_hi)
 
     m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
@@ -551,7 +578,7 @@ def _paged_attn_fwd(
             Delta + b.to(tl.int64) * stride_bdb, InvFreq,
             stride_kp, stride_ks, stride_vp, stride_vs,
             s_start, s_end, t_lo, max_blocks, qk_scale, HEAD_DIM, USE_ROPE, PAGE_SIZE, BLOCK_N, DOT_PREC, IDX64,
-            PACKED_ROT, FROM_DELTA, LOOKAHEAD, APPROX,
+            PACKED_ROT, FROM_DELTA, LOOKAHEAD, APPROX, WINDOW,
         )
     elif QROT:
         ROT_Q: tl.constexpr = 2 * HALF if USE_ROPE else 0
@@ -563,7 +590,7 @@ def _paged_attn_fwd(
             stride_kp, stride_ks, stride_vp, stride_vs,
             s_start, tl.minimum(s_end, t_lo), max_blocks, qk_scale,
             HEAD_DIM, HALF, ROT_Q, PAGE_SIZE, BLOCK_N, False, DOT_PREC, IDX64, QROT == 2,
-            FROM_DELTA, LOOKAHEAD, APPROX,
+            FROM_DELTA, LOOKAHEAD, APPROX, WINDOW,
         )
         acc, l_i, m_i = _attn_runs(
             acc, l_i, m_i, q_row, row_ok, qpos,
@@ -571,7 +598,7 @@ def _paged_attn_fwd(
             stride_kp, stride_ks, stride_vp, stride_vs,
             tl.maximum(s_start, t_lo), s_end, max_blocks, qk_scale,
             HEAD_DIM, HALF, ROT_Q, PAGE_SIZE, BLOCK_N, True, DOT_PREC, IDX64, QROT == 2,
-            FROM_DELTA, LOOKAHEAD, APPROX,
+            FROM_DELTA, LOOKAHEAD, APPROX, WINDOW,
         )
     else:
         acc, l_i, m_i = _attn_tiles(
@@ -580,7 +607,7 @@ def _paged_attn_fwd(
             stride_kp, stride_ks, stride_vp, stride_vs,
             max_blocks, s_start, tl.minimum(s_end, t_lo), qk_scale,
             HEAD_DIM, HALF, HALF_P, PASS, PASS_P, PAGE_SIZE, BLOCK_N,
-            USE_ROPE, CS_PER_PAGE, False, DOT_PREC, IDX64, NPG, PREFETCH,
+            USE_ROPE, CS_PER_PAGE, False, DOT_PREC, IDX64, NPG, PREFETCH, WINDOW,
         )
         acc, l_i, m_i = _attn_tiles(
             acc, l_i, m_i, q, q1, q2, qp, qpos,
@@ -588,7 +615,7 @@ def _paged_attn_fwd(
             stride_kp, stride_ks, stride_vp, stride_vs,
             max_blocks, tl.maximum(s_start, t_lo), s_end, qk_scale,
             HEAD_DIM, HALF, HALF_P, PASS, PASS_P, PAGE_SIZE, BLOCK_N,
-            USE_ROPE, CS_PER_PAGE, True, DOT_PREC, IDX64, NPG, PREFETCH,
+            USE_ROPE, CS_PER_PAGE, True, DOT_PREC, IDX64, NPG, PREFETCH, WINDOW,
         )
 
     seen_any = l_i > 0.0
