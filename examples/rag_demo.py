@@ -35,6 +35,7 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    print("loading the model ...", flush=True)
     t0 = time.perf_counter()
     llm = LazyLLM(args.model, device=args.device, reuse=args.reuse, chunk_context=args.chunk_context)
     print(f"loaded {llm} in {time.perf_counter() - t0:.1f} s\n")
