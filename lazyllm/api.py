@@ -206,7 +206,8 @@ class LazyLLM:
     quality : a named fidelity preset (``lazyllm.quality_presets.PRESETS``), measured on
         the default model (README, "Answer fidelity"): ``"fast"`` (``chunk_context="prefix"``,
         nothing recomputed), ``"balanced"`` (``fast`` plus the first 4 tokens of each chunk
-        and attention-selected chunk tokens recomputed with full context, per request) or
+        and 14% of chunk tokens, chosen by the question's attention and key deviation,
+        recomputed with full context, per request) or
         ``"exact"`` (``reuse="prefix"``: full attention), or ``"block-ft"`` for Block-Attention
         fine-tuned checkpoints (isolated chunks in the prompt layout they were trained with,
         ``lazyllm.quality_blockft``). ``None`` (default): each option's
