@@ -455,9 +455,11 @@ def run_setting(llm, setting: Setting, prompts, refs, canonical, args, log) -> d
         if setting.reuse in ("lazy", "block"):
             # warm: only the question (suffix) and the answer (less its last token) need computing
             extra = sc.prefilled_tokens - (ref["suffix_tokens"] + len(ref["ids"]) - 1)
-        else:
+        elif setting.is_reference:
             extra = 0
-        if setting.recovery == "none" and extra != 0:
+        else:  # full attention with prefix reuse (the exact preset): every chunk token is computed
+            extra = ref["chunk_tokens"]
+        if setting.recovery == "none" and extra != 0 and setting.reuse in ("lazy", "block"):
             unexpected += 1  # a chunk that was not cached (evicted?): counts as recomputed
         extra_total += extra
         chunk_total += ref["chunk_tokens"]
