@@ -612,6 +612,8 @@ def parse_args(argv=None):
                          "--settings-json")
     ap.add_argument("--settings-json", default=None,
                     help="with --cases: extra settings, a JSON object {name: LazyLLM kwargs}")
+    ap.add_argument("--no-self-check", action="store_true", help="skip full attention scored against itself")
+    ap.add_argument("--no-default", action="store_true", help="skip LazyLLM()'s own setting")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true",
                     help="small slice for CI: 4 questions + 2 needles, one order, lazy only, recovery none / "
@@ -666,6 +668,8 @@ def main(argv=None) -> dict:
             log(f"note: LazyLLM has no `{k}` option (yet): its settings are skipped")
     settings, skipped = build_settings([m for m in args.modes.split(",") if m], args.contexts.split(","),
                                        [r for r in args.recoveries.split(",") if r], opts)
+    settings = [st for st in settings if not ((args.no_self_check and st.is_reference)
+                                              or (args.no_default and st.is_default and not st.kwargs))]
     for name in filter(None, args.presets.split(",")):
         p = PRESETS[name]
         rec = "+".join(([f"first-{p['recompute_first_tokens']}"] if p.get("recompute_first_tokens") else [])
