@@ -188,3 +188,92 @@ def test_gemv_decode_step_matches_plain_forward(dtype):
     assert (a - b).abs().max() <= 0.05 * a.abs().max(), (a - b).abs().max()
     torch.testing.assert_close(kv[1][0], kv[0][0], atol=0.05, rtol=0.02)
     torch.testing.assert_close(kv[1][1], kv[0][1], atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_gemma_sliding_window_engine_on_triton(tokenizer, page_size):
+    """Gemma 3 (tiny, window 24: the prompts run far past it) on the Triton kernels with the
+    fused layer kernels and CUDA graphs, token for token against transformers: full attention
+    (reuse none and prefix) against ``generate``, lazy reuse in isolated and prefix chunk
+    context against the windowed reference."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = make_tiny("gemma3", seed=1, window=24).to("cuda")
+    for reuse, ctx in (("none", "isolated"), ("prefix", "isolated"), ("lazy", "isolated"), ("lazy", "prefix")):
+        llm = LazyLLM(model=model, tokenizer=tokenizer, reuse=reuse, chunk_context=ctx, page_size=page_size,
+                      kv_cache_bytes=256 << 20, attention_backend="triton")
+        assert llm.model.graph_capturable and llm.model.fused is not None and llm.model.windows == [24, None, 24]
+        rng = random.Random(2)
+        for _ in range(2):
+            docs = rng.sample(DOCS, 4)
+            out = llm.generate("Which was completed in 1889?", chunks=docs, max_new_tokens=12)
+            assert out.usage.prompt_tokens > 3 * 24
+            if reuse in ("none", "prefix"):
+                ref = hf_generate(model, out.prompt_token_ids, 12, llm.eos_token_ids)
+            else:
+                ref = reference_tokens(model, out.prompt_segments, reuse, ctx, 12, llm.eos_token_ids, window=24)
+            assert out.token_ids == ref, (reuse, ctx)
+        assert llm.engine.graph_stats()["decode_graphs"] > 0
+        llm.close()
+
+
+def _family_config(family: str):
+    """Two layers of Qwen3-8B's or Gemma-3-4B's shapes (a local and a global layer for
+    Gemma), with a small vocabulary."""
+    import transformers
+
+    if family == "qwen3":
+        return transformers.Qwen3Config(vocab_size=32000, hidden_size=4096, intermediate_size=12288,
+                                        num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
+                                        head_dim=128, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                                        tie_word_embeddings=False)
+    return transformers.Gemma3TextConfig(
+        vocab_size=32000, hidden_size=2560, intermediate_size=10240, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=40,
+        layer_types=["sliding_attention", "full_attention"], hidden_activation="gelu_pytorch_tanh",
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_families_match_plain_forward(family, dtype):
+    """Qwen3-8B and Gemma-3-4B layer shapes (2 layers, random weights) with the compiled fused
+    kernels (q/k norms in the RoPE + K/V write; Gemma's sandwich norms and gelu-tanh) against
+    the plain torch forward: a single-token step (split-K GEMVs) and a 37-token prefill, over
+    a window on Gemma's local layer; logits and the written K/V agree to the dtype's accuracy."""
+    import transformers
+
+    from lazyllm.kernels import fused
+    from lazyllm.model.attention import make_backend
+    from lazyllm.model.llama import AttentionMetadata, LlamaFamilyModel
+    from tests.conftest import forward_pair
+
+    torch.manual_seed(1)
+    with torch.device("cuda"):
+        hf = transformers.AutoModelForCausalLM.from_config(_family_config(family), dtype=dtype).eval()
+    backend = make_backend("triton", torch.device("cuda"))
+    plain = LlamaFamilyModel(hf, attention=backend, fused_kernels=False)
+    fast = LlamaFamilyModel(hf, attention=backend)
+    assert fast.fused is fused and fast.graph_capturable
+    s = plain.spec
+    ps, n_ctx = 64, 300
+    shape = (2, 8, ps, s.num_kv_heads, s.head_dim)
+    k0 = (0.5 * torch.randn(shape, device="cuda")).to(dtype)
+    v0 = (0.5 * torch.randn(shape, device="cuda")).to(dtype)
+    i32 = dict(dtype=torch.int32, device="cuda")
+    table = dict(block_table=torch.tensor([[3, 0, 6, 2, 5]], **i32),
+                 block_pos=torch.tensor([[0, 64, 128, 192, 256]], **i32),
+                 block_delta=torch.tensor([[7, -3, 0, 11, 0]], **i32))
+    for n_new in (1, 37):
+        pos = torch.arange(n_ctx - n_new + 1, n_ctx + 1, **i32)
+        meta = AttentionMetadata(
+            positions=pos, cu_seqlens_q=torch.tensor([0, n_new], **i32),
+            slot_mapping=(5 * ps + pos % ps).long() if n_new == 1 else (torch.tensor(
+                [e * ps for e in (3, 0, 6, 2, 5)], device="cuda")[pos // ps] + pos % ps).long(),
+            block_len=torch.tensor([[64, 64, 64, 64, n_ctx % ps + 1]], **i32), max_seqlen_q=n_new, **table)
+        ids = torch.randint(0, 32000, (n_new,), device="cuda")
+        (a, b), kv, calls = forward_pair(fused, (plain, fast), ids, meta, k0, v0)
+        assert bool(calls) == (n_new == 1)
+        assert (a - b).abs().max() <= 0.05 * a.abs().max(), (n_new, (a - b).abs().max())
+        torch.testing.assert_close(kv[1][0], kv[0][0], atol=0.05, rtol=0.02)
+        torch.testing.assert_close(kv[1][1], kv[0][1], atol=0.05, rtol=0.02)

@@ -886,3 +886,76 @@ def test_gpu_batch_invariant_bitwise(dtype, d, page_size):
         alone = mod.paged_attention_triton(**one, max_seqlen_q=1, batch_invariant=True)
         assert torch.equal(alone[0], batched[i])
         assert torch.equal(alone[0], pre[last[i]])
+
+
+def _check_window_compiled(mod, seqs, dtype, window, launch=None, **batch_kw):
+    """Compiled kernels with a sliding window against the float32 reference with it: the
+    prefill of ``seqs`` and a decode step of one query per sequence."""
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    launch = launch or {}
+    batch = _make_batch(seqs, hkv=2, dtype=dtype, **batch_kw)
+    batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
+    up = dict(batch, q=batch["q"].float(), k_cache=batch["k_cache"].float(), v_cache=batch["v_cache"].float())
+    got = mod.paged_attention_triton(**batch, window=window, **launch)
+    assert not torch.isnan(got).any()
+    assert _relerr(got, paged_attention_ref(**up, window=window)) < tol
+    n = len(seqs)
+    last = batch["cu_seqlens_q"][1:].long() - 1
+    dec = dict(batch, q=batch["q"][last].contiguous(), q_pos=batch["q_pos"][last],
+               cu_seqlens_q=torch.arange(n + 1, device="cuda", dtype=torch.int32))
+    up = dict(dec, q=dec["q"].float(), k_cache=up["k_cache"], v_cache=up["v_cache"])
+    got = mod.paged_attention_triton(**dec, max_seqlen_q=1, window=window, **launch)
+    assert not torch.isnan(got).any()
+    assert _relerr(got, paged_attention_ref(**up, window=window)) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compiled kernels run only on a GPU)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("d,ps,group", [(128, 64, 4), (256, 64, 2), (256, 16, 2), (64, 16, 4)])
+def test_gpu_window_compiled(dtype, d, ps, group):
+    """Sliding windows compiled, default launches (Gemma 3 4B's head dim 256 and 2 query
+    heads per KV head among them): chunks shorter than, equal to and longer than the window,
+    prefills whose queries cross its edge, decode; pages outside every window NaN-poisoned."""
+    mod = _load_kernels(interpret=False)
+    window = 100
+    seqs = _window_seqs(random.Random(d + ps), window, 90)
+    _check_window_compiled(mod, seqs, dtype, window, page_size=ps, group=group, d=d, seed=d)
+    for splits in (1, 5):
+        _check_window_compiled(mod, seqs, dtype, window, launch=dict(options=KernelOptions(num_splits=splits)),
+                               page_size=ps, group=group, d=d, seed=d)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compiled kernels run only on a GPU)")
+@pytest.mark.parametrize("loop", ["per_run", "flat_runs", "halves", "per_tile"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_window_run_loops(loop, dtype):
+    """Every key-tile loop compiled with a window (head dim 128, pages of 64)."""
+    mod = _load_kernels(interpret=False)
+    seqs = _window_seqs(random.Random(3), 150, 120)
+    _check_window_compiled(mod, seqs, dtype, 150, launch=dict(options=KernelOptions(loop=loop)), page_size=64,
+                           group=4, d=128, seed=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compiled kernels run only on a GPU)")
+def test_gpu_window_long_prefill_stays_off_gluon(monkeypatch):
+    """A long windowed prefill that the Gluon prefill would serve without a window (16-bit,
+    head dim 128, pages of 64, finite padding, thousands of keys) runs the Triton kernel and
+    matches the reference; the same call without the window may take Gluon."""
+    mod = _load_kernels(interpret=False)
+    plans = []
+    real = mod.launcher.plan_launch
+    monkeypatch.setattr(mod.launcher, "plan_launch", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
+    gen = random.Random(8)
+    chunks, pos = _chunks(gen, 8, 0, lo=480, hi=520)
+    batch = _make_batch([(chunks + [(pos, 300, 0)], 256)], page_size=64, hkv=2, group=4, d=128,
+                        dtype=torch.bfloat16, seed=8, pad_extra=0)
+    batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
+    up = dict(batch, q=batch["q"].float(), k_cache=batch["k_cache"].float(), v_cache=batch["v_cache"].float())
+    got = mod.paged_attention_triton(**batch, window=1024, padding_finite=True)
+    assert not plans[-1].gluon and plans[-1].window == 1024
+    assert _relerr(got, paged_attention_ref(**up, window=1024)) < 1e-2
+    mod.paged_attention_triton(**batch, padding_finite=True)
+    assert plans[-1].window == 0
