@@ -21,6 +21,10 @@ Pieces:
   are unbalanced.
 * ``build_app``: the application (deployment options passed through), ``warm``: precompute
   documents on the replicas that will own them.
+* ``RayBackend``: the ``integrations.server.Backend`` of a deployment handle, so the HTTP
+  front end of the replicas is the single-process server's app,
+  ``create_app(RayBackend(handle))`` (``build_http_app``: every endpoint, ``/v1/models`` and
+  ``/metrics`` included, the metrics summed over the replicas).
 
 Pure functions (``BloomFilter``, ``rank_replicas``, ``rendezvous_owner``) carry the policy,
 so it is tested without a Ray cluster.
@@ -139,6 +143,7 @@ def replica_stats(llm, limit: int = 4096) -> dict:
     ``limit``, most recently used first) resident chunk keys, and what a router needs to
     compute keys itself (fingerprint, chunk context, tokenizer path)."""
     keys = llm.resident_chunk_keys(limit)
+    engine = getattr(getattr(llm, "engine", None), "metrics", None) or {}
     return {
         "lazyllm": 1,
         "fingerprint": llm.fingerprint,
@@ -148,6 +153,10 @@ def replica_stats(llm, limit: int = 4096) -> dict:
         "chunks": len(keys),
         "bloom": BloomFilter.for_keys(keys).to_stats(),
         "time": time.time(),
+        # for the HTTP front end's /metrics (summed over replicas there)
+        "cache": {k: v for k, v in llm.cache_stats().items() if isinstance(v, (int, float))},
+        "engine": {k: engine[k] for k in ("requests", "failed", "cancelled", "preemptions")
+                   if isinstance(engine.get(k), (int, float))},
     }
 
 
@@ -462,6 +471,11 @@ class LazyLLMDeployment:
     def cache_stats(self) -> dict:
         return {**self.llm.cache_stats(), "replica": self.replica_id}
 
+    def model_info(self) -> dict:
+        """The ``/v1/models`` card's fields (``integrations.server.Backend.model_info``)."""
+        return {"model_name": str(self.llm.model_name), "max_context": self.llm.model.spec.max_context,
+                "reuse": self.llm.reuse, "chunk_context": self.llm.chunk_context}
+
     def record_routing_stats(self) -> dict:
         return replica_stats(self.llm, self.report_limit)
 
@@ -525,92 +539,151 @@ def build_app(model: str | None = None, *, num_replicas: int | str | None = 2, n
                     **llm_kwargs)
 
 
-def _ingress_class():
-    """The HTTP ingress: the OpenAI-compatible ``/v1/chat/completions`` of
-    ``lazyllm.integrations.server`` (its body validation, request translation, response
-    bodies and error bodies), in front of the replicas' handle, whose router (this one,
-    in the ingress replica) picks a replica per request."""
-    from fastapi import FastAPI
-    from fastapi import Request as FastAPIRequest
-    from fastapi.responses import StreamingResponse
-    from ray import serve
+# -- the HTTP front end -------------------------------------------------------------------
 
-    from . import server as http
+def _cause(e: BaseException) -> BaseException:
+    """The replica's own exception of a Ray error (``RayTaskError.cause``), for the HTTP
+    status (``server.error_from_exception``)."""
+    return getattr(e, "cause", None) or e
 
-    api = FastAPI(title="lazyllm on Ray Serve", docs_url=None, redoc_url=None, openapi_url=None)
 
-    @api.exception_handler(http.APIError)
-    async def _api_error(request, e: http.APIError):
-        return http._error_response(e)
+class _RayStream:
+    """``server.GenerationStream`` of one streaming call of ``LazyLLMDeployment.stream_output``
+    (text deltas, then the ``GenerationOutput``); ``cancel()`` cancels the call, and the
+    replica's stream, so its engine drops the request and releases its pages."""
 
-    @serve.ingress(api)
-    class LazyLLMIngress:
-        def __init__(self, llm_handle, model_name: str = "lazyllm",
-                     max_new_tokens_limit: int = http.DEFAULT_MAX_NEW_TOKENS_LIMIT,
-                     default_max_tokens: int = http.DEFAULT_MAX_TOKENS):
-            self.llm, self.model_name = llm_handle, model_name
-            self.limits = dict(max_new_tokens_limit=max_new_tokens_limit, default_max_tokens=default_max_tokens)
+    def __init__(self, handle, request: ServeRequest):
+        self.handle, self.request = handle, request
+        self.gen = None
+        self.cancelled = self.finished = False
 
-        @api.get("/health")
-        async def health(self):
-            return http._json_response({"status": "ok", "model": self.model_name})
+    async def __aiter__(self):
+        from lazyllm.errors import RequestCancelled
 
-        async def chat_completions(self, request):
-            body = http.validate_body(await request.body())
-            if body.model is not None and body.model != self.model_name:
-                raise http.APIError(404, f"the model {body.model!r} does not exist; this server serves "
-                                         f"{self.model_name!r}", param="model", code="model_not_found")
-            q, chunks, system, sampling = http.parse_chat_request(body, **self.limits)
-            req = ServeRequest(q, chunks, system, {k: v for k, v in sampling.items() if v is not None})
-            rid, created = http.new_request_id(), int(time.time())
-            if not body.stream:
-                try:
-                    out = await self.llm.generate_output.remote(req)
-                except Exception as e:
-                    raise http.error_from_exception(getattr(e, "cause", None) or e) from None
-                return http._json_response(http.completion_response(out, model=self.model_name, request_id=rid,
-                                                                    created=created))
-            usage = bool(body.stream_options and body.stream_options.include_usage)
-            gen = self.llm.options(stream=True).stream_output.remote(req)
+        if self.cancelled:
+            raise RequestCancelled("cancelled before it started")
+        self.gen = self.handle.options(stream=True).stream_output.remote(self.request)
+        try:
+            async for part in self.gen:
+                if not isinstance(part, str):
+                    self.finished = True
+                yield part
+        except Exception as e:
+            self.finished = True
+            raise _cause(e) from None
+        finally:
+            if not self.finished:
+                self.cancel()
 
-            async def events():
-                yield http.sse(http.stream_chunk(rid, created, self.model_name, role="assistant", content=""))
-                try:
-                    async for part in gen:
-                        if isinstance(part, str):
-                            yield http.sse(http.stream_chunk(rid, created, self.model_name, content=part))
-                        else:
-                            yield http.sse(http.stream_chunk(rid, created, self.model_name,
-                                                             finish_reason=part.finish_reason))
-                            if usage:
-                                yield http.sse(http.stream_chunk(rid, created, self.model_name,
-                                                                 usage=http.usage_json(part), out=part))
-                except Exception as e:
-                    yield http.sse(http.error_from_exception(getattr(e, "cause", None) or e).body())
-                yield http.sse("[DONE]")
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.gen is not None and not self.finished:
+            self.gen.cancel()
 
-            return StreamingResponse(events(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
 
-        # the annotation as a class, not a string: the class travels to the replica by
-        # value, without this module's globals, where FastAPI would look the name up
-        chat_completions.__annotations__["request"] = FastAPIRequest
-        chat_completions = api.post("/v1/chat/completions")(chat_completions)
+def _handle_replicas(handle) -> list:
+    """The running replicas the handle's router knows (Ray internals: best effort, [] when
+    the router is not there yet, e.g. before the handle's first request)."""
+    try:
+        return list(handle._router._asyncio_router.request_router.curr_replicas.values())
+    except AttributeError:
+        return []
 
-    return LazyLLMIngress
+
+class RayBackend:
+    """The ``integrations.server.Backend`` of a handle to ``LazyLLMDeployment`` replicas:
+    ``create_app(RayBackend(handle))`` serves them over the OpenAI-compatible API, each
+    request routed by the handle's router (``DocumentAffinityRouter`` by default).
+
+    ``cache_stats()`` sums the replicas' cache counters from the routing statistics they
+    report (``replica_stats``; as fresh as ``stats_period_s``), ``replicas`` counting them;
+    ``model_info()`` asks one replica once. Bad input is found in the replica, so a stream
+    reports it as an error event (a non-streaming request as its HTTP status)."""
+
+    def __init__(self, handle, model_name: str = "lazyllm"):
+        self.handle = handle
+        self.model_name = model_name
+        self._info: dict | None = None
+
+    @staticmethod
+    def _request(question, chunks, system, sampling) -> ServeRequest:
+        return ServeRequest(question, chunks, system, {k: v for k, v in sampling.items() if v is not None})
+
+    def stream(self, question: str, chunks, system: str | None, **sampling) -> _RayStream:
+        return _RayStream(self.handle, self._request(question, chunks, system, sampling))
+
+    async def generate(self, question: str, chunks, system: str | None, **sampling):
+        response = self.handle.generate_output.remote(self._request(question, chunks, system, sampling))
+        try:
+            return await response
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
+        except Exception as e:
+            raise _cause(e) from None
+
+    async def model_info(self) -> dict:
+        if self._info is None:
+            info = dict(await self.handle.model_info.remote())
+            info.pop("model_name", None)
+            self._info = info
+        return dict(self._info)
+
+    def _replica_stats(self) -> list[dict]:
+        return [s for s in ((getattr(r, "routing_stats", None) or {}) for r in _handle_replicas(self.handle))
+                if s.get("lazyllm")]
+
+    def cache_stats(self) -> dict:
+        stats = self._replica_stats()
+        total: dict = {}
+        for s in stats:
+            for k, v in (s.get("cache") or {}).items():
+                total[k] = total.get(k, 0) + v
+        if not stats:
+            return {}
+        total.pop("hit_rate", None)
+        lookups = total.get("hits", 0) + total.get("misses", 0)
+        if lookups:
+            total["hit_rate"] = total["hits"] / lookups
+        total["replicas"] = len(stats)
+        return total
+
+    def engine_stats(self) -> dict:
+        total: dict = {}
+        for s in self._replica_stats():
+            for k, v in (s.get("engine") or {}).items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+
+class LazyLLMIngress:
+    """The HTTP ingress: ``integrations.server.create_app(RayBackend(llm_handle), **app_kwargs)``,
+    built in the ingress replica (``serve.ingress`` late-bound app), whose handle routes each
+    request to a ``LazyLLMDeployment`` replica."""
+
+    def __init__(self, llm_handle, model_name: str = "lazyllm", **app_kwargs):
+        self.llm_handle, self.model_name, self.app_kwargs = llm_handle, model_name, app_kwargs
+
+    def __serve_build_asgi_app__(self):
+        from .server import create_app
+
+        return create_app(RayBackend(self.llm_handle, self.model_name), **self.app_kwargs)
 
 
 def build_http_app(model: str | None = None, *, model_name: str = "lazyllm", ingress_kwargs: dict | None = None,
                    **kwargs):
     """``build_app(model, **kwargs)`` behind the OpenAI-compatible HTTP API (one ingress
-    replica; its handle routes each request to a ``LazyLLMDeployment`` replica):
+    replica serving ``create_app(RayBackend(handle), **ingress_kwargs)``, the single-process
+    server's app: ``ingress_kwargs`` are ``create_app``'s, ``api_key``, ``max_new_tokens_limit``...;
+    its handle routes each request to a ``LazyLLMDeployment`` replica):
     ``serve.run(build_http_app(...), route_prefix="/")``, then ``POST /v1/chat/completions``
-    with ``documents`` as in the single-process server."""
+    with ``documents``, ``GET /v1/models``, ``/health``, ``/metrics`` as in the single-process
+    server."""
     from ray import serve
 
     llm_app = build_app(model, **kwargs)
-    ingress = serve.deployment(_ingress_class()).options(name=f"{kwargs.get('name', 'LazyLLM')}Ingress",
-                                                         ray_actor_options={"num_cpus": 0})
+    ingress = serve.deployment(serve.ingress()(LazyLLMIngress)).options(
+        name=f"{kwargs.get('name', 'LazyLLM')}Ingress", ray_actor_options={"num_cpus": 0})
     return ingress.bind(llm_app, model_name=model_name, **(ingress_kwargs or {}))
 
 
@@ -623,6 +696,7 @@ def warm(handle, documents: Sequence[str | Chunk], system: str | None = None, *,
     return [r.result(timeout_s=timeout_s) for r in responses]
 
 
-__all__ = ["BloomFilter", "ChunkKeyer", "Decision", "DocumentAffinityRouter", "LazyLLMDeployment", "ServeRequest",
+__all__ = ["BloomFilter", "ChunkKeyer", "Decision", "DocumentAffinityRouter", "LazyLLMDeployment", "LazyLLMIngress",
+           "RayBackend", "ServeRequest",
            "WarmRequest", "build_app", "build_http_app", "rank_replicas", "rendezvous_owner", "replica_stats",
            "router_config", "warm"]

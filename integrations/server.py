@@ -1,4 +1,7 @@
-"""An OpenAI-compatible HTTP server over one ``LazyLLM`` (FastAPI + uvicorn).
+"""An OpenAI-compatible HTTP server (FastAPI + uvicorn) over a generation backend: one
+``LazyLLM`` in this process (``LocalBackend``), or Ray Serve replicas behind a deployment
+handle (``lazyllm.integrations.ray_serve.RayBackend``). Both get the same app, endpoints,
+validation, errors and metrics: ``create_app(llm_or_backend, ...)``.
 
 Endpoints:
 
@@ -22,12 +25,13 @@ Safe by default: ``main`` binds to 127.0.0.1; an API key, when set, is required 
 ``Authorization: Bearer <key>`` on ``/v1``; request bodies and ``max_tokens`` are capped;
 bad input gets OpenAI's error body (``{"error": {"message", "type", "param", "code"}}``)
 with status 400, 401, 404, 413 or 429; a streaming client that disconnects cancels its
-request and its pages are released.
+request (``GenerationStream.cancel``) and its pages are released.
 
-For other front ends (Ray Serve replicas...) the translation is plain functions:
-``validate_body`` (bytes -> ``ChatCompletionRequest``), ``parse_chat_request``
-(-> question, chunks, system, sampling), ``completion_response``, ``stream_chunk``,
-``usage_json``, ``sse``, ``error_body`` and ``error_from_exception``.
+A backend is anything with the ``Backend`` interface below (five members); the
+translation is also available as plain functions: ``validate_body`` (bytes ->
+``ChatCompletionRequest``), ``parse_chat_request`` (-> question, chunks, system, sampling),
+``completion_response``, ``stream_chunk``, ``usage_json``, ``sse``, ``error_body`` and
+``error_from_exception``.
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -393,7 +397,8 @@ def new_request_id() -> str:
 # -- metrics -----------------------------------------------------------------------------
 
 class _CacheCollector:
-    """Reads ``llm.cache_stats()`` at scrape time."""
+    """Reads the backend's ``cache_stats()`` (and ``engine_stats()`` when it has one) at
+    scrape time."""
 
     COUNTERS = {"hits": "chunk lookups found in the cache", "misses": "chunk lookups not found",
                 "reused_tokens": "prompt tokens whose KV was reused", "computed_tokens": "chunk tokens computed",
@@ -403,18 +408,19 @@ class _CacheCollector:
               "free_pages": "free pages of the KV pool", "pool_pages": "pages of the KV pool",
               "pool_bytes": "bytes of the KV pool", "hit_rate": "hits / lookups"}
 
-    def __init__(self, llm: LazyLLM):
-        self.llm = llm
+    def __init__(self, backend: Backend):
+        self.backend = backend
 
     def collect(self):
-        s = self.llm.cache_stats()
+        s = self.backend.cache_stats()
         for k, doc in self.COUNTERS.items():
             if k in s:
                 yield CounterMetricFamily(f"lazyllm_cache_{k}", doc, value=s[k])
         for k, doc in self.GAUGES.items():
             if k in s:
                 yield GaugeMetricFamily(f"lazyllm_cache_{k}", doc, value=s[k])
-        engine_metrics = getattr(getattr(self.llm, "engine", None), "metrics", None) or {}
+        engine_stats = getattr(self.backend, "engine_stats", None)
+        engine_metrics = (engine_stats() if engine_stats is not None else None) or {}
         for k in ("requests", "failed", "cancelled", "preemptions"):
             if isinstance(engine_metrics.get(k), (int, float)):
                 yield CounterMetricFamily(f"lazyllm_engine_{k}", f"engine {k}", value=engine_metrics[k])
@@ -424,11 +430,12 @@ _LATENCY_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 1
 
 
 class ServerMetrics:
-    """The server's Prometheus metrics, in a registry of their own (one per app)."""
+    """The server's Prometheus metrics, in a registry of their own (one per app), over a
+    ``Backend`` (or a ``LazyLLM``)."""
 
-    def __init__(self, llm: LazyLLM):
+    def __init__(self, backend: Backend | LazyLLM):
         self.registry = CollectorRegistry()
-        self.registry.register(_CacheCollector(llm))
+        self.registry.register(_CacheCollector(as_backend(backend)))
         self.ttft = Histogram("lazyllm_ttft_seconds", "time from submission to the first token",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.queue = Histogram("lazyllm_queue_seconds", "time waiting to be scheduled", buckets=_LATENCY_BUCKETS,
@@ -503,25 +510,196 @@ class _Pump:
                 return
 
 
+# -- backends ----------------------------------------------------------------------------------
+
+class GenerationStream(Protocol):
+    """One streaming request of a ``Backend``.
+
+    ``async for item in stream`` submits the request (nothing is submitted before) and
+    yields its text deltas (``str``), then its ``GenerationOutput`` as the last item; a
+    failed request raises (lazyllm's errors, mapped by ``error_from_exception``).
+    ``cancel()`` returns at once, may be called from the event loop while a task iterates
+    the stream, and makes the backend drop the request and release its KV pages: the app
+    calls it when a streaming client disconnects."""
+
+    def __aiter__(self) -> AsyncIterator[str | GenerationOutput]: ...
+
+    def cancel(self) -> None: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What ``create_app`` serves. ``LocalBackend`` (one ``LazyLLM`` in this process) and
+    ``ray_serve.RayBackend`` (a Ray Serve deployment handle) implement it.
+
+    - ``model_name``: the model's id (the app also accepts the ``model_name`` it is given).
+    - ``stream(question, chunks, system, **sampling)``: a ``GenerationStream``. Called in
+      the request handler; a backend that can validate the request there raises bad input
+      before the response starts (HTTP 400), one that cannot raises it from the stream
+      (an error event).
+    - ``async generate(question, chunks, system, **sampling) -> GenerationOutput``;
+      cancelling the awaiting task cancels the request.
+    - ``async model_info() -> dict``: ``max_context`` (int or None) and any other fields for
+      the ``/v1/models`` card (``reuse``, ``chunk_context``).
+    - ``cache_stats() -> dict``: ``LazyLLM.cache_stats()``'s counters, summed over replicas
+      where there are several; read at every ``/metrics`` scrape, so cheap and without I/O
+      (the latest figures the backend holds; ``{}`` when it has none yet).
+
+    Optional: ``engine_stats() -> dict`` (``requests``, ``failed``, ``cancelled``,
+    ``preemptions``) and ``close()`` (called at the app's shutdown when the app made the
+    backend). ``sampling`` is ``parse_chat_request``'s: ``max_new_tokens``, ``temperature``,
+    ``top_p``, ``top_k``, ``seed``, ``stop``."""
+
+    model_name: str
+
+    def stream(self, question: str, chunks: list[Chunk], system: str | None,
+               **sampling: Any) -> GenerationStream: ...
+
+    async def generate(self, question: str, chunks: list[Chunk], system: str | None,
+                       **sampling: Any) -> GenerationOutput: ...
+
+    async def model_info(self) -> dict[str, Any]: ...
+
+    def cache_stats(self) -> dict[str, Any]: ...
+
+
+class _LocalStream:
+    """``GenerationStream`` of a ``TextStream``: a worker thread iterates it (``_Pump``)."""
+
+    def __init__(self, stream: TextStream, executor: ThreadPoolExecutor):
+        self.stream, self.executor = stream, executor
+        self.pump: _Pump | None = None
+        self.cancelled = False
+
+    async def __aiter__(self) -> AsyncIterator[str | GenerationOutput]:
+        if self.cancelled:
+            raise RequestCancelled("cancelled before it started")
+        self.pump = _Pump(self.stream, self.executor, asyncio.get_running_loop())
+        try:
+            async for batch in self.pump.batches():
+                for kind, val in batch:
+                    if kind == "error":
+                        raise val
+                    yield val
+        finally:
+            self.pump.stop()  # a no-op once the request has finished
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.pump is not None:
+            self.pump.stop()
+
+
+class LocalBackend:
+    """The ``Backend`` of one ``LazyLLM`` in this process. Each running request holds one
+    thread of its own pool (``max_workers``) while it iterates the engine's events; a
+    stream is validated and tokenized by ``stream()``, so bad input raises before the
+    response starts. ``close()`` stops the pool (the ``LazyLLM`` stays open: its owner
+    closes it)."""
+
+    def __init__(self, llm: LazyLLM, *, max_workers: int = DEFAULT_MAX_CONCURRENCY):
+        self.llm = llm
+        self.model_name = str(llm.model_name)
+        self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="lazyllm-server")
+
+    def stream(self, question: str, chunks: list[Chunk], system: str | None, **sampling: Any) -> _LocalStream:
+        return _LocalStream(self.llm.stream(question, chunks, system, **sampling), self.executor)
+
+    async def generate(self, question: str, chunks: list[Chunk], system: str | None,
+                       **sampling: Any) -> GenerationOutput:
+        stream = self.llm.stream(question, chunks, system, **sampling)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, _collect, stream)
+        except asyncio.CancelledError:
+            stream.cancel()
+            raise
+
+    async def model_info(self) -> dict[str, Any]:
+        return {"max_context": self.llm.model.spec.max_context, "reuse": self.llm.reuse,
+                "chunk_context": self.llm.chunk_context}
+
+    def cache_stats(self) -> dict[str, Any]:
+        return self.llm.cache_stats()
+
+    def engine_stats(self) -> dict[str, Any]:
+        return dict(getattr(getattr(self.llm, "engine", None), "metrics", None) or {})
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def as_backend(llm_or_backend: LazyLLM | Backend, **local_kwargs: Any) -> Backend:
+    """``llm_or_backend`` itself when it is a ``Backend``, else a ``LocalBackend`` of it."""
+    if isinstance(llm_or_backend, LazyLLM) or not isinstance(llm_or_backend, Backend):
+        return LocalBackend(llm_or_backend, **local_kwargs)
+    return llm_or_backend
+
+
+class _Relay:
+    """Reads a ``GenerationStream`` in a task of its own into a queue, so that the writer
+    sends every event already there in one write: ``("delta", text)``, then
+    ``("done", GenerationOutput)`` or ``("error", exc)``."""
+
+    def __init__(self, stream: GenerationStream):
+        self.stream = stream
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        items = aiter(self.stream)
+        try:
+            async for item in items:
+                if isinstance(item, str):
+                    self.queue.put_nowait(("delta", item))
+                else:
+                    self.queue.put_nowait(("done", item))
+                    return
+            self.queue.put_nowait(("error", RuntimeError("the backend's stream ended without a result")))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # handed to the writer, which answers with it
+            self.queue.put_nowait(("error", e))
+        finally:
+            aclose = getattr(items, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    def stop(self) -> None:
+        self.stream.cancel()
+        self.task.cancel()
+
+    async def batches(self) -> AsyncIterator[list[tuple[str, Any]]]:
+        while True:
+            batch = [await self.queue.get()]
+            while batch[-1][0] == "delta" and not self.queue.empty():
+                batch.append(self.queue.get_nowait())
+            yield batch
+            if batch[-1][0] != "delta":
+                return
+
+
 # -- the app ---------------------------------------------------------------------------------
 
-def create_app(llm: LazyLLM, *, api_key: str | None = None, model_name: str | None = None,
+def create_app(llm: LazyLLM | Backend, *, api_key: str | None = None, model_name: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT,
                default_max_tokens: int = DEFAULT_MAX_TOKENS, default_temperature: float = 0.0,
                max_concurrency: int = DEFAULT_MAX_CONCURRENCY) -> FastAPI:
-    """The FastAPI app serving ``llm`` (see the module docstring for the endpoints).
+    """The FastAPI app serving ``llm`` (see the module docstring for the endpoints): a
+    ``LazyLLM`` (served through a ``LocalBackend`` the app makes and closes) or any
+    ``Backend`` (``ray_serve.RayBackend(handle)``: replicas behind the same endpoints).
 
     ``api_key``: when set, ``/v1`` requires ``Authorization: Bearer <api_key>``.
-    ``model_name``: the id clients send as ``model`` (default: ``llm.model_name``; the
-    engine's own name is accepted too; a missing ``model`` means this one).
+    ``model_name``: the id clients send as ``model`` (default: the backend's
+    ``model_name``, which is accepted too; a missing ``model`` means this one).
     ``max_request_bytes``: larger bodies get 413. ``max_new_tokens_limit``: the most
     ``max_tokens`` a request may ask (more: 400); ``default_max_tokens`` when it asks
     none. ``default_temperature``: when the request sets none (0: greedy, as in process).
-    ``max_concurrency``: requests served at once (each holds a worker thread while its
-    engine request runs); more get 429.
+    ``max_concurrency``: requests served at once (with a ``LazyLLM``, each holds a worker
+    thread while its engine request runs); more get 429.
 
-    ``app.state``: ``llm``, ``model_name``, ``metrics`` (``ServerMetrics``), ``executor``.
+    ``app.state``: ``backend``, ``llm`` (the ``LazyLLM``, or None for another backend),
+    ``model_name``, ``metrics`` (``ServerMetrics``), ``executor`` (the local backend's pool).
     """
     for name, v in (("max_request_bytes", max_request_bytes), ("max_new_tokens_limit", max_new_tokens_limit),
                     ("default_max_tokens", default_max_tokens), ("max_concurrency", max_concurrency)):
@@ -529,10 +707,11 @@ def create_app(llm: LazyLLM, *, api_key: str | None = None, model_name: str | No
             raise InvalidRequestError(f"{name} must be a positive int, got {v!r}")
     if api_key is not None and not api_key:
         raise InvalidRequestError("api_key must be a non-empty string or None")
-    served = model_name or str(llm.model_name)
-    accepted = {served, str(llm.model_name)}
-    metrics = ServerMetrics(llm)
-    executor = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="lazyllm-server")
+    backend = as_backend(llm, max_workers=max_concurrency)
+    owns_backend = backend is not llm
+    served = model_name or str(backend.model_name)
+    accepted = {served, str(backend.model_name)}
+    metrics = ServerMetrics(backend)
     key = api_key.encode() if api_key else None
     in_flight = 0
     started = int(time.time())
@@ -540,11 +719,15 @@ def create_app(llm: LazyLLM, *, api_key: str | None = None, model_name: str | No
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        executor.shutdown(wait=False, cancel_futures=True)
+        close = getattr(backend, "close", None)
+        if owns_backend and close is not None:
+            close()
 
     app = FastAPI(title="lazyllm", description="OpenAI-compatible chat completions with chunk KV reuse",
                   docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    app.state.llm, app.state.model_name, app.state.metrics, app.state.executor = llm, served, metrics, executor
+    app.state.backend, app.state.model_name, app.state.metrics = backend, served, metrics
+    app.state.llm = getattr(backend, "llm", None)
+    app.state.executor = getattr(backend, "executor", None)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> Response:
@@ -603,20 +786,23 @@ def create_app(llm: LazyLLM, *, api_key: str | None = None, model_name: str | No
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    def model_card() -> dict[str, Any]:
-        return {"id": served, "object": "model", "created": started, "owned_by": "lazyllm",
-                "max_model_len": llm.model.spec.max_context, "reuse": llm.reuse, "chunk_context": llm.chunk_context}
+    async def model_card() -> dict[str, Any]:
+        info = dict(await backend.model_info())
+        card = {"id": served, "object": "model", "created": started, "owned_by": "lazyllm",
+                "max_model_len": info.pop("max_context", None)}
+        card.update({k: v for k, v in info.items() if k not in card})
+        return card
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         check_auth(request)
-        return _json_response({"object": "list", "data": [model_card()]})
+        return _json_response({"object": "list", "data": [await model_card()]})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> Response:
         check_auth(request)
         check_model(model_id)
-        return _json_response(model_card())
+        return _json_response(await model_card())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -632,22 +818,12 @@ def create_app(llm: LazyLLM, *, api_key: str | None = None, model_name: str | No
             metrics.requests.labels("429", mode).inc()
             raise APIError(429, f"the server is serving {in_flight} requests, its limit; retry later",
                            code="too_many_requests")
-        loop = asyncio.get_running_loop()
-        try:  # validates and tokenizes now: bad input raises before anything is sent
-            stream = llm.stream(question, chunks, system, **sampling)
-        except Exception as e:
-            err = error_from_exception(e)
-            metrics.requests.labels(str(err.status), mode).inc()
-            raise err from None
         rid, created = new_request_id(), int(time.time())
         if not body.stream:
             in_flight += 1
             metrics.in_flight.inc()
             try:
-                out = await loop.run_in_executor(executor, _collect, stream)
-            except asyncio.CancelledError:
-                stream.cancel()
-                raise
+                out = await backend.generate(question, chunks, system, **sampling)
             except Exception as e:
                 err = error_from_exception(e)
                 metrics.requests.labels(str(err.status), mode).inc()
@@ -659,6 +835,12 @@ def create_app(llm: LazyLLM, *, api_key: str | None = None, model_name: str | No
             metrics.requests.labels("200", mode).inc()
             return _json_response(completion_response(out, model=served, request_id=rid, created=created))
 
+        try:  # a backend that validates here raises bad input before anything is sent
+            stream = backend.stream(question, chunks, system, **sampling)
+        except Exception as e:
+            err = error_from_exception(e)
+            metrics.requests.labels(str(err.status), mode).inc()
+            raise err from None
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         async def events() -> AsyncIterator[bytes]:
@@ -666,11 +848,11 @@ def create_app(llm: LazyLLM, *, api_key: str | None = None, model_name: str | No
             # counted, and submitted, once the response starts: one never started submits nothing
             in_flight += 1
             metrics.in_flight.inc()
-            pump = _Pump(stream, executor, loop)
+            relay = _Relay(stream)
             complete = False
             try:
                 yield sse(stream_chunk(rid, created, served, role="assistant", content=""))
-                async for batch in pump.batches():
+                async for batch in relay.batches():
                     data = []
                     for kind, val in batch:
                         if kind == "delta":
@@ -694,7 +876,7 @@ def create_app(llm: LazyLLM, *, api_key: str | None = None, model_name: str | No
                 if complete:
                     metrics.requests.labels("200", mode).inc()
                 else:  # the client left (the task was cancelled or the send failed)
-                    pump.stop()
+                    relay.stop()
                     metrics.disconnects.inc()
                     metrics.requests.labels("499", mode).inc()
 
@@ -772,7 +954,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = [
-    "create_app", "main", "build_parser", "ChatCompletionRequest", "ChatRequest", "DocumentIn", "APIError",
+    "create_app", "main", "build_parser", "Backend", "GenerationStream", "LocalBackend", "as_backend",
+    "ChatCompletionRequest", "ChatRequest", "DocumentIn", "APIError",
     "validate_body", "parse_chat_request", "documents_to_chunks", "completion_response", "stream_chunk",
     "usage_json", "sse", "error_body", "error_from_exception", "new_request_id", "ServerMetrics",
 ]

@@ -236,3 +236,236 @@ def test_two_replicas_a_request_goes_where_its_documents_are():
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+# -- the HTTP front end: create_app over RayBackend ----------------------------------------------
+
+class _Call:
+    """A fake ``DeploymentResponse``: awaitable, ``cancel()`` cancels the call."""
+
+    def __init__(self, fn, args):
+        self.fn, self.args, self.task = fn, args, None
+
+    def __await__(self):
+        import asyncio
+        import inspect
+
+        async def run():
+            r = self.fn(*self.args)
+            return await r if inspect.isawaitable(r) else r
+
+        self.task = asyncio.ensure_future(run())
+        return self.task.__await__()
+
+    def cancel(self):
+        if self.task is not None:
+            self.task.cancel()
+
+
+class _StreamCall:
+    """A fake ``DeploymentResponseGenerator``: ``cancel()`` cancels the replica's generator
+    where it waits, as Ray Serve does."""
+
+    def __init__(self, agen):
+        self.agen, self.step, self.cancelled = agen, None, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        import asyncio
+
+        self.step = asyncio.ensure_future(self.agen.__anext__())
+        return await self.step
+
+    def cancel(self):
+        self.cancelled = True
+        if self.step is not None:
+            self.step.cancel()
+
+
+class _FakeHandle:
+    """The handle surface ``RayBackend`` uses, over an in-process ``LazyLLMDeployment``;
+    its "router" knows ``n_replicas`` replicas, each reporting that deployment's stats."""
+
+    def __init__(self, dep, n_replicas=2):
+        from types import SimpleNamespace
+
+        self.dep, self.streams = dep, []
+        replicas = {f"r{i}": SimpleNamespace(routing_stats=None) for i in range(n_replicas)}
+        self.replicas = replicas
+        self._router = SimpleNamespace(_asyncio_router=SimpleNamespace(
+            request_router=SimpleNamespace(curr_replicas=replicas)))
+
+    def refresh_stats(self):
+        for r in self.replicas.values():
+            r.routing_stats = self.dep.record_routing_stats()
+
+    def options(self, stream=False):
+        return self
+
+    def __getattr__(self, name):
+        import inspect
+        from types import SimpleNamespace
+
+        method = getattr(self.dep, name)
+
+        def remote(*args):
+            if inspect.isasyncgenfunction(method):
+                call = _StreamCall(method(*args))
+                self.streams.append(call)
+                return call
+            return _Call(method, args)
+
+        return SimpleNamespace(remote=remote)
+
+
+def _idle(llm) -> bool:
+    s = llm.cache_stats()
+    page_bytes = s["pool_bytes"] // s["pool_pages"]
+    return s["pinned_entries"] == 0 and s["free_pages"] * page_bytes + s["resident_bytes"] == s["pool_bytes"]
+
+
+@pytest.mark.timeout(120)
+def test_ray_backend_serves_every_endpoint_of_the_single_process_app(tokenizer):
+    """``create_app(RayBackend(handle))`` (the Ray ingress's app) over a fake handle: the
+    models card, chat completions (documents reused, streaming with usage), metrics summed
+    over the replicas' reported stats, bad input, and a client leaving mid-stream."""
+    import json
+    import socket
+    import threading
+
+    import httpx
+    import uvicorn
+    from conftest import make_tiny
+
+    from lazyllm.integrations.ray_serve import LazyLLMDeployment, RayBackend
+    from lazyllm.integrations.server import Backend, create_app
+
+    dep = LazyLLMDeployment(llm_factory=lambda: LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer,
+                                                        kv_cache_bytes=8 << 20))
+    llm = dep.llm
+    handle = _FakeHandle(dep, n_replicas=2)
+    backend = RayBackend(handle, model_name="tiny")
+    assert isinstance(backend, Backend)
+    assert backend.cache_stats() == {}  # no stats reported yet
+    app = create_app(backend, api_key="k", max_new_tokens_limit=32)
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        port = so.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 20
+    while not srv.started:
+        assert time.monotonic() < deadline and t.is_alive(), "server did not start"
+        time.sleep(0.02)
+    docs = [f"Document {i}: " + " ".join(f"word{i}x{j}" for j in range(20)) for i in range(3)]
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": "Bearer k"},
+                          timeout=30) as http:
+            card = http.get("/v1/models").json()["data"][0]
+            assert card["id"] == "tiny" and card["max_model_len"] == llm.model.spec.max_context
+            assert card["reuse"] == llm.reuse and card["chunk_context"] == llm.chunk_context
+            assert http.get("/v1/models/tiny").status_code == 200
+            assert http.get("/v1/models/other").status_code == 404
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "Which words?"}],
+                    "documents": docs[:2], "max_tokens": 3}
+            first = http.post("/v1/chat/completions", json=body)
+            assert first.status_code == 200, first.text
+            again = http.post("/v1/chat/completions", json={**body, "documents": docs[1::-1]}).json()
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            ref = llm.generate("Which words?", docs[1::-1], max_new_tokens=3)
+            assert again["choices"][0]["message"]["content"] == ref.text
+            with http.stream("POST", "/v1/chat/completions",
+                             json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+                events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+            streamed = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+            assert streamed == llm.generate("Which words?", docs[:2], max_new_tokens=3).text
+            assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            # bad input: found in the replica, mapped to OpenAI's status and body
+            long = {**body, "documents": [" ".join(docs) * 40], "max_tokens": 32}
+            err = http.post("/v1/chat/completions", json=long)
+            assert err.status_code == 400 and err.json()["error"]["code"] == "context_length_exceeded"
+            with http.stream("POST", "/v1/chat/completions", json={**long, "stream": True}) as r:
+                lines = [x for x in r.iter_lines() if x.startswith("data: ")]
+            assert json.loads(lines[-2][6:])["error"]["code"] == "context_length_exceeded"
+            assert http.post("/v1/chat/completions", json={"messages": []}).status_code == 400
+            # metrics: summed over the replicas' reported stats
+            handle.refresh_stats()
+            text = http.get("/metrics").text
+            hits = llm.cache_stats()["hits"]
+            line = next(x for x in text.splitlines() if x.startswith("lazyllm_cache_hits_total "))
+            assert hits > 0 and float(line.split()[1]) == 2 * hits
+            assert "lazyllm_http_requests_total" in text and "lazyllm_engine_requests_total" in text
+            # a client that leaves mid-stream: the replica's request is cancelled, its pages released
+            cancelled = llm.engine.metrics["cancelled"]
+            with http.stream("POST", "/v1/chat/completions",
+                             json={**body, "stream": True, "max_tokens": 32, "documents": docs[2:]}) as r:
+                got = 0
+                for x in r.iter_lines():
+                    if x.startswith("data: ") and json.loads(x[6:])["choices"][0]["delta"].get("content"):
+                        got += 1
+                        if got == 2:
+                            break
+            deadline = time.monotonic() + 20
+            while llm.engine.metrics["cancelled"] == cancelled or not _idle(llm):
+                assert time.monotonic() < deadline, (llm.engine.metrics, llm.cache_stats())
+                time.sleep(0.02)
+            assert handle.streams[-1].cancelled
+    finally:
+        srv.should_exit = True
+        t.join(timeout=10)
+        llm.close()
+
+
+@pytest.mark.timeout(240)
+def test_ray_http_front_end_has_models_and_metrics():
+    """``build_http_app`` on a local Ray instance (one replica): ``/v1/models``, ``/health``
+    and ``/metrics`` of the single-process app, through Ray Serve's HTTP proxy."""
+    ray = pytest.importorskip("ray", reason="Ray Serve is the optional `ray` extra")
+    serve = pytest.importorskip("ray.serve", reason="Ray Serve is the optional `ray` extra")
+    import httpx
+
+    from lazyllm.integrations.ray_serve import build_http_app
+
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}})
+    try:
+        import socket
+
+        with socket.socket() as so:
+            so.bind(("127.0.0.1", 0))
+            port = so.getsockname()[1]
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = build_http_app(llm_factory=_tiny_factory, num_replicas=1, num_cpus=0.5, stats_period_s=0.5,
+                             torch_threads=1, name="tinym", model_name="tiny",
+                             ingress_kwargs={"api_key": "k", "max_new_tokens_limit": 16})
+        serve.run(app, name="tinym", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        auth = {"Authorization": "Bearer k"}
+        assert httpx.get(f"{url}/v1/models", timeout=60).status_code == 401
+        card = httpx.get(f"{url}/v1/models", headers=auth, timeout=60).json()["data"][0]
+        assert card["id"] == "tiny" and card["max_model_len"] > 0 and card["reuse"] == "lazy"
+        assert httpx.get(f"{url}/health", timeout=60).json()["status"] == "ok"
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi?"}], "documents": ["a document"],
+                "max_tokens": 2}
+        for _ in range(2):
+            r = httpx.post(f"{url}/v1/chat/completions", headers=auth, json=body, timeout=60)
+            assert r.status_code == 200, r.text
+        assert httpx.post(f"{url}/v1/chat/completions", headers=auth, json={**body, "max_tokens": 17},
+                          timeout=60).status_code == 400
+        deadline = time.monotonic() + 30  # the replica's stats reach the ingress's router
+        while True:
+            text = httpx.get(f"{url}/metrics", timeout=60).text
+            hits = [x for x in text.splitlines() if x.startswith("lazyllm_cache_hits_total ")]
+            if hits and float(hits[0].split()[1]) > 0:
+                break
+            assert time.monotonic() < deadline, text[-2000:]
+            time.sleep(0.5)
+        assert 'lazyllm_http_requests_total{status="200",stream="false"} 2.0' in text
+    finally:
+        serve.shutdown()
+        ray.shutdown()
