@@ -207,7 +207,7 @@ def _rope_qkv_write_kernel(QKV, Cos, Sin, Q, K, V, Slots, stride_t, stride_c, st
                            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_s,
                            NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                            PAGE_SIZE: tl.constexpr, HB: tl.constexpr, SPLITS: tl.constexpr = 0,
-                           QN=None, KN=None, eps=0.0, QK_NORM: tl.constexpr = 0):
+                           QN=None, KN=None, eps: tl.constexpr = 0.0, QK_NORM: tl.constexpr = 0):
     t = tl.program_id(0).to(tl.int64)
     hh = tl.program_id(1) * HB + tl.arange(0, HB)  # HB heads of q, k and v of this token: rows of the tile
     offs = tl.arange(0, D)
