@@ -1,7 +1,10 @@
 """Our own forward pass for the Llama family over a paged KV pool.
 
-Covers Llama 2/3/3.1/3.2 (any RoPE scaling), SmolLM2, Mistral, Qwen2/2.5 (qkv bias) and
-Qwen3 (per-head q/k RMSNorm). The weights are the tensors of a loaded transformers model,
+Covers Llama 2/3/3.1/3.2 (any RoPE scaling), SmolLM2, Mistral, Qwen2/2.5 (qkv bias), Qwen3
+(per-head q/k RMSNorm) and Gemma 3 text models ((1 + w) and sandwich norms, gelu-tanh, local
+sliding-window layers with their own RoPE base). On CUDA every family runs the same fast
+path: fused per-layer kernels, the Triton attention kernels (sliding windows included), CUDA
+graphs; a model that leaves it logs one warning naming why. The weights are the tensors of a loaded transformers model,
 referenced, not copied, so ``LazyLLM(model=hf_model)`` costs no extra memory.
 
 RoPE is an ``inv_freq`` vector plus an attention scale, read off the transformers rotary
