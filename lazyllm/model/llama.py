@@ -133,7 +133,7 @@ class LlamaFamilyModel:
         if mt not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model_type {mt!r} is not supported; lazyllm supports {', '.join(SUPPORTED_MODEL_TYPES)} "
-                "(Llama 2/3/3.1/3.2, SmolLM2, Mistral, Qwen2/2.5, Qwen3)"
+                "(Llama 2/3/3.1/3.2, SmolLM2, Mistral, Qwen2/2.5, Qwen3, Gemma 3 text models)"
             )
         gemma = mt == "gemma3_text"
         act = getattr(cfg, "hidden_activation", None) if gemma else getattr(cfg, "hidden_act", "silu")
