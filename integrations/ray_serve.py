@@ -237,7 +237,8 @@ class Decision:
 
 def rank_replicas(chunks: Sequence[tuple[bytes, int]], holds: Mapping[str, Callable[[bytes], bool]],
                   queue_lens: Mapping[str, int | None], *, imbalanced_threshold: float = 4,
-                  rng: random.Random | None = None, allow_fallback: bool = True) -> Decision:
+                  rng: random.Random | None = None, allow_fallback: bool = True,
+                  load_slack: float | None = None) -> Decision:
     """Rank the replicas ``holds`` (id -> membership test of chunk keys) for a request
     whose chunks are ``(key, tokens)``.
 
@@ -247,6 +248,11 @@ def rank_replicas(chunks: Sequence[tuple[bytes, int]], holds: Mapping[str, Calla
       whose chunks nobody holds) by the tokens of cold chunks it owns under rendezvous
       hashing, then by queue length. Every replica is ranked, so a full first choice
       spills to the next best one rather than waiting.
+    * ``load_slack``: when set (and ``allow_fallback``), replicas whose known queue is more
+      than ``load_slack`` above the shortest come after all the others, whatever they hold:
+      without it, the replica holding the popular documents attracts every request that
+      names one of them (and then computes and holds their other documents too), so a few
+      clients below the imbalance threshold all queue on one replica.
     """
     rng = rng or random
     ids = list(holds)
@@ -266,7 +272,11 @@ def rank_replicas(chunks: Sequence[tuple[bytes, int]], holds: Mapping[str, Calla
         if not holders:
             owned[rendezvous_owner(key, ids)] += n
     tie = {r: rng.random() for r in ids}
-    order = sorted(ids, key=lambda r: (-held[r], -owned[r], queue_lens.get(r) or 0, tie[r]))
+    busy = {r: False for r in ids}
+    if load_slack is not None and allow_fallback and known:
+        shortest = min(known)
+        busy = {r: queue_lens.get(r) is not None and queue_lens[r] > shortest + load_slack for r in ids}
+    order = sorted(ids, key=lambda r: (busy[r], -held[r], -owned[r], queue_lens.get(r) or 0, tie[r]))
     reason = "affinity" if held[order[0]] > 0 else "owner"
     return Decision([[r] for r in order], reason, held)
 
@@ -288,13 +298,17 @@ class DocumentAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     the keyword arguments are those of ``initialize_state``."""
 
     def initialize_state(self, tokenizer: str | None = None, imbalanced_threshold: float = 4,
-                         overlay_ttl_s: float = 30.0, key_cache_size: int = 65536, seed: int | None = None):
+                         overlay_ttl_s: float = 30.0, key_cache_size: int = 65536, seed: int | None = None,
+                         load_slack: float | None = 1):
         """``tokenizer``: path of the tokenizer (default: the one replicas report);
         ``imbalanced_threshold``: queue-length spread above which to fall back to power of
-        two choices; ``overlay_ttl_s``: how long keys this router sent to a replica count
-        as held there without the replica's stats showing them."""
+        two choices; ``load_slack``: queued requests above the shortest queue beyond which
+        a replica is passed over for affinity (``rank_replicas``; None: never);
+        ``overlay_ttl_s``: how long keys this router sent to a replica count as held there
+        without the replica's stats showing them."""
         self._tokenizer_path = tokenizer
         self._imbalanced_threshold = imbalanced_threshold
+        self._load_slack = load_slack
         self._overlay_ttl_s = overlay_ttl_s
         self._key_cache_size = key_cache_size
         self._rng = random.Random(seed)
@@ -367,7 +381,7 @@ class DocumentAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         rid = {r.replica_id.unique_id: r for r in replicas}
         d = rank_replicas(chunks, {k: self._holds(r) for k, r in rid.items()}, queue_lens,
                           imbalanced_threshold=self._imbalanced_threshold, rng=self._rng,
-                          allow_fallback=not isinstance(req, WarmRequest))
+                          allow_fallback=not isinstance(req, WarmRequest), load_slack=self._load_slack)
         if keyer is None and req is not None and req.chunks:
             d.reason = "no-stats"
         self.decisions[d.reason] = self.decisions.get(d.reason, 0) + 1

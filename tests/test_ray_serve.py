@@ -469,3 +469,17 @@ def test_ray_http_front_end_has_models_and_metrics():
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def test_load_slack_passes_over_a_busy_holder_but_keeps_affinity_among_the_others():
+    a, b = key(1), key(2)
+    holds = {"r0": holds_set([a, b]), "r1": holds_set([b]), "r2": holds_set([])}
+    q = {"r0": 3, "r1": 1, "r2": 0}
+    assert rank_replicas([(a, 100), (b, 100)], holds, q).ranks[0] == ["r0"]  # off: the holder, however busy
+    d = rank_replicas([(a, 100), (b, 100)], holds, q, load_slack=1)
+    assert [r[0] for r in d.ranks] == ["r1", "r2", "r0"]  # r0 is 3 above the shortest: last; r1 holds b
+    d = rank_replicas([(a, 100), (b, 100)], holds, {"r0": 1, "r1": 1, "r2": 0}, load_slack=1)
+    assert d.ranks[0] == ["r0"]  # within the slack: affinity as before
+    # a warm request never is passed over (ownership matters more than a queue there)
+    d = rank_replicas([(a, 100), (b, 100)], holds, q, load_slack=1, allow_fallback=False)
+    assert d.ranks[0] == ["r0"]
