@@ -241,7 +241,12 @@ def main(argv=None) -> dict:
         t = time.perf_counter()
         results[fam] = measure(fam, tok, args)
         results[fam]["wall_s"] = time.perf_counter() - t
-        print(f"{NAMES[fam]}: done in {results[fam]['wall_s']:.0f} s", flush=True)
+        r = results[fam]
+        print(f"{NAMES[fam]}: done in {r['wall_s']:.0f} s: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in r.items() if isinstance(v, float)), flush=True)
+        if args.json:  # each shape as soon as it is measured, so a cut-short run keeps what it has
+            with open(args.json, "w") as fh:
+                json.dump(results, fh, indent=2, default=str)
     results["wall_s"] = time.perf_counter() - t_all
     b1, bn = args.batches
     print(f"\nModel families on {results['device']}, random {'float32' if args.dry_run else 'bf16'} weights, "
