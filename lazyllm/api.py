@@ -182,10 +182,12 @@ class LazyLLM:
         of the chunk tokens whose keys at an early layer deviate most from full attention
         (CacheBlend-style selection). 0 switches it off.
     recompute_selection : how ``recompute_ratio`` picks its tokens: ``"deviation"``
-        (default, CacheBlend: layer-1 keys farthest from full attention's) or
+        (default, CacheBlend: layer-1 keys farthest from full attention's),
         ``"attention"`` (the tokens the question attends to most in a first pass over the
-        cached KV; costs one extra forward of the question; on the default model the more
-        faithful of the two at every budget measured, BENCHMARKS.md "Quality").
+        cached KV; costs one extra forward of the question; on the default model more
+        faithful than ``"deviation"`` at every budget measured, BENCHMARKS.md "Quality") or
+        ``"two-stage"`` (ProphetKV-style: that attention shortlists twice the budget, ranked
+        then by attention times key deviation; the ``balanced`` preset's choice).
     batch_invariant : compute every token exactly as it would be computed alone: projections
         in fixed blocks of 128 rows and one attention launch configuration for prefill and
         decode (no split-K). In bfloat16/float16, GEMM libraries otherwise pick kernels by batch
@@ -207,8 +209,8 @@ class LazyLLM:
         the default model (README, "Answer fidelity"): ``"fast"`` (``chunk_context="prefix"``,
         nothing recomputed), ``"balanced"`` (``fast`` plus the first 4 tokens of each chunk
         and 14% of chunk tokens, chosen by the question's attention and key deviation,
-        recomputed with full context, per request) or
-        ``"exact"`` (``reuse="prefix"``: full attention), or ``"block-ft"`` for Block-Attention
+        recomputed with full context, per request), ``"exact"`` (``reuse="prefix"``: full
+        attention), or ``"block-ft"`` for Block-Attention
         fine-tuned checkpoints (isolated chunks in the prompt layout they were trained with,
         ``lazyllm.quality_blockft``). ``None`` (default): each option's
         own default (``reuse="lazy"``, ``chunk_context="isolated"``, no recovery). Options
