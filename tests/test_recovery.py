@@ -204,15 +204,15 @@ def test_quality_presets_set_options_and_explicit_options_win(model, tokenizer):
         LazyLLM(quality="best", **kw)
 
 
-@pytest.mark.parametrize("preset", ["fast", "balanced", "two-stage"])
+@pytest.mark.parametrize("preset", ["default", "fast", "balanced", "balanced-attention", "block-ft"])
 def test_one_shared_copy_serves_every_neighbour_and_position(model, tokenizer, preset):
     """Under each preset that reuses chunk KV, one physical copy of a chunk serves requests
     that place it at other positions next to other documents; recovery recomputes into
     private copies, so the shared pages stay bit-identical and answers match a cold engine."""
     kw = dict(model=model, tokenizer=tokenizer, kv_cache_bytes=32 << 20)
-    if preset == "two-stage":
-        kw.update(quality="balanced", recompute_selection="two-stage")
-    else:
+    if preset == "balanced-attention":
+        kw.update(quality="balanced", recompute_selection="attention")
+    elif preset != "default":
         kw.update(quality=preset)
     x = DOCS[3]
     llm = LazyLLM(**kw)
