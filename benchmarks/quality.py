@@ -38,6 +38,11 @@ would show it if batching changed the numbers); the TTFT requests run one at a t
     python benchmarks/quality.py                      # full run, default model, CPU
     python benchmarks/quality.py --quick              # a small slice (CI)
     python benchmarks/quality.py --model PATH --chunk-tokens 256 --json out.json
+    python benchmarks/quality.py --modes "" --presets fast,balanced,exact   # the LazyLLM(quality=...) presets
+    python benchmarks/quality.py --cases tests/data/quality_heldout.jsonl   # the fidelity report on a JSONL
+
+``--cases`` runs ``lazyllm.quality.compare`` (the fidelity report users run on their own data,
+whose metric code this benchmark shares) on the given cases instead of the built-in corpus.
 
 Options the engine does not have yet (``recompute_first_tokens``, ``recompute_ratio``) are
 detected with ``inspect.signature(LazyLLM.__init__)``; their settings are skipped with a
