@@ -44,7 +44,7 @@ class ModelRunner:
         max_entries = -(-model.spec.max_context // pool.page_size) + 2
         self.decode_state = DecodeState(max_batch_size, max_entries, self.device)
         # no CUDA graphs where a layer's attention reads the batch layout on the host (the
-        # torch reference: the torch backend, Gemma 3's sliding-window layers)
+        # torch reference backend)
         graphs = cuda_graphs and model.graph_capturable
         self.graphs = GraphRunner(model, self.decode_state, pool.k, pool.v, enabled=graphs)
         self.prefill_graphs = PrefillGraphs(model, pool.k, pool.v, max_entries, self.device,
