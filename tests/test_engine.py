@@ -397,6 +397,38 @@ def test_a_failing_prefill_fails_only_its_request(tiny_model, tokenizer):
     llm.close()
 
 
+def test_stream_close_returns_once_pages_are_released(tiny_model, tokenizer):
+    """close() on a stream mid-way waits until the engine has retired the request: while the
+    engine thread is held, close() does not return; once it runs, cache_stats() read right
+    after close() shows nothing pinned and every page back in the pool."""
+    import threading
+
+    from lazyllm.engine.engine import _Call
+
+    llm = _llm(tiny_model, tokenizer)
+    llm.engine.eos_ids = set()  # random weights: run every request to its length
+    for _ in range(3):
+        it = llm.stream("q?", chunks=DOCS[:3], max_new_tokens=300)
+        next(it)
+        entered, gate = threading.Event(), threading.Event()
+        llm.engine.submit(_Call(lambda: (entered.set(), gate.wait())))  # hold the engine thread
+        assert entered.wait(30)
+        closer = threading.Thread(target=it.close)
+        closer.start()
+        closer.join(0.3)
+        assert closer.is_alive()  # the pages are still held: close() must not have returned
+        gate.set()
+        closer.join(30)
+        assert not closer.is_alive()
+        s = llm.cache_stats()
+        cached = sum(len(e.pages) for e in llm.store.entries.values())
+        assert s["pinned_entries"] == 0 and s["free_pages"] + cached == s["pool_pages"]
+    unstarted = llm.stream("q?", chunks=DOCS[:2])
+    unstarted.close()  # never submitted: returns at once, nothing to release
+    assert llm.cache_stats()["pinned_entries"] == 0
+    llm.close()
+
+
 def test_stream_exposes_final_output_and_chunk_usage(tiny_model, tokenizer):
     llm = _llm(tiny_model, tokenizer)
     llm.generate("q?", chunks=DOCS[:2], max_new_tokens=2)
