@@ -411,7 +411,7 @@ def test_stream_close_returns_once_pages_are_released(tiny_model, tokenizer):
         it = llm.stream("q?", chunks=DOCS[:3], max_new_tokens=300)
         next(it)
         entered, gate = threading.Event(), threading.Event()
-        llm.engine.submit(_Call(lambda: (entered.set(), gate.wait())))  # hold the engine thread
+        llm.engine.submit(_Call(lambda entered=entered, gate=gate: (entered.set(), gate.wait())))  # hold it
         assert entered.wait(30)
         closer = threading.Thread(target=it.close)
         closer.start()
