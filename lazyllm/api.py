@@ -57,6 +57,7 @@ def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 
 
 _LIVE_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+_LIVE_TP_GROUPS: weakref.WeakSet = weakref.WeakSet()  # tensor-parallel workers, stopped after the engines
 
 
 @atexit.register
@@ -64,6 +65,9 @@ def _close_engines() -> None:
     for engine in list(_LIVE_ENGINES):
         with contextlib.suppress(Exception):  # best effort at exit
             engine.close()
+    for group in list(_LIVE_TP_GROUPS):
+        with contextlib.suppress(Exception):
+            group.close()
 
 
 class TextStream:
@@ -217,6 +221,15 @@ class LazyLLM:
         passed explicitly (``reuse``, ``chunk_context``, ``recompute_*``) override the
         preset's. ``lazyllm.quality.compare`` measures them on your own data.
     trust_remote_code : passed to transformers; off unless you ask.
+    tensor_parallel : shard the model over this many processes, one per GPU (torch.distributed:
+        NCCL on CUDA, gloo on CPU): attention and KV heads, the MLP and the LM head's
+        vocabulary split across ranks, an all-reduce after the output and down projections.
+        This process is rank 0 and runs the engine; the library starts and stops the others
+        (``close()``). Must divide the model's attention heads, KV heads and MLP size, and on
+        CUDA be at most the GPUs present. ``kv_cache_bytes`` is per rank. Not yet with it:
+        CUDA graphs and the fused kernels (the forward runs eagerly), ``recompute_ratio``
+        and ``kv_disk_dir``. The workers are spawned and re-import the main module: guard a
+        script's work with ``if __name__ == "__main__":``. Default 1 (one process).
     """
 
     def __init__(
@@ -244,6 +257,7 @@ class LazyLLM:
         batch_invariant: bool = False,
         overlap_decode: bool | None = None,
         kernel_options: Any = None,
+        tensor_parallel: int = 1,
     ):
         try:
             opts = resolve_quality(quality, dict(
@@ -281,6 +295,14 @@ class LazyLLM:
             if not isinstance(kernel_options, KernelOptions):
                 raise InvalidRequestError(
                     f"kernel_options must be a lazyllm.kernels.KernelOptions, got {type(kernel_options).__name__}")
+        if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+            raise InvalidRequestError(f"tensor_parallel must be an int >= 1, got {tensor_parallel!r}")
+        if tensor_parallel > 1 and recompute_ratio > 0:
+            raise InvalidRequestError("recompute_ratio is not supported with tensor_parallel yet")
+        if tensor_parallel > 1 and kv_disk_dir is not None:
+            raise InvalidRequestError("kv_disk_dir is not supported with tensor_parallel yet")
+        self.tensor_parallel = tensor_parallel
+        self._tp = None
         self.reuse = reuse
         self.chunk_context = chunk_context
         if model is not None:
@@ -314,7 +336,46 @@ class LazyLLM:
         self.page_size = page_size
         self.hf_model = hf
         self.tokenizer = tok
-        self.model = LlamaFamilyModel(hf, attention=backend, batch_invariant=batch_invariant)
+        if tensor_parallel > 1:
+            self._check_tensor_parallel(hf.config)
+            from .engine.tp_runner import TensorParallelGroup
+
+            source = hf if model is not None or self.device.type == "cpu" else \
+                ("load", model_name_or_path, trust_remote_code)
+            self._tp = TensorParallelGroup(tensor_parallel, self.device, self.dtype, source,
+                                           attention_backend=attention_backend, batch_invariant=batch_invariant,
+                                           kernel_options=kernel_options)
+            _LIVE_TP_GROUPS.add(self._tp)
+            try:
+                self._init_rest(hf, tok, backend, quality, reuse, chunk_context, kv_cache_bytes, page_size,
+                                max_batch_tokens, recompute_first_tokens, recompute_ratio, recompute_selection,
+                                kv_disk_dir, kv_disk_bytes, overlap_decode, batch_invariant)
+            except BaseException:
+                self._tp.close()
+                raise
+        else:
+            self.model = LlamaFamilyModel(hf, attention=backend, batch_invariant=batch_invariant)
+            self._init_rest(hf, tok, backend, quality, reuse, chunk_context, kv_cache_bytes, page_size,
+                            max_batch_tokens, recompute_first_tokens, recompute_ratio, recompute_selection,
+                            kv_disk_dir, kv_disk_bytes, overlap_decode, batch_invariant)
+
+    def _check_tensor_parallel(self, cfg) -> None:
+        from .model.tensor_parallel import tensor_parallel_error
+
+        n = self.tensor_parallel
+        heads = cfg.num_attention_heads
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        err = tensor_parallel_error(n, heads, kv, cfg.intermediate_size)
+        if err:
+            raise InvalidRequestError(err)
+        if self.device.type == "cuda" and n > torch.cuda.device_count():
+            raise InvalidRequestError(f"tensor_parallel={n} needs {n} GPUs; {torch.cuda.device_count()} present")
+
+    def _init_rest(self, hf, tok, backend, quality, reuse, chunk_context, kv_cache_bytes, page_size,
+                   max_batch_tokens, recompute_first_tokens, recompute_ratio, recompute_selection,
+                   kv_disk_dir, kv_disk_bytes, overlap_decode, batch_invariant) -> None:
+        if self._tp is not None:
+            self.model = self._tp.shard(hf, backend, batch_invariant)
         spec = self.model.spec
         self.fingerprint = fingerprint(self.model)
         page_bytes = PagePool.page_bytes(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, self.dtype)
@@ -326,6 +387,8 @@ class LazyLLM:
                 kv_cache_bytes = 1 << 30
         pool = PagePool(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size=page_size,
                         num_pages=kv_cache_bytes // page_bytes, dtype=self.dtype, device=self.device)
+        if self._tp is not None:
+            self._tp.start_pools(pool)
         self.store = ChunkStore(pool)
         self.prompts = PromptBuilder(tok)
         if quality == "block-ft":  # the Block-Attention training layout
@@ -343,13 +406,21 @@ class LazyLLM:
                              fingerprint=self.fingerprint, eos_ids=eos, max_batch_tokens=max_batch_tokens,
                              rerotate_copy=backend.rerotate_copy, recompute_first_tokens=recompute_first_tokens,
                              recompute_ratio=float(recompute_ratio), recompute_selection=recompute_selection,
-                             disk=self._open_disk(kv_disk_dir, kv_disk_bytes), async_decode=overlap_decode)
+                             disk=self._open_disk(kv_disk_dir, kv_disk_bytes), async_decode=overlap_decode,
+                             **self._runner_kw())
         self.recompute_first_tokens = recompute_first_tokens
         self.recompute_ratio = float(recompute_ratio)
         self.recompute_selection = recompute_selection
         # an engine thread still inside torch at interpreter shutdown can abort the
         # process: stop it first (weakly referenced, so the LazyLLM can still be freed)
         _LIVE_ENGINES.add(self.engine)
+
+    def _runner_kw(self) -> dict:
+        if self._tp is None:
+            return {}
+        from .engine.tp_runner import TensorParallelRunner
+
+        return {"runner_cls": TensorParallelRunner}
 
     def _open_disk(self, directory, max_bytes):
         if directory is None:
@@ -564,8 +635,11 @@ class LazyLLM:
         return len(self.prompts.encode(text))
 
     def close(self) -> None:
-        """Stop the engine thread; pending requests fail with ``LazyLLMError``."""
+        """Stop the engine thread (and the tensor-parallel workers); pending requests fail
+        with ``LazyLLMError``."""
         self.engine.close()
+        if self._tp is not None:
+            self._tp.close()
 
     def __repr__(self) -> str:
         return (f"LazyLLM(model={self.model_name!r}, device={self.device}, dtype={self.dtype}, "

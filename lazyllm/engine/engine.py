@@ -87,6 +87,8 @@ class Engine:
         recovery (``Recovery``).
     disk : optional ``DiskKVStore``, a persistent tier for chunk KV.
     async_decode : overlapped decode; ``None``: on where decode runs from CUDA graphs.
+    runner_cls : the model runner's class (``ModelRunner``; tensor parallelism plugs in
+        ``tp_runner.TensorParallelRunner``, which broadcasts what it runs).
     """
 
     def __init__(self, model, tokenizer, store: ChunkStore, *, reuse: str, chunk_context: str,
@@ -94,7 +96,7 @@ class Engine:
                  max_batch_size: int = 256, cuda_graphs: bool = True, rerotate_copy=None,
                  recompute_first_tokens: int = 0, recompute_ratio: float = 0.0, probe_layer: int = 1,
                  recompute_selection: str = "deviation", disk: DiskKVStore | None = None,
-                 async_decode: bool | None = None):
+                 async_decode: bool | None = None, runner_cls: type[ModelRunner] = ModelRunner):
         self.model = model
         self.store = store
         self.pool = store.pool
@@ -107,7 +109,7 @@ class Engine:
         self.disk = disk  # optional DiskKVStore: chunk KV that survives restarts
         self.disk_tier = DiskTier(disk, self.pool) if disk is not None else None
         self.planner = KVPlanner(store, reuse, chunk_context, fingerprint, self.disk_tier, self.metrics)
-        self.runner = ModelRunner(model, self.pool, rerotate_copy=rerotate_copy, max_batch_tokens=max_batch_tokens,
+        self.runner = runner_cls(model, self.pool, rerotate_copy=rerotate_copy, max_batch_tokens=max_batch_tokens,
                                   max_batch_size=max_batch_size, cuda_graphs=cuda_graphs, metrics=self.metrics)
         self.decode_state = self.runner.decode_state
         self.graphs = self.runner.graphs
