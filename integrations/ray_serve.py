@@ -299,13 +299,20 @@ class DocumentAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def initialize_state(self, tokenizer: str | None = None, imbalanced_threshold: float = 4,
                          overlay_ttl_s: float = 30.0, key_cache_size: int = 65536, seed: int | None = None,
-                         load_slack: float | None = 1):
+                         load_slack: float | None = 1, queue_len_deadline_s: float | None = None):
         """``tokenizer``: path of the tokenizer (default: the one replicas report);
         ``imbalanced_threshold``: queue-length spread above which to fall back to power of
         two choices; ``load_slack``: queued requests above the shortest queue beyond which
         a replica is passed over for affinity (``rank_replicas``; None: never);
         ``overlay_ttl_s``: how long keys this router sent to a replica count as held there
-        without the replica's stats showing them."""
+        without the replica's stats showing them; ``queue_len_deadline_s``: how long Ray's
+        queue-length probe of the chosen replica may take before Ray moves to the next-ranked
+        one (Ray's default, 0.1 s, can send a request away from the replica holding its
+        documents on a loaded host)."""
+        if queue_len_deadline_s is not None:
+            self.queue_len_response_deadline_s = queue_len_deadline_s
+            self.max_queue_len_response_deadline_s = max(self.max_queue_len_response_deadline_s,
+                                                          queue_len_deadline_s)
         self._tokenizer_path = tokenizer
         self._imbalanced_threshold = imbalanced_threshold
         self._load_slack = load_slack

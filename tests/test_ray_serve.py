@@ -202,8 +202,11 @@ def test_two_replicas_a_request_goes_where_its_documents_are():
             so.bind(("127.0.0.1", 0))
             port = so.getsockname()[1]
         serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # a 2-core CI host under load answers Ray's queue-length probe slowly: give it time, or
+        # Ray moves a request on to the replica that does not hold its documents
         app = build_http_app(llm_factory=_tiny_factory, num_replicas=2, num_cpus=0.5, stats_period_s=0.5,
-                             torch_threads=1, name="tiny", model_name="tiny")
+                             torch_threads=1, name="tiny", model_name="tiny",
+                             router_kwargs={"queue_len_deadline_s": 2.0})
         serve.run(app, name="tiny", route_prefix="/")
         handle = serve.get_deployment_handle("tiny", app_name="tiny")
         docs = [f"Document {i}: " + " ".join(f"word{i}x{j}" for j in range(30)) for i in range(5)]
