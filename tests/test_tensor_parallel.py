@@ -3,6 +3,7 @@ as one process, in float32; bad settings rejected before any process starts; no 
 after close()."""
 import multiprocessing
 import os
+import signal
 import types
 
 import pytest
@@ -37,13 +38,18 @@ def _gone(pid: int) -> bool:
     return False
 
 
-@pytest.mark.parametrize("family,kw", [("llama", dict(reuse="lazy")),
-                                       ("llama", dict(reuse="block", recompute_first_tokens=2)),
-                                       ("gemma3", dict(reuse="block"))])
-def test_tiny_tensor_parallel_equals_one_process(tokenizer, family, kw):
-    model = make_tiny(family, seed=1)
+@pytest.mark.parametrize("family,cfg,kw", [
+    ("llama", {"attention_bias": True}, dict(reuse="lazy")),  # o_proj's bias added once, on rank 0
+    ("llama", {}, dict(reuse="block", recompute_first_tokens=2)),  # re-rotated copies on every rank
+    ("gemma3", {}, dict(reuse="block")),  # tied head, two RoPE bases (per-layer copies), sandwich norms
+    ("qwen2", {"vocab_size": 49153}, dict(reuse="lazy")),  # q/k/v biases; a vocabulary the ranks split unevenly
+])
+def test_tiny_tensor_parallel_equals_one_process(tokenizer, family, cfg, kw):
+    model = make_tiny(family, seed=1, **cfg)
     one = _llm(model, tokenizer, **kw)
     ref = _session(one)
+    cont = ref[0].token_ids
+    ref_score = one.score("Which fact comes first?", chunks=DOCS[:3], continuation=cont, return_logits=True)
     one.close()
     tp = _llm(model, tokenizer, tensor_parallel=2, **kw)
     try:
@@ -53,9 +59,13 @@ def test_tiny_tensor_parallel_equals_one_process(tokenizer, family, kw):
         for k, v in MULTICAST_OFF_ENV.items():  # what the spawned workers inherited
             assert os.environ[k] == v
         got = _session(tp)
+        score = tp.score("Which fact comes first?", chunks=DOCS[:3], continuation=cont, return_logits=True)
     finally:
         tp.close()
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    # the vocabulary-parallel head's logits, gathered on rank 0: the full vocabulary, the same values
+    assert score.logits.shape == ref_score.logits.shape == (len(cont), model.config.vocab_size)
+    torch.testing.assert_close(score.logits, ref_score.logits, rtol=1e-4, atol=1e-4)
     assert got[1].usage.cached_tokens == ref[1].usage.cached_tokens > 0  # the warm request reused chunks
     if kw["reuse"] == "block":
         assert tp.engine.metrics["copied_pages"] > 0  # re-rotated copies ran on every rank
@@ -105,3 +115,20 @@ def test_more_ranks_than_gpus_rejected(monkeypatch):
         LazyLLM._check_tensor_parallel(stub, cfg)
     stub.tensor_parallel = 2
     LazyLLM._check_tensor_parallel(stub, cfg)
+
+
+def test_worker_gone_fails_requests_and_close_is_clean(tokenizer):
+    tp = _llm(make_tiny("llama"), tokenizer, tensor_parallel=2)
+    try:
+        assert len(tp.generate("q?", chunks=DOCS[:2], max_new_tokens=3).token_ids) == 3
+        pid = tp._tp.pids()[0]
+        os.kill(pid, signal.SIGKILL)
+        tp._tp.procs[0].join(10)
+        with pytest.raises(Exception, match="Connection closed by peer|broken"):
+            tp.generate("another?", chunks=DOCS[2:4], max_new_tokens=3, timeout=60)
+        with pytest.raises(Exception, match="tensor-parallel group is broken"):
+            tp.generate("again?", max_new_tokens=3, timeout=60)
+    finally:
+        tp.close()
+    assert multiprocessing.active_children() == []
+    assert not torch.distributed.is_initialized()

@@ -36,9 +36,17 @@ class TensorParallelRunner(ModelRunner):
     """Rank 0's runner: the forwards broadcast through the lead model; copies here."""
 
     def copy_pages(self, copies: list[tuple[int, int, int]]) -> None:
-        if copies:
-            self.model.channel.send_copy(copies)
-        super().copy_pages(copies)
+        if not copies:
+            return
+        m = self.model
+        if m.broken:
+            raise RuntimeError(f"the tensor-parallel group is broken ({m.broken}); make a new LazyLLM")
+        try:
+            m.channel.send_copy(copies)
+            super().copy_pages(copies)
+        except BaseException as e:
+            m.broken = f"{type(e).__name__}: {e}"
+            raise
 
 
 def _free_port() -> int:
@@ -102,7 +110,8 @@ class TensorParallelGroup:
                                        "the workers are spawned and re-import the main module: guard a script's "
                                        "work with `if __name__ == '__main__':`")
                 time.sleep(0.05)
-        dist.init_process_group(self.backend, store=store, rank=0, world_size=n, timeout=timeout)
+        dist.init_process_group(self.backend, store=store, rank=0, world_size=n, timeout=timeout,
+                                device_id=self.devices[0] if device.type == "cuda" else None)
         self._store = store
 
     def shard(self, hf_model, attention, batch_invariant: bool) -> TensorParallelModel:
@@ -133,10 +142,13 @@ class TensorParallelGroup:
         if self._closed:
             return
         self._closed = True
-        if self.model is not None and all(p.is_alive() for p in self.procs):
+        stopped = False
+        if self.model is not None and not self.model.broken and all(p.is_alive() for p in self.procs):
             with contextlib.suppress(Exception):  # a worker gone: terminated below
                 self.model.channel.send_stop()
-        self._stop_procs(timeout)
+                stopped = True
+        # workers that were not told to stop (a broken group) are terminated at once
+        self._stop_procs(timeout if stopped else 0.5)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -165,7 +177,8 @@ def _worker_main(rank: int, device: str, a: dict, status) -> None:
         timeout = datetime.timedelta(seconds=START_TIMEOUT_S)
         store = dist.TCPStore("127.0.0.1", a["port"], a["world"], is_master=False, timeout=timeout)
         store.set(f"lazyllm-tp-up{rank}", "1")
-        dist.init_process_group(a["backend"], store=store, rank=rank, world_size=a["world"], timeout=timeout)
+        dist.init_process_group(a["backend"], store=store, rank=rank, world_size=a["world"], timeout=timeout,
+                                device_id=dev if dev.type == "cuda" else None)
         src = a["source"]
         if isinstance(src, tuple):
             from ..model.loader import load_hf

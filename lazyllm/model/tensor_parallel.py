@@ -180,6 +180,9 @@ class TensorParallelModel(LlamaFamilyModel):
         self.device = torch.device(device)
         self.channel = Channel(self.device)
         self.lead = rank == 0 if lead is None else lead
+        # a forward that failed part way leaves the ranks out of step in their collectives:
+        # the group is not used again
+        self.broken: str | None = None
 
     @property
     def graph_capturable(self) -> bool:
@@ -210,8 +213,17 @@ class TensorParallelModel(LlamaFamilyModel):
         inputs first. Full logits on rank 0, ``None`` on the others."""
         if stop_after_layer is not None:
             raise NotImplementedError("stop_after_layer is not supported with tensor_parallel")
-        if self.lead:
-            self.channel.send_forward(input_ids, meta, logits_index)
+        if self.broken:
+            raise RuntimeError(f"the tensor-parallel group is broken ({self.broken}); make a new LazyLLM")
+        try:
+            if self.lead:
+                self.channel.send_forward(input_ids, meta, logits_index)
+            return self._shard_forward(input_ids, meta, k_cache, v_cache, logits_index)
+        except BaseException as e:
+            self.broken = f"{type(e).__name__}: {e}"
+            raise
+
+    def _shard_forward(self, input_ids, meta, k_cache, v_cache, logits_index):
         s = self.spec
         h = self._embed(input_ids)
         tables = [rope_cos_sin(meta.positions, f, sc) for f, sc in zip(self.inv_freqs, self.rope_scales)]
