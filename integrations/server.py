@@ -461,6 +461,19 @@ class ServerMetrics:
 
 # -- streaming: engine thread -> event loop ------------------------------------------------
 
+async def _event_batches(queue: asyncio.Queue) -> AsyncIterator[list[tuple[str, Any]]]:
+    """The events of ``queue`` as they come, each batch every event already queued (one write
+    for several tokens when the client reads slower than the engine decodes); the last batch
+    ends with ``done`` or ``error``."""
+    while True:
+        batch = [await queue.get()]
+        while batch[-1][0] == "delta" and not queue.empty():
+            batch.append(queue.get_nowait())
+        yield batch
+        if batch[-1][0] != "delta":
+            return
+
+
 class _Pump:
     """Iterates a ``TextStream`` on a worker thread and hands its events to the event
     loop: ``("delta", text)``, then ``("done", GenerationOutput)`` or ``("error", exc)``.
@@ -497,17 +510,8 @@ class _Pump:
         # its next step, even while the worker waits for its next event
         self.stream.cancel()
 
-    async def batches(self) -> AsyncIterator[list[tuple[str, Any]]]:
-        """The events as they come, each batch every event already queued (one write for
-        several tokens when the client reads slower than the engine decodes); the last
-        batch ends with ``done`` or ``error``."""
-        while True:
-            batch = [await self.queue.get()]
-            while batch[-1][0] == "delta" and not self.queue.empty():
-                batch.append(self.queue.get_nowait())
-            yield batch
-            if batch[-1][0] != "delta":
-                return
+    def batches(self) -> AsyncIterator[list[tuple[str, Any]]]:
+        return _event_batches(self.queue)
 
 
 # -- backends ----------------------------------------------------------------------------------
@@ -668,14 +672,8 @@ class _Relay:
         self.stream.cancel()
         self.task.cancel()
 
-    async def batches(self) -> AsyncIterator[list[tuple[str, Any]]]:
-        while True:
-            batch = [await self.queue.get()]
-            while batch[-1][0] == "delta" and not self.queue.empty():
-                batch.append(self.queue.get_nowait())
-            yield batch
-            if batch[-1][0] != "delta":
-                return
+    def batches(self) -> AsyncIterator[list[tuple[str, Any]]]:
+        return _event_batches(self.queue)
 
 
 # -- the app ---------------------------------------------------------------------------------

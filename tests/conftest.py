@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 import pytest
@@ -92,3 +93,30 @@ def forward_pair(fused_module, models, ids, meta, k0, v0):
     finally:
         fused_module.gemv_parts = orig
     return logits, caches, shapes
+
+
+@contextlib.contextmanager
+def loopback_server(app, startup_s: float = 20.0):
+    """Serve the ASGI ``app`` with uvicorn on a free 127.0.0.1 port, in a thread; yields its
+    base URL and stops the server on exit."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        port = so.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + startup_s
+    while not srv.started:
+        assert time.monotonic() < deadline and t.is_alive(), "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        t.join(timeout=10)

@@ -335,12 +335,9 @@ def test_ray_backend_serves_every_endpoint_of_the_single_process_app(tokenizer):
     models card, chat completions (documents reused, streaming with usage), metrics summed
     over the replicas' reported stats, bad input, and a client leaving mid-stream."""
     import json
-    import socket
-    import threading
 
     import httpx
-    import uvicorn
-    from conftest import make_tiny
+    from conftest import loopback_server, make_tiny
 
     from lazyllm.integrations.ray_serve import LazyLLMDeployment, RayBackend
     from lazyllm.integrations.server import Backend, create_app
@@ -353,20 +350,10 @@ def test_ray_backend_serves_every_endpoint_of_the_single_process_app(tokenizer):
     assert isinstance(backend, Backend)
     assert backend.cache_stats() == {}  # no stats reported yet
     app = create_app(backend, api_key="k", max_new_tokens_limit=32)
-    with socket.socket() as so:
-        so.bind(("127.0.0.1", 0))
-        port = so.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 20
-    while not srv.started:
-        assert time.monotonic() < deadline and t.is_alive(), "server did not start"
-        time.sleep(0.02)
     docs = [f"Document {i}: " + " ".join(f"word{i}x{j}" for j in range(20)) for i in range(3)]
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": "Bearer k"},
-                          timeout=30) as http:
+        with loopback_server(app) as url, \
+                httpx.Client(base_url=url, headers={"Authorization": "Bearer k"}, timeout=30) as http:
             card = http.get("/v1/models").json()["data"][0]
             assert card["id"] == "tiny" and card["max_model_len"] == llm.model.spec.max_context
             assert card["reuse"] == llm.reuse and card["chunk_context"] == llm.chunk_context
@@ -417,8 +404,6 @@ def test_ray_backend_serves_every_endpoint_of_the_single_process_app(tokenizer):
                 time.sleep(0.02)
             assert handle.streams[-1].cancelled
     finally:
-        srv.should_exit = True
-        t.join(timeout=10)
         llm.close()
 
 

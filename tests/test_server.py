@@ -5,8 +5,6 @@ disconnect mid-stream, 64 concurrent streams without cross-talk."""
 import asyncio
 import json
 import random
-import socket
-import threading
 import time
 
 import httpx
@@ -15,8 +13,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-import uvicorn  # noqa: E402
-from conftest import make_tiny  # noqa: E402
+from conftest import loopback_server, make_tiny  # noqa: E402
 
 from lazyllm import Chunk, LazyLLM  # noqa: E402
 from lazyllm.integrations.server import (  # noqa: E402
@@ -38,12 +35,6 @@ DOCS = [f"Document {i}: the {w} sits next to the {v} in room {i * 7}." for i, (w
 pytestmark = pytest.mark.timeout(120)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def llm(tokenizer):
     llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=32 << 20)
@@ -55,17 +46,8 @@ def llm(tokenizer):
 def server(llm):
     app = create_app(llm, api_key=KEY, model_name=MODEL, max_request_bytes=256 << 10, max_new_tokens_limit=LIMIT,
                      default_max_tokens=8)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 20
-    while not srv.started:
-        assert time.monotonic() < deadline and t.is_alive(), "server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    t.join(timeout=10)
+    with loopback_server(app) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
