@@ -226,7 +226,8 @@ class LazyLLM:
         vocabulary split across ranks, an all-reduce after the output and down projections.
         This process is rank 0 and runs the engine; the library starts and stops the others
         (``close()``). Must divide the model's attention heads, KV heads and MLP size, and on
-        CUDA be at most the GPUs present. ``kv_cache_bytes`` is per rank. Not yet with it:
+        CUDA be at most the GPUs present. A checkpoint is loaded on the CPU by every rank, which
+        keeps only its shard on its GPU; ``kv_cache_bytes`` is per rank. Not yet with it:
         CUDA graphs and the fused kernels (the forward runs eagerly), ``recompute_ratio``
         and ``kv_disk_dir``. The workers are spawned and re-import the main module: guard a
         script's work with ``if __name__ == "__main__":``. Default 1 (one process).
@@ -317,8 +318,9 @@ class LazyLLM:
         else:
             self.device = _resolve_device(device)
             self.dtype = _resolve_dtype(dtype, self.device)
+            # with tensor_parallel, on the CPU: each rank moves only its shard to its GPU
             hf, tok, self.model_name = load_hf(
-                model_name_or_path, device=str(self.device), dtype=self.dtype,
+                model_name_or_path, device="cpu" if tensor_parallel > 1 else str(self.device), dtype=self.dtype,
                 trust_remote_code=trust_remote_code, progress=progress)
         if overlap_decode is not None and not isinstance(overlap_decode, bool):
             raise InvalidRequestError(f"overlap_decode must be a bool or None, got {overlap_decode!r}")
@@ -337,45 +339,12 @@ class LazyLLM:
         self.hf_model = hf
         self.tokenizer = tok
         if tensor_parallel > 1:
-            self._check_tensor_parallel(hf.config)
-            from .engine.tp_runner import TensorParallelGroup
-
-            source = hf if model is not None or self.device.type == "cpu" else \
-                ("load", model_name_or_path, trust_remote_code)
-            self._tp = TensorParallelGroup(tensor_parallel, self.device, self.dtype, source,
-                                           attention_backend=attention_backend, batch_invariant=batch_invariant,
-                                           kernel_options=kernel_options)
-            _LIVE_TP_GROUPS.add(self._tp)
-            try:
-                self._init_rest(hf, tok, backend, quality, reuse, chunk_context, kv_cache_bytes, page_size,
-                                max_batch_tokens, recompute_first_tokens, recompute_ratio, recompute_selection,
-                                kv_disk_dir, kv_disk_bytes, overlap_decode, batch_invariant)
-            except BaseException:
-                self._tp.close()
-                raise
+            # the workers load a checkpoint themselves; a model passed in travels to them
+            # (CPU tensors through shared memory, CUDA tensors through CUDA IPC)
+            source = hf if model is not None else ("load", model_name_or_path, trust_remote_code)
+            self.model = self._start_tensor_parallel(hf, source, backend, attention_backend, kernel_options)
         else:
             self.model = LlamaFamilyModel(hf, attention=backend, batch_invariant=batch_invariant)
-            self._init_rest(hf, tok, backend, quality, reuse, chunk_context, kv_cache_bytes, page_size,
-                            max_batch_tokens, recompute_first_tokens, recompute_ratio, recompute_selection,
-                            kv_disk_dir, kv_disk_bytes, overlap_decode, batch_invariant)
-
-    def _check_tensor_parallel(self, cfg) -> None:
-        from .model.tensor_parallel import tensor_parallel_error
-
-        n = self.tensor_parallel
-        heads = cfg.num_attention_heads
-        kv = getattr(cfg, "num_key_value_heads", None) or heads
-        err = tensor_parallel_error(n, heads, kv, cfg.intermediate_size)
-        if err:
-            raise InvalidRequestError(err)
-        if self.device.type == "cuda" and n > torch.cuda.device_count():
-            raise InvalidRequestError(f"tensor_parallel={n} needs {n} GPUs; {torch.cuda.device_count()} present")
-
-    def _init_rest(self, hf, tok, backend, quality, reuse, chunk_context, kv_cache_bytes, page_size,
-                   max_batch_tokens, recompute_first_tokens, recompute_ratio, recompute_selection,
-                   kv_disk_dir, kv_disk_bytes, overlap_decode, batch_invariant) -> None:
-        if self._tp is not None:
-            self.model = self._tp.shard(hf, backend, batch_invariant)
         spec = self.model.spec
         self.fingerprint = fingerprint(self.model)
         page_bytes = PagePool.page_bytes(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, self.dtype)
@@ -385,10 +354,15 @@ class LazyLLM:
                 kv_cache_bytes = int(free * 0.4)
             else:
                 kv_cache_bytes = 1 << 30
-        pool = PagePool(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size=page_size,
-                        num_pages=kv_cache_bytes // page_bytes, dtype=self.dtype, device=self.device)
-        if self._tp is not None:
-            self._tp.start_pools(pool)
+        try:
+            pool = PagePool(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size=page_size,
+                            num_pages=kv_cache_bytes // page_bytes, dtype=self.dtype, device=self.device)
+            if self._tp is not None:
+                self._tp.start_pools(pool)  # the same page count on every rank
+        except BaseException:
+            if self._tp is not None:
+                self._tp.close()
+            raise
         self.store = ChunkStore(pool)
         self.prompts = PromptBuilder(tok)
         if quality == "block-ft":  # the Block-Attention training layout
@@ -414,6 +388,34 @@ class LazyLLM:
         # an engine thread still inside torch at interpreter shutdown can abort the
         # process: stop it first (weakly referenced, so the LazyLLM can still be freed)
         _LIVE_ENGINES.add(self.engine)
+
+    def _start_tensor_parallel(self, hf, source, backend, attention_backend, kernel_options):
+        """Check ``tensor_parallel`` against the model and the GPUs, start the workers and
+        return rank 0's shard (the workers are stopped again if that fails)."""
+        self._check_tensor_parallel(hf.config)
+        from .engine.tp_runner import TensorParallelGroup
+
+        self._tp = TensorParallelGroup(self.tensor_parallel, self.device, self.dtype, source,
+                                       attention_backend=attention_backend, batch_invariant=self.batch_invariant,
+                                       kernel_options=kernel_options)
+        _LIVE_TP_GROUPS.add(self._tp)
+        try:
+            return self._tp.shard(hf, backend, self.batch_invariant)
+        except BaseException:
+            self._tp.close()
+            raise
+
+    def _check_tensor_parallel(self, cfg) -> None:
+        from .model.tensor_parallel import tensor_parallel_error
+
+        n = self.tensor_parallel
+        heads = cfg.num_attention_heads
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        err = tensor_parallel_error(n, heads, kv, cfg.intermediate_size)
+        if err:
+            raise InvalidRequestError(err)
+        if self.device.type == "cuda" and n > torch.cuda.device_count():
+            raise InvalidRequestError(f"tensor_parallel={n} needs {n} GPUs; {torch.cuda.device_count()} present")
 
     def _runner_kw(self) -> dict:
         if self._tp is None:

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from lazyllm import InvalidRequestError, LazyLLM
+from lazyllm import CacheCapacityError, InvalidRequestError, LazyLLM
 from lazyllm.model.tensor_parallel import MULTICAST_OFF_ENV
 from tests.conftest import make_tiny
 
@@ -80,7 +80,8 @@ def test_default_model_tensor_parallel_3(default_llm_parts):
     one = _llm(model, tok)
     ref = _session(one, n_new=6)
     one.close()
-    tp = _llm(model, tok, tensor_parallel=3)
+    # by name: every rank loads the checkpoint itself
+    tp = LazyLLM(device="cpu", dtype="float32", kv_cache_bytes=32 << 20, tensor_parallel=3, progress=False)
     try:
         got = _session(tp, n_new=6)
     finally:
@@ -130,5 +131,12 @@ def test_worker_gone_fails_requests_and_close_is_clean(tokenizer):
             tp.generate("again?", max_new_tokens=3, timeout=60)
     finally:
         tp.close()
+    assert multiprocessing.active_children() == []
+    assert not torch.distributed.is_initialized()
+
+
+def test_failure_after_start_stops_the_workers(tokenizer):
+    with pytest.raises(CacheCapacityError):
+        _llm(make_tiny("llama"), tokenizer, tensor_parallel=2, kv_cache_bytes=1)
     assert multiprocessing.active_children() == []
     assert not torch.distributed.is_initialized()

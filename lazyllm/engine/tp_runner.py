@@ -70,7 +70,7 @@ class TensorParallelGroup:
 
     ``source``: the transformers model to shard (CPU tensors travel through shared memory,
     CUDA tensors through CUDA IPC), or ``("load", path, trust_remote_code)`` for each worker
-    to load the checkpoint itself.
+    to load the checkpoint itself (on the CPU, then its shard to its GPU).
     """
 
     def __init__(self, n: int, device: torch.device, dtype: torch.dtype, source, *, attention_backend: str,
@@ -183,7 +183,8 @@ def _worker_main(rank: int, device: str, a: dict, status) -> None:
         if isinstance(src, tuple):
             from ..model.loader import load_hf
 
-            src, _, _ = load_hf(src[1], device=device, dtype=a["dtype"], trust_remote_code=src[2], progress=False)
+            # on the CPU: only this rank's shard goes to its GPU
+            src, _, _ = load_hf(src[1], device="cpu", dtype=a["dtype"], trust_remote_code=src[2], progress=False)
         backend = make_backend(a["attention_backend"], dev, batch_invariant=a["batch_invariant"],
                                options=a["kernel_options"])
         model = TensorParallelModel(src, rank=rank, world=a["world"], device=dev, attention=backend,
