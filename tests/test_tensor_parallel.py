@@ -30,6 +30,11 @@ def _session(llm, n_new=8):
     return out
 
 
+def _tp_children() -> list:
+    """The library's tensor-parallel workers still alive (other tests' processes aside)."""
+    return [p for p in multiprocessing.active_children() if p.name.startswith("lazyllm-tp")]
+
+
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -70,7 +75,7 @@ def test_tiny_tensor_parallel_equals_one_process(tokenizer, family, cfg, kw):
     if kw["reuse"] == "block":
         assert tp.engine.metrics["copied_pages"] > 0  # re-rotated copies ran on every rank
     # close() leaves no worker behind
-    assert multiprocessing.active_children() == []
+    assert _tp_children() == []
     assert all(_gone(p) for p in pids)
     assert not torch.distributed.is_initialized()
 
@@ -87,7 +92,7 @@ def test_default_model_tensor_parallel_3(default_llm_parts):
     finally:
         tp.close()
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
-    assert multiprocessing.active_children() == []
+    assert _tp_children() == []
 
 
 @pytest.mark.parametrize("n", [0, -1, True, "2", 2.0])
@@ -104,7 +109,7 @@ def test_tensor_parallel_not_dividing_heads_rejected_before_start(tokenizer, def
         _llm(model, tok, tensor_parallel=2)
     with pytest.raises(InvalidRequestError, match="recompute_ratio is not supported with tensor_parallel"):
         _llm(model, tok, tensor_parallel=3, recompute_ratio=0.1)
-    assert multiprocessing.active_children() == []
+    assert _tp_children() == []
     assert not torch.distributed.is_initialized()
 
 
@@ -131,12 +136,12 @@ def test_worker_gone_fails_requests_and_close_is_clean(tokenizer):
             tp.generate("again?", max_new_tokens=3, timeout=60)
     finally:
         tp.close()
-    assert multiprocessing.active_children() == []
+    assert _tp_children() == []
     assert not torch.distributed.is_initialized()
 
 
 def test_failure_after_start_stops_the_workers(tokenizer):
     with pytest.raises(CacheCapacityError):
         _llm(make_tiny("llama"), tokenizer, tensor_parallel=2, kv_cache_bytes=1)
-    assert multiprocessing.active_children() == []
+    assert _tp_children() == []
     assert not torch.distributed.is_initialized()
