@@ -228,9 +228,15 @@ def test_two_replicas_a_request_goes_where_its_documents_are():
         # and behind the OpenAI-compatible HTTP API, documents as chunks
         import httpx
 
+        # The ingress replica's router starts with its first request and learns the replicas'
+        # chunk keys from their next stats report, so the first HTTP request may go to either
+        # replica; the same documents again must find their KV where the first one left it.
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Which words?"}],
+                "documents": [docs[2]], "max_tokens": 2}
+        first = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json=body)
+        assert first.status_code == 200, first.text
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
-                       json={"model": "tiny", "messages": [{"role": "user", "content": "Which words?"}],
-                             "documents": [docs[2]], "max_tokens": 2})
+                       json=dict(body, messages=[{"role": "user", "content": "Which words, again?"}]))
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         bad = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={"messages": []})
