@@ -50,6 +50,12 @@ class KernelOptions:
         ``inv_freq`` instead of loading two table rows; ``None``: compiled kernels yes, the
         interpreter no.
     coef_lookahead : with ``coef_from_delta``, load the next run's delta and end a run ahead.
+    shared_decode : a decode step whose requests hold the same pages (hot documents) reads
+        each shared page once for all of them (``grouped_attention_triton``, planned by
+        ``lazyllm.kernels.grouping.plan_groups``) wherever the engine finds sharing;
+        ``False`` keeps the per-request kernel for every step.
+    shared_members, shared_pages : queries and pages per work item of that path (the
+        kernel's query tile holds ``shared_members`` times the query heads per KV head).
     """
 
     loop: Loop | None = None
@@ -62,6 +68,9 @@ class KernelOptions:
     prefetch: bool = True
     coef_from_delta: bool | None = None
     coef_lookahead: bool = True
+    shared_decode: bool = True
+    shared_members: int = 16
+    shared_pages: int = 8
 
     def __post_init__(self):
         if self.loop is not None and self.loop not in LOOPS:
@@ -72,3 +81,7 @@ class KernelOptions:
             raise ValueError(f"prefill_kernel must be None, 'triton' or 'gluon', got {self.prefill_kernel!r}")
         if self.config is not None:
             object.__setattr__(self, "config", tuple(self.config))
+        for name in ("shared_members", "shared_pages"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")

@@ -37,6 +37,7 @@ __all__ = [
     "rotate_by_delta",
     "paged_attention_ref",
     "paged_attention_mass_ref",
+    "grouped_attention_ref",
     "rerotate_copy_ref",
     "write_kv_ref",
 ]
@@ -280,6 +281,84 @@ def paged_attention_mass_ref(
         mass.view(B, -1)[b].index_add_(0, flat, p.sum(dim=(0, 1)))
     return mass
 
+
+def grouped_attention_ref(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    block_pos: torch.Tensor,
+    block_delta: torch.Tensor,
+    block_len: torch.Tensor,
+    inv_freq: torch.Tensor,
+    sm_scale: float,
+    plan,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Shared-chunk attention by work items (``lazyllm.kernels.grouping``): the same
+    function as ``paged_attention_ref`` over the tables the plan was made from, computed as
+    the kernel does: per item and member a partial softmax over the item's pages, keys read
+    in their stored frame with the *query* rotated by ``-delta``, then each query's partials
+    merged by log-sum-exp.
+
+    ``plan``: a ``GroupPlan`` or ``GroupTensors`` (``items``, ``pages``, ``members``,
+    ``own``, ``cols``, ``parts``). Shared items take page, stored position and length from
+    ``plan.pages`` and each member's delta from ``plan.members``; a query's own pages are
+    read from the step's tables ``block_*`` at ``(own row, plan.cols[...])`` (a column with
+    ``block_len == 0`` is padding) and form one more partial. Returns ``(total_q, heads, d)`` in ``q.dtype``; 0 for
+    a query with no visible key.
+    """
+    total_q, hq, d = q.shape
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    half = int(inv_freq.numel())
+    if out is None:
+        out = torch.empty_like(q)
+    members = torch.as_tensor(plan.members).long()
+    n_slots = int(members.shape[0])
+    # the shared slots, then one slot per query for its own pages
+    part_o = torch.zeros((n_slots + total_q, hq, d), dtype=torch.float32)
+    part_lse = torch.full((n_slots + total_q, hq), float("-inf"), dtype=torch.float32)
+    slots = torch.arange(page_size)
+
+    def partial(qi, slot, pages, kpos0, lens, delta):
+        valid = (slots[None, :] < lens[:, None]).reshape(-1)
+        if not bool(valid.any()):
+            return
+        kpos = (kpos0[:, None] + slots[None, :]).reshape(-1)[valid]
+        dl = delta[:, None].expand(-1, page_size).reshape(-1)[valid]
+        k = k_cache[pages].reshape(-1, hkv, d)[valid].to(torch.float32)  # stored frame
+        v = v_cache[pages].reshape(-1, hkv, d)[valid].to(torch.float32)
+        qr = q[qi].to(torch.float32)[None].expand(k.shape[0], hq, d).clone()
+        if half:  # the query in each key's stored frame: R(-delta) q
+            cos, sin = rope_cos_sin(-dl, inv_freq)
+            qr = apply_rope(qr, cos, sin)
+        z = (qr * k.repeat_interleave(group, dim=1)).sum(-1) * sm_scale  # (nk, hq)
+        z = z.masked_fill((kpos > int(q_pos[qi]))[:, None], float("-inf"))
+        lse = torch.logsumexp(z, dim=0)
+        w = torch.exp(z - torch.where(torch.isfinite(lse), lse, 0.0)[None])
+        part_o[slot] = (w[..., None] * v.repeat_interleave(group, dim=1)).sum(0)
+        part_lse[slot] = lse
+
+    pg = torch.as_tensor(plan.pages).long()
+    for m_off, m_n, p_off, n_p in torch.as_tensor(plan.items).tolist():
+        run = pg[p_off:p_off + n_p]
+        for qi, _, slot, delta in members[m_off:m_off + m_n].tolist():
+            partial(qi, slot, run[:, 0], run[:, 1] + delta, run[:, 2], torch.full((n_p,), delta))
+    cols = torch.as_tensor(plan.cols).long()
+    for qi, (b, c_off, n_c) in enumerate(torch.as_tensor(plan.own).tolist()):
+        if n_c:
+            cs = cols[c_off:c_off + n_c]
+            partial(qi, n_slots + qi, block_table[b, cs].long(), block_pos[b, cs].long(), block_len[b, cs].long(),
+                    block_delta[b, cs].long())
+    for qi, (first, n) in enumerate(torch.as_tensor(plan.parts).tolist()):
+        idx = list(range(first, first + n)) + [n_slots + qi]
+        lse = part_lse[idx]  # (n + 1, hq)
+        tot = torch.logsumexp(lse, dim=0)
+        w = torch.where(torch.isfinite(lse), torch.exp(lse - torch.where(torch.isfinite(tot), tot, 0.0)[None]), 0.0)
+        out[qi] = (w[..., None] * part_o[idx]).sum(0).to(out.dtype)  # 0 where nothing is visible
+    return out
 
 def rerotate_copy_ref(
     k_cache: torch.Tensor,
