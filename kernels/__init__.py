@@ -12,6 +12,7 @@ import threading
 from .options import KernelOptions  # noqa: F401
 from .reference import (  # noqa: F401
     apply_rope,
+    grouped_attention_ref,
     paged_attention_ref,
     rerotate_copy_ref,
     rope_cos_sin,
@@ -19,7 +20,14 @@ from .reference import (  # noqa: F401
     write_kv_ref,
 )
 
-_TRITON_NAMES = ("paged_attention_triton", "rerotate_copy_triton", "write_kv_triton", "rope_table", "delta_runs")
+_TRITON_NAMES = (
+    "paged_attention_triton",
+    "grouped_attention_triton",
+    "rerotate_copy_triton",
+    "write_kv_triton",
+    "rope_table",
+    "delta_runs",
+)
 _TRITON_PACKAGE = "triton"  # the subpackage of the Triton kernels
 _INTERPRETED = None  # the private interpreted copy of the subpackage, once loaded
 _COPIES = [0]  # private copies loaded so far (each gets its own module name)
@@ -89,8 +97,8 @@ def load_private_copy(name: str, interpret: bool):
 
 def triton_kernels(interpret: bool = False):
     """The Triton kernels (imports Triton; ``ImportError`` where it is missing), as a module
-    exposing ``paged_attention_triton``, ``rerotate_copy_triton``, ``write_kv_triton``,
-    ``rope_table`` and ``delta_runs``.
+    exposing ``paged_attention_triton``, ``grouped_attention_triton``,
+    ``rerotate_copy_triton``, ``write_kv_triton``, ``rope_table`` and ``delta_runs``.
 
     ``interpret=False``: the package's ``lazyllm.kernels.triton`` (compiled kernels, for
     CUDA). ``interpret=True``: one private copy of the same subpackage whose kernels run in

@@ -16,6 +16,10 @@ the one before it (``Engine.async_decode``).
 chunks).
 
 ``PinnedTurns`` gives each step's argmax (and staged inputs) host buffers to copy through.
+
+``SharedPlanBuffers`` holds a shared-chunk attention plan (``lazyllm.kernels.grouping``) on
+the device in fixed-size buffers, so a decode graph captured over its views replays any plan
+that fits: the plan is uploaded when the batch's rows change, not per step.
 """
 from __future__ import annotations
 
@@ -25,7 +29,9 @@ import time
 import numpy as np
 import torch
 
-from ..model.llama import AttentionMetadata
+from lazyllm.kernels.grouping import ITEM_FIELDS, MEMBER_FIELDS, PAGE_FIELDS, GroupPlan, GroupTensors
+
+from ..model.llama import AttentionMetadata, SharedMeta
 from .request import next_pow2, pack_tables
 
 _PAGE, _POS, _DELTA, _LEN = range(4)
@@ -110,6 +116,7 @@ class DecodeState:
         self._host = PinnedTurns(n, device)
         self._dev = torch.zeros(n, dtype=torch.long, device=device)
         self.rows: list = []  # requests, in row order
+        self.version = 0  # changes whenever a row is attached, freed or moved
 
     def attach(self, r, table) -> None:
         """Give request ``r`` the next row and write its whole table there (once)."""
@@ -118,6 +125,7 @@ class DecodeState:
         row = len(self.rows)
         self.rows.append(r)
         r.row = row
+        self.version += 1
         host = torch.from_numpy(pack_tables([table], self.max_entries)[:, 0]).to(torch.int32)
         self.tables[:, row].copy_(host.to(self.device, non_blocking=False))
 
@@ -134,6 +142,7 @@ class DecodeState:
             moved.row = i
         self.rows.pop()
         r.row = None
+        self.version += 1
 
     def stage(self, updates: list[tuple[int, int, int, int, int, int]], ids, pos, slots, pad_to: int,
               scratch_slot: int, src=None) -> None:
@@ -193,15 +202,83 @@ class DecodeState:
         )
 
 
+class SharedPlanBuffers:
+    """Device buffers of a shared-chunk decode plan (``GroupPlan``), fixed in size: items,
+    pages, members (one per partial slot), each row's own columns and slots, and the float32
+    scratch of the partial states. ``upload(plan, B)`` writes a plan (one copy from a pinned
+    host buffer, unused items and rows zeroed) and returns its item bucket, or 0 where the
+    plan does not fit (the step then runs the per-request kernel). ``meta(B, bucket)`` gives
+    the views a step's attention reads (``SharedMeta``)."""
+
+    def __init__(self, max_batch: int, max_entries: int, num_heads: int, head_dim: int, device: torch.device, *,
+                 members_per_item: int, pages_per_item: int, slots_per_row: int = 32, items_per_row: int = 4):
+        self.members_per_item, self.pages_per_item = members_per_item, pages_per_item
+        self.max_batch, self.max_entries = max_batch, max_entries
+        self.items_cap = max(64, items_per_row * max_batch)
+        self.pages_cap = self.items_cap * pages_per_item
+        self.slots_cap = slots_per_row * max_batch
+        self.cols_cap = max_batch * max_entries
+        sizes = (self.items_cap * ITEM_FIELDS, self.pages_cap * PAGE_FIELDS, self.slots_cap * MEMBER_FIELDS,
+                 max_batch * 3, self.cols_cap, max_batch * 2)
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        n = int(self.offsets[-1])
+        self.dev = torch.zeros(n, dtype=torch.int32, device=device)
+        cuda = device.type == "cuda"
+        self._host = [torch.zeros(n, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
+        self._events = [torch.cuda.Event() for _ in range(2)] if cuda else [None, None]
+        self._turn = 0
+        self.part_o = torch.empty((self.slots_cap, num_heads, head_dim), dtype=torch.float32, device=device)
+        self.part_lse = torch.empty((self.slots_cap, num_heads), dtype=torch.float32, device=device)
+        o = self.offsets
+        self.views = GroupTensors(
+            items=self.dev[o[0]:o[1]].view(-1, ITEM_FIELDS), pages=self.dev[o[1]:o[2]].view(-1, PAGE_FIELDS),
+            members=self.dev[o[2]:o[3]].view(-1, MEMBER_FIELDS), own=self.dev[o[3]:o[4]].view(-1, 3),
+            cols=self.dev[o[4]:o[5]], parts=self.dev[o[5]:o[6]].view(-1, 2))
+
+    def fits(self, plan: GroupPlan) -> bool:
+        return (plan.n_items <= self.items_cap and len(plan.pages) <= self.pages_cap
+                and plan.n_slots <= self.slots_cap and len(plan.cols) <= self.cols_cap
+                and len(plan.own) <= self.max_batch)
+
+    def bucket(self, n_items: int) -> int:
+        return min(next_pow2(n_items, 16), self.items_cap)
+
+    def upload(self, plan: GroupPlan) -> int:
+        """Write ``plan`` to the device buffers; its item bucket (0: it does not fit)."""
+        if not self.fits(plan):
+            return 0
+        k = self._turn
+        self._turn ^= 1
+        if self._events[k] is not None:
+            self._events[k].synchronize()  # the copy two uploads ago is done with this buffer
+        h = self._host[k].numpy()
+        h[:] = 0
+        o = self.offsets
+        for i, a in enumerate((plan.items, plan.pages, plan.members, plan.own, plan.cols, plan.parts)):
+            flat = np.asarray(a, dtype=np.int32).ravel()
+            h[o[i]:o[i] + len(flat)] = flat
+        self.dev.copy_(self._host[k], non_blocking=True)
+        if self._events[k] is not None:
+            self._events[k].record()
+        return self.bucket(plan.n_items)
+
+    def meta(self, B: int, bucket: int) -> SharedMeta:
+        v = self.views
+        return SharedMeta(plan=v._replace(items=v.items[:bucket], own=v.own[:B], parts=v.parts[:B]),
+                          members_per_item=self.members_per_item, part_o=self.part_o, part_lse=self.part_lse)
+
+
 class GraphRunner:
-    """Decode steps through CUDA graphs captured per (batch, width) bucket: each graph loads
+    """Decode steps through CUDA graphs captured per (batch, width, shared-plan) bucket: each graph loads
     the staged inputs (``DecodeState.load``), runs the forward and takes the argmax (also
     kept in ``DecodeState.next_ids`` for the next step)."""
 
-    def __init__(self, model, state: DecodeState, k_cache, v_cache, enabled: bool):
+    def __init__(self, model, state: DecodeState, k_cache, v_cache, enabled: bool,
+                 shared: SharedPlanBuffers | None = None):
         self.model, self.state, self.k, self.v = model, state, k_cache, v_cache
+        self.shared = shared
         self.enabled = enabled and state.device.type == "cuda"
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.pool = None
         self.capture_s = 0.0  # host time spent capturing (a step that meets a new bucket waits it)
 
@@ -216,21 +293,25 @@ class GraphRunner:
         b = next_pow2(W, 16) if W <= 64 else -(-W // 64) * 64
         return min(b, self.state.max_entries)
 
-    def _step(self, B: int, W: int):
+    def _step(self, B: int, W: int, S: int = 0):
         st = self.state
         st.load(B)
-        logits = self.model.forward(st.ids[:B], st.metadata(B, W), self.k, self.v)
+        meta = st.metadata(B, W)
+        if S:
+            meta.shared = self.shared.meta(B, S)
+        logits = self.model.forward(st.ids[:B], meta, self.k, self.v)
         picks = torch.argmax(logits, dim=-1)
         st.next_ids[:B].copy_(picks)
         return logits, picks
 
-    def run(self, B: int, W: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, B: int, W: int, S: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits ``(B, vocab)`` and their argmax ``(B,)`` of the step staged in ``state``
-        (``B`` the batch bucket; rows past the real batch are padding). Both are overwritten
-        by the next step of the same bucket."""
+        (``B`` the batch bucket; rows past the real batch are padding; ``S``: the item bucket
+        of the shared-chunk plan in ``shared``, 0 for none). Both are overwritten by the next
+        step of the same bucket."""
         if not self.enabled:
-            return self._step(B, W)
-        key = (B, W)
+            return self._step(B, W, S)
+        key = (B, W, S)
         if key not in self.graphs:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
@@ -238,7 +319,7 @@ class GraphRunner:
             # the step reads and then overwrites, is put back before each call and the replay)
             saved = self.state.next_ids.clone()
             t0 = time.perf_counter()
-            self.graphs[key] = _capture_graph(lambda: self._step(B, W), self.pool,
+            self.graphs[key] = _capture_graph(lambda: self._step(B, W, S), self.pool,
                                               reset=lambda: self.state.next_ids.copy_(saved))
             self.capture_s += time.perf_counter() - t0
         g, out = self.graphs[key]

@@ -105,7 +105,9 @@ class Engine:
                         "recovery_skipped": 0, "disk_hits": 0, "prefill_tokens": 0, "decode_steps": 0,
                         "decode_tokens": 0, "peak_pages": 0,
                         "copied_pages": 0,  # pages copied re-rotated (block copies, recovery)
-                        "overlapped_steps": 0}
+                        "overlapped_steps": 0,
+                        "shared_decode_steps": 0,  # decode steps that read shared pages once (grouped)
+                        "shared_plans": 0}  # shared-chunk plans made (when the decode batch changed)
         self.disk = disk  # optional DiskKVStore: chunk KV that survives restarts
         self.disk_tier = DiskTier(disk, self.pool) if disk is not None else None
         self.planner = KVPlanner(store, reuse, chunk_context, fingerprint, self.disk_tier, self.metrics)

@@ -2,8 +2,11 @@
 
 It turns prefill jobs into one varlen forward (metadata packed and sent to the device in one
 copy, short single-sequence prefills replayed from CUDA graphs), makes re-rotated page
-copies, and launches decode steps from the device-resident decode state. It never admits,
-frees or finishes a request: it calls nothing in the scheduler or the output.
+copies, and launches decode steps from the device-resident decode state. Where the requests
+of a decode step hold the same pages (the hot documents), it plans shared-chunk attention
+(``lazyllm.kernels.grouping``) so each shared page is read once per step; the plan is made
+again only when the batch's rows change or a row outgrows it. It never admits, frees or
+finishes a request: it calls nothing in the scheduler or the output.
 """
 from __future__ import annotations
 
@@ -13,9 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lazyllm.kernels import KernelOptions
+from lazyllm.kernels.grouping import plan_groups
+
 from ..cache.store import PagePool
 from ..model.llama import AttentionMetadata
-from .cuda_graphs import DecodeState, GraphRunner, PinnedTurns, PrefillGraphs
+from .cuda_graphs import DecodeState, GraphRunner, PinnedTurns, PrefillGraphs, SharedPlanBuffers
 from .request import Job, Request, TableEntry, entry_table, pack_tables, slot_of
 
 
@@ -34,6 +40,9 @@ class DecodeStep:
 class ModelRunner:
     """Forwards of one model over one page pool (engine thread only)."""
 
+    supports_shared = True  # shared-chunk decode (a runner that ships metadata elsewhere says no)
+    SHARED_EXTEND = 4  # pages a row may grow by before its shared-chunk plan is made again
+
     def __init__(self, model, pool: PagePool, *, rerotate_copy, max_batch_tokens: int, max_batch_size: int,
                  cuda_graphs: bool, metrics: dict):
         self.model, self.pool = model, pool
@@ -46,7 +55,16 @@ class ModelRunner:
         # no CUDA graphs where a layer's attention reads the batch layout on the host (the
         # torch reference backend)
         graphs = cuda_graphs and model.graph_capturable
-        self.graphs = GraphRunner(model, self.decode_state, pool.k, pool.v, enabled=graphs)
+        att = model.attention
+        opts = getattr(att, "options", None) or KernelOptions()
+        self.shared = None
+        if self.supports_shared and att.name == "triton" and opts.shared_decode and not att.batch_invariant:
+            spec = model.spec
+            self.shared = SharedPlanBuffers(max_batch_size, max_entries, spec.num_heads, spec.head_dim, self.device,
+                                            members_per_item=opts.shared_members, pages_per_item=opts.shared_pages)
+        self._shared_state: tuple | None = None  # (decode state version, item bucket, rows' covered columns)
+        self._entries: dict[int, tuple] = {}  # request id -> (its table list, length, entries array)
+        self.graphs = GraphRunner(model, self.decode_state, pool.k, pool.v, enabled=graphs, shared=self.shared)
         self.prefill_graphs = PrefillGraphs(model, pool.k, pool.v, max_entries, self.device,
                                             pool.scratch_page * pool.page_size, enabled=graphs)
         self._picks = PinnedTurns(max_batch_size, self.device)  # each step's argmax, on its way to the host
@@ -176,12 +194,53 @@ class ModelRunner:
         B = len(reqs)
         t_step = time.perf_counter()
         Bp, Wp = self.graphs.batch_bucket(B), self.graphs.width_bucket(W)
+        S = self._shared_bucket(reqs) if self.shared is not None else 0
         # the graph loads the staged inputs, runs the forward and the argmax
         state.stage(updates, ids, pos, slots, Bp, scratch, src=src if pending else None)
-        logits, argmax = self.graphs.run(Bp, Wp)
+        logits, argmax = self.graphs.run(Bp, Wp, S)
         self.metrics["decode_steps"] += 1
+        self.metrics["shared_decode_steps"] += S > 0
         self.metrics["decode_tokens"] += B
         return DecodeStep(reqs, logits[:B], self._picks_to_host(argmax, B), t_step, overlapped=bool(pending))
+
+    def _shared_bucket(self, reqs: list[Request]) -> int:
+        """The item bucket of the shared-chunk plan for this step's rows (0: no page is
+        shared, or the plan does not fit: the per-request kernel serves the step). The plan
+        is kept while the rows stay the same and no row outgrows the columns it covers."""
+        st = self.decode_state
+        cur = self._shared_state
+        if cur is not None and cur[0] == st.version and all(len(r.table) <= cur[2][r.row] for r in reqs):
+            return cur[1]
+        live = {id(r) for r in st.rows}
+        for k in [k for k in self._entries if k not in live]:
+            del self._entries[k]
+        tables = [self._table_array(r) for r in st.rows]
+        plan = plan_groups(tables, members_per_item=self.shared.members_per_item,
+                           pages_per_item=self.shared.pages_per_item, extend=self.SHARED_EXTEND,
+                           width=st.max_entries)
+        self.metrics["shared_plans"] += 1
+        if plan is None:  # nothing shared: valid until the rows change
+            self._shared_state = (st.version, 0, [1 << 30] * len(st.rows))
+            return 0
+        bucket = self.shared.upload(plan)
+        self._shared_state = (st.version, bucket, plan.covered.tolist() if bucket else [1 << 30] * len(st.rows))
+        return bucket
+
+    def _table_array(self, r: Request) -> np.ndarray:
+        """``r.table`` as an ``(entries, 4)`` array (page, pos, delta, len), kept per request
+        and extended as its table grows while decoding (entries are appended, never replaced;
+        a new table list, after preemption, is read whole)."""
+        n = len(r.table)
+        got = self._entries.get(id(r))
+        if got is None or got[0] is not r.table or got[1] > n:
+            arr = np.array([(e.page, e.pos, e.delta, e.length) for e in r.table], dtype=np.int64).reshape(-1, 4)
+        elif got[1] < n:
+            new = np.array([(e.page, e.pos, e.delta, e.length) for e in r.table[got[1]:]], dtype=np.int64)
+            arr = np.concatenate([got[2], new.reshape(-1, 4)])
+        else:
+            return got[2]
+        self._entries[id(r)] = (r.table, n, arr)
+        return arr
 
     def _picks_to_host(self, argmax: torch.Tensor, B: int):
         """Start copying a step's argmax to the host (the graph overwrites ``argmax`` at the

@@ -35,6 +35,8 @@ START_TIMEOUT_S = 600.0
 class TensorParallelRunner(ModelRunner):
     """Rank 0's runner: the forwards broadcast through the lead model; copies here."""
 
+    supports_shared = False  # the broadcast metadata carries no shared-chunk plan
+
     def copy_pages(self, copies: list[tuple[int, int, int]]) -> None:
         if not copies:
             return

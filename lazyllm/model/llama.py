@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +91,18 @@ class AttentionMetadata:
     block_delta: torch.Tensor
     block_len: torch.Tensor
     max_seqlen_q: int
+    shared: SharedMeta | None = None  # a decode step's shared-chunk plan, where one applies
+
+
+@dataclass
+class SharedMeta:
+    """A decode step's shared-chunk attention plan (``lazyllm.kernels.grouping``) as the
+    Triton backend reads it: the plan's tensors, its query tile, the partial-state scratch."""
+
+    plan: Any
+    members_per_item: int
+    part_o: torch.Tensor
+    part_lse: torch.Tensor
 
 
 @dataclass

@@ -1,0 +1,108 @@
+"""Shared-chunk decode in the engine: requests of one decode step that hold the same chunks
+(in different orders, at different positions) read each shared page once, and generate
+exactly what they generate one at a time and what full semantics define.
+
+On CPU the Triton backend runs the real kernels in Triton's interpreter (no CUDA graphs);
+the plan, its upload into the fixed-size buffers and the kernels are the ones a GPU runs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lazyllm import LazyLLM
+from lazyllm.kernels import KernelOptions
+from tests.conftest import make_tiny
+from tests.hf_reference import reference_tokens
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+DOCS = [
+    "The Eiffel Tower in Paris was completed in 1889 and is 330 metres tall.",
+    "Mount Fuji is the highest mountain in Japan, rising 3,776 metres above sea level.",
+    "The Great Wall of China stretches for more than 21,000 kilometres across northern China.",
+    "Python was created by Guido van Rossum and first released in 1991.",
+]
+NEW = 6
+
+
+def _llm(model, tok, **kw):
+    return LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=32 << 20, attention_backend="triton", page_size=16,
+                   **kw)
+
+
+def _batch():
+    # three requests over the same three documents in three orders (each chunk at three
+    # positions), one with two of them and one of its own, one with a document no other holds
+    return [dict(question="Which was completed in 1889?", chunks=[DOCS[0], DOCS[1], DOCS[2]]),
+            dict(question="Which is in Japan?", chunks=[DOCS[2], DOCS[0], DOCS[1]]),
+            dict(question="How long is the wall?", chunks=[DOCS[1], DOCS[2], DOCS[0]]),
+            dict(question="Who made Python?", chunks=[DOCS[3], DOCS[0]]),
+            dict(question="Anything?", chunks=[DOCS[3]])]
+
+
+@pytest.fixture(scope="module")
+def model():
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter path is for CPU-only machines")
+    return make_tiny("llama", seed=7)
+
+
+def test_shared_decode_matches_one_at_a_time_and_the_reference(model, tokenizer):
+    llm = _llm(model, tokenizer)
+    llm.warm(DOCS)  # every chunk cached: the batch's requests decode together over shared pages
+    outs = llm.generate_batch(_batch(), max_new_tokens=NEW)
+    m = llm.engine.metrics
+    assert m["shared_decode_steps"] > 0 and m["shared_plans"] >= 1
+    assert m["shared_plans"] < m["decode_steps"]  # a plan lives while the rows stay the same
+    for out in outs:
+        ref = reference_tokens(model, out.prompt_segments, "lazy", "isolated", NEW, llm.eos_token_ids)
+        assert out.token_ids == ref
+    llm.close()
+
+    off = _llm(model, tokenizer, kernel_options=KernelOptions(shared_decode=False))
+    off.warm(DOCS)
+    outs_off = off.generate_batch(_batch(), max_new_tokens=NEW)
+    assert off.engine.metrics["shared_decode_steps"] == 0
+    assert [o.token_ids for o in outs_off] == [o.token_ids for o in outs]
+    off.close()
+
+
+def test_shared_plan_follows_rows_that_leave_and_grow(model, tokenizer):
+    """Requests finishing at different steps (the rows move) and decoding past the pages the
+    plan covered (a new plan) keep their tokens exact."""
+    llm = _llm(model, tokenizer)
+    llm.engine.runner.SHARED_EXTEND = 1  # a new plan every page of growth
+    llm.warm(DOCS[:3])
+    lengths = (2, 5, 40, 9)
+    reqs = [dict(question=f"Question {i}?", chunks=[DOCS[i % 3], DOCS[(i + 1) % 3]], max_new_tokens=n)
+            for i, n in enumerate(lengths)]
+    outs = llm.generate_batch(reqs)
+    m = llm.engine.metrics
+    assert m["shared_decode_steps"] > 0
+    grown = max(len(o.token_ids) for o in outs)
+    assert m["shared_plans"] >= 2 + grown // 16  # rows leaving, and the longest row's new pages
+    for out, n in zip(outs, lengths):
+        ref = reference_tokens(model, out.prompt_segments, "lazy", "isolated", n, llm.eos_token_ids)
+        assert out.token_ids == ref
+    llm.close()
+
+
+@pytest.mark.gpu
+def test_shared_decode_on_gpu_with_cuda_graphs(tokenizer):
+    """CUDA-graph decode over shared pages: the same tokens as the per-request kernel, and
+    the steps really went through the shared path."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = make_tiny("llama", seed=7).to("cuda")  # float32: the two kernels agree to rounding
+    outs = {}
+    for on in (True, False):
+        llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=256 << 20,
+                      kernel_options=KernelOptions(shared_decode=on))
+        llm.warm(DOCS)
+        outs[on] = [o.token_ids for o in llm.generate_batch(_batch() * 3, max_new_tokens=24)]
+        m = llm.engine.metrics
+        assert (m["shared_decode_steps"] > 0) is on
+        assert llm.engine.graphs.graphs and all(len(k) == 3 for k in llm.engine.graphs.graphs)
+        llm.close()
+    assert outs[True] == outs[False]
