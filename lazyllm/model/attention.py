@@ -96,6 +96,12 @@ class TritonAttention(AttentionBackend):
         return extras
 
     def run(self, q, meta, k_cache, v_cache, inv_freq, sm_scale, plan, *, window=None):
+        sh = meta.shared
+        if sh is not None and window is None:  # a decode step whose requests share pages
+            return self.kernels.grouped_attention_triton(
+                q, meta.positions, k_cache, v_cache, meta.block_table, meta.block_pos, meta.block_delta,
+                meta.block_len, inv_freq, sm_scale, sh.plan, members_per_item=sh.members_per_item,
+                part_o=sh.part_o, part_lse=sh.part_lse)
         if window is not None:  # sliding-window layers (the others' launch is unchanged)
             return self.kernels.paged_attention_triton(
                 q, meta.positions, meta.cu_seqlens_q, k_cache, v_cache, meta.block_table, meta.block_pos,
@@ -108,12 +114,6 @@ class TritonAttention(AttentionBackend):
         self.kernels.rerotate_copy_triton(k_cache, v_cache, src, dst, delta, inv_freq)
 
 
-        sh = meta.shared
-        if sh is not None and window is None:  # a decode step whose requests share pages
-            return self.kernels.grouped_attention_triton(
-                q, meta.positions, k_cache, v_cache, meta.block_table, meta.block_pos, meta.block_delta,
-                meta.block_len, inv_freq, sm_scale, sh.plan, members_per_item=sh.members_per_item,
-                part_o=sh.part_o, part_lse=sh.part_lse)
 def make_backend(name: str, device: torch.device, *, batch_invariant: bool = False,
                  options=None) -> AttentionBackend:
     """The backend ``name`` (``"auto"``, ``"torch"`` or ``"triton"``) for ``device``.
