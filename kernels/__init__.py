@@ -22,6 +22,7 @@ from .reference import (  # noqa: F401
 
 _TRITON_NAMES = (
     "paged_attention_triton",
+    "paged_attention_mass_triton",
     "grouped_attention_triton",
     "rerotate_copy_triton",
     "write_kv_triton",
@@ -98,7 +99,8 @@ def load_private_copy(name: str, interpret: bool):
 def triton_kernels(interpret: bool = False):
     """The Triton kernels (imports Triton; ``ImportError`` where it is missing), as a module
     exposing ``paged_attention_triton``, ``grouped_attention_triton``,
-    ``rerotate_copy_triton``, ``write_kv_triton``, ``rope_table`` and ``delta_runs``.
+    ``paged_attention_mass_triton``, ``rerotate_copy_triton``, ``write_kv_triton``,
+    ``rope_table`` and ``delta_runs``.
 
     ``interpret=False``: the package's ``lazyllm.kernels.triton`` (compiled kernels, for
     CUDA). ``interpret=True``: one private copy of the same subpackage whose kernels run in

@@ -4,8 +4,9 @@ A backend is an object with ``plan(meta, inv_freq)``, called once per forward (a
 RoPE frequency vector, and ``run(q, meta, k_cache, v_cache, inv_freq, sm_scale, plan)``,
 called per layer: FlashInfer's plan/run split. ``plan`` builds what every layer of the step
 shares (the Triton backend's rotation table and launch settings); ``run`` only launches.
-Each backend also gives its re-rotating page copy (``rerotate_copy``) and says whether its
-forwards can be captured in CUDA graphs.
+Each backend also gives its re-rotating page copy (``rerotate_copy``), the attention mass
+of a step's queries per key slot (``mass``) and says whether its forwards can be captured
+in CUDA graphs.
 
 * ``TorchAttention``: the plain-torch reference (``lazyllm.kernels.reference``), any device.
 * ``TritonAttention``: the Triton kernels, compiled on CUDA, run in Triton's interpreter on
@@ -48,6 +49,17 @@ class AttentionBackend:
         """Copy pages ``src -> dst`` (all layers of ``k_cache``/``v_cache``), keys rotated by
         ``delta``."""
         raise NotImplementedError
+
+    def mass(self, q: torch.Tensor, meta, k_cache: torch.Tensor, v_cache: torch.Tensor, inv_freq: torch.Tensor,
+             sm_scale: float, *, window: int | None = None, plan: Any = None) -> torch.Tensor:
+        """Attention mass each table slot gets from the queries ``q`` (the softmax
+        probabilities of ``run``, summed over query heads and each sequence's queries),
+        ``(batch, max_blocks, page_size)`` float32: what attention-guided recompute reads.
+        ``plan``: this step's ``plan(meta, inv_freq)``, where the backend can share it. The
+        torch reference by default."""
+        return reference.paged_attention_mass_ref(q, meta.positions, meta.cu_seqlens_q, k_cache, v_cache,
+                                                  meta.block_table, meta.block_pos, meta.block_delta,
+                                                  meta.block_len, inv_freq, sm_scale, window=window)
 
 
 class TorchAttention(AttentionBackend):
@@ -112,6 +124,13 @@ class TritonAttention(AttentionBackend):
 
     def rerotate_copy(self, k_cache, v_cache, src, dst, delta, inv_freq) -> None:
         self.kernels.rerotate_copy_triton(k_cache, v_cache, src, dst, delta, inv_freq)
+
+    def mass(self, q, meta, k_cache, v_cache, inv_freq, sm_scale, *, window=None, plan=None):
+        rope = plan.get("rope") if isinstance(plan, dict) else None  # the step's rotation table, when planned
+        return self.kernels.paged_attention_mass_triton(
+            q, meta.positions, meta.cu_seqlens_q, k_cache, v_cache, meta.block_table, meta.block_pos,
+            meta.block_delta, meta.block_len, inv_freq, sm_scale, window=window, max_seqlen_q=meta.max_seqlen_q,
+            rope=rope)
 
 
 def make_backend(name: str, device: torch.device, *, batch_invariant: bool = False,

@@ -369,18 +369,24 @@ class LlamaFamilyModel:
         """Run new tokens (a question) through every layer like ``forward``, writing their
         K/V at ``meta.slot_mapping``, and return the attention mass each table slot gets
         from them: softmax probabilities summed over layers, heads and queries,
-        ``(batch, max_blocks, page_size)`` float32 (``paged_attention_mass_ref``). Torch
-        reference path on every device: what attention-guided recompute selection reads."""
+        ``(batch, max_blocks, page_size)`` float32 (``paged_attention_mass_ref``): what
+        attention-guided recompute selection reads. Attention and mass run on the model's
+        backend (``AttentionBackend.mass``: the Triton kernel on the Triton backend), but for
+        sliding-window layers on a backend without windows (the torch reference)."""
         h = self._embed(input_ids)
         tables = [rope_cos_sin(meta.positions, f, sc) for f, sc in zip(self.inv_freqs, self.rope_scales)]
+        plans = [self.attention.plan(meta, f) for f in self.inv_freqs]
         mass = None
         for li, w in enumerate(self.layers):
             fi = w["freq"]
             q, k, v = self._qkv(h, w, *tables[fi])
             self.write_kv(k_cache[li], v_cache[li], meta.slot_mapping, k, v)
-            args = self._attn_args(q, meta, k_cache, v_cache, li)
-            o = paged_attention_ref(*args, window=w["window"])
-            m = paged_attention_mass_ref(*args, window=w["window"])
+            o = self._attend(q, meta, k_cache, v_cache, li, plans)
+            if w["window"] is not None and self._window_fallback:
+                m = paged_attention_mass_ref(*self._attn_args(q, meta, k_cache, v_cache, li), window=w["window"])
+            else:
+                m = self.attention.mass(q, meta, k_cache[li], v_cache[li], self.inv_freqs[fi], self.spec.sm_scale,
+                                        window=w["window"], plan=plans[fi])
             mass = m if mass is None else mass + m
             h = self._finish_layer(h, o, w)
         return mass
