@@ -305,10 +305,12 @@ class LazyRunner:
 
     def __init__(self, system, hf, tok, args, budget_frac, pool_bytes):
         from lazyllm import LazyLLM
+        from lazyllm.kernels import KernelOptions
 
         self.system, self.args, self.budget = system, args, budget_frac
         self.llm = LazyLLM(model=hf, tokenizer=tok, reuse=system,
-                           kv_cache_bytes=max(int(budget_frac * pool_bytes), 1 << 20), page_size=args.page_size)
+                           kv_cache_bytes=max(int(budget_frac * pool_bytes), 1 << 20), page_size=args.page_size,
+                           kernel_options=KernelOptions(shared_decode=args.shared_decode))
         self.llm.engine.eos_ids = set()  # every request runs to its length: same work for every system
         self.page_bytes = pool_bytes / max(args.docs * args.doc_tokens, 1) * self.llm.page_size
 
@@ -607,6 +609,9 @@ def main(argv=None):
     ap.add_argument("--page-size", type=int, default=None, help="default: the engine's (64 on CUDA, 16 on CPU)")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="start no new point after this many seconds (the skipped ones are listed)")
+    ap.add_argument("--shared-decode", action=argparse.BooleanOptionalAction, default=True,
+                    help="shared-chunk decode where requests of a step hold the same pages (the engine's default); "
+                         "--no-shared-decode: the per-request kernel only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--plots", default=None, help="folder for PNG plots")

@@ -141,7 +141,7 @@ def _own_merge(
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
     stride_bt, stride_ot, stride_oh,
-    NUM_Q_HEADS: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, TAIL: tl.constexpr,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, PAGE_SIZE: tl.constexpr,
     USE_ROPE: tl.constexpr, DOT_PREC: tl.constexpr, IDX64: tl.constexpr, APPROX: tl.constexpr,
 ):
@@ -167,6 +167,14 @@ def _own_merge(
         inv = tl.load(InvFreq + offs_d % HALF, mask=in_rot, other=0.0)
     qr = q.to(K.dtype.element_ty)
     d_prev = tl.full([BLOCK_M], 0, dtype=tl.int32)  # q itself is R(0) q
+
+    # columns of length 0 at the end of the list (the plan's room for pages the table has not
+    # got yet) are skipped: the last TAIL columns are scanned for the last one in use
+    tail = tl.maximum(n_c - TAIL, 0) + tl.arange(0, TAIL)
+    t_ok = tail < n_c
+    t_len = tl.load(BLen + trow * stride_bt + tl.load(Cols + c_off + tail, mask=t_ok, other=0), mask=t_ok, other=0)
+    t_used = _max(tl.where(t_len > 0, tail + 1, 0), 0)
+    n_c = tl.where(t_used > 0, t_used, tl.maximum(n_c - TAIL, 0))
 
     m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
@@ -280,7 +288,7 @@ def grouped_attention_triton(
     _own_merge[(total_q, hkv)](
         q, q_pos, k_cache, v_cache, block_table, block_pos, block_delta, block_len, inv, plan.own, plan.cols,
         plan.parts, part_o, part_lse, target, scale, *kv_strides, block_table.stride(0), target.stride(0),
-        target.stride(1), BLOCK_M=max(16, triton.next_power_of_2(group)), **common)
+        target.stride(1), BLOCK_M=max(16, triton.next_power_of_2(group)), TAIL=16, **common)
     if target is not out:
         out.copy_(target)
     return out
