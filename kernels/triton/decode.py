@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import _M_INIT, _max, _min, _sum
+from ._common import _M_INIT, _ctx_mask, _ctx_split, _max, _min, _sum
 
 
 @triton.jit
@@ -44,6 +44,7 @@ def _paged_decode_fwd(
     PAGE_SIZE: tl.constexpr, PPT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_OUT: tl.constexpr, USE_ROPE: tl.constexpr, DOT_PREC: tl.constexpr, IDX64: tl.constexpr,
     PREFETCH: tl.constexpr, WINDOW: tl.constexpr = 0,
+    APE: tl.constexpr = False, CtxRange=None, ctx_inv_t=None,
 ):
     """Decode: one query per sequence, the delta applied to the *query*.
 
@@ -60,6 +61,12 @@ def _paged_decode_fwd(
     ``p - WINDOW < pos <= p``. A scan of the table row finds the entries the window can
     reach, and the key range (and its splits) covers only their tiles; keys inside it but
     outside the window are masked, so any table order is served exactly.
+
+    ``APE``: APE-style context calibration, as ``prefill._paged_attn_fwd`` computes it (the
+    splits ``[0, num_splits / 2)`` the keys but the context, the others the context keys with
+    their logits scaled by ``ctx_inv_t``; ``SPLIT_OUT``). The other-keys class skips the
+    tiles of a block of entries holding only context keys (``_ctx_split``): its loop walks
+    virtual tiles. Needs ``PREFETCH`` off.
     """
     pid_hs = tl.program_id(0)
     b = tl.program_id(1)
@@ -125,12 +132,25 @@ def _paged_decode_fwd(
         s_start = split * per_split
         s_end = tl.minimum(s_start + per_split, t_hi)
 
+    if APE:
+        n_cls = num_splits // 2
+        ape_ctx = (split >= n_cls).to(tl.int32)
+        ctx_c0 = tl.load(CtxRange + b * 2).to(tl.int32)
+        ctx_c1 = tl.load(CtxRange + b * 2 + 1).to(tl.int32)
+        after = tl.load(QPos + q_start).to(tl.int32) >= ctx_c1
+        s_start, s_end, h0, hole = _ctx_split(BLen_row, BPos_row, ctx_c0, ctx_c1, max_blocks, t_lo if WINDOW > 0 else 0,
+                                              t_hi, split % n_cls, n_cls, ape_ctx, after.to(tl.int32),
+                                              after.to(tl.int32), PAGE_SIZE, BLOCK_N, 256)
+        qk_scale = tl.where(ape_ctx != 0, qk_scale * ctx_inv_t, qk_scale)
+
     m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
     c_n, s_n = _load_qcs(Cos_row, Sin_row, s_start, max_blocks * (USE_ROPE and PREFETCH), row_ok, row_page,
                          cs_col, in_rot, HALF, PAGE_SIZE, BLOCK_N, PPT)
     for t in range(s_start, s_end):
+        if APE:  # a virtual tile: past the hole
+            t = tl.where(t >= h0, t + hole, t)
         idx = t * BLOCK_N + offs_n
         ent = idx // PAGE_SIZE
         slot = idx % PAGE_SIZE
@@ -158,6 +178,8 @@ def _paged_decode_fwd(
             seen = seen & (qpos[:, None] - kpos[None, :] < WINDOW)
         if PPT > 1:
             seen = seen & ((ent % PPT)[None, :] == row_page[:, None])
+        if APE:
+            seen = _ctx_mask(seen, kpos, qpos, ctx_c0, ctx_c1, ape_ctx)
         qk = tl.where(seen, qk, float("-inf"))
         m_new = tl.maximum(m_i, _max(qk, 1))
         p = tl.math.exp2(qk - m_new[:, None])
@@ -185,9 +207,14 @@ def _paged_decode_fwd(
 def _merge_splits(
     PartO, PartLse, Out, stride_ot, stride_oh, num_splits,
     NUM_Q_HEADS: tl.constexpr, SPLITS_P: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, APE: tl.constexpr = False, ctx_lse_scale=None,
 ):
-    """Log-sum-exp merge of ``num_splits`` partial outputs; grid ``(total_q * heads,)``."""
+    """Log-sum-exp merge of ``num_splits`` partial outputs; grid ``(total_q * heads,)``.
+
+    ``APE``: the upper half of the partials are the context keys' (APE-style calibration);
+    with ``L_C`` their merged log-sum-exp, each of them is weighted as if its log-sum-exp
+    were ``+ (ctx_lse_scale - 1) * L_C``, so the context as a whole weighs
+    ``e^{ctx_lse_scale * L_C}`` against the other keys' ``e^{L_N}``."""
     pid = tl.program_id(0).to(tl.int64)
     t = pid // NUM_Q_HEADS
     h = pid % NUM_Q_HEADS
@@ -195,6 +222,15 @@ def _merge_splits(
     sm = s < num_splits
     offs_d = tl.arange(0, HEAD_DIM)
     lse = tl.load(PartLse + pid * num_splits + s, mask=sm, other=float("-inf"))
+    if APE:
+        is_ctx = sm & (s >= num_splits // 2)
+        lse_c = tl.where(is_ctx, lse, float("-inf"))
+        mc = _max(lse_c, 0)
+        mc = tl.where(mc == float("-inf"), 0.0, mc)
+        sc = _sum(tl.math.exp2(lse_c - mc), 0)  # 0: no context key
+        lc = mc + tl.math.log2(tl.where(sc > 0.0, sc, 1.0))
+        adj = tl.where(sc > 0.0, (ctx_lse_scale - 1.0) * lc, 0.0)
+        lse = tl.where(is_ctx, lse + adj, lse)
     m = _max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights 0
     w = tl.math.exp2(lse - m)

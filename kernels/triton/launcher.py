@@ -7,6 +7,7 @@ the key splits. ``_launch_triton`` then only prepares tensors and launches.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -70,7 +71,8 @@ class LaunchPlan:
     per-page decode kernel runs instead; ``gluon``: the Gluon prefill serves the call (the
     Triton fields then describe the fallback); ``config``: the configuration asked for (or
     the batch-invariant one), kept for the key-rotating fallback; ``window``: a sliding
-    window (never the Gluon prefill)."""
+    window (never the Gluon prefill); ``ape``: APE-style context calibration (never the
+    Gluon prefill; ``num_splits`` then counts the splits of each of the two key classes)."""
 
     qrot: int
     decode_kernel: bool
@@ -92,6 +94,7 @@ class LaunchPlan:
     qrot_key: tuple
     config: tuple | None
     window: int = 0  # a sliding window (the kernels' WINDOW constexpr); 0: none
+    ape: bool = False  # APE-style context calibration (the kernels' APE constexpr)
 
 
 def _validate(q, k_cache, v_cache, inv_freq) -> None:
@@ -113,9 +116,11 @@ def _validate(q, k_cache, v_cache, inv_freq) -> None:
 
 
 def plan_launch(q, k_cache, v_cache, block_table, inv_freq, batch: int, max_seqlen_q: int, use_rope: bool,
-                batch_invariant: bool, padding_finite: bool, opts: KernelOptions, window: int = 0) -> LaunchPlan:
+                batch_invariant: bool, padding_finite: bool, opts: KernelOptions, window: int = 0,
+                ape: bool = False) -> LaunchPlan:
     """The launch choices for a validated call with ``batch`` sequences (``use_rope``: RoPE
-    on and a rotary part; ``window``: a sliding window, 0 for none)."""
+    on and a rotary part; ``window``: a sliding window, 0 for none; ``ape``: APE-style context
+    calibration)."""
     _, hq, d = q.shape
     _, page_size, hkv, _ = k_cache.shape
     half = int(inv_freq.numel())
@@ -202,24 +207,28 @@ def plan_launch(q, k_cache, v_cache, block_table, inv_freq, batch: int, max_seql
     forced = opts.prefill_kernel == "gluon"
     if forced and window:
         raise ValueError("the Gluon prefill has no sliding window (prefill_kernel='gluon' with window=)")
+    if forced and ape:
+        raise ValueError("the Gluon prefill has no context calibration (prefill_kernel='gluon' with ctx_range=)")
     gluon = forced or (
         opts.prefill_kernel is None and padding_finite and not short and qrot == 3 and opts.loop is None
         and num_splits == 1 and config is None and not batch_invariant and not _interpreting()
         and max_blocks * page_size - max_seqlen_q // 2 >= _GLUON_MIN_KEYS
         and gkey not in _GLUON_FAILED and opts.gluon_prefill
-        and _gluon_supported(q, k_cache, v_cache, block_table, inv_freq) and not window)
+        and _gluon_supported(q, k_cache, v_cache, block_table, inv_freq) and not window and not ape)
 
     coef_from_delta = opts.coef_from_delta
     if coef_from_delta is None:
         coef_from_delta = not _interpreting()
     from_delta = bool(use_rope and qrot and coef_from_delta)
-    lookahead = bool(from_delta and opts.coef_lookahead)
+    # with APE the rotary-halves loop jumps over key tiles, where a run ahead is not the next
+    lookahead = bool(from_delta and opts.coef_lookahead and not (ape and qrot == 3))
     packed_rot = qrot == 3 and not _interpreting() and k_cache.dtype in (torch.float16, torch.bfloat16)
     return LaunchPlan(
         qrot=qrot, decode_kernel=decode_kernel, short=short, block_m=block_m, block_n=block_n,
         num_warps=num_warps, num_stages=num_stages, ppt=ppt, q_tiles=q_tiles, num_splits=num_splits,
         cs_per_page=opts.cs_per_page, prefetch=opts.prefetch, from_delta=from_delta, lookahead=lookahead,
         packed_rot=packed_rot, gluon=gluon, gluon_key=gkey, qrot_key=qkey, config=config, window=int(window),
+        ape=bool(ape),
     )
 
 
@@ -244,6 +253,9 @@ def paged_attention_triton(
     padding_finite: bool = False,
     options: KernelOptions | None = None,
     window: int | None = None,
+    ctx_range: torch.Tensor | None = None,
+    ctx_temperature: float = 1.0,
+    ctx_lse_scale: float = 1.0,
 ) -> torch.Tensor:
     """Deferred-RoPE attention of a varlen batch of queries over paged KV (Triton).
 
@@ -287,6 +299,20 @@ def paged_attention_triton(
         kernels skip the key tiles no query's window reaches and mask the rest; each window
         size is a compiled variant (``WINDOW`` constexpr). Never the Gluon prefill.
         ``None``: no window (the launch is exactly the one without the argument).
+    ctx_range, ctx_temperature, ctx_lse_scale : APE-style calibration of how queries past
+        the retrieved documents read them, as ``reference.paged_attention_ref`` defines it:
+        ``ctx_range`` ``(batch, 2)`` int (on ``q``'s device; int32 contiguous avoids a copy)
+        gives each sequence's context key positions ``[start, end)`` (``start == end``: none);
+        for a query at position ``>= end`` the context keys' logits are divided by
+        ``ctx_temperature`` (``> 0``) and the context's log-sum-exp is multiplied by
+        ``ctx_lse_scale``. Queries before ``end`` are unchanged; the cached KV is not touched.
+        Off (the launch is exactly the one without the arguments) when ``ctx_range`` is
+        ``None`` or both floats are 1. On, the kernels keep the context keys and the other
+        keys in two softmax states, computed by separate programs (twice the key splits,
+        each class visiting only the key tiles it needs) and combined by the split merge,
+        which applies the scale to the context's log-sum-exp merged over all its splits.
+        Never the Gluon prefill (``prefill_kernel='gluon'`` raises); the temperature and
+        scale are compile-time free (no recompilation per value).
 
     Returns
     -------
@@ -298,6 +324,20 @@ def paged_attention_triton(
     if window is not None and (isinstance(window, bool) or int(window) != window or window < 1):
         raise ValueError(f"window must be a positive int or None, got {window!r}")
     window = 0 if window is None else int(window)
+    ape = ctx_range is not None and (ctx_temperature != 1.0 or ctx_lse_scale != 1.0)
+    if ape:
+        t, sc = float(ctx_temperature), float(ctx_lse_scale)
+        if not (math.isfinite(t) and t > 0.0 and math.isfinite(sc)):
+            raise ValueError(f"ctx_temperature must be finite and > 0 and ctx_lse_scale finite, got {t}, {sc}")
+        n_seq = cu_seqlens_q.numel() - 1
+        if ctx_range.dim() != 2 or ctx_range.shape[1] != 2 or ctx_range.shape[0] != n_seq:
+            raise ValueError(f"ctx_range must be ({n_seq}, 2), got {tuple(ctx_range.shape)}")
+        if ctx_range.dtype.is_floating_point or ctx_range.dtype == torch.bool:
+            raise ValueError(f"ctx_range must hold integers, got {ctx_range.dtype}")
+        ctx_range = ctx_range.to(device=q.device, dtype=torch.int32).contiguous()
+        ape_args = (ctx_range, 1.0 / t, sc)
+    else:
+        ape_args = None
     if out is None:
         out = torch.empty_like(q)
     total_q = q.shape[0]
@@ -312,14 +352,14 @@ def paged_attention_triton(
         return out
     use_rope = bool(use_rope) and int(inv_freq.numel()) > 0
     plan = plan_launch(q, k_cache, v_cache, block_table, inv_freq, batch, max_seqlen_q, use_rope,
-                       batch_invariant, padding_finite, opts, window)
+                       batch_invariant, padding_finite, opts, window, ape)
     args = (q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, block_pos, block_delta, block_len,
             inv_freq, sm_scale, out)
     if plan.gluon:
         res = _launch_gluon(plan, args, max_seqlen_q, use_rope, rope, padding_finite, opts)
         if res is not None:
             return res
-    return _launch_triton(plan, args, max_seqlen_q, use_rope, rope, batch_invariant)
+    return _launch_triton(plan, args, max_seqlen_q, use_rope, rope, batch_invariant, ape_args)
 
 
 def _launch_gluon(plan: LaunchPlan, args, max_seqlen_q, use_rope, rope, padding_finite, opts):
@@ -345,8 +385,9 @@ def _launch_gluon(plan: LaunchPlan, args, max_seqlen_q, use_rope, rope, padding_
         return None
 
 
-def _launch_triton(plan: LaunchPlan, args, max_seqlen_q, use_rope, rope, batch_invariant):
-    """Prepare the tables and launch the prefill or decode kernel (and the split merge)."""
+def _launch_triton(plan: LaunchPlan, args, max_seqlen_q, use_rope, rope, batch_invariant, ape_args=None):
+    """Prepare the tables and launch the prefill or decode kernel (and the split merge).
+    ``ape_args``: ``(ctx_range int32, 1 / temperature, lse scale)`` with ``plan.ape``."""
     (q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, block_pos, block_delta, block_len,
      inv_freq, sm_scale, out) = args
     total_q, hq, d = q.shape
@@ -384,6 +425,10 @@ def _launch_triton(plan: LaunchPlan, args, max_seqlen_q, use_rope, rope, batch_i
             runs = torch.full((1,), max_blocks, dtype=torch.int32, device=q.device).expand(batch, max_blocks)
             runs = runs.contiguous()
     n_parts = num_splits * (plan.ppt if plan.decode_kernel else 1)
+    ape = {}  # absent: the kernels' code without context calibration
+    if plan.ape:  # two key classes: twice the splits, always merged
+        num_splits, n_parts = 2 * num_splits, 2 * n_parts
+        ape = dict(APE=True, CtxRange=ape_args[0], ctx_inv_t=ape_args[1])
     if n_parts > 1:
         part_o = torch.empty((total_q, hq, n_parts, d), device=q.device, dtype=torch.float32)
         part_lse = torch.empty((total_q, hq, n_parts), device=q.device, dtype=torch.float32)
@@ -407,8 +452,8 @@ def _launch_triton(plan: LaunchPlan, args, max_seqlen_q, use_rope, rope, batch_i
             target, part_o, part_lse, *common, target.stride(0), target.stride(1), *tables,
             NUM_Q_HEADS=hq, G=group, HEAD_DIM=d, HALF=half, ROT=2 * half, PAGE_SIZE=page_size,
             PPT=plan.ppt, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_OUT=n_parts > 1, USE_ROPE=use_rope,
-            DOT_PREC=dot_prec, IDX64=idx64, PREFETCH=plan.prefetch,
-            num_warps=plan.num_warps, num_stages=plan.num_stages, **win,
+            DOT_PREC=dot_prec, IDX64=idx64, PREFETCH=plan.prefetch and not plan.ape,
+            num_warps=plan.num_warps, num_stages=plan.num_stages, **win, **ape,
         )
     else:
         half_p = max(16, _next_pow2(half)) if half else 16
@@ -426,7 +471,7 @@ def _launch_triton(plan: LaunchPlan, args, max_seqlen_q, use_rope, rope, batch_i
                 IDX64=idx64, NPG=max(1, block_n // page_size), PREFETCH=plan.prefetch, QROT=qrot,
                 PACKED_ROT=plan.packed_rot, FROM_DELTA=plan.from_delta, LOOKAHEAD=plan.lookahead,
                 APPROX=not _interpreting(),
-                num_warps=plan.num_warps, num_stages=plan.num_stages, **win,
+                num_warps=plan.num_warps, num_stages=plan.num_stages, **win, **ape,
             )
         except Exception as e:  # noqa: BLE001
             if not qrot or _interpreting() or torch.cuda.is_current_stream_capturing():
@@ -443,13 +488,15 @@ def _launch_triton(plan: LaunchPlan, args, max_seqlen_q, use_rope, rope, batch_i
                 inv_freq, sm_scale, out, max_seqlen_q=max_seqlen_q, use_rope=use_rope,
                 rope=None if rope_arg is None else (rope_arg[0], rope_arg[1]),
                 options=KernelOptions(config=plan.config, loop="per_tile",
-                                      num_splits=num_splits if batch_invariant else None),
-                window=plan.window or None)
+                                      num_splits=plan.num_splits if batch_invariant else None),
+                window=plan.window or None,
+                **({} if ape_args is None else dict(ctx_range=ape_args[0], ctx_temperature=1.0 / ape_args[1],
+                                                    ctx_lse_scale=ape_args[2])))
     if n_parts > 1:
         _merge_splits[(total_q * hq,)](
             part_o, part_lse, target, target.stride(0), target.stride(1), n_parts,
             NUM_Q_HEADS=hq, SPLITS_P=max(2, _next_pow2(n_parts)),
-            HEAD_DIM=d, num_warps=4,
+            HEAD_DIM=d, num_warps=4, **({} if not plan.ape else dict(APE=True, ctx_lse_scale=ape_args[2])),
         )
     if target is not out:
         out.copy_(target)

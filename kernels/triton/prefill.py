@@ -52,7 +52,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import _M_INIT, _cos_sin_of, _fma2, _max, _min, _mul2, _sum
+from ._common import _M_INIT, _cos_sin_of, _ctx_mask, _ctx_split, _fma2, _max, _min, _mul2, _sum
 
 
 @triton.jit
@@ -80,12 +80,14 @@ def _attn_tiles(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_ROPE: tl.constexpr, CS_PER_PAGE: tl.constexpr, CAUSAL_MASK: tl.constexpr,
     DOT_PREC: tl.constexpr, IDX64: tl.constexpr, NPG: tl.constexpr, PREFETCH: tl.constexpr,
-    WINDOW: tl.constexpr = 0,
+    WINDOW: tl.constexpr = 0, APE: tl.constexpr = False, ctx_c0=0, ctx_c1=0, ape_ctx=0,
 ):
     """Online-softmax update of ``acc/l_i/m_i`` over key tiles ``[t_start, t_end)``.
 
     ``PREFETCH``: the cos/sin rows of tile ``t + 1`` are loaded during tile ``t`` (they
-    are not a dot operand, so the software pipeliner leaves them in the loop)."""
+    are not a dot operand, so the software pipeliner leaves them in the loop).
+    ``APE``: every tile gets the causal mask and the mask of the program's key class
+    (``_ctx_mask``: context positions ``[ctx_c0, ctx_c1)``, class ``ape_ctx``)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_h = tl.arange(0, HALF_P)
@@ -134,11 +136,13 @@ def _attn_tiles(
             k = tl.load(k_row[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         qk = qk * qk_scale
-        if CAUSAL_MASK:
+        if CAUSAL_MASK or APE:
             kpos = tl.load(BPos_row + ent, mask=kvalid, other=0).to(tl.int32) + slot
             seen = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
             if WINDOW > 0:  # sliding window: keys at qpos - WINDOW and before are out
                 seen = seen & (qpos[:, None] - kpos[None, :] < WINDOW)
+            if APE:
+                seen = _ctx_mask(seen, kpos, qpos, ctx_c0, ctx_c1, ape_ctx)
             qk = tl.where(seen, qk, float("-inf"))
         else:
             qk = qk + tl.where(kvalid, 0.0, float("-inf"))[None, :]
@@ -227,14 +231,18 @@ def _rot_q(q_row, row_ok, Cos_row, Sin_row, InvFreq, e, dlt, K,
 
 
 @triton.jit
-def _mask_scores(qk, kvalid, BPos_row, ent, slot, qpos, CAUSAL: tl.constexpr, WINDOW: tl.constexpr = 0):
+def _mask_scores(qk, kvalid, BPos_row, ent, slot, qpos, CAUSAL: tl.constexpr, WINDOW: tl.constexpr = 0,
+                 APE: tl.constexpr = False, ctx_c0=0, ctx_c1=0, ape_ctx=0):
     """Scores of padding slots (and, ``CAUSAL``, of keys after a row's position, and with a
-    ``WINDOW``, of keys ``WINDOW`` or more positions before it) to -inf."""
-    if CAUSAL:
+    ``WINDOW``, of keys ``WINDOW`` or more positions before it) to -inf. ``APE``: the causal
+    mask whatever ``CAUSAL``, and the keys outside the program's class (``_ctx_mask``)."""
+    if CAUSAL or APE:
         kpos = tl.load(BPos_row + ent).to(tl.int32) + slot
         seen = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
         if WINDOW > 0:
             seen = seen & (qpos[:, None] - kpos[None, :] < WINDOW)
+        if APE:
+            seen = _ctx_mask(seen, kpos, qpos, ctx_c0, ctx_c1, ape_ctx)
         return tl.where(seen, qk, float("-inf"))
     else:
         return qk + tl.where(kvalid, 0.0, float("-inf"))[None, :]
@@ -245,7 +253,8 @@ def _tile_update(acc, l_i, m_i, qa, qb, qpos, K, V, BT_row, BPos_row, BLen_row,
                  stride_kp, stride_ks, stride_vp, stride_vs, tt, t_lo, qk_scale,
                  HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                  CAUSAL_MASK: tl.constexpr, DOT_PREC: tl.constexpr, IDX64: tl.constexpr,
-                 HALVES: tl.constexpr, WINDOW: tl.constexpr = 0):
+                 HALVES: tl.constexpr, WINDOW: tl.constexpr = 0,
+                 APE: tl.constexpr = False, ctx_c0=0, ctx_c1=0, ape_ctx=0):
     """Online-softmax update with key tile ``tt`` (which lies in one page).
 
     ``HALVES``: the query is given as its two halves ``qa, qb`` ``(BLOCK_M, HEAD_DIM // 2)``
@@ -254,7 +263,7 @@ def _tile_update(acc, l_i, m_i, qa, qb, qpos, K, V, BT_row, BPos_row, BLen_row,
     ``CAUSAL_MASK``: ``0`` slot validity only, ``1`` the causal mask, ``2`` the causal mask
     on the tiles from ``t_lo`` on (a branch per tile). ``WINDOW``: the causal mask also
     masks keys ``WINDOW`` or more positions before the row (the launch then masks every
-    tile it visits)."""
+    tile it visits). ``APE``: every tile masked, with the key-class mask (``_mask_scores``)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     ent = (tt * BLOCK_N) // PAGE_SIZE
@@ -274,13 +283,14 @@ def _tile_update(acc, l_i, m_i, qa, qb, qpos, K, V, BT_row, BPos_row, BLen_row,
     else:
         k = tl.load(k_row + offs_d[None, :], mask=kvalid[:, None], other=0.0)
         qk = tl.dot(qa, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-    if CAUSAL_MASK == 2:
+    if CAUSAL_MASK == 2 and not APE:
         if tt >= t_lo:
             qk = _mask_scores(qk, kvalid, BPos_row, ent, slot, qpos, True, WINDOW)
         else:
             qk = _mask_scores(qk, kvalid, BPos_row, ent, slot, qpos, False, WINDOW)
     else:
-        qk = _mask_scores(qk, kvalid, BPos_row, ent, slot, qpos, CAUSAL_MASK == 1, WINDOW)
+        qk = _mask_scores(qk, kvalid, BPos_row, ent, slot, qpos, CAUSAL_MASK == 1, WINDOW, APE, ctx_c0, ctx_c1,
+                          ape_ctx)
     m_new = tl.maximum(m_i, _max(qk, 1))
     p = tl.math.exp2(qk - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
@@ -303,6 +313,7 @@ def _attn_runs(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, DOT_PREC: tl.constexpr, IDX64: tl.constexpr, FLAT: tl.constexpr,
     FROM_DELTA: tl.constexpr, LOOKAHEAD: tl.constexpr, APPROX: tl.constexpr, WINDOW: tl.constexpr = 0,
+    APE: tl.constexpr = False, ctx_c0=0, ctx_c1=0, ape_ctx=0,
 ):
     """Online-softmax update over key tiles ``[t_start, t_end)``, the delta applied to the
     *query*, once per run of table entries that share one delta.
@@ -315,7 +326,8 @@ def _attn_runs(
     run, so the rotation costs one ``(BLOCK_M, HEAD_DIM)`` FMA pass per chunk instead of one
     per key tile. ``FLAT=False``: an outer loop over runs around a plain, software-pipelined
     inner loop over the run's tiles (the pipeline restarts at each run). ``FLAT=True``: one
-    loop over all tiles that rotates the query when a new run starts (a scalar branch)."""
+    loop over all tiles that rotates the query when a new run starts (a scalar branch).
+    ``APE``: the key-class mask on every tile (``_tile_update``)."""
     TPE: tl.constexpr = PAGE_SIZE // BLOCK_N  # key tiles per table entry
     FD: tl.constexpr = FROM_DELTA and ROT > 0
     if FLAT:
@@ -329,7 +341,8 @@ def _attn_runs(
                 qr = _rot_q(q_row, row_ok, Cos_row, Sin_row, InvFreq, e, d, K, HEAD_DIM, HALF, ROT, FD, APPROX)
             acc, l_i, m_i = _tile_update(acc, l_i, m_i, qr, qr, qpos, K, V, BT_row, BPos_row, BLen_row,
                                          stride_kp, stride_ks, stride_vp, stride_vs, tt, t_start, qk_scale,
-                                         HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL_MASK, DOT_PREC, IDX64, False, WINDOW)
+                                         HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL_MASK, DOT_PREC, IDX64, False, WINDOW,
+                                         APE, ctx_c0, ctx_c1, ape_ctx)
     else:
         t = t_start
         while t < t_end:
@@ -340,7 +353,8 @@ def _attn_runs(
             for tt in range(t, r_end):
                 acc, l_i, m_i = _tile_update(acc, l_i, m_i, qr, qr, qpos, K, V, BT_row, BPos_row, BLen_row,
                                              stride_kp, stride_ks, stride_vp, stride_vs, tt, t, qk_scale,
-                                             HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL_MASK, DOT_PREC, IDX64, False, WINDOW)
+                                             HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL_MASK, DOT_PREC, IDX64, False, WINDOW,
+                                         APE, ctx_c0, ctx_c1, ape_ctx)
             t = r_end
     return acc, l_i, m_i
 
@@ -401,7 +415,7 @@ def _attn_runs_h(
     HEAD_DIM: tl.constexpr, USE_ROPE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, IDX64: tl.constexpr,
     PACKED: tl.constexpr, FROM_DELTA: tl.constexpr, LOOKAHEAD: tl.constexpr, APPROX: tl.constexpr,
-    WINDOW: tl.constexpr = 0,
+    WINDOW: tl.constexpr = 0, APE: tl.constexpr = False, ctx_c0=0, ctx_c1=0, ape_ctx=0, h0=0, hole=0,
 ):
     """The run loop as one loop over key tiles ``[t_start, t_end)`` on the query's two
     rotary halves (needs ``PAGE_SIZE >= BLOCK_N`` and, with RoPE, a fully rotary head).
@@ -421,10 +435,17 @@ def _attn_runs_h(
 
     Without RoPE the run never ends (``r_end = t_end``), but the halves are carried the
     same way: faster than letting the compiler keep a loop-invariant query in shared memory
-    (measured on H200)."""
+    (measured on H200).
+
+    ``APE``: the key-class mask on every tile (``_tile_update``), and ``[t_start, t_end)``
+    are virtual tiles: from ``h0`` on, tile ``tt`` is ``tt + hole`` (``_ctx_split``); needs
+    ``LOOKAHEAD`` off (the run after a run that ends in the hole is not the next one)."""
     TPE: tl.constexpr = PAGE_SIZE // BLOCK_N  # key tiles per table entry
     H2: tl.constexpr = HEAD_DIM // 2
-    e0 = tl.maximum(tl.minimum(t_start, t_end - 1), 0) // TPE  # inside the row if the range is empty
+    t0 = tl.maximum(tl.minimum(t_start, t_end - 1), 0)
+    if APE:
+        t0 = tl.where(t0 >= h0, t0 + hole, t0)
+    e0 = t0 // TPE  # inside the row if the range is empty
     FD: tl.constexpr = FROM_DELTA and USE_ROPE
     if USE_ROPE:
         d_cur, r_end, r_nx, d_nx = _first_run(Runs_row, Delta_row, e0, max_blocks, TPE, FD, LOOKAHEAD)
@@ -435,13 +456,16 @@ def _attn_runs_h(
         d_nx = d_cur
     q1, q2 = _rot_q_h(q_row, row_ok, Cos_row, Sin_row, InvFreq, e0, d_cur, m_i, K, H2, USE_ROPE, PACKED, FD, APPROX)
     for tt in range(t_start, t_end):
+        if APE:  # a virtual tile: past the hole
+            tt = tl.where(tt >= h0, tt + hole, tt)
         if tt >= r_end:
             e = tt // TPE
             d, r_end, r_nx, d_nx = _next_run(Runs_row, Delta_row, e, r_nx, d_nx, max_blocks, TPE, FD, LOOKAHEAD)
             q1, q2 = _rot_q_h(q_row, row_ok, Cos_row, Sin_row, InvFreq, e, d, m_i, K, H2, USE_ROPE, PACKED, FD, APPROX)
         acc, l_i, m_i = _tile_update(acc, l_i, m_i, q1, q2, qpos, K, V, BT_row, BPos_row, BLen_row,
                                      stride_kp, stride_ks, stride_vp, stride_vs, tt, t_lo, qk_scale,
-                                     HEAD_DIM, PAGE_SIZE, BLOCK_N, 2, DOT_PREC, IDX64, True, WINDOW)
+                                     HEAD_DIM, PAGE_SIZE, BLOCK_N, 2, DOT_PREC, IDX64, True, WINDOW,
+                                     APE, ctx_c0, ctx_c1, ape_ctx)
     return acc, l_i, m_i
 
 
@@ -463,7 +487,7 @@ def _paged_attn_fwd(
     USE_ROPE: tl.constexpr, CS_PER_PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
     IDX64: tl.constexpr, NPG: tl.constexpr, PREFETCH: tl.constexpr, QROT: tl.constexpr,
     PACKED_ROT: tl.constexpr, FROM_DELTA: tl.constexpr, LOOKAHEAD: tl.constexpr, APPROX: tl.constexpr,
-    WINDOW: tl.constexpr = 0,
+    WINDOW: tl.constexpr = 0, APE: tl.constexpr = False, CtxRange=None, ctx_inv_t=None,
 ):
     """Grid ``(q_tiles, num_kv_heads * num_splits, batch)``; see the module docstring.
 
@@ -482,7 +506,16 @@ def _paged_attn_fwd(
     (``Delta``, ``InvFreq``) instead of loaded from the tables.
 
     ``SPLIT_OUT``: write normalized partial outputs and their log2-sum-exp to
-    ``PartO/PartLse`` for ``_merge_splits`` instead of the output."""
+    ``PartO/PartLse`` for ``_merge_splits`` instead of the output.
+
+    ``APE`` (APE-style context calibration; needs ``SPLIT_OUT``): ``CtxRange`` ``(batch, 2)``
+    int32 holds each sequence's context key positions ``[c0, c1)``; a row at ``p >= c1``
+    reads its context keys with logits divided by the temperature (``ctx_inv_t`` is its
+    inverse). The splits ``[0, num_splits / 2)`` compute each row's keys but its context keys,
+    the splits ``[num_splits / 2, num_splits)`` its context keys (none for a row before
+    ``c1``), so the two softmax states stay apart for ``_merge_splits`` (``APE``), which scales
+    the context's log-sum-exp. Each class visits only its tiles (``_ctx_split``) and masks
+    every tile it visits."""
     n_qtiles = tl.num_programs(0)
     pid_m = n_qtiles - 1 - tl.program_id(0)  # heaviest (latest) query tiles first
     pid_hs = tl.program_id(1)
@@ -568,10 +601,41 @@ def _paged_attn_fwd(
         s_start = split * per_split
         s_end = tl.minimum(s_start + per_split, t_hi)
 
+    if APE:
+        # this program's key class and its tiles: virtual [v0, v1), or [a0, a1) then [b0, b1)
+        n_cls = num_splits // 2
+        ape_ctx = (split >= n_cls).to(tl.int32)
+        ctx_c0 = tl.load(CtxRange + b * 2).to(tl.int32)
+        ctx_c1 = tl.load(CtxRange + b * 2 + 1).to(tl.int32)
+        after = row_ok & (qpos >= ctx_c1)
+        any_after = _max(after.to(tl.int32), 0)
+        all_after = _min(tl.where(row_ok, after.to(tl.int32), 1), 0)
+        v0, v1, h0, hole = _ctx_split(BLen_row, BPos_row, ctx_c0, ctx_c1, max_blocks, t_lo if WINDOW > 0 else 0, t_hi,
+                                      split % n_cls, n_cls, ape_ctx, any_after, all_after,
+                                      PAGE_SIZE, BLOCK_N, SCAN_BLOCK)
+        a0 = v0
+        a1 = tl.minimum(v1, h0)
+        b0 = tl.maximum(v0, h0) + hole
+        b1 = tl.maximum(v1, h0) + hole
+        qk_scale = tl.where(ape_ctx != 0, qk_scale * ctx_inv_t, qk_scale)
+    else:  # the key ranges below: the split's tiles before t_lo, then from t_lo on
+        ctx_c0 = 0
+        ctx_c1 = 0
+        ape_ctx = 0
+
     m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
-    if QROT == 3:
+    if QROT == 3 and APE:  # one loop over the virtual tiles (the run loop skips the hole itself)
+        acc, l_i, m_i = _attn_runs_h(
+            acc, l_i, m_i, q_row, row_ok, qpos,
+            Kh, Vh, BT_row, BPos_row, BLen_row, Cos_row, Sin_row, Runs + b.to(tl.int64) * max_blocks,
+            Delta + b.to(tl.int64) * stride_bdb, InvFreq,
+            stride_kp, stride_ks, stride_vp, stride_vs,
+            v0, v1, t_lo, max_blocks, qk_scale, HEAD_DIM, USE_ROPE, PAGE_SIZE, BLOCK_N, DOT_PREC, IDX64,
+            PACKED_ROT, FROM_DELTA, LOOKAHEAD, APPROX, WINDOW, APE, ctx_c0, ctx_c1, ape_ctx, h0, hole,
+        )
+    elif QROT == 3:
         acc, l_i, m_i = _attn_runs_h(
             acc, l_i, m_i, q_row, row_ok, qpos,
             Kh, Vh, BT_row, BPos_row, BLen_row, Cos_row, Sin_row, Runs + b.to(tl.int64) * max_blocks,
@@ -588,34 +652,34 @@ def _paged_attn_fwd(
             acc, l_i, m_i, q_row, row_ok, qpos,
             Kh, Vh, BT_row, BPos_row, BLen_row, Cos_row, Sin_row, Runs_row, Delta_row, InvFreq,
             stride_kp, stride_ks, stride_vp, stride_vs,
-            s_start, tl.minimum(s_end, t_lo), max_blocks, qk_scale,
+            a0 if APE else s_start, a1 if APE else tl.minimum(s_end, t_lo), max_blocks, qk_scale,
             HEAD_DIM, HALF, ROT_Q, PAGE_SIZE, BLOCK_N, False, DOT_PREC, IDX64, QROT == 2,
-            FROM_DELTA, LOOKAHEAD, APPROX, WINDOW,
+            FROM_DELTA, LOOKAHEAD, APPROX, WINDOW, APE, ctx_c0, ctx_c1, ape_ctx,
         )
         acc, l_i, m_i = _attn_runs(
             acc, l_i, m_i, q_row, row_ok, qpos,
             Kh, Vh, BT_row, BPos_row, BLen_row, Cos_row, Sin_row, Runs_row, Delta_row, InvFreq,
             stride_kp, stride_ks, stride_vp, stride_vs,
-            tl.maximum(s_start, t_lo), s_end, max_blocks, qk_scale,
+            b0 if APE else tl.maximum(s_start, t_lo), b1 if APE else s_end, max_blocks, qk_scale,
             HEAD_DIM, HALF, ROT_Q, PAGE_SIZE, BLOCK_N, True, DOT_PREC, IDX64, QROT == 2,
-            FROM_DELTA, LOOKAHEAD, APPROX, WINDOW,
+            FROM_DELTA, LOOKAHEAD, APPROX, WINDOW, APE, ctx_c0, ctx_c1, ape_ctx,
         )
     else:
         acc, l_i, m_i = _attn_tiles(
             acc, l_i, m_i, q, q1, q2, qp, qpos,
             Kh, Vh, BT_row, BPos_row, BLen_row, Cos_row, Sin_row,
             stride_kp, stride_ks, stride_vp, stride_vs,
-            max_blocks, s_start, tl.minimum(s_end, t_lo), qk_scale,
+            max_blocks, a0 if APE else s_start, a1 if APE else tl.minimum(s_end, t_lo), qk_scale,
             HEAD_DIM, HALF, HALF_P, PASS, PASS_P, PAGE_SIZE, BLOCK_N,
-            USE_ROPE, CS_PER_PAGE, False, DOT_PREC, IDX64, NPG, PREFETCH, WINDOW,
+            USE_ROPE, CS_PER_PAGE, False, DOT_PREC, IDX64, NPG, PREFETCH, WINDOW, APE, ctx_c0, ctx_c1, ape_ctx,
         )
         acc, l_i, m_i = _attn_tiles(
             acc, l_i, m_i, q, q1, q2, qp, qpos,
             Kh, Vh, BT_row, BPos_row, BLen_row, Cos_row, Sin_row,
             stride_kp, stride_ks, stride_vp, stride_vs,
-            max_blocks, tl.maximum(s_start, t_lo), s_end, qk_scale,
+            max_blocks, b0 if APE else tl.maximum(s_start, t_lo), b1 if APE else s_end, qk_scale,
             HEAD_DIM, HALF, HALF_P, PASS, PASS_P, PAGE_SIZE, BLOCK_N,
-            USE_ROPE, CS_PER_PAGE, True, DOT_PREC, IDX64, NPG, PREFETCH, WINDOW,
+            USE_ROPE, CS_PER_PAGE, True, DOT_PREC, IDX64, NPG, PREFETCH, WINDOW, APE, ctx_c0, ctx_c1, ape_ctx,
         )
 
     seen_any = l_i > 0.0
