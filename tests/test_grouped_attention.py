@@ -158,6 +158,7 @@ def test_planner_reads_a_shared_page_once_per_member_tile():
     assert sorted(it[1] for it in plan.items.tolist()) == [2, 2, 4, 4]
     assert all(it[3] == 2 for it in plan.items.tolist()) and plan.shared_pages == 4
     assert plan.own[:, 2].tolist() == [1] * 6 and plan.parts[:, 1].tolist() == [2] * 6
+    assert plan.saved_reads == 6 * 4 - 4 * 2  # 24 reads of shared pages, 8 by the four items
     assert plan.pages[:, 1].tolist() in ([32, 48, 0, 16], [0, 16, 32, 48])  # stored positions
 
 

@@ -107,7 +107,7 @@ class Engine:
                         "copied_pages": 0,  # pages copied re-rotated (block copies, recovery)
                         "overlapped_steps": 0,
                         "shared_decode_steps": 0,  # decode steps that read shared pages once (grouped)
-                        "shared_plans": 0}  # shared-chunk plans made (when the decode batch changed)
+                        "shared_plans": 0}  # decode batches found sharing pages (a plan made when the rows changed)
         self.disk = disk  # optional DiskKVStore: chunk KV that survives restarts
         self.disk_tier = DiskTier(disk, self.pool) if disk is not None else None
         self.planner = KVPlanner(store, reuse, chunk_context, fingerprint, self.disk_tier, self.metrics)

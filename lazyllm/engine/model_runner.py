@@ -42,6 +42,10 @@ class ModelRunner:
 
     supports_shared = True  # shared-chunk decode (a runner that ships metadata elsewhere says no)
     SHARED_EXTEND = 4  # pages a row may grow by before its shared-chunk plan is made again
+    # the shared-chunk path runs a step only where it saves at least this share of the step's
+    # page reads (a system prompt's page shared by requests over their own documents is not
+    # worth leaving the per-request kernel for)
+    SHARED_MIN_SAVED = 0.25
 
     def __init__(self, model, pool: PagePool, *, rerotate_copy, max_batch_tokens: int, max_batch_size: int,
                  cuda_graphs: bool, metrics: dict):
@@ -218,8 +222,10 @@ class ModelRunner:
         plan = plan_groups(tables, members_per_item=self.shared.members_per_item,
                            pages_per_item=self.shared.pages_per_item, extend=self.SHARED_EXTEND,
                            width=st.max_entries)
-        self.metrics["shared_plans"] += 1
-        if plan is None:  # nothing shared: valid until the rows change
+        self.metrics["shared_plans"] += plan is not None
+        if plan is not None and plan.saved_reads < self.SHARED_MIN_SAVED * sum(len(t) for t in tables):
+            plan = None
+        if plan is None:  # nothing (worth) sharing: valid until the rows change
             self._shared_state = (st.version, 0, [1 << 30] * len(st.rows))
             return 0
         bucket = self.shared.upload(plan)
