@@ -91,14 +91,14 @@ def step_ms(llm, batch: int) -> tuple[float, int]:
     return (statistics.median(steps) * 1e3 if steps else float("nan")), len(steps)
 
 
-def graph_ms(llm, batch: int, reps: int = 20) -> float:
-    """GPU time (ms, median of CUDA-event timings) of one replay of the decode graph last
-    captured for ``batch`` rows (its largest width and shared-plan bucket): the step without
-    the host. The replay repeats that graph's last step (the same K/V writes)."""
-    keys = [k for k in llm.engine.graphs.graphs if k[0] == batch]
-    if not keys:
+def graph_ms(llm, reps: int = 20) -> float:
+    """GPU time (ms, median of CUDA-event timings) of one replay of the decode graph of the
+    engine's last step: the step without the host. The replay repeats that step (the same
+    K/V writes, the same shared-chunk plan)."""
+    key = llm.engine.graphs.last_key
+    if key not in llm.engine.graphs.graphs:
         return float("nan")
-    g, _ = llm.engine.graphs.graphs[max(keys)]
+    g, _ = llm.engine.graphs.graphs[key]
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
@@ -214,7 +214,7 @@ def main():
         # the step time with exactly `batch` requests decoding (TPOT above also counts the
         # prefills of requests that arrive while the first ones decode)
         results[f"decode_b{batch}_step_ms"], results[f"decode_b{batch}_steps"] = step_ms(llm, batch)
-        results[f"decode_b{batch}_graph_ms"] = graph_ms(llm, batch)
+        results[f"decode_b{batch}_graph_ms"] = graph_ms(llm)
         ctx = out.usage.prompt_tokens + args.steps // 2
         floor = (weight_bytes + batch * ctx * kv_per_token) / bw
         results[f"decode_b{batch}_ms"] = tpot * 1e3
@@ -234,7 +234,7 @@ def main():
     outs = llm.generate_batch(reqs, max_new_tokens=args.steps)
     ctx = statistics.mean(o.usage.prompt_tokens for o in outs) + args.steps // 2
     results["decode_b64_distinct_step_ms"], results["decode_b64_distinct_steps"] = step_ms(llm, 64)
-    results["decode_b64_distinct_graph_ms"] = graph_ms(llm, 64)
+    results["decode_b64_distinct_graph_ms"] = graph_ms(llm)
     results["decode_b64_distinct_floor_ms"] = (weight_bytes + 64 * ctx * kv_per_token) / bw * 1e3
     results["graphs"] = sorted(llm.engine.graphs.graphs)
     print(f"shared decode {'on' if args.shared_decode else 'off'}: {llm.engine.metrics['shared_decode_steps']} of "

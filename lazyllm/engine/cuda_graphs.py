@@ -281,6 +281,7 @@ class GraphRunner:
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.pool = None
         self.capture_s = 0.0  # host time spent capturing (a step that meets a new bucket waits it)
+        self.last_key: tuple[int, int, int] | None = None  # the bucket of the last step run
 
     def batch_bucket(self, B: int) -> int:
         return min(next_pow2(B), self.state.max_batch) if self.enabled else B
@@ -309,6 +310,7 @@ class GraphRunner:
         (``B`` the batch bucket; rows past the real batch are padding; ``S``: the item bucket
         of the shared-chunk plan in ``shared``, 0 for none). Both are overwritten by the next
         step of the same bucket."""
+        self.last_key = (B, W, S)
         if not self.enabled:
             return self._step(B, W, S)
         key = (B, W, S)
