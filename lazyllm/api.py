@@ -192,6 +192,13 @@ class LazyLLM:
         faithful than ``"deviation"`` at every budget measured, BENCHMARKS.md "Quality") or
         ``"two-stage"`` (ProphetKV-style: that attention shortlists twice the budget, ranked
         then by attention times key deviation; the ``balanced`` preset's choice).
+    context_temperature, context_lse_scale : APE-style calibration of how the question and
+        the generated tokens read the retrieved documents, without recompute and without
+        touching the cached KV: the documents' logits are divided by the temperature and
+        their log-sum-exp multiplied by the scale (``reference.paged_attention_ref``'s
+        ``ctx_temperature`` / ``ctx_lse_scale``; fused into the Triton kernels). 1 and 1
+        (default): off. Decode steps with it run the per-request kernel (no shared-chunk
+        decode); not with ``tensor_parallel`` yet.
     batch_invariant : compute every token exactly as it would be computed alone: projections
         in fixed blocks of 128 rows and one attention launch configuration for prefill and
         decode (no split-K). In bfloat16/float16, GEMM libraries otherwise pick kernels by batch
@@ -250,6 +257,8 @@ class LazyLLM:
         recompute_first_tokens: int | None = None,
         recompute_ratio: float | None = None,
         recompute_selection: str | None = None,
+        context_temperature: float | None = None,
+        context_lse_scale: float | None = None,
         quality: str | None = None,
         kv_disk_dir: str | os.PathLike | None = None,
         kv_disk_bytes: int = 16 << 30,
@@ -263,13 +272,19 @@ class LazyLLM:
         try:
             opts = resolve_quality(quality, dict(
                 reuse=reuse, chunk_context=chunk_context, recompute_first_tokens=recompute_first_tokens,
-                recompute_ratio=recompute_ratio, recompute_selection=recompute_selection))
+                recompute_ratio=recompute_ratio, recompute_selection=recompute_selection,
+                context_temperature=context_temperature, context_lse_scale=context_lse_scale))
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
         self.quality = quality
         reuse, chunk_context = opts["reuse"], opts["chunk_context"]
         recompute_first_tokens, recompute_ratio = opts["recompute_first_tokens"], opts["recompute_ratio"]
         recompute_selection = opts["recompute_selection"]
+        calibration = (opts["context_temperature"], opts["context_lse_scale"])
+        for name, v in zip(("context_temperature", "context_lse_scale"), calibration):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.0 < v < float("inf")):
+                raise InvalidRequestError(f"{name} must be a positive finite number, got {v!r}")
+        calibration = tuple(float(v) for v in calibration)
         if reuse not in REUSE_MODES:
             raise InvalidRequestError(f"reuse must be one of {REUSE_MODES}, got {reuse!r}")
         if chunk_context not in CHUNK_CONTEXTS:
@@ -302,6 +317,8 @@ class LazyLLM:
             raise InvalidRequestError("recompute_ratio is not supported with tensor_parallel yet")
         if tensor_parallel > 1 and kv_disk_dir is not None:
             raise InvalidRequestError("kv_disk_dir is not supported with tensor_parallel yet")
+        if tensor_parallel > 1 and calibration != (1.0, 1.0):
+            raise InvalidRequestError("context calibration is not supported with tensor_parallel yet")
         self.tensor_parallel = tensor_parallel
         self._tp = None
         self.reuse = reuse
@@ -329,7 +346,7 @@ class LazyLLM:
         self.batch_invariant = batch_invariant
         try:
             backend = make_backend(attention_backend, self.device, batch_invariant=batch_invariant,
-                                   options=kernel_options)
+                                   options=kernel_options, calibration=calibration)
         except ImportError as e:
             raise InvalidRequestError(f"attention_backend='triton' needs triton: {e}") from None
         self.attention_backend = backend.name
@@ -385,6 +402,7 @@ class LazyLLM:
         self.recompute_first_tokens = recompute_first_tokens
         self.recompute_ratio = float(recompute_ratio)
         self.recompute_selection = recompute_selection
+        self.context_temperature, self.context_lse_scale = calibration
         # an engine thread still inside torch at interpreter shutdown can abort the
         # process: stop it first (weakly referenced, so the LazyLLM can still be freed)
         _LIVE_ENGINES.add(self.engine)

@@ -26,6 +26,8 @@ QUALITY_OPTIONS: dict[str, object] = {
     "recompute_first_tokens": 0,
     "recompute_ratio": 0.0,
     "recompute_selection": "deviation",
+    "context_temperature": 1.0,
+    "context_lse_scale": 1.0,
 }
 
 PRESETS: dict[str, dict[str, object]] = {

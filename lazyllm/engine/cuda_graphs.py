@@ -100,10 +100,12 @@ class DecodeState:
     ``n + 1`` before it has read step ``n``'s tokens (``Engine`` overlaps its bookkeeping with
     the GPU that way). Two staging buffers, so staging a step never waits for the one before."""
 
-    def __init__(self, max_batch: int, max_entries: int, device: torch.device):
+    def __init__(self, max_batch: int, max_entries: int, device: torch.device, ctx_ranges: bool = False):
         self.max_batch, self.max_entries, self.device = max_batch, max_entries, device
         i32 = dict(dtype=torch.int32, device=device)
         self.tables = torch.zeros((4, max_batch + 1, max_entries), **i32)
+        # each row's document range [start, end) (context calibration; None: off)
+        self.ctx = torch.zeros((max_batch + 1, 2), **i32) if ctx_ranges else None
         self.ids = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.next_ids = torch.zeros(max_batch, dtype=torch.long, device=device)  # the last step's argmax
         self.pos = torch.zeros(max_batch, **i32)
@@ -128,6 +130,9 @@ class DecodeState:
         self.version += 1
         host = torch.from_numpy(pack_tables([table], self.max_entries)[:, 0]).to(torch.int32)
         self.tables[:, row].copy_(host.to(self.device, non_blocking=False))
+        if self.ctx is not None:
+            rng = getattr(r, "ctx_range", None) or (0, 0)
+            self.ctx[row].copy_(torch.tensor(rng, dtype=torch.int32).to(self.device, non_blocking=False))
 
     def detach(self, r) -> None:
         """Free ``r``'s row, moving the last row into it to keep rows compact."""
@@ -137,6 +142,8 @@ class DecodeState:
         last = len(self.rows) - 1
         if i != last:
             self.tables[:, i].copy_(self.tables[:, last])
+            if self.ctx is not None:
+                self.ctx[i].copy_(self.ctx[last])
             moved = self.rows[last]
             self.rows[i] = moved
             moved.row = i
@@ -198,7 +205,7 @@ class DecodeState:
         return AttentionMetadata(
             positions=self.pos[:B], cu_seqlens_q=self.cu[: B + 1], slot_mapping=self.slots[:B],
             block_table=t[_PAGE, :B, :W], block_pos=t[_POS, :B, :W], block_delta=t[_DELTA, :B, :W],
-            block_len=t[_LEN, :B, :W], max_seqlen_q=1,
+            block_len=t[_LEN, :B, :W], max_seqlen_q=1, ctx_range=None if self.ctx is None else self.ctx[:B],
         )
 
 
@@ -340,7 +347,7 @@ class PrefillGraphs:
     real token's logits are computed."""
 
     def __init__(self, model, k_cache, v_cache, max_entries: int, device: torch.device, scratch_slot: int,
-                 enabled: bool, max_tokens: int = 256):
+                 enabled: bool, max_tokens: int = 256, ctx_ranges: bool = False):
         self.model, self.k, self.v = model, k_cache, v_cache
         self.enabled = enabled and device.type == "cuda"
         self.max_tokens, self.max_entries, self.scratch_slot = max_tokens, max_entries, scratch_slot
@@ -350,10 +357,11 @@ class PrefillGraphs:
         self.capture_s = 0.0
         if self.enabled:
             T = max_tokens
-            self.buf = torch.zeros(3 * T + 3 + 4 * max_entries, dtype=torch.long, device=device)
+            self.buf = torch.zeros(3 * T + 3 + 4 * max_entries + 2, dtype=torch.long, device=device)
             self.tables = torch.zeros((4, 1, max_entries), dtype=torch.int32, device=device)
             self.pos = torch.zeros(T, dtype=torch.int32, device=device)
             self.cu = torch.zeros(2, dtype=torch.int32, device=device)
+            self.ctx = torch.zeros((1, 2), dtype=torch.int32, device=device) if ctx_ranges else None
 
     def accepts(self, n_tokens: int, n_entries: int, logit_rows: int) -> bool:
         return self.enabled and 0 < n_tokens <= self.max_tokens and logit_rows == 1 and \
@@ -365,10 +373,11 @@ class PrefillGraphs:
         # only a scan (it stops at the last real entry)
         return min(next_pow2(W, 16), self.max_entries)
 
-    def run(self, ids, pos, slots, table) -> torch.Tensor | None:
+    def run(self, ids, pos, slots, table, ctx=(0, 0)) -> torch.Tensor | None:
         """Logits ``(1, vocab)`` of the last of ``ids``; ``table`` lists the sequence's
-        ``TableEntry`` rows (cached context first, then its own pages). ``None`` if the graph
-        could not be captured (graphs are then switched off)."""
+        ``TableEntry`` rows (cached context first, then its own pages); ``ctx``: its document
+        range (with context calibration). ``None`` if the graph could not be captured (graphs
+        are then switched off)."""
         n, W = len(ids), len(table)
         T = next_pow2(n, 16)
         Wb = self._width(W)
@@ -378,13 +387,15 @@ class PrefillGraphs:
             np.asarray(list(ids) + [0] * pad, dtype=np.int64),
             np.asarray(list(pos) + [pos[-1]] * pad, dtype=np.int64),
             np.asarray(list(slots) + [self.scratch_slot] * pad, dtype=np.int64),
-            np.asarray([0, n, n - 1], dtype=np.int64), tab.ravel()])).pin_memory()
+            np.asarray([0, n, n - 1], dtype=np.int64), tab.ravel(), np.asarray(ctx, dtype=np.int64)])).pin_memory()
         m = host.numel()
         self.buf[:m].copy_(host, non_blocking=True)
         b = self.buf
         self.pos[:T].copy_(b[T:2 * T])
         self.cu.copy_(b[3 * T:3 * T + 2])
-        self.tables[:, 0, :Wb].copy_(b[3 * T + 3:m].view(4, Wb))
+        self.tables[:, 0, :Wb].copy_(b[3 * T + 3:m - 2].view(4, Wb))
+        if self.ctx is not None:
+            self.ctx.view(-1).copy_(b[m - 2:m])
         key = (T, Wb)
         if key not in self.graphs:
             t0 = time.perf_counter()
@@ -405,7 +416,7 @@ class PrefillGraphs:
         return AttentionMetadata(
             positions=self.pos[:T], cu_seqlens_q=self.cu, slot_mapping=self.buf[2 * T:3 * T],
             block_table=t[_PAGE, :, :Wb], block_pos=t[_POS, :, :Wb], block_delta=t[_DELTA, :, :Wb],
-            block_len=t[_LEN, :, :Wb], max_seqlen_q=T)
+            block_len=t[_LEN, :, :Wb], max_seqlen_q=T, ctx_range=self.ctx)
 
     def _capture(self, T: int, Wb: int):
         meta = self._meta(T, Wb)

@@ -236,7 +236,8 @@ class LazyPolicy(ReusePolicy):
         table = self.place(planner, r, table, plan)
         if table is None or not planner.has_decode_room(decode_pages):
             return False
-        plan.job = Job(suffix.ids, pos, own, list(table), logit_rows=r.logit_rows)
+        r.ctx_range = (spans[0].start, pos) if spans else None
+        plan.job = Job(suffix.ids, pos, own, list(table), logit_rows=r.logit_rows, ctx=r.ctx_range)
         plan.context = table
         r.plan = plan
         r.computed_tokens += S

@@ -58,14 +58,17 @@ class ModelRunner:
         self.max_batch_tokens = max_batch_tokens
         self.metrics = metrics
         max_entries = -(-model.spec.max_context // pool.page_size) + 2
-        self.decode_state = DecodeState(max_batch_size, max_entries, self.device)
+        self.decode_state = DecodeState(max_batch_size, max_entries, self.device,
+                                        ctx_ranges=model.attention.calibrated)
         # no CUDA graphs where a layer's attention reads the batch layout on the host (the
         # torch reference backend)
         graphs = cuda_graphs and model.graph_capturable
         att = model.attention
         opts = getattr(att, "options", None) or KernelOptions()
         self.shared = None
-        if self.supports_shared and att.name == "triton" and opts.shared_decode and not att.batch_invariant:
+        # (context calibration has no shared-chunk kernel: its steps take the per-request one)
+        if (self.supports_shared and att.name == "triton" and opts.shared_decode and not att.batch_invariant
+                and not att.calibrated):
             spec = model.spec
             self.shared = SharedPlanBuffers(max_batch_size, max_entries, spec.num_heads, spec.head_dim, self.device,
                                             members_per_item=opts.shared_members, pages_per_item=opts.shared_pages)
@@ -73,8 +76,12 @@ class ModelRunner:
         self._entries: dict[int, tuple] = {}  # request id -> (its table list, length, entries array)
         self.graphs = GraphRunner(model, self.decode_state, pool.k, pool.v, enabled=graphs, shared=self.shared)
         self.prefill_graphs = PrefillGraphs(model, pool.k, pool.v, max_entries, self.device,
-                                            pool.scratch_page * pool.page_size, enabled=graphs)
+                                            pool.scratch_page * pool.page_size, enabled=graphs,
+                                            ctx_ranges=model.attention.calibrated)
         self._picks = PinnedTurns(max_batch_size, self.device)  # each step's argmax, on its way to the host
+        # context calibration (LazyLLM(context_temperature=, context_lse_scale=)): every step
+        # carries each sequence's document range
+        self.calibrated = model.attention.calibrated
 
     def graph_stats(self) -> dict:
         d, p = self.graphs, self.prefill_graphs
@@ -100,8 +107,9 @@ class ModelRunner:
 
     def _forward_jobs(self, jobs: list[Job]) -> list[torch.Tensor | None]:
         ps = self.pool.page_size
-        ids, pos, slots, cu, tables, logit_rows = [], [], [], [0], [], []
+        ids, pos, slots, cu, tables, logit_rows, ctx = [], [], [], [0], [], [], []
         for j in jobs:
+            ctx.append(j.ctx or (0, 0))
             n = len(j.ids)
             ids += j.ids
             if j.positions is not None:
@@ -117,10 +125,11 @@ class ModelRunner:
         self.metrics["prefill_tokens"] += len(ids)
         if len(jobs) == 1 and self.prefill_graphs.accepts(len(ids), len(tables[0]), jobs[0].logit_rows):
             # a short single-sequence prefill (a question over cached chunks): one graph replay
-            out = self.prefill_graphs.run(ids, pos, slots, tables[0])
+            out = self.prefill_graphs.run(ids, pos, slots, tables[0], ctx[0])
             if out is not None:  # None: the capture failed and graphs are off; run eagerly
                 return [out]
-        ids_t, rows, meta = self.metadata(ids, pos, slots, cu, tables, max(len(j.ids) for j in jobs), logit_rows)
+        ids_t, rows, meta = self.metadata(ids, pos, slots, cu, tables, max(len(j.ids) for j in jobs), logit_rows,
+                                          ctx=ctx if self.calibrated else None)
         logits = self.model.forward(ids_t, meta, self.pool.k, self.pool.v, logits_index=rows)
         out, i = [], 0
         for j in jobs:
@@ -128,16 +137,16 @@ class ModelRunner:
             i += j.logit_rows
         return out
 
-    def metadata(self, ids, pos, slots, cu, tables: list[list[TableEntry]], max_q: int, logit_rows):
+    def metadata(self, ids, pos, slots, cu, tables: list[list[TableEntry]], max_q: int, logit_rows, ctx=None):
         """Token ids, logit rows and attention metadata of a prefill step, sent to the
-        device in one copy."""
+        device in one copy (``ctx``: each sequence's document range, for calibration)."""
         B = len(tables)
         W = max(1, max(len(t) for t in tables))
         n, nr = len(ids), len(logit_rows)
         host = torch.from_numpy(np.concatenate([
             np.asarray(ids, dtype=np.int64), np.asarray(pos, dtype=np.int64), np.asarray(slots, dtype=np.int64),
             np.asarray(cu, dtype=np.int64), np.asarray(logit_rows, dtype=np.int64),
-            pack_tables(tables, W).ravel()]))
+            pack_tables(tables, W).ravel(), np.asarray(ctx if ctx is not None else [], dtype=np.int64).ravel()]))
         if self.device.type == "cuda":
             host = host.pin_memory()
         dev = host.to(self.device, non_blocking=True)
@@ -153,6 +162,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             positions=pos_t.to(torch.int32), cu_seqlens_q=cu_t.to(torch.int32), slot_mapping=slots_t,
             block_table=tab_t[0], block_pos=tab_t[1], block_delta=tab_t[2], block_len=tab_t[3], max_seqlen_q=max_q,
+            ctx_range=take(2 * B).view(B, 2).to(torch.int32) if ctx is not None else None,
         )
         return ids_t, rows_t, meta
 

@@ -96,7 +96,7 @@ class Recovery:
         plan.copies = copies
         own_table = self.planner.own_table(plan.own, plan.suffix_pos, S)
         plan.job = Job(ids, plan.suffix_pos, [], table + own_table, logit_rows=r.logit_rows,
-                       positions=positions, slots=slots)
+                       positions=positions, slots=slots, ctx=r.ctx_range)
         r.table = table + own_table
 
     def question_attention(self, r: Request) -> torch.Tensor:

@@ -48,6 +48,9 @@ class Job:
     # recomputation); then ``context`` lists every page attended to, its own included
     positions: list[int] | None = None
     slots: list[int] | None = None
+    # the retrieved documents' key positions [start, end) for context calibration (queries at
+    # or past ``end`` read them with the backend's context temperature and LSE scale)
+    ctx: tuple[int, int] | None = None
 
 
 @dataclass
@@ -116,6 +119,7 @@ class Request:
     first_token_time: float = 0.0
     finish_reason: str | None = None
     row: int | None = None  # row in the decode state while decoding
+    ctx_range: tuple[int, int] | None = None  # its documents' positions [start, end), if any
     orig_segments: list | None = None  # the segments as submitted, if preemption changed them
     preempted: bool = False
     solo: bool = False  # prefill alone (a batched prefill with it failed)

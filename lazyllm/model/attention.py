@@ -31,6 +31,20 @@ class AttentionBackend:
     name = ""
     graph_capturable = False  # whether a forward through it can be captured in a CUDA graph
     supports_window = False  # whether run() takes ``window`` (sliding-window layers)
+    # APE-style context calibration, (temperature, LSE scale): queries past a sequence's
+    # documents (``meta.ctx_range``) read the documents' logits divided by the temperature and
+    # their log-sum-exp scaled (``reference.paged_attention_ref``); (1, 1): off
+    calibration: tuple[float, float] = (1.0, 1.0)
+
+    @property
+    def calibrated(self) -> bool:
+        return self.calibration != (1.0, 1.0)
+
+    def _ctx(self, meta) -> dict:
+        """The calibration arguments of a kernel call for this step (none when off)."""
+        if meta.ctx_range is None or not self.calibrated:
+            return {}
+        return dict(ctx_range=meta.ctx_range, ctx_temperature=self.calibration[0], ctx_lse_scale=self.calibration[1])
 
     def plan(self, meta, inv_freq: torch.Tensor) -> Any:
         """Per-step state shared by every layer that uses ``inv_freq``."""
@@ -72,7 +86,7 @@ class TorchAttention(AttentionBackend):
     def run(self, q, meta, k_cache, v_cache, inv_freq, sm_scale, plan, *, window=None):
         return reference.paged_attention_ref(q, meta.positions, meta.cu_seqlens_q, k_cache, v_cache,
                                              meta.block_table, meta.block_pos, meta.block_delta, meta.block_len,
-                                             inv_freq, sm_scale, window=window)
+                                             inv_freq, sm_scale, window=window, **self._ctx(meta))
 
     def rerotate_copy(self, k_cache, v_cache, src, dst, delta, inv_freq) -> None:
         reference.rerotate_copy_ref(k_cache, v_cache, src, dst, delta, inv_freq)
@@ -109,7 +123,8 @@ class TritonAttention(AttentionBackend):
 
     def run(self, q, meta, k_cache, v_cache, inv_freq, sm_scale, plan, *, window=None):
         sh = meta.shared
-        if sh is not None and window is None:  # a decode step whose requests share pages
+        ctx = self._ctx(meta)
+        if sh is not None and window is None and not ctx:  # a decode step whose requests share pages
             return self.kernels.grouped_attention_triton(
                 q, meta.positions, k_cache, v_cache, meta.block_table, meta.block_pos, meta.block_delta,
                 meta.block_len, inv_freq, sm_scale, sh.plan, members_per_item=sh.members_per_item,
@@ -117,10 +132,10 @@ class TritonAttention(AttentionBackend):
         if window is not None:  # sliding-window layers (the others' launch is unchanged)
             return self.kernels.paged_attention_triton(
                 q, meta.positions, meta.cu_seqlens_q, k_cache, v_cache, meta.block_table, meta.block_pos,
-                meta.block_delta, meta.block_len, inv_freq, sm_scale, window=window, **plan)
+                meta.block_delta, meta.block_len, inv_freq, sm_scale, window=window, **plan, **ctx)
         return self.kernels.paged_attention_triton(q, meta.positions, meta.cu_seqlens_q, k_cache, v_cache,
                                               meta.block_table, meta.block_pos, meta.block_delta, meta.block_len,
-                                              inv_freq, sm_scale, **plan)
+                                              inv_freq, sm_scale, **plan, **ctx)
 
     def rerotate_copy(self, k_cache, v_cache, src, dst, delta, inv_freq) -> None:
         self.kernels.rerotate_copy_triton(k_cache, v_cache, src, dst, delta, inv_freq)
@@ -134,13 +149,19 @@ class TritonAttention(AttentionBackend):
 
 
 def make_backend(name: str, device: torch.device, *, batch_invariant: bool = False,
-                 options=None) -> AttentionBackend:
-    """The backend ``name`` (``"auto"``, ``"torch"`` or ``"triton"``) for ``device``.
-    Raises ``ValueError`` for an unknown name and ``ImportError`` where Triton is missing."""
+                 options=None, calibration: tuple[float, float] = (1.0, 1.0)) -> AttentionBackend:
+    """The backend ``name`` (``"auto"``, ``"torch"`` or ``"triton"``) for ``device``, with
+    context ``calibration`` ``(temperature, LSE scale)``. Raises ``ValueError`` for an unknown
+    name or a calibration that is not two positive finite numbers, ``ImportError`` where
+    Triton is missing."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    t, s = (float(x) for x in calibration)
+    if not (0.0 < t < float("inf") and 0.0 < s < float("inf")):
+        raise ValueError(f"context temperature and LSE scale must be positive and finite, got {calibration!r}")
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
-        return TorchAttention()
-    return TritonAttention(device, batch_invariant=batch_invariant, options=options)
+    backend = TorchAttention() if name == "torch" else TritonAttention(device, batch_invariant=batch_invariant,
+                                                                      options=options)
+    backend.calibration = (t, s)
+    return backend

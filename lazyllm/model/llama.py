@@ -92,6 +92,9 @@ class AttentionMetadata:
     block_len: torch.Tensor
     max_seqlen_q: int
     shared: SharedMeta | None = None  # a decode step's shared-chunk plan, where one applies
+    # (batch, 2) int32: each sequence's document positions [start, end) for the backend's
+    # context calibration (``AttentionBackend.calibration``); None: no calibration this step
+    ctx_range: torch.Tensor | None = None
 
 
 @dataclass
