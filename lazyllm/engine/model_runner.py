@@ -67,9 +67,10 @@ class ModelRunner:
         opts = getattr(att, "options", None) or KernelOptions()
         self.shared = None
         # (context calibration has no shared-chunk kernel: its steps take the per-request one)
+        # (measured with head_dim 128 on H200; wider heads keep the per-request kernel)
         d, ps = model.spec.head_dim, pool.page_size
         if (self.supports_shared and att.name == "triton" and opts.shared_decode and not att.batch_invariant
-                and not att.calibrated and ps >= 16 and d >= 16 and not ps & (ps - 1) and not d & (d - 1)):
+                and not att.calibrated and ps >= 16 and 16 <= d <= 128 and not ps & (ps - 1) and not d & (d - 1)):
             spec = model.spec
             self.shared = SharedPlanBuffers(max_batch_size, max_entries, spec.num_heads, spec.head_dim, self.device,
                                             members_per_item=opts.shared_members, pages_per_item=opts.shared_pages)
