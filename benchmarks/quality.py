@@ -623,7 +623,7 @@ def parse_args(argv=None):
                          "report (lazyllm.quality.compare) on it instead, with --presets (default: all) and "
                          "--settings-json")
     ap.add_argument("--settings-json", default=None,
-                    help="with --cases: extra settings, a JSON object {name: LazyLLM kwargs}")
+                    help="extra settings, a JSON object {name: LazyLLM kwargs}")
     ap.add_argument("--no-self-check", action="store_true", help="skip full attention scored against itself")
     ap.add_argument("--no-default", action="store_true", help="skip LazyLLM()'s own setting")
     ap.add_argument("--seed", type=int, default=0)
@@ -689,6 +689,8 @@ def main(argv=None) -> dict:
                           if p.get("recompute_ratio") else [])) or "none"
         settings.append(Setting(f"preset {name} ({p['reuse']}/{p['chunk_context']}/{rec})", {"quality": name},
                                 p["reuse"], p["chunk_context"], rec))
+    for name, kw in (json.loads(args.settings_json).items() if args.settings_json else ()):
+        settings.append(Setting(name, kw, kw.get("reuse", "lazy"), kw.get("chunk_context", "isolated"), "custom"))
     for k, v in opts.items():
         if not _neutral(k) and k not in ("reuse", "chunk_context", SELECTION, *RECOVERY_OPTIONS) \
                 and v not in (None, 0, 0.0, False):
