@@ -119,3 +119,24 @@ def test_little_sharing_keeps_the_per_request_kernel(model, tokenizer):
     m = llm.engine.metrics
     assert m["shared_plans"] >= 1 and m["shared_decode_steps"] == 0
     llm.close()
+
+
+def test_a_plan_larger_than_the_buffers_falls_back():
+    """A plan that does not fit the fixed-size buffers is not uploaded (bucket 0: the step
+    runs the per-request kernel); one that fits is laid out with its unused items zeroed."""
+    from lazyllm.engine.cuda_graphs import SharedPlanBuffers
+    from lazyllm.kernels.grouping import plan_groups
+
+    rows = [[(p, 16 * c, 0, 16) for c, p in enumerate(range(8))] + [(100 + b, 128, 0, 3)] for b in range(6)]
+    plan = plan_groups(rows, members_per_item=2, pages_per_item=2)
+    small = SharedPlanBuffers(4, 16, 2, 16, torch.device("cpu"), members_per_item=2, pages_per_item=2,
+                              slots_per_row=2)
+    assert not small.fits(plan) and small.upload(plan) == 0
+    buf = SharedPlanBuffers(8, 16, 2, 16, torch.device("cpu"), members_per_item=2, pages_per_item=2)
+    bucket = buf.upload(plan)
+    assert bucket >= plan.n_items and bucket == buf.bucket(plan.n_items)
+    items = buf.views.items[:bucket]
+    assert torch.equal(items[:plan.n_items], torch.from_numpy(plan.items))
+    assert int(items[plan.n_items:].abs().sum()) == 0
+    m = buf.meta(6, bucket)
+    assert m.plan.own.shape[0] == 6 and torch.equal(m.plan.parts, torch.from_numpy(plan.parts))
