@@ -65,9 +65,9 @@ class PinnedTurns:
     its previous copy is done (two copies ago: normally long done), so the host never
     rewrites or reads a buffer that a pending copy still uses."""
 
-    def __init__(self, n: int, device: torch.device):
+    def __init__(self, n: int, device: torch.device, dtype: torch.dtype = torch.long):
         cuda = device.type == "cuda"
-        self.bufs = [torch.zeros(n, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self.bufs = [torch.zeros(n, dtype=dtype, pin_memory=cuda) for _ in range(2)]
         self.arrays = [b.numpy() for b in self.bufs]
         self.events = [torch.cuda.Event() for _ in range(2)] if cuda else [None, None]
         self.turn = 0
@@ -131,8 +131,7 @@ class DecodeState:
         host = torch.from_numpy(pack_tables([table], self.max_entries)[:, 0]).to(torch.int32)
         self.tables[:, row].copy_(host.to(self.device, non_blocking=False))
         if self.ctx is not None:
-            rng = getattr(r, "ctx_range", None) or (0, 0)
-            self.ctx[row].copy_(torch.tensor(rng, dtype=torch.int32).to(self.device, non_blocking=False))
+            self.ctx[row].copy_(torch.tensor(r.ctx_range or (0, 0), dtype=torch.int32).to(self.device))
 
     def detach(self, r) -> None:
         """Free ``r``'s row, moving the last row into it to keep rows compact."""
@@ -230,10 +229,7 @@ class SharedPlanBuffers:
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         n = int(self.offsets[-1])
         self.dev = torch.zeros(n, dtype=torch.int32, device=device)
-        cuda = device.type == "cuda"
-        self._host = [torch.zeros(n, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
-        self._events = [torch.cuda.Event() for _ in range(2)] if cuda else [None, None]
-        self._turn = 0
+        self._host = PinnedTurns(n, device, dtype=torch.int32)
         self.part_o = torch.empty((self.slots_cap, num_heads, head_dim), dtype=torch.float32, device=device)
         self.part_lse = torch.empty((self.slots_cap, num_heads), dtype=torch.float32, device=device)
         o = self.offsets
@@ -254,19 +250,15 @@ class SharedPlanBuffers:
         """Write ``plan`` to the device buffers; its item bucket (0: it does not fit)."""
         if not self.fits(plan):
             return 0
-        k = self._turn
-        self._turn ^= 1
-        if self._events[k] is not None:
-            self._events[k].synchronize()  # the copy two uploads ago is done with this buffer
-        h = self._host[k].numpy()
+        k = self._host.take()
+        h = self._host.arrays[k]
         h[:] = 0
         o = self.offsets
         for i, a in enumerate((plan.items, plan.pages, plan.members, plan.own, plan.cols, plan.parts)):
             flat = np.asarray(a, dtype=np.int32).ravel()
             h[o[i]:o[i] + len(flat)] = flat
-        self.dev.copy_(self._host[k], non_blocking=True)
-        if self._events[k] is not None:
-            self._events[k].record()
+        self.dev.copy_(self._host.bufs[k], non_blocking=True)
+        self._host.record(k)
         return self.bucket(plan.n_items)
 
     def meta(self, B: int, bucket: int) -> SharedMeta:

@@ -58,32 +58,30 @@ class ModelRunner:
         self.max_batch_tokens = max_batch_tokens
         self.metrics = metrics
         max_entries = -(-model.spec.max_context // pool.page_size) + 2
-        self.decode_state = DecodeState(max_batch_size, max_entries, self.device,
-                                        ctx_ranges=model.attention.calibrated)
+        att, spec = model.attention, model.spec
+        # context calibration (LazyLLM(context_temperature=, context_lse_scale=)): every step
+        # carries each sequence's document range
+        self.calibrated = att.calibrated
+        self.decode_state = DecodeState(max_batch_size, max_entries, self.device, ctx_ranges=self.calibrated)
         # no CUDA graphs where a layer's attention reads the batch layout on the host (the
         # torch reference backend)
         graphs = cuda_graphs and model.graph_capturable
-        att = model.attention
         opts = getattr(att, "options", None) or KernelOptions()
         self.shared = None
-        # (context calibration has no shared-chunk kernel: its steps take the per-request one)
-        # (measured with head_dim 128 on H200; wider heads keep the per-request kernel)
-        d, ps = model.spec.head_dim, pool.page_size
+        # shared-chunk decode where its kernel applies and was measured (head_dim up to 128 on
+        # H200); context calibration has no shared-chunk kernel: its steps take the per-request one
+        d, ps = spec.head_dim, pool.page_size
         if (self.supports_shared and att.name == "triton" and opts.shared_decode and not att.batch_invariant
-                and not att.calibrated and ps >= 16 and 16 <= d <= 128 and not ps & (ps - 1) and not d & (d - 1)):
-            spec = model.spec
-            self.shared = SharedPlanBuffers(max_batch_size, max_entries, spec.num_heads, spec.head_dim, self.device,
+                and not self.calibrated and ps >= 16 and 16 <= d <= 128 and not ps & (ps - 1) and not d & (d - 1)):
+            self.shared = SharedPlanBuffers(max_batch_size, max_entries, spec.num_heads, d, self.device,
                                             members_per_item=opts.shared_members, pages_per_item=opts.shared_pages)
         self._shared_state: tuple | None = None  # (decode state version, item bucket, rows' covered columns)
         self._entries: dict[int, tuple] = {}  # request id -> (its table list, length, entries array)
         self.graphs = GraphRunner(model, self.decode_state, pool.k, pool.v, enabled=graphs, shared=self.shared)
         self.prefill_graphs = PrefillGraphs(model, pool.k, pool.v, max_entries, self.device,
                                             pool.scratch_page * pool.page_size, enabled=graphs,
-                                            ctx_ranges=model.attention.calibrated)
+                                            ctx_ranges=self.calibrated)
         self._picks = PinnedTurns(max_batch_size, self.device)  # each step's argmax, on its way to the host
-        # context calibration (LazyLLM(context_temperature=, context_lse_scale=)): every step
-        # carries each sequence's document range
-        self.calibrated = model.attention.calibrated
 
     def graph_stats(self) -> dict:
         d, p = self.graphs, self.prefill_graphs
@@ -253,13 +251,12 @@ class ModelRunner:
         a new table list, after preemption, is read whole)."""
         n = len(r.table)
         got = self._entries.get(id(r))
-        if got is None or got[0] is not r.table or got[1] > n:
-            arr = np.array([(e.page, e.pos, e.delta, e.length) for e in r.table], dtype=np.int64).reshape(-1, 4)
-        elif got[1] < n:
-            new = np.array([(e.page, e.pos, e.delta, e.length) for e in r.table[got[1]:]], dtype=np.int64)
-            arr = np.concatenate([got[2], new.reshape(-1, 4)])
-        else:
+        if got is not None and got[0] is r.table and got[1] == n:
             return got[2]
+        fresh = got is None or got[0] is not r.table or got[1] > n
+        start = 0 if fresh else got[1]
+        new = pack_tables([r.table[start:]], n - start)[:, 0].T
+        arr = new if fresh else np.concatenate([got[2], new])
         self._entries[id(r)] = (r.table, n, arr)
         return arr
 
