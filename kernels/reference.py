@@ -83,28 +83,40 @@ def rotate_by_delta(k: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor
     return apply_rope(k, cos, sin)
 
 
+def _entry_slots(k_cache, v_cache, pages, pos0, lens, delta):
+    """The valid slots of table entries (``pages``, the position of each one's slot 0, its
+    valid length and delta; 1-D int64), in entry order: keys and values as stored (``v``
+    ``None`` without ``v_cache``), each slot's position and delta, and the mask of valid
+    slots over ``entries x page_size``."""
+    page_size, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    slots = torch.arange(page_size, device=k_cache.device)
+    valid = (slots[None, :] < lens[:, None]).reshape(-1)  # (n_entries * page_size,)
+    kpos = (pos0[:, None] + slots[None, :]).reshape(-1)[valid]
+    dl = delta[:, None].expand(-1, page_size).reshape(-1)[valid]
+    k = k_cache[pages].reshape(-1, hkv, d)[valid]
+    v = None if v_cache is None else v_cache[pages].reshape(-1, hkv, d)[valid]
+    return k, v, kpos, dl, valid
+
+
 def _sequence_keys(b, k_cache, v_cache, block_table, block_pos, block_delta, block_len, inv_freq,
                    slot_ids: bool = False):
     """Sequence ``b``'s valid key slots, in table order: keys rotated by their entry's delta,
     values (``None`` without ``v_cache``), positions, and (with ``slot_ids``, else ``None``)
     flat slot indices ``entry * page_size + slot``. ``None`` when its table has no valid
     entry."""
-    page_size, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    page_size = k_cache.shape[1]
     lens = block_len[b]
     used = lens > 0
     if not bool(used.any()):
         return None
-    slots = torch.arange(page_size, device=k_cache.device)
-    pages = block_table[b][used].long()
-    valid = (slots[None, :] < lens[used].long()[:, None]).reshape(-1)  # (n_entries * page_size,)
-    kpos = (block_pos[b][used].long()[:, None] + slots[None, :]).reshape(-1)[valid]
-    delta = block_delta[b][used].long()[:, None].expand(-1, page_size).reshape(-1)[valid]
+    k, v, kpos, delta, valid = _entry_slots(k_cache, v_cache, block_table[b][used].long(),
+                                            block_pos[b][used].long(), lens[used].long(),
+                                            block_delta[b][used].long())
     flat = None
     if slot_ids:
         ent = torch.nonzero(used).flatten()
+        slots = torch.arange(page_size, device=k_cache.device)
         flat = (ent[:, None] * page_size + slots[None, :]).reshape(-1)[valid]
-    k = k_cache[pages].reshape(-1, hkv, d)[valid]
-    v = None if v_cache is None else v_cache[pages].reshape(-1, hkv, d)[valid]
     if bool((delta != 0).any()):
         k = rotate_by_delta(k, delta, inv_freq)
     return k, v, kpos, flat
@@ -310,8 +322,7 @@ def grouped_attention_ref(
     a query with no visible key.
     """
     total_q, hq, d = q.shape
-    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
-    group = hq // hkv
+    group = hq // k_cache.shape[2]
     half = int(inv_freq.numel())
     if out is None:
         out = torch.empty_like(q)
@@ -320,16 +331,12 @@ def grouped_attention_ref(
     # the shared slots, then one slot per query for its own pages
     part_o = torch.zeros((n_slots + total_q, hq, d), dtype=torch.float32)
     part_lse = torch.full((n_slots + total_q, hq), float("-inf"), dtype=torch.float32)
-    slots = torch.arange(page_size)
 
     def partial(qi, slot, pages, kpos0, lens, delta):
-        valid = (slots[None, :] < lens[:, None]).reshape(-1)
+        k, v, kpos, dl, valid = _entry_slots(k_cache, v_cache, pages, kpos0, lens, delta)  # stored frame
         if not bool(valid.any()):
             return
-        kpos = (kpos0[:, None] + slots[None, :]).reshape(-1)[valid]
-        dl = delta[:, None].expand(-1, page_size).reshape(-1)[valid]
-        k = k_cache[pages].reshape(-1, hkv, d)[valid].to(torch.float32)  # stored frame
-        v = v_cache[pages].reshape(-1, hkv, d)[valid].to(torch.float32)
+        k, v = k.to(torch.float32), v.to(torch.float32)
         qr = q[qi].to(torch.float32)[None].expand(k.shape[0], hq, d).clone()
         if half:  # the query in each key's stored frame: R(-delta) q
             cos, sin = rope_cos_sin(-dl, inv_freq)

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ._common import _LOG2E, _M_INIT, _cos_sin_of, _interpreting, _max, _sum
+from .launcher import _validate
 
 __all__ = ["grouped_attention_triton"]
 
@@ -242,12 +243,11 @@ def grouped_attention_triton(
     shared partial states (allocated when not given). ``use_rope=False``: no rotation
     (deltas ignored).
     """
+    _validate(q, k_cache, v_cache, inv_freq)  # the shapes paged_attention_triton accepts
     total_q, hq, d = q.shape
-    _, page_size, hkv, dk = k_cache.shape
-    if dk != d or hq % hkv:
-        raise ValueError(f"q {tuple(q.shape)} does not match the cache {tuple(k_cache.shape)}")
-    if d & (d - 1) or d < 16 or page_size < 16 or page_size & (page_size - 1):
-        raise ValueError("grouped attention needs head_dim and page_size powers of two >= 16")
+    _, page_size, hkv, _ = k_cache.shape
+    if page_size < 16:
+        raise ValueError(f"grouped attention needs pages of at least 16 tokens, got {page_size}")
     strides = {block_table.stride(0), block_pos.stride(0), block_delta.stride(0), block_len.stride(0)}
     if len(strides) != 1 or block_table.stride(1) != 1:
         raise ValueError("block_table/pos/delta/len must share one row stride and contiguous columns")
