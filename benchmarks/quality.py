@@ -44,6 +44,14 @@ would show it if batching changed the numbers); the TTFT requests run one at a t
 ``--cases`` runs ``lazyllm.quality.compare`` (the fidelity report users run on their own data,
 whose metric code this benchmark shares) on the given cases instead of the built-in corpus.
 
+Oracle recompute selections (an upper bound for selective recompute, not engine options):
+recoveries ``oracle-kv-R``, ``oracle-attn-R``, ``oracle-kvattn-R``, ``oracle-effect-R``, or
+``"recompute_selection": "oracle-kv"`` (etc.) in ``--settings-json``, choose the tokens with
+full attention's KV and attention over the same prompt (see ``ORACLE_SELECTIONS``); each
+oracle setting also reports which tokens it picked (``oracle_picks``).
+
+    python benchmarks/quality.py --modes lazy --contexts prefix --recoveries oracle-kv-0.2,first-4+oracle-kvattn-0.15
+
 Options the engine does not have yet (``recompute_first_tokens``, ``recompute_ratio``) are
 detected with ``inspect.signature(LazyLLM.__init__)``; their settings are skipped with a
 note. A model that lazyllm does not support is reported as such (exit status 2).
@@ -56,6 +64,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import math
 import os
 import platform
 import random
@@ -348,8 +357,9 @@ def build_settings(modes, contexts, recoveries, opts) -> tuple[list[Setting], li
 
     A recovery is ``none``, ``first-K`` (``recompute_first_tokens=K``), ``ratio-R``
     (``recompute_ratio=R``, tokens chosen by key deviation), ``attn-R`` (``recompute_ratio=R``
-    with ``recompute_selection="attention"``) or a combination joined by ``+``
-    (``first-4+ratio-0.05``).
+    with ``recompute_selection="attention"``), ``two-R`` (``"two-stage"``), an oracle
+    ``oracle-kv-R`` / ``oracle-attn-R`` / ``oracle-kvattn-R`` / ``oracle-effect-R`` (``install_oracle_selection``:
+    measurement only) or a combination joined by ``+`` (``first-4+ratio-0.05``).
     A recovery option that defaults to on is passed as off when unused, so a grid setting
     does not silently inherit a changed default."""
     settings = [Setting("full (self-check)", {"reuse": "none"}, "none", "-", is_reference=True)]
@@ -362,18 +372,20 @@ def build_settings(modes, contexts, recoveries, opts) -> tuple[list[Setting], li
                 kw.update({opt: _OFF[opt] for opt in RECOVERY_OPTIONS if opts.get(opt, 0) not in (0, None)})
                 missing = []
                 for part in ([] if rec == "none" else rec.split("+")):
-                    kind, val = part.split("-", 1)
-                    opt = {"first": "recompute_first_tokens", "ratio": "recompute_ratio",
-                           "attn": "recompute_ratio", "two": "recompute_ratio"}[kind]
+                    kind, val = part.rsplit("-", 1)
+                    opt = "recompute_first_tokens" if kind == "first" else "recompute_ratio"
+                    if kind not in ("first", "ratio", "attn", "two", *ORACLE_SELECTIONS):
+                        raise SystemExit(f"unknown recovery {part!r}")
                     if opt not in opts:
                         missing.append(opt)
                     kw[opt] = int(val) if kind == "first" else float(val)
-                    if kind in ("ratio", "attn", "two"):
+                    if kind != "first":
                         if SELECTION not in opts:
                             if kind != "ratio":
                                 missing.append(SELECTION)
                         else:
-                            kw[SELECTION] = {"attn": "attention", "two": "two-stage"}.get(kind, "deviation")
+                            kw[SELECTION] = {"attn": "attention", "two": "two-stage"}.get(
+                                kind, kind if kind in ORACLE_SELECTIONS else "deviation")
                 if missing:
                     skipped.append({"setting": f"{reuse}/{ctx}/{rec}",
                                     "reason": "LazyLLM has no " + ", ".join(f"`{m}`" for m in missing)
@@ -399,6 +411,191 @@ def build_settings(modes, contexts, recoveries, opts) -> tuple[list[Setting], li
     d.name = f"default ({d.reuse}/{d.chunk_context}/{d.recovery})"
     settings.append(d)
     return settings, skipped
+
+
+# -- oracle selection (an upper bound; measurement only) -------------------------------
+# Recompute selections that read what a real system does not have: the KV and attention
+# of full attention over the same prompt. They are not engine options: the benchmark adds
+# them to the engine's selection names for its own process (``install_oracle_selection``).
+#   oracle-kv     : tokens whose cached K and V deviate most from full attention's, summed
+#                   over every layer (each layer's squared error over its mean squared norm
+#                   of full attention's K, resp. V): CacheBlend's ideal criterion;
+#   oracle-attn   : tokens the answer attends to most under full attention (softmax mass
+#                   from the rows that predict the scored answer tokens, summed over
+#                   layers, heads and rows; a generation request: the question's rows);
+#   oracle-kvattn : the product of the two, each scaled to its maximum;
+#   oracle-effect : per layer, the answer's attention mass on the token times the root of
+#                   its relative K+V deviation there (first-order size of the change in the
+#                   answer's attention output), summed over layers.
+ORACLE_SELECTIONS = ("oracle-kv", "oracle-attn", "oracle-kvattn", "oracle-effect")
+ORACLE_LOG: list | None = None  # a list: each oracle choice is recorded here (``oracle_summary``)
+
+
+@torch.inference_mode()
+def full_context_kv(model, ids: torch.Tensor, query_from: int | None = None):
+    """Dense causal forward of ``ids`` at positions ``0..n-1`` through every layer (the
+    arithmetic of ``probe_keys``). Returns per layer the keys (rotated at their positions)
+    and values ``(n, kv_heads, head_dim)``, and with ``query_from`` the attention
+    probabilities that rows ``query_from..n-1`` give every position, per layer and summed
+    over heads, ``(layers, n - query_from, n)`` float32 (else ``None``)."""
+    from lazyllm.kernels.reference import rope_cos_sin
+
+    spec = model.spec
+    n = ids.shape[0]
+    pos = torch.arange(n, device=ids.device)
+    tables = [rope_cos_sin(pos, f, sc) for f, sc in zip(model.inv_freqs, model.rope_scales)]
+    group = spec.num_heads // spec.num_kv_heads
+    h = model._embed(ids)
+    ks, vs, mass = [], [], []
+    for w in model.layers:
+        q, k, v = model._qkv(h, w, *tables[w["freq"]])
+        ks.append(k)
+        vs.append(v)
+        mask = pos[None, :] <= pos[:, None]
+        if w["window"] is not None:
+            mask &= pos[:, None] - pos[None, :] < w["window"]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+            scale=spec.sm_scale, enable_gqa=group != 1)[0].transpose(0, 1)
+        if query_from is not None:
+            qq = q[query_from:].transpose(0, 1).float()  # (heads, m, d)
+            kk = k.repeat_interleave(group, dim=1).transpose(0, 1).float()  # (heads, n, d)
+            logits = (qq @ kk.transpose(1, 2)) * spec.sm_scale
+            probs = logits.masked_fill(~mask[query_from:], float("-inf")).softmax(-1).sum(0)
+            mass.append(probs)
+        h = model._finish_layer(h, o, w)
+    return ks, vs, (torch.stack(mass) if query_from is not None else None)
+
+
+def oracle_scores(rec, r) -> torch.Tensor:
+    """The oracle's score of every chunk token of request ``r`` (in chunk order, as
+    ``Recovery.key_deviation`` returns them), for ``rec.selection``."""
+    from lazyllm.kernels.reference import rotate_by_delta
+
+    spans = r.plan.spans
+    model, pool = rec.model, rec.pool
+    dev = pool.k.device
+    prompt = r.prompt_ids
+    n_head = spans[-1].start + len(spans[-1].ids)
+    ans_from = len(prompt) - r.logit_rows if r.logit_rows > 1 else n_head  # rows predicting the answer
+    ks, vs, mass = full_context_kv(model, torch.tensor(prompt, dtype=torch.long, device=dev), n_head)
+    ps = pool.page_size
+    pages, slots, deltas, rows = [], [], [], []
+    for s in spans:
+        for i in range(len(s.ids)):
+            e = s.entries[i // ps]
+            pages.append(e.page)
+            slots.append(i % ps)
+            deltas.append(e.delta)
+            rows.append(s.start + i)
+    pages_t, slots_t = torch.tensor(pages, device=dev), torch.tensor(slots, device=dev)
+    deltas_t, rows_t = torch.tensor(deltas, device=dev), torch.tensor(rows, device=dev)
+    ans_layers = mass[:, ans_from - n_head:].sum(1)[:, rows_t]  # (layers, chunk tokens)
+    kv = torch.zeros(len(rows), dtype=torch.float32, device=dev)
+    effect = torch.zeros_like(kv)
+    for li in range(len(ks)):
+        inv = model.inv_freqs[model.freq_index[li]]
+        kc = rotate_by_delta(pool.k[li][pages_t, slots_t], deltas_t, inv).float()
+        vc = pool.v[li][pages_t, slots_t].float()
+        kf, vf = ks[li][rows_t].float(), vs[li][rows_t].float()
+        d = (kf - kc).pow(2).sum((-1, -2)) / kf.pow(2).sum((-1, -2)).mean().clamp_min(1e-30) + \
+            (vf - vc).pow(2).sum((-1, -2)) / vf.pow(2).sum((-1, -2)).mean().clamp_min(1e-30)
+        kv += d
+        effect += ans_layers[li] * d.sqrt()
+    ans = ans_layers.sum(0)
+    question = mass[:, :max(ans_from - n_head, 1)].sum((0, 1))[rows_t]  # the question's own rows
+    if rec.selection == "oracle-kv":
+        score = kv
+    elif rec.selection == "oracle-attn":
+        score = ans
+    elif rec.selection == "oracle-effect":
+        score = effect
+    else:
+        score = (kv / kv.max().clamp_min(1e-30)) * (ans / ans.max().clamp_min(1e-30))
+    if ORACLE_LOG is not None:
+        ORACLE_LOG.append(dict(
+            key=(rec.selection, rec.ratio, rec.first_tokens), scored=r.logit_rows > 1,
+            lens=[len(s.ids) for s in spans], ids=[t for s in spans for t in s.ids], score=score.cpu(),
+            kv=kv.cpu(), answer_mass=ans.cpu(), question_mass=question.cpu(),
+            probe_deviation=rec._oracle_probe_deviation(r).float().cpu()))
+    return score
+
+
+def install_oracle_selection() -> None:
+    """Let ``LazyLLM(recompute_selection=...)`` take the ``ORACLE_SELECTIONS`` in this
+    process: adds them to the engine's selection names and routes ``Recovery.key_deviation``
+    (what any other selection name than "attention" and "two-stage" ranks by) to
+    ``oracle_scores`` for them; every other selection is unchanged. Idempotent."""
+    import lazyllm.api as api_mod
+    from lazyllm.engine import recovery as rec_mod
+
+    cls = rec_mod.Recovery
+    if getattr(cls, "_oracle_probe_deviation", None) is not None:
+        return
+    rec_mod.SELECTIONS = tuple(rec_mod.SELECTIONS) + ORACLE_SELECTIONS
+    api_mod.SELECTIONS = rec_mod.SELECTIONS
+    real = cls.key_deviation
+
+    def key_deviation(self, r):
+        if self.selection in ORACLE_SELECTIONS:
+            return oracle_scores(self, r)
+        return real(self, r)
+
+    cls._oracle_probe_deviation = real
+    cls.key_deviation = key_deviation
+
+
+def _wants_oracle(args) -> bool:
+    return any(o in (args.recoveries or "") + (args.settings_json or "") for o in ORACLE_SELECTIONS)
+
+
+def oracle_summary(log: list, key=None) -> dict:
+    """What the oracle picked (score requests only; ``key``: one setting's (selection,
+    ratio, first tokens)): where in the chunks, how much of it the first tokens of each
+    chunk, the engine's own criteria and the other oracle would have picked too, and the
+    most frequent picked tokens."""
+    rows = [e for e in log if e["scored"] and (key is None or e["key"] == key)]
+    if not rows:
+        return {}
+    picks = n_total = 0
+    first4 = first_chunk = in_q_top = in_dev_top = in_ans_top = in_kv_top = 0
+    rel_pos = []
+    counts: dict[int, int] = {}
+    for e in rows:
+        sel, ratio, k = e["key"]
+        total = len(e["ids"])
+        n_pick = min(total, math.ceil(ratio * total))
+        top = set(torch.topk(e["score"], n_pick).indices.tolist())
+
+        def top_of(x):
+            return set(torch.topk(x, n_pick).indices.tolist())
+
+        q_top, d_top, a_top, kv_top = (top_of(e["question_mass"]), top_of(e["probe_deviation"]),
+                                       top_of(e["answer_mass"]), top_of(e["kv"]))
+        starts, acc = [], 0
+        for n in e["lens"]:
+            starts.append(acc)
+            acc += n
+        for j in top:
+            ci = max(c for c in range(len(starts)) if starts[c] <= j)
+            i = j - starts[ci]
+            first4 += i < 4
+            first_chunk += ci == 0
+            rel_pos.append(i / max(1, e["lens"][ci] - 1))
+            counts[e["ids"][j]] = counts.get(e["ids"][j], 0) + 1
+        in_q_top += len(top & q_top)
+        in_dev_top += len(top & d_top)
+        in_ans_top += len(top & a_top)
+        in_kv_top += len(top & kv_top)
+        picks += len(top)
+        n_total += total
+    frequent = sorted(counts.items(), key=lambda kv: -kv[1])[:12]
+    return dict(requests=len(rows), picks=picks, chunk_tokens=n_total,
+                in_first_4=first4 / picks, in_first_chunk=first_chunk / picks,
+                mean_relative_position=statistics.mean(rel_pos),
+                overlap_question_attention=in_q_top / picks, overlap_key_deviation_probe=in_dev_top / picks,
+                overlap_answer_attention=in_ans_top / picks, overlap_kv_deviation=in_kv_top / picks,
+                frequent_token_ids=frequent)
 
 
 # -- measurement -----------------------------------------------------------------------
@@ -567,6 +764,28 @@ def markdown_table(out: dict) -> str:
                               f"on needle prompts)"
 
 
+def _oracle_log_start(on: bool) -> None:
+    """Record the oracle's choices from now on (a fresh log), or stop recording."""
+    global ORACLE_LOG
+    ORACLE_LOG = [] if on else None
+
+
+def _oracle_picks(tok, log) -> dict:
+    """``oracle_summary`` of each oracle setting recorded since ``_oracle_log_start``,
+    logged; the frequent tokens as text."""
+    out = {}
+    for key in sorted({e["key"] for e in ORACLE_LOG or []}):
+        summ = oracle_summary(ORACLE_LOG, key)
+        if not summ:
+            continue
+        summ["frequent_tokens"] = [(tok.decode([t]), c) for t, c in summ.pop("frequent_token_ids")]
+        name = f"{key[0]}-{key[1]}" + (f"+first-{key[2]}" if key[2] else "")
+        out[name] = summ
+        log(f"  oracle picks, {name}: " + ", ".join(
+            f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in summ.items()))
+    return out
+
+
 def run_cases(args, log) -> dict:
     """The fidelity report on a JSONL of cases (held-out or your own)."""
     from lazyllm.quality import compare
@@ -574,6 +793,10 @@ def run_cases(args, log) -> dict:
     settings = ["default"] + [p for p in (args.presets.split(",") if args.presets else PRESETS) if p]
     if args.settings_json:
         settings = [(n, None) for n in settings] + list(json.loads(args.settings_json).items())
+    oracle = _wants_oracle(args)
+    if oracle:
+        install_oracle_selection()
+        _oracle_log_start(True)
     llm = LazyLLM(args.model, device=args.device, dtype=args.dtype, reuse="none", kv_cache_bytes=args.kv_cache_mb
                   << 20, progress=False)
     try:
@@ -582,6 +805,9 @@ def run_cases(args, log) -> dict:
     finally:
         llm.close()
     out = rep.to_dict()
+    if oracle:
+        out["oracle_picks"] = _oracle_picks(llm.tokenizer, log)
+        _oracle_log_start(False)
     out.update(date=time.strftime("%Y-%m-%d"), command="python benchmarks/quality.py " + " ".join(
         sys.argv[1:]), table=rep.to_markdown(), device=str(llm.device), dtype=str(llm.dtype))
     log(out["table"])
@@ -612,7 +838,8 @@ def parse_args(argv=None):
     ap.add_argument("--recoveries", default="none,first-4,first-16,first-32,ratio-0.05,ratio-0.15",
                     help="none, first-K (recompute_first_tokens=K), ratio-R (recompute_ratio=R, key deviation), "
                          "attn-R (recompute_ratio=R, recompute_selection='attention'), two-R ('two-stage'), "
-                         "joined by +")
+                         "oracle-kv-R / oracle-attn-R / oracle-kvattn-R / oracle-effect-R (an upper bound that "
+                         "reads full attention's KV and attention: measurement only), joined by +")
     ap.add_argument("--score-workers", type=int, default=8,
                     help="score requests in flight at once (batched by the engine; 1: one at a time)")
     ap.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool per engine")
@@ -650,6 +877,8 @@ def main(argv=None) -> dict:
     t_start = time.perf_counter()
     if args.cases:
         return run_cases(args, log)
+    if _wants_oracle(args):
+        install_oracle_selection()
     opts = available_options()
     rec_avail = recovery_available(opts)
     kv_bytes = args.kv_cache_mb << 20
@@ -719,14 +948,19 @@ def main(argv=None) -> dict:
             skipped.append({"setting": s.name, "reason": f"{type(e).__name__}: {e}"})
             log(f"note: {s.name} skipped: {e}")
             continue
+        oracle = s.kwargs.get(SELECTION) in ORACLE_SELECTIONS
         try:
             llm.generate("Warm-up question?", chunks=["A warm-up document."], max_new_tokens=1)
+            _oracle_log_start(oracle)
             res = run_setting(llm, s, prompts, refs, canonical, args, log)
+            if oracle:
+                res["oracle_picks"] = _oracle_picks(tok, log)
         except (LazyLLMError, NotImplementedError) as e:
             skipped.append({"setting": s.name, "reason": f"{type(e).__name__}: {e}"})
             log(f"note: {s.name} failed: {e}")
             continue
         finally:
+            _oracle_log_start(False)
             llm.close()
             del llm
             gc.collect()
