@@ -649,21 +649,27 @@ def test_decode_auto_splits_are_used(monkeypatch):
     assert calls, "expected a split-K launch"
 
 
-@pytest.mark.parametrize("batch_n", [2, 4, 8])
+@pytest.mark.parametrize("batch_n", [2, 8, 16])
 def test_decode_split_count(batch_n, monkeypatch):
-    """Split-K for decode only while there are fewer programs (batch * KV heads) than SMs
-    (8 under the interpreter): 4 programs are split (about two programs per SM, at least two
-    key tiles a split); 8 and 16 are not."""
+    """Decode in the run loop (pages of 64, head_dim 128) runs the configuration of
+    ``configs.DECODE_CFG_RUNS`` and splits the keys until about
+    ``DECODE_RUNS_PROGRAMS_PER_SM`` programs an SM (8 SMs under the interpreter), the split
+    count rounded down to a power of two and at most half the key tiles: 2 sequences x 2 KV
+    heads -> 8; 16 programs -> 2; 32 -> 1."""
+    from lazyllm.kernels.triton import configs
+
     calls = []
     monkeypatch.setattr(ta.launcher, "_paged_attn_fwd", _LaunchSpy(ta.launcher._paged_attn_fwd, calls))
-    seqs = _short_seqs(random.Random(70 + batch_n), batch_n, 3, 1, 4)
+    seqs = _short_seqs(random.Random(70 + batch_n), batch_n, 8, 1, 4)
     batch = _make_batch(seqs, page_size=64, hkv=2, group=4, d=128, dtype=torch.float16, seed=71)
     kv_tiles = batch["block_table"].shape[1]  # one 64-key tile a page (padding entries included)
-    want_splits = min(-(-16 // (2 * batch_n)), kv_tiles // 2) if batch_n < 4 else 1
-    assert batch_n >= 4 or want_splits > 1
+    assert kv_tiles // 2 >= 4
+    want_splits = min({2: 8, 8: 2, 16: 1}[batch_n], kv_tiles // 2)
     _check_attention(batch, max_seqlen_q=1)
     assert calls, "the general kernel did not run"
     assert calls[-1]["grid"][1] == 2 * want_splits
+    block_n, warps, _ = configs.DECODE_CFG_RUNS[128]
+    assert (calls[-1]["BLOCK_N"], calls[-1]["num_warps"]) == (block_n, warps)
 
 
 # ----------------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ from ..options import LOOPS, KernelOptions
 from ._common import _LOG2E, _interpreting, _next_pow2
 from .configs import DECODE_CFG as _DECODE_CFG
 from .configs import DECODE_CFG_HALVES as _DECODE_CFG_HALVES
+from .configs import DECODE_CFG_RUNS as _DECODE_CFG_RUNS
+from .configs import DECODE_RUNS_PROGRAMS_PER_SM as _DECODE_RUNS_PER_SM
 from .configs import GLUON_MIN_KEYS as _GLUON_MIN_KEYS
 from .configs import PREFILL_CFG_HALVES as _PREFILL_CFG_HALVES
 from .configs import prefill_config as _prefill_config
@@ -162,6 +164,11 @@ def plan_launch(q, k_cache, v_cache, block_table, inv_freq, batch: int, max_seql
     # decode with pages smaller than the key tile: query rotated per page (_paged_decode_fwd);
     # with a tile inside one page the general kernel's run loop serves decode too
     decode_kernel = one_query and not qrot
+    # decode in the flat run loop (pages of at least the key tile: the engine's CUDA case),
+    # from about a quarter of the SMs' worth of (sequence, KV head) programs: below that the
+    # call is latency-bound and four warps a program were faster (batch 1, H200)
+    runs_decode = (one_query and qrot == 2 and config is None and d in _DECODE_CFG_RUNS
+                   and 4 * batch * hkv >= _num_sms(q.device))
     ppt = 1
     if decode_kernel:
         block_n, num_warps, num_stages = _DECODE_CFG.get(d, _DECODE_CFG[256])
@@ -175,7 +182,10 @@ def plan_launch(q, k_cache, v_cache, block_table, inv_freq, batch: int, max_seql
             block_m = max(16, _next_pow2(rows))
     elif short:
         block_m = max(16, _next_pow2(rows))
-        block_n, num_warps, num_stages = short_cfg if qrot == 3 else _DECODE_CFG.get(d, _DECODE_CFG[256])
+        if runs_decode:
+            block_n, num_warps, num_stages = _DECODE_CFG_RUNS[d]
+        else:
+            block_n, num_warps, num_stages = short_cfg if qrot == 3 else _DECODE_CFG.get(d, _DECODE_CFG[256])
     else:
         block_m, block_n, num_warps, num_stages = _prefill_config(d, page_size if qrot else 0, qrot == 3)
     if _interpreting():
@@ -191,7 +201,12 @@ def plan_launch(q, k_cache, v_cache, block_table, inv_freq, batch: int, max_seql
         ctas = q_tiles * batch * hkv
         sms = _num_sms(q.device)
         num_splits = 1
-        if one_query and ctas < sms:
+        if runs_decode:
+            # a bandwidth-bound loop of small programs: about DECODE_RUNS_PROGRAMS_PER_SM per
+            # SM, the split count a power of two, at least two key tiles per split
+            want = (_DECODE_RUNS_PER_SM * sms) // ctas
+            num_splits = max(1, min(1 << max(0, want.bit_length() - 1), kv_tiles // 2, 64))
+        elif one_query and ctas < sms:
             # decode at small batch is latency-bound: about two programs per SM, at least two
             # key tiles each (faster than one program per SM, measured on H200)
             num_splits = max(1, min(triton.cdiv(2 * sms, ctas), kv_tiles // 2, 64))
