@@ -356,12 +356,13 @@ class LlamaFamilyModel:
         h = self._embed(input_ids)
         for w in self.layers[:layer]:
             q, k, v = self._qkv(h, w, *tables[w["freq"]])
-            mask = pos[None, :] <= pos[:, None]
-            if w["window"] is not None:
-                mask &= pos[:, None] - pos[None, :] < w["window"]
+            if w["window"] is None:  # plain causal: SDPA's flash / cuDNN kernels, no (n, n) mask
+                mask, causal = None, True
+            else:
+                mask, causal = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < w["window"]), False
             o = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
-                scale=s.sm_scale, enable_gqa=s.num_heads != s.num_kv_heads)[0].transpose(0, 1)
+                is_causal=causal, scale=s.sm_scale, enable_gqa=s.num_heads != s.num_kv_heads)[0].transpose(0, 1)
             h = self._finish_layer(h, o, w)
         w = self.layers[layer]
         return self._qkv(h, w, *tables[w["freq"]])[1]
