@@ -277,3 +277,36 @@ def test_fused_families_match_plain_forward(family, dtype):
         assert (a - b).abs().max() <= 0.05 * a.abs().max(), (n_new, (a - b).abs().max())
         torch.testing.assert_close(kv[1][0], kv[0][0], atol=0.05, rtol=0.02)
         torch.testing.assert_close(kv[1][1], kv[0][1], atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("selection", ["attention", "two-stage"])
+def test_question_attention_pass_from_cuda_graph_equals_eager(tiny_cuda, tokenizer, selection, monkeypatch):
+    """Attention-guided recompute selection runs the question's first pass (the attention
+    mass over the cached chunks) from a CUDA graph; it gives the mass of the eager pass."""
+    from lazyllm.engine.recovery import Recovery
+
+    seen = []
+    orig = Recovery.question_attention
+
+    def both(self, r):
+        graphs = self.runner.prefill_graphs
+        from_graph = orig(self, r).clone()
+        assert any(k[2] for k in graphs.graphs), "the mass pass did not run from a graph"
+        graphs.enabled = False
+        try:
+            eager = orig(self, r)
+        finally:
+            graphs.enabled = True
+        torch.testing.assert_close(from_graph, eager, rtol=1e-3, atol=1e-3)
+        seen.append(from_graph.numel())
+        return from_graph
+
+    monkeypatch.setattr(Recovery, "question_attention", both)
+    llm = LazyLLM(model=tiny_cuda, tokenizer=tokenizer, chunk_context="prefix", recompute_ratio=0.2,
+                  recompute_selection=selection, kv_cache_bytes=256 << 20, attention_backend="triton")
+    docs = DOCS[:4]
+    llm.warm(docs, system="Be brief.")
+    out = llm.generate("Which was completed in 1889?", chunks=docs[::-1], system="Be brief.", max_new_tokens=4)
+    chunk_tokens = sum(len(ids) for kind, ids in out.prompt_segments if kind == "chunk")
+    assert seen and out.usage.cached_chunk_tokens < chunk_tokens  # some chunk tokens were recomputed
+    llm.close()
