@@ -479,19 +479,9 @@ def oracle_scores(rec, r) -> torch.Tensor:
     n_head = spans[-1].start + len(spans[-1].ids)
     ans_from = len(prompt) - r.logit_rows if r.logit_rows > 1 else n_head  # rows predicting the answer
     ks, vs, mass = full_context_kv(model, torch.tensor(prompt, dtype=torch.long, device=dev), n_head)
-    ps = pool.page_size
-    pages, slots, deltas, rows = [], [], [], []
-    for s in spans:
-        for i in range(len(s.ids)):
-            e = s.entries[i // ps]
-            pages.append(e.page)
-            slots.append(i % ps)
-            deltas.append(e.delta)
-            rows.append(s.start + i)
-    pages_t, slots_t = torch.tensor(pages, device=dev), torch.tensor(slots, device=dev)
-    deltas_t, rows_t = torch.tensor(deltas, device=dev), torch.tensor(rows, device=dev)
+    pages_t, slots_t, deltas_t, rows_t = rec.chunk_token_slots(r)
     ans_layers = mass[:, ans_from - n_head:].sum(1)[:, rows_t]  # (layers, chunk tokens)
-    kv = torch.zeros(len(rows), dtype=torch.float32, device=dev)
+    kv = torch.zeros(len(rows_t), dtype=torch.float32, device=dev)
     effect = torch.zeros_like(kv)
     for li in range(len(ks)):
         inv = model.inv_freqs[model.freq_index[li]]

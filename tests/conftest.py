@@ -18,6 +18,29 @@ FAMILIES = {
 }
 
 
+def load_benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module (by path: the benchmarks folder is not a
+    package, and its ``kernels.py`` would shadow a module of that name), registered in
+    ``sys.modules`` under ``lazyllm_<name>_benchmark`` (dataclasses look their module up while
+    the file runs); loaded once."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    key = f"lazyllm_{name}_benchmark"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).resolve().parents[1] / "benchmarks" /
+                                                      f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[key] = mod
+        try:
+            spec.loader.exec_module(mod)
+        except BaseException:
+            del sys.modules[key]
+            raise
+    return sys.modules[key]
+
+
 def make_tiny(family: str, seed: int = 0, window: int | None = None, **overrides):
     """A small random model of a supported family, with weights scaled up so its greedy
     choices are decisive (near-ties would make exact-token comparisons flaky);

@@ -2,27 +2,15 @@
 default setting against the benchmark's quality targets (``quality.THRESHOLDS``).
 
 Runs the real default model on CPU (about a minute and a half on 2 cores)."""
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.conftest import load_benchmark
+
 pytestmark = pytest.mark.slow
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "quality.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("lazyllm_quality_benchmark", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(mod)
-    return mod
-
-
-quality = _load()
+quality = load_benchmark("quality")
 
 
 @pytest.fixture(scope="module")

@@ -1,31 +1,16 @@
 """The quality benchmark's oracle recompute selections (an upper bound, measurement only):
 they read full attention's KV and attention, leave the engine's own selections alone, and
 recomputing everything with them is full attention. On a tiny random model (seconds)."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from lazyllm import LazyLLM
 from lazyllm.errors import InvalidRequestError
-from tests.conftest import make_tiny
+from tests.conftest import load_benchmark, make_tiny
 from tests.hf_reference import hf_generate
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "quality.py"
+quality = load_benchmark("quality")
 DOCS = [f"Record {i}: " + " ".join(f"item{i}_{j}" for j in range(9 + 5 * i)) for i in range(6)]
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("lazyllm_quality_benchmark", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(mod)
-    return mod
-
-
-quality = _load()
 
 
 @pytest.fixture(scope="module")

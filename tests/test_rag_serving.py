@@ -1,20 +1,13 @@
 """The serving benchmark itself, run small on CPU with the default model: every system
 answers, the figures are sane, and block's re-rotated copies cost cache capacity."""
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-# loaded by path: putting benchmarks/ on sys.path would let its kernels.py shadow the module
-# name ``kernels`` that transformers imports when it exists
-_spec = importlib.util.spec_from_file_location(
-    "rag_serving", Path(__file__).resolve().parents[1] / "benchmarks" / "rag_serving.py")
-rag_serving = importlib.util.module_from_spec(_spec)
-sys.modules["rag_serving"] = rag_serving  # its dataclasses look their module up there
-_spec.loader.exec_module(rag_serving)
+from tests.conftest import load_benchmark
+
+rag_serving = load_benchmark("rag_serving")
 
 
 def test_arrivals_offer_exactly_the_nominal_rate():

@@ -152,17 +152,25 @@ class Recovery:
         dev = self.pool.k.device
         ids = torch.tensor(r.prompt_ids[:n_head], dtype=torch.long, device=dev)
         full = self.model.probe_keys(ids, layer)
-        ps = self.pool.page_size
-        pages, slot_idx, deltas, rows = [], [], [], []
-        for s in spans:
-            for i in range(len(s.ids)):
-                e = s.entries[i // ps]
-                pages.append(e.page)
-                slot_idx.append(i % ps)
-                deltas.append(e.delta)
-                rows.append(s.start + i)
-        cached = self.pool.k[layer][torch.tensor(pages, device=dev), torch.tensor(slot_idx, device=dev)]
+        pages, slot_idx, deltas, rows = self.chunk_token_slots(r)
+        cached = self.pool.k[layer][pages, slot_idx]
         inv = self.model.inv_freqs[self.model.freq_index[layer]]
-        cached = rotate_by_delta(cached, torch.tensor(deltas, device=dev), inv)
-        diff = full[torch.tensor(rows, device=dev)].float() - cached.float()
+        cached = rotate_by_delta(cached, deltas, inv)
+        diff = full[rows].float() - cached.float()
         return diff.pow(2).sum(dim=(-1, -2)).sqrt()
+
+    def chunk_token_slots(self, r: Request) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where each chunk token of ``r`` (in chunk order, as the selections score them) is
+        cached: its page, its slot in the page, its entry's delta, and its position in the
+        prompt; ``(chunk tokens,)`` int64 each, on the pool's device."""
+        ps = self.pool.page_size
+        pages, slots, deltas, rows = [], [], [], []
+        for s in r.plan.spans:
+            n = len(s.ids)
+            ent = s.entries[:-(-n // ps)]
+            pages.append(torch.tensor([e.page for e in ent]).repeat_interleave(ps)[:n])
+            deltas.append(torch.tensor([e.delta for e in ent]).repeat_interleave(ps)[:n])
+            slots.append(torch.arange(n) % ps)
+            rows.append(torch.arange(s.start, s.start + n))
+        dev = self.pool.k.device
+        return tuple(torch.cat(t).to(device=dev, dtype=torch.long) for t in (pages, slots, deltas, rows))
