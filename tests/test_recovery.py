@@ -252,3 +252,45 @@ def test_query_aware_selections(model, tokenizer, selection):
     total = sum(len(ids) for kind, ids in out.prompt_segments if kind == "chunk")
     assert total - out.usage.cached_chunk_tokens == -(-total // 4)
     llm.close()
+
+
+@pytest.mark.parametrize("selection", ["deviation", "attention", "two-stage"])
+def test_prefix_context_recomputes_nothing_of_the_chunk_at_home(model, tokenizer, selection):
+    """With chunk_context='prefix' the chunk right after the prefix (every page at delta 0)
+    already holds full attention's KV: neither the first tokens nor the selected ones are
+    taken from it, the budget goes to the other chunks, and the answer is the same whether
+    its chunks were cached in another order or not."""
+    from lazyllm.engine.recovery import Recovery
+
+    picked = []
+    real = Recovery.apply
+
+    def spy(self, r):
+        spans = [(s.start, len(s.ids), all(e.delta == 0 for e in s.entries)) for s in r.plan.spans]
+        real(self, r)
+        picked.append((spans, list(r.plan.job.positions)))
+
+    kw = dict(model=model, tokenizer=tokenizer, chunk_context="prefix", recompute_first_tokens=3,
+              recompute_ratio=0.25, recompute_selection=selection, kv_cache_bytes=32 << 20)
+    cold = LazyLLM(**kw)
+    ref = cold.generate("Which item is first?", chunks=DOCS[:3], system="Be brief.", max_new_tokens=6)
+    warm = LazyLLM(**kw)
+    warm.generate("other?", chunks=DOCS[2::-1], system="Be brief.", max_new_tokens=1)
+    Recovery.apply = spy
+    try:
+        out = warm.generate("Which item is first?", chunks=DOCS[:3], system="Be brief.", max_new_tokens=6)
+    finally:
+        Recovery.apply = real
+    assert out.token_ids == ref.token_ids
+    (spans, positions), = picked
+    (h0, n0, home0), *rest = spans
+    assert home0 and not any(home for _, _, home in rest)
+    assert not [p for p in positions if h0 <= p < h0 + n0]  # nothing of the chunk at home
+    total = sum(n for _, n, _ in spans)
+    in_chunks = [p for p in positions if any(s <= p < s + n for s, n, _ in rest)]
+    for s, n, _ in rest:  # the first tokens of every other chunk
+        assert set(range(s, s + min(3, n))) <= set(in_chunks)
+    assert len(in_chunks) >= -(-total // 4)  # the whole ratio budget, spent on the other chunks
+    assert out.usage.cached_chunk_tokens == total - len(in_chunks)
+    cold.close()
+    warm.close()

@@ -119,7 +119,7 @@ class Engine:
                                    max_batch_size=max_batch_size, metrics=self.metrics)
         self.recovery = Recovery(self.runner, self.planner, first_tokens=recompute_first_tokens,
                                  ratio=recompute_ratio, selection=recompute_selection, probe_layer=probe_layer,
-                                 metrics=self.metrics)
+                                 metrics=self.metrics, exact_at_home=reuse == "lazy" and chunk_context == "prefix")
         self.output = OutputProcessor(tokenizer, eos_ids, model.spec.max_context, self.metrics)
         self.inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None

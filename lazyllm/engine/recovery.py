@@ -29,12 +29,18 @@ class Recovery:
     """Recomputes chosen chunk tokens of a request (engine thread only)."""
 
     def __init__(self, runner: ModelRunner, planner: KVPlanner, *, first_tokens: int = 0, ratio: float = 0.0,
-                 selection: str = "deviation", probe_layer: int = 1, metrics: dict | None = None):
+                 selection: str = "deviation", probe_layer: int = 1, metrics: dict | None = None,
+                 exact_at_home: bool = False):
+        """``exact_at_home``: a chunk that sits where it was encoded (every entry at delta 0)
+        already holds full attention's KV, so nothing of it is recomputed: true for
+        ``reuse="lazy"`` with ``chunk_context="prefix"``, where chunks are encoded right after
+        the shared prefix and the first chunk of a request sits there."""
         if selection not in SELECTIONS:
             raise ValueError(f"recompute_selection must be one of {SELECTIONS}, got {selection!r}")
         self.runner, self.planner = runner, planner
         self.model, self.pool = runner.model, runner.pool
         self.first_tokens, self.ratio, self.selection = first_tokens, ratio, selection
+        self.exact_at_home = exact_at_home
         self.probe_layer = min(probe_layer, self.model.spec.num_layers - 1)
         self.metrics = metrics if metrics is not None else {}
 
@@ -51,18 +57,25 @@ class Recovery:
         k, ratio = self.first_tokens, self.ratio
         if not spans or (k <= 0 and ratio <= 0):
             return
-        sel = [set(range(min(k, len(s.ids)))) for s in spans]
-        if ratio > 0:
+        # a chunk at home (exact_at_home) already has full attention's KV: the budget goes elsewhere
+        home = [self.exact_at_home and all(e.delta == 0 for e in s.entries) for s in spans]
+        sel = [set() if h else set(range(min(k, len(s.ids)))) for s, h in zip(spans, home)]
+        away = sum(len(s.ids) for s, h in zip(spans, home) if not h)
+        if ratio > 0 and away > 0:
             total = sum(len(s.ids) for s in spans)
-            n_pick = min(total, int(math.ceil(ratio * total)))
+            n_pick = min(away, int(math.ceil(ratio * total)))
+            at_home = torch.cat([torch.full((len(s.ids),), h) for s, h in zip(spans, home)]) if any(home) else None
             if self.selection == "attention":
                 dev = self.question_attention(r)
             elif self.selection == "two-stage":
-                dev = self.two_stage(r, n_pick)
+                dev = self.two_stage(r, n_pick, exclude=at_home)
             else:
                 dev = self.key_deviation(r)
+            if at_home is not None:
+                dev = dev.masked_fill(at_home.to(dev.device), float("-inf"))
             flat = [(ci, i) for ci, s in enumerate(spans) for i in range(len(s.ids))]
-            for j in torch.topk(dev, n_pick).indices.tolist():
+            top = torch.topk(dev, n_pick)
+            for j in top.indices[torch.isfinite(top.values)].tolist():  # never a token scored -inf
                 ci, i = flat[j]
                 sel[ci].add(i)
         ps = self.pool.page_size
@@ -129,13 +142,16 @@ class Recovery:
         idx = [(off + i // ps) * ps + i % ps for off, s in zip(offsets, spans) for i in range(len(s.ids))]
         return mass[torch.tensor(idx, device=mass.device)].float()
 
-    def two_stage(self, r: Request, n_pick: int) -> torch.Tensor:
+    def two_stage(self, r: Request, n_pick: int, exclude: torch.Tensor | None = None) -> torch.Tensor:
         """Query-aware two-stage choice (ProphetKV-style): the question's attention over the
         cached KV shortlists ``2 * n_pick`` chunk tokens; among them, those whose cached keys
         also deviate most from full attention's (``key_deviation``) rank first, by the product
-        of the two (each scaled to its maximum). Tokens off the shortlist score -inf."""
+        of the two (each scaled to its maximum). Tokens off the shortlist score -inf, and so do
+        the ``exclude`` ones (bool, chunk order), which take no place on it."""
         mass = self.question_attention(r)
-        n_cand = min(mass.numel(), 2 * n_pick)
+        if exclude is not None:  # tokens that are not to be chosen do not take shortlist places
+            mass = mass.masked_fill(exclude.to(mass.device), float("-inf"))
+        n_cand = min(int(torch.isfinite(mass).sum()), 2 * n_pick)
         cand = torch.topk(mass, n_cand).indices
         dev = self.key_deviation(r).to(mass.device)
         m, d = mass[cand], dev[cand]
