@@ -19,6 +19,13 @@ routing and queueing included), and how the requests spread over the replicas.
 The machine's load average is recorded at the start and end of each point: on a shared
 CPU, throughput and TTFT move with other jobs, while the chunk hit rate does not.
 
+The document router's own view is traced per measured request (``trace`` in the JSON):
+requests that went to a replica other than its first-ranked one (Ray moves on when that
+replica's queue is full or its queue-length probe misses ``--queue-len-deadline``), Ray's
+unanswered probes, and the chunk tokens the router believed the chosen replica held (Bloom
+filter, refreshed every ``--stats-period``, plus what it routed there itself) against what
+the replica had cached on arrival.
+
 ``--fault``: a replica killed under load. The document router serves a closed loop; after
 ``--kill-after`` seconds one replica actor is killed with ``ray.kill``, and the load goes on
 for ``--after-kill`` seconds more; every request must complete or fail with an error within
@@ -102,15 +109,99 @@ def router_decisions(handle) -> dict | None:
         return None
 
 
+_TRACE: dict = {}  # id(ServeRequest) -> what the document router saw when it ranked the replicas
+_PROBES = {"probed": 0, "no_answer": 0}  # Ray's queue-length probes of replicas, and those unanswered
+
+
+def trace_document_router(handle) -> None:
+    """Record, per request, the document router's view when it ranks the replicas: the
+    first-ranked replica, the chunk tokens it believes each replica holds (Bloom filter plus
+    what it routed there itself) and the queue lengths it has; and count Ray's queue-length
+    probes that got no answer within the deadline. Compared with where each request went and
+    what that replica actually had cached, this says whether requests left their
+    first-ranked replica (Ray moves on when its queue is full or its probe times out) and
+    whether the router's picture of the caches was stale. The router runs in this process
+    (handle); its instance is wrapped, its behaviour unchanged (best effort: Ray internals)."""
+    try:
+        router = handle._router._asyncio_router.request_router
+    except AttributeError:
+        return
+    if router is None or getattr(router, "_bench_traced", False) or not hasattr(router, "_holds"):
+        return
+    choose, probe = router.choose_replicas, router._probe_queue_lens
+
+    async def traced_choose(candidate_replicas, pending_request=None):
+        req = router._request_of(pending_request)
+        held = None
+        if req is not None and req.chunks:
+            keyer = router._get_keyer(list(candidate_replicas))
+            if keyer is not None:
+                chunks = keyer.keys(req.chunks, req.system)
+                held = {r.replica_id.unique_id: sum(n for k, n in chunks if router._holds(r)(k))
+                        for r in candidate_replicas}
+        ranks = await choose(candidate_replicas, pending_request)
+        if req is not None and held is not None:
+            prev = _TRACE.get(id(req))
+            cache = router.replica_queue_len_cache
+            _TRACE[id(req)] = dict(top=ranks[0][0].replica_id.unique_id if ranks and ranks[0] else None,
+                                   held=held, calls=(prev["calls"] + 1) if prev else 1,
+                                   queue_lens={r.replica_id.unique_id: cache.get(r.replica_id)
+                                               for r in candidate_replicas})
+        return ranks
+
+    async def traced_probe(replicas, backoff_index):
+        out = await probe(replicas, backoff_index)
+        _PROBES["probed"] += len(out)
+        _PROBES["no_answer"] += sum(q is None for _, q in out)
+        return out
+
+    router.choose_replicas = traced_choose
+    router._probe_queue_lens = traced_probe
+    router._bench_traced = True
+
+
+def trace_summary(ok: list) -> dict | None:
+    """The document router's traces of the measured requests, summed."""
+    xs = [x for x in ok if x.get("trace")]
+    if not xs:
+        return None
+    moved = [x for x in xs if x["trace"]["top"] != x["replica"]]
+    pred = [x["trace"]["held"].get(x["replica"], 0) for x in xs]
+    act = [x["cached_chunk"] for x in xs]
+    return dict(
+        traced=len(xs),
+        # went to a replica other than the first-ranked one (queue full or probe timeout)
+        moved=len(moved),
+        moved_held_lost=sum(x["trace"]["held"].get(x["trace"]["top"], 0) - x["trace"]["held"].get(x["replica"], 0)
+                            for x in moved),
+        retried=sum(x["trace"]["calls"] > 1 for x in xs),
+        # a replica believed to hold more of the request's chunk tokens than the first-ranked one
+        # was passed over for load (more than load_slack queued above the shortest queue)
+        passed_over=sum(x["trace"]["held"].get(x["trace"]["top"], 0) < max(x["trace"]["held"].values())
+                        for x in xs),
+        passed_over_tokens=sum(max(x["trace"]["held"].values()) - x["trace"]["held"].get(x["trace"]["top"], 0)
+                               for x in xs),
+        queue_len_unknown=sum(any(q is None for q in x["trace"]["queue_lens"].values()) for x in xs),
+        # believed held where it went vs actually cached there on arrival
+        believed_tokens=sum(pred), cached_tokens=sum(act),
+        over=sum(p > a for p, a in zip(pred, act)), over_tokens=sum(max(p - a, 0) for p, a in zip(pred, act)),
+        under=sum(p < a for p, a in zip(pred, act)), under_tokens=sum(max(a - p, 0) for p, a in zip(pred, act)))
+
+
 def deploy(args, router: str, kv_bytes: int, name: str):
     from ray import serve
 
     from lazyllm.integrations.ray_serve import build_app
 
+    kw = None
+    if router == "documents":  # the others take neither
+        kw = dict(load_slack=args.load_slack)
+        if args.queue_len_deadline is not None:
+            kw["queue_len_deadline_s"] = args.queue_len_deadline
     app = build_app(None, num_replicas=args.replicas, num_cpus=0, router=router, name=name,
                     max_ongoing_requests=args.max_ongoing, stats_period_s=args.stats_period,
                     imbalanced_threshold=args.imbalanced_threshold, torch_threads=1,
-                    kv_cache_bytes=kv_bytes)
+                    kv_cache_bytes=kv_bytes, router_kwargs=kw)
     return serve.run(app, name=name, route_prefix=None)
 
 
@@ -126,14 +217,21 @@ def point(args, router, alpha, docs, warm_reqs, reqs, kv_bytes):
     startup = time.perf_counter() - t
 
     def one(r):
+        if router == "documents":
+            trace_document_router(handle)
         sr = ServeRequest(r.question, [docs[i] for i in r.doc_ids],
                           sampling={"max_new_tokens": args.output_tokens})
-        return run_stream(handle, sr, args.request_timeout)
+        out = run_stream(handle, sr, args.request_timeout)
+        tr = _TRACE.pop(id(sr), None)
+        if tr is not None:
+            out["trace"] = tr
+        return out
 
     t = time.perf_counter()
     rag.drive(one, warm_reqs, 0.0, args.concurrency, 0)
     warm_s = time.perf_counter() - t
     load0 = os.getloadavg()[0]
+    probes0 = dict(_PROBES)
     res, wall = rag.drive(one, reqs, args.rate, args.concurrency, f"{args.seed}/{alpha}")
     load1 = os.getloadavg()[0]
     decisions = router_decisions(handle)
@@ -151,7 +249,14 @@ def point(args, router, alpha, docs, warm_reqs, reqs, kv_bytes):
                ttft_p95_ms=rag.pct([x["ttft"] for x in ok], 0.95) * 1e3 if ok else float("nan"),
                engine_ttft_p50_ms=statistics.median(x["engine_ttft"] for x in ok) * 1e3 if ok else float("nan"),
                spread=sorted(per_replica.values(), reverse=True), startup_s=startup, warm_s=warm_s,
-               decisions=decisions, load_avg=(load0, load1))
+               decisions=decisions, load_avg=(load0, load1), trace=trace_summary(ok),
+               probes={k: _PROBES[k] - probes0[k] for k in _PROBES} if router == "documents" else None)
+    if args.per_request:  # in completion order: replica, chunk tokens asked / cached / believed held there
+        # by the document router, client and engine TTFT (s), completion time (s)
+        row["per_request"] = [[x["replica"][-8:], x["chunk"], x["cached_chunk"],
+                               x["trace"]["held"].get(x["replica"], 0) if x.get("trace") else None,
+                               round(x["ttft"], 4), round(x["engine_ttft"], 4), round(t, 3)]
+                              for x, t in sorted(res, key=lambda p: p[1]) if "error" not in x]
     if failed:
         row["error"] = failed[0]["error"]
     return row
@@ -333,6 +438,10 @@ def main(argv=None):
                     help="KV pool per replica as a fraction of the document pool")
     ap.add_argument("--stats-period", type=float, default=1.0, help="request_routing_stats_period_s")
     ap.add_argument("--imbalanced-threshold", type=float, default=4)
+    ap.add_argument("--load-slack", type=float, default=1, help="document router's load_slack")
+    ap.add_argument("--queue-len-deadline", type=float, default=None,
+                    help="document router's queue_len_deadline_s: how long Ray's queue-length probe of "
+                         "the first-ranked replica may take before the request moves on (default: Ray's, 0.1 s)")
     ap.add_argument("--request-timeout", type=float, default=300)
     ap.add_argument("--fault", action="store_true", help="kill a replica under load instead")
     ap.add_argument("--kill-after", type=float, default=15)
@@ -340,6 +449,7 @@ def main(argv=None):
                     help="--fault: keep the load on this many seconds after the kill")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--per-request", action="store_true", help="--json: also each measured request's figures")
     ap.add_argument("--plots", default=None, help="folder for the plot")
     ap.add_argument("--plot-name", default="router_comparison.png")
     args = ap.parse_args(argv)
@@ -387,7 +497,7 @@ def main(argv=None):
                 print(f"  {router:9s} alpha={a:g}: hit rate {row['hit_rate']:.2f}, {row['req_per_s']:.2f} req/s, "
                       f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, spread {row['spread']}, failed {row['failed']}, "
                       f"load avg {row['load_avg'][0]:.1f}-{row['load_avg'][1]:.1f}, "
-                      f"decisions {row['decisions']} "
+                      f"decisions {row['decisions']} trace {row['trace']} probes {row['probes']} "
                       f"(start {row['startup_s']:.0f} s, warm-up {row['warm_s']:.0f} s, "
                       f"measured {row['wall_s']:.0f} s)",
                       flush=True)
