@@ -145,6 +145,7 @@ def trace_document_router(handle) -> None:
             cache = router.replica_queue_len_cache
             _TRACE[id(req)] = dict(top=ranks[0][0].replica_id.unique_id if ranks and ranks[0] else None,
                                    held=held, calls=(prev["calls"] + 1) if prev else 1,
+                                   resident=sorted(router._stats(r).get("chunks", -1) for r in candidate_replicas),
                                    queue_lens={r.replica_id.unique_id: cache.get(r.replica_id)
                                                for r in candidate_replicas})
         return ranks
@@ -228,7 +229,7 @@ def point(args, router, alpha, docs, warm_reqs, reqs, kv_bytes):
         return out
 
     t = time.perf_counter()
-    rag.drive(one, warm_reqs, 0.0, args.concurrency, 0)
+    warm_res, _ = rag.drive(one, warm_reqs, 0.0, args.concurrency, 0)
     warm_s = time.perf_counter() - t
     load0 = os.getloadavg()[0]
     probes0 = dict(_PROBES)
@@ -251,12 +252,15 @@ def point(args, router, alpha, docs, warm_reqs, reqs, kv_bytes):
                spread=sorted(per_replica.values(), reverse=True), startup_s=startup, warm_s=warm_s,
                decisions=decisions, load_avg=(load0, load1), trace=trace_summary(ok),
                probes={k: _PROBES[k] - probes0[k] for k in _PROBES} if router == "documents" else None)
-    if args.per_request:  # in completion order: replica, chunk tokens asked / cached / believed held there
-        # by the document router, client and engine TTFT (s), completion time (s)
+    if args.per_request:  # in stream order: replica, chunk tokens asked / cached / believed held there
+        # by the document router, client and engine TTFT (s), completion time (s); and where the
+        # warm-up requests went
         row["per_request"] = [[x["replica"][-8:], x["chunk"], x["cached_chunk"],
                                x["trace"]["held"].get(x["replica"], 0) if x.get("trace") else None,
                                round(x["ttft"], 4), round(x["engine_ttft"], 4), round(t, 3)]
-                              for x, t in sorted(res, key=lambda p: p[1]) if "error" not in x]
+                              if "error" not in x else None for x, t in res]
+        row["warm_replicas"] = [x.get("replica", "")[-8:] for x, _ in warm_res]
+        row["resident_chunks"] = [x["trace"]["resident"] for x, _ in res if x.get("trace")]
     if failed:
         row["error"] = failed[0]["error"]
     return row
