@@ -41,6 +41,55 @@ def load_benchmark(name: str):
     return sys.modules[key]
 
 
+PAD_ENTRY = (0, 0, 0, 0)  # a padding table entry: length 0, naming page 0 (never written)
+
+
+def paged_batch(seqs, *, page_size: int, hkv: int, group: int, d: int, rotary_dim: int | None = None,
+                place_padding, dtype=torch.float32, seed: int = 0, spare_pages: int = 2) -> dict:
+    """The keyword arguments of a paged attention call on a random varlen batch, over one page
+    pool whose unwritten slots hold NaN (so a read of one shows in the result).
+
+    ``seqs``: per sequence ``(segments, n_queries)``, ``segments`` a list of
+    ``(start_pos, length, delta)`` key runs, each on pages of its own (shuffled over the pool;
+    ``spare_pages`` beyond those needed); the queries sit at the last ``n_queries`` positions of
+    the last segment (from 0 with no segment). ``place_padding(gen, entries)`` inserts padding
+    entries (``PAD_ENTRY``) into each table row, and may reorder it, drawing from the batch's
+    ``random.Random`` ``gen``. ``inv_freq`` covers ``rotary_dim`` (default ``d``)."""
+    import random
+
+    gen = random.Random(seed)
+    torch.manual_seed(seed)
+    n_pages = sum(-(-n // page_size) for segs, _ in seqs for _, n, _ in segs) + spare_pages
+    k = torch.full((n_pages, page_size, hkv, d), float("nan"), dtype=dtype)
+    v = torch.full_like(k, float("nan"))
+    free = list(range(1, n_pages))  # page 0: never written, named by padding entries
+    gen.shuffle(free)
+    rows, qpos, cu = [], [], [0]
+    for segs, nq in seqs:
+        entries = []
+        for start, length, delta in segs:
+            for off in range(0, length, page_size):
+                p, n = free.pop(), min(page_size, length - off)
+                k[p, :n] = torch.randn(n, hkv, d).to(dtype)
+                v[p, :n] = torch.randn(n, hkv, d).to(dtype)
+                entries.append((p, start + off, delta, n))
+        place_padding(gen, entries)
+        rows.append(entries)
+        end = segs[-1][0] + segs[-1][1] if segs else nq
+        qpos += range(end - nq, end)
+        cu.append(cu[-1] + nq)
+    shape = (len(seqs), max(len(r) for r in rows) + 1)
+    bt, bpos, bdelta, blen = (torch.zeros(shape, dtype=torch.int32) for _ in range(4))
+    for b, entries in enumerate(rows):
+        for j, e in enumerate(entries):
+            bt[b, j], bpos[b, j], bdelta[b, j], blen[b, j] = e
+    rd = d if rotary_dim is None else rotary_dim
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd)
+    return dict(q=torch.randn(cu[-1], hkv * group, d).to(dtype), q_pos=torch.tensor(qpos, dtype=torch.int64),
+                cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), k_cache=k, v_cache=v, block_table=bt,
+                block_pos=bpos, block_delta=bdelta, block_len=blen, inv_freq=inv_freq, sm_scale=d ** -0.5)
+
+
 def make_tiny(family: str, seed: int = 0, window: int | None = None, **overrides):
     """A small random model of a supported family, with weights scaled up so its greedy
     choices are decisive (near-ties would make exact-token comparisons flaky);

@@ -9,62 +9,30 @@ orders other than by position, and that the calibration off is exactly the launc
 """
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from lazyllm.kernels import KernelOptions
 from lazyllm.kernels.reference import paged_attention_ref
 from tests._triton_load import load_kernel_module
+from tests.conftest import PAD_ENTRY, paged_batch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
 ta = load_kernel_module("triton", interpret=True)
 
 
-def _inv_freq(d: int) -> torch.Tensor:
-    return 1.0 / 10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-
-
 def _batch(seqs, *, page_size=16, hkv=2, group=2, d=32, dtype=torch.float32, seed=0, shuffle=False,
            pad_last=False):
-    """A varlen batch over one page pool (unused pages and slots are NaN, so a read of one
-    shows up). ``seqs``: ``(segments, n_queries)`` per sequence, ``segments`` listing
-    ``(start_pos, length, delta)`` runs of keys, each on pages of its own; the queries sit at
-    the last ``n_queries`` positions. A padding entry (length 0) goes into each table (at a
-    random place, or last with ``pad_last``); ``shuffle``: the entries in random order."""
-    gen = random.Random(seed)
-    torch.manual_seed(seed)
-    n_pages = sum(-(-n // page_size) for segs, _ in seqs for _, n, _ in segs) + 2
-    k = torch.full((n_pages, page_size, hkv, d), float("nan"), dtype=dtype)
-    v = torch.full_like(k, float("nan"))
-    free = list(range(1, n_pages))  # page 0: never written (the padding entries' page)
-    gen.shuffle(free)
-    tables, qpos, cu = [], [], [0]
-    for segs, nq in seqs:
-        entries = []
-        for start, length, delta in segs:
-            for off in range(0, length, page_size):
-                p, n = free.pop(), min(page_size, length - off)
-                k[p, :n] = torch.randn(n, hkv, d).to(dtype)
-                v[p, :n] = torch.randn(n, hkv, d).to(dtype)
-                entries.append((p, start + off, delta, n))
-        entries.insert(len(entries) if pad_last else gen.randint(0, len(entries)), (0, 0, 0, 0))
+    """``paged_batch`` with one padding entry per table (at a random place, or last with
+    ``pad_last``); ``shuffle``: the entries in random order."""
+    def place(gen, entries):
+        entries.insert(len(entries) if pad_last else gen.randint(0, len(entries)), PAD_ENTRY)
         if shuffle:
             gen.shuffle(entries)
-        tables.append(entries)
-        end = segs[-1][0] + segs[-1][1]
-        qpos += list(range(end - nq, end))
-        cu.append(cu[-1] + nq)
-    shape = (len(seqs), max(len(t) for t in tables) + 1)
-    bt, bpos, bdelta, blen = (torch.zeros(shape, dtype=torch.int32) for _ in range(4))
-    for b, entries in enumerate(tables):
-        for j, (p, pos, delta, n) in enumerate(entries):
-            bt[b, j], bpos[b, j], bdelta[b, j], blen[b, j] = p, pos, delta, n
-    return dict(q=torch.randn(cu[-1], hkv * group, d).to(dtype), q_pos=torch.tensor(qpos),
-                cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), k_cache=k, v_cache=v, block_table=bt,
-                block_pos=bpos, block_delta=bdelta, block_len=blen, inv_freq=_inv_freq(d), sm_scale=d ** -0.5)
+
+    return paged_batch(seqs, page_size=page_size, hkv=hkv, group=group, d=d, dtype=dtype, seed=seed,
+                       place_padding=place)
 
 
 # A RAG-like batch: a prefix, retrieved documents (cached chunks at nonzero deltas: the

@@ -14,52 +14,21 @@ import torch
 
 from lazyllm.kernels.reference import paged_attention_mass_ref
 from tests._triton_load import load_kernel_module
+from tests.conftest import PAD_ENTRY, paged_batch
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
 ta = load_kernel_module("triton", interpret=True)
 
 
-def _inv_freq(rotary_dim: int) -> torch.Tensor:
-    return 1.0 / 10000.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
-
-
 def _batch(seqs, *, page_size, hkv, group, d, rotary_dim=None, dtype=torch.float32, seed=0):
-    """A varlen batch over one NaN-filled page pool. ``seqs``: per sequence ``(segments,
-    n_queries)``, ``segments`` a list of ``(start_pos, length, delta)`` key runs; the queries
-    sit at the last ``n_queries`` positions of the last segment (from 0 with no segment).
-    Padding entries (length 0, naming a never-written page) go in random places."""
-    gen = random.Random(seed)
-    torch.manual_seed(seed)
-    n_pages = sum(-(-n // page_size) for segs, _ in seqs for _, n, _ in segs) + 4
-    k = torch.full((n_pages, page_size, hkv, d), float("nan"), dtype=dtype)
-    v = torch.full_like(k, float("nan"))
-    free = list(range(1, n_pages))  # page 0: never written, named by padding entries
-    gen.shuffle(free)
-    rows, qpos, cu = [], [], [0]
-    for segs, nq in seqs:
-        entries = []
-        for start, length, delta in segs:
-            for off in range(0, length, page_size):
-                p, n = free.pop(), min(page_size, length - off)
-                k[p, :n] = torch.randn(n, hkv, d).to(dtype)
-                v[p, :n] = torch.randn(n, hkv, d).to(dtype)
-                entries.append((p, start + off, delta, n))
+    """``paged_batch`` with one or two padding entries per table, in random places."""
+    def place(gen, entries):
         for _ in range(gen.randint(1, 2)):
-            entries.insert(gen.randint(0, len(entries)), (0, 0, 0, 0))
-        rows.append(entries)
-        end = segs[-1][0] + segs[-1][1] if segs else nq
-        qpos += range(end - nq, end)
-        cu.append(cu[-1] + nq)
-    shape = (len(seqs), max(len(r) for r in rows) + 1)
-    bt, bpos, bdelta, blen = (torch.zeros(shape, dtype=torch.int32) for _ in range(4))
-    for b, entries in enumerate(rows):
-        for j, e in enumerate(entries):
-            bt[b, j], bpos[b, j], bdelta[b, j], blen[b, j] = e
-    return dict(q=torch.randn(cu[-1], hkv * group, d).to(dtype), q_pos=torch.tensor(qpos, dtype=torch.int64),
-                cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), k_cache=k, v_cache=v, block_table=bt,
-                block_pos=bpos, block_delta=bdelta, block_len=blen,
-                inv_freq=_inv_freq(d if rotary_dim is None else rotary_dim), sm_scale=d ** -0.5)
+            entries.insert(gen.randint(0, len(entries)), PAD_ENTRY)
+
+    return paged_batch(seqs, page_size=page_size, hkv=hkv, group=group, d=d, rotary_dim=rotary_dim, dtype=dtype,
+                       seed=seed, spare_pages=4, place_padding=place)
 
 
 def _seqs(gen):
