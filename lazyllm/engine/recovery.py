@@ -139,8 +139,9 @@ class Recovery:
             ids_t, _, meta = self.runner.metadata(ids, pos, slots, [0, S], [table], S, [])
             mass = self.model.attention_mass(ids_t, meta, self.pool.k, self.pool.v)
         mass = mass[0].reshape(-1)
-        idx = [(off + i // ps) * ps + i % ps for off, s in zip(offsets, spans) for i in range(len(s.ids))]
-        return mass[torch.tensor(idx, device=mass.device)].float()
+        # a chunk's pages are consecutive entries of the probe table from its offset on
+        idx = torch.cat([off * ps + torch.arange(len(s.ids)) for off, s in zip(offsets, spans)])
+        return mass[idx.to(mass.device)].float()
 
     def two_stage(self, r: Request, n_pick: int, exclude: torch.Tensor | None = None) -> torch.Tensor:
         """Query-aware two-stage choice (ProphetKV-style): the question's attention over the
