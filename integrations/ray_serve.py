@@ -211,6 +211,15 @@ class ChunkKeyer:
         return out
 
 
+def text_keys(chunks: Iterable[Chunk]) -> list[tuple[bytes, int]]:
+    """Keys of chunks from their text alone, for a router that has no replica stats yet (so
+    no tokenizer or model fingerprint): no replica's cache holds them, but they give each
+    document the same rendezvous owner on every router and every request, so until stats
+    arrive the same documents still meet on one replica. Weights are the texts' lengths."""
+    return [(hashlib.blake2b(c.text.encode(), digest_size=20).digest(), max(1, len(c.text)))
+            for c in chunks]
+
+
 # -- the policy (pure) -----------------------------------------------------------------
 
 def rendezvous_owner(key: bytes, replica_ids: Sequence[str]) -> str | None:
@@ -383,7 +392,9 @@ class DocumentAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return []
         req = self._request_of(pending_request)
         keyer = self._get_keyer(replicas) if req is not None else None
-        chunks = keyer.keys(req.chunks, req.system) if keyer is not None and req.chunks else []
+        chunks = []
+        if req is not None and req.chunks:
+            chunks = keyer.keys(req.chunks, req.system) if keyer is not None else text_keys(req.chunks)
         queue_lens = await self._queue_lens(replicas)
         rid = {r.replica_id.unique_id: r for r in replicas}
         d = rank_replicas(chunks, {k: self._holds(r) for k, r in rid.items()}, queue_lens,
@@ -392,7 +403,7 @@ class DocumentAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if keyer is None and req is not None and req.chunks:
             d.reason = "no-stats"
         self.decisions[d.reason] = self.decisions.get(d.reason, 0) + 1
-        if pending_request is not None and chunks:
+        if pending_request is not None and chunks and keyer is not None:
             pending_request.routing_context.lazyllm_chunk_keys = [k for k, _ in chunks]
         return [[rid[i] for i in rank] for rank in d.ranks]
 

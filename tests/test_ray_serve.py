@@ -18,6 +18,7 @@ from lazyllm.integrations.ray_serve import (  # noqa: E402
     rank_replicas,
     rendezvous_owner,
     replica_stats,
+    text_keys,
 )
 
 
@@ -110,6 +111,24 @@ def test_cold_documents_go_to_their_rendezvous_owner():
     # removing a replica moves only the keys it owned
     moved = sum(owners[k] != rendezvous_owner(k, ids[:3]) for k in owners if owners[k] != "r3")
     assert moved == 0
+
+
+def test_before_stats_the_same_documents_meet_on_one_replica():
+    # a router with no replica stats yet has no tokenizer: it keys chunks by their text, so
+    # a request's documents have one owner whatever the order, question or router instance
+    ids = ["r0", "r1", "r2", "r3"]
+    holds = {r: holds_set([]) for r in ids}
+    docs = [Chunk(f"document {i} " * (i + 1)) for i in range(40)]
+    firsts = set()
+    for seed in range(8):
+        a = random.Random(seed).sample(docs[:3], 3)
+        d = rank_replicas(text_keys(a), holds, {r: None for r in ids}, rng=random.Random(seed))
+        firsts.add(d.ranks[0][0])
+        assert d.reason == "owner"
+    assert len(firsts) == 1
+    # and different documents spread over the replicas
+    owners = {rank_replicas(text_keys([c]), holds, {r: 0 for r in ids}).ranks[0][0] for c in docs}
+    assert len(owners) == 4
 
 
 def test_held_tokens_beat_cold_ownership_and_ties_go_to_the_shorter_queue():
@@ -229,8 +248,8 @@ def test_two_replicas_a_request_goes_where_its_documents_are():
         import httpx
 
         # The ingress replica's router starts with its first request and learns the replicas'
-        # chunk keys from their next stats report, so the first HTTP request may go to either
-        # replica; the same documents again must find their KV where the first one left it.
+        # chunk keys from their next stats report; until then it sends a document to the owner
+        # of its text, so the same documents again must find their KV where the first one left it.
         body = {"model": "tiny", "messages": [{"role": "user", "content": "Which words?"}],
                 "documents": [docs[2]], "max_tokens": 2}
         first = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json=body)
