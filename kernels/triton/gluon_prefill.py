@@ -317,13 +317,16 @@ def _unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return None
 
 
+def _on_hopper(t: torch.Tensor) -> bool:
+    return bool(t.is_cuda and torch.cuda.get_device_capability(t.device)[0] == 9)
+
+
 def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
               inv_freq: torch.Tensor) -> bool:
     """Whether ``paged_prefill_gluon`` serves these arguments on this device: a Hopper GPU
     and the shapes and dtypes of ``_unsupported``. (The engine's prefill on an H100/H200
     with a Llama-like model; ``paged_attention_triton`` sends such batches here.)"""
-    return bool(q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
-                and _unsupported(q, k_cache, v_cache, block_table, inv_freq) is None)
+    return _on_hopper(q) and _unsupported(q, k_cache, v_cache, block_table, inv_freq) is None
 
 
 def paged_prefill_gluon(
@@ -386,7 +389,7 @@ def paged_prefill_gluon(
         raise ValueError(f"runs table of shape {tuple(runs.shape)}, expected {tuple(block_table.shape)} contiguous")
     if total_q > 0 and int(max_seqlen_q) <= 0:
         raise ValueError(f"max_seqlen_q {max_seqlen_q} must be the longest query count of a sequence (>= 1)")
-    if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+    if not _on_hopper(q):
         raise RuntimeError("paged_prefill_gluon runs on Hopper GPUs (sm_90) only")
     if out is None:
         out = torch.empty_like(q)
