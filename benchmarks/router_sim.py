@@ -169,12 +169,10 @@ class RankRouter(Router):
 
 
 def _owner(key: bytes, ids) -> int:
-    best, best_w = 0, b""
-    for i, rid in enumerate(ids):
-        w = hashlib.blake2b(key + rid.encode(), digest_size=8).digest()
-        if w > best_w:
-            best, best_w = i, w
-    return best
+    """The index in ``ids`` of ``key``'s rendezvous owner (the router's own rule)."""
+    from lazyllm.integrations.ray_serve import rendezvous_owner
+
+    return ids.index(rendezvous_owner(key, ids))
 
 
 class _Owned(Router):
