@@ -9,18 +9,28 @@ the shape fits (see ``supported``). One program owns 128 query rows (a row is a 
 q-head-in-group) pair) of one sequence and one KV head, and splits into four partitions
 that talk through mbarriers:
 
-* **two consumers** (4 warps each, 64 rows each; the default partition is one of them):
-  ``S = Q_slot K^T`` (wgmma, the query from a shared-memory slot), padding and causal
-  masks, online softmax, ``O += P V`` (wgmma, P from registers). Each frees a K/V stage
-  after its last product and a query slot when its run of equal deltas ends; at a run start
-  it only switches slots and reads the new run's end from shared memory (no global load on
-  its path). The two run out of step, so one's softmax overlaps the other's products.
-* **loader** (1 warp): K and V pages by TMA (tensor descriptors over the caches viewed as
-  ``(num_pages * page_size, num_kv_heads * head_dim)``) into a ring of ``stages`` stages.
-* **rotator** (4 warps): for each run, ``R(-delta) q`` into one of two query slots, on
-  pairs of 16-bit values with cos/sin computed from the delta, by the Triton kernels' own
-  helpers (``_common._fma2``, ``_mul2``, ``_cos_sin_of``), so it rounds as they do; and the
-  run's end into ``rend[slot]``.
+* **two consumers** (4 warps each, 64 rows each, worker partitions): per tile of 128 keys
+  ``S = Q_slot K^T`` (wgmma, the query from a shared-memory slot), online softmax with the
+  scale folded into one multiply-add per score, ``O += P V`` (wgmma, P from registers).
+  Padding and causal masks are built only for tiles that need them (a page shorter than
+  its slots, a key past the table, or keys from the first one some row may not see);
+  elsewhere a score goes straight to the softmax. Over pages of 64, ``S`` is two products
+  of 64 keys, one per page, each with its page's query: the same run's for both, or, where
+  the second page starts a new run of deltas, the next run's (already rotated in the other
+  slot). The two accumulators together are the 128-key tile's, so one softmax step serves
+  both.
+  Each frees a K/V stage after its last product and a query slot when its run ends; at a
+  run start it only switches slots and reads the new run's end from shared memory (no
+  global load on its path). The two run out of step, so one's softmax overlaps the other's
+  products.
+* **loader** (1 warp): K and V by TMA (tensor descriptors over the caches viewed as
+  ``(num_pages * page_size, num_kv_heads * head_dim)``), a page (or a whole tile, for
+  pages of 128+) per copy, into a ring of ``stages`` stages.
+* **rotator** (the default partition, 4 warps, the registers the others leave): for each
+  run, ``R(-delta) q`` into one of two query slots, in pieces of 16 rows, on pairs of
+  16-bit values with cos/sin computed from the delta, by the Triton kernels' own helpers
+  (``_common._fma2``, ``_mul2``, ``_cos_sin_of``), so it rounds as they do; and the run's
+  end (a key index) into ``rend[slot]``.
 
 In the Triton rotary-halves loop the run start sits on the MMA warps' path; here it is
 another partition's work.
@@ -55,27 +65,35 @@ from .rope import delta_runs
 __all__ = ["paged_prefill_gluon"]
 
 _LOG2E = 1.4426950408889634
-_BLOCK_N = 64  # keys per tile (a page holds one or more tiles)
-# (BLOCK_M, warps per consumer, K/V stages): measured fastest of those tried on the H200
-_CONFIG = (128, 4, 2)
+_PAGE_GRAIN = 64  # pages hold a multiple of this many tokens
+# (BLOCK_M, warps per consumer, K/V stages, keys per tile)
+_CONFIG = (128, 4, 2, 128)
 _BLOCK_M = 128  # query rows per program: two consumers of 64
 _NSLOT = 2  # rotated query slots (measured: 3 no faster)
-_CONS_REGS = 208  # registers per thread of a consumer (setmaxnreg); loader 24, rotator 88
+_ROT_CHUNKS = 8  # the rotator loads and rotates a query tile in this many pieces (registers)
+# registers per thread (setmaxnreg): each consumer, the loader; the rotator gets the rest (72).
+# ptxas spills nothing anywhere with these; 216 for the consumers ran no faster on an H200
+_REGS = (208, 24)
 
 
 @gluon.jit
-def _loader(kd, vd, k_smem, v_smem, kv_ready, kv_empty, BT_row, col, t_hi,
+def _loader(kd, vd, k_smem, v_smem, kv_ready, kv_empty, BT_row, col, t_hi, max_blocks,
             PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Key tiles ``[0, t_hi)``: K and V of tile ``tt`` by TMA into stage ``tt % STAGES``
-    once the consumer has freed it."""
+    once both consumers have freed it; a tile longer than a page takes one copy per page
+    (an entry past the table reads page 0: finite, and masked by its length 0)."""
+    SUB: gl.constexpr = kd.block_type.shape[0]  # keys per copy: min(BLOCK_N, PAGE_SIZE)
     for tt in range(0, t_hi):
         s = tt % STAGES
         mbarrier.wait(kv_empty.index(s), ((tt // STAGES) & 1) ^ 1)  # a fresh stage passes
-        page = gl.load(BT_row + (tt * BLOCK_N) // PAGE_SIZE)
-        row = page * PAGE_SIZE + (tt * BLOCK_N) % PAGE_SIZE
-        mbarrier.expect(kv_ready.index(s), kd.block_type.nbytes + vd.block_type.nbytes)
-        tma.async_copy_global_to_shared(kd, [row, col], kv_ready.index(s), k_smem.index(s))
-        tma.async_copy_global_to_shared(vd, [row, col], kv_ready.index(s), v_smem.index(s))
+        mbarrier.expect(kv_ready.index(s), (kd.block_type.nbytes + vd.block_type.nbytes) * (BLOCK_N // SUB))
+        for j in gl.static_range(BLOCK_N // SUB):
+            key = tt * BLOCK_N + j * SUB
+            e = key // PAGE_SIZE
+            page = gl.load(BT_row + e, mask=e < max_blocks, other=0)
+            row = page * PAGE_SIZE + key % PAGE_SIZE
+            tma.async_copy_global_to_shared(kd, [row, col], kv_ready.index(s), k_smem.index(s).slice(j * SUB, SUB))
+            tma.async_copy_global_to_shared(vd, [row, col], kv_ready.index(s), v_smem.index(s).slice(j * SUB, SUB))
 
 
 @gluon.jit
@@ -102,15 +120,17 @@ def _st_rot(buf, ch: gl.constexpr, a1, a2, c16, s16, ns16, RC: gl.constexpr, H2:
 
 @gluon.jit
 def _rotator(Q, q_smem, rend, q_ready, q_empty, Runs_row, Delta_row, InvFreq,
-             q_start, n_rows, row0, kvh, stride_qt, stride_qh, t_hi,
-             G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, TPE: gl.constexpr,
-             USE_ROPE: gl.constexpr, NSLOT: gl.constexpr):
+             q_start, n_rows, row0, kvh, stride_qt, stride_qh, k_end, k_hi,
+             G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, PAGE_SIZE: gl.constexpr,
+             USE_ROPE: gl.constexpr, NSLOT: gl.constexpr, NCH: gl.constexpr):
     """For run ``r`` of equal deltas (entry ``e`` on; the next at ``Runs_row[e]``), the
     rows' query rotated by ``R(-delta)`` into slot ``r % NSLOT`` and the run's end (a key
-    tile) into ``rend[slot]``. The query's loads are issued before the run's delta is
-    needed. Always at least one run."""
+    index into the table's slots) into ``rend[slot]``: for the last run that begins before
+    ``k_end`` (the end of the entries any row sees), ``k_hi`` (the end of the last tile,
+    which may reach past the table), so no run is read past the entries. The query's loads
+    are issued before the run's delta is needed. Always at least one run."""
     H2: gl.constexpr = HEAD_DIM // 2
-    RC: gl.constexpr = BLOCK_M // 4
+    RC: gl.constexpr = BLOCK_M // NCH  # rows per chunk
     dt: gl.constexpr = q_smem.dtype
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     l1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -118,7 +138,7 @@ def _rotator(Q, q_smem, rend, q_ready, q_empty, Runs_row, Delta_row, InvFreq,
     inv = gl.load(InvFreq + offs_h)
     e = 0
     r = 0
-    while (e * TPE < t_hi) | (r == 0):
+    while (e * PAGE_SIZE < k_end) | (r == 0):
         slot = r % NSLOT
         a1_0, a2_0 = _ld_q(Q, q_start, n_rows, row0, kvh, stride_qt, stride_qh, offs_h, G, RC, H2, blk, dt)
         if USE_ROPE:
@@ -126,7 +146,7 @@ def _rotator(Q, q_smem, rend, q_ready, q_empty, Runs_row, Delta_row, InvFreq,
             e_next = gl.load(Runs_row + e)
         else:
             d = 0.0
-            e_next = t_hi  # a single run
+            e_next = k_end // PAGE_SIZE  # a single run
         c, sn = _cos_sin_of(d * inv, True)
         c16 = c.to(dt)[None, :]
         ns16 = (-sn).to(dt)[None, :]
@@ -134,10 +154,11 @@ def _rotator(Q, q_smem, rend, q_ready, q_empty, Runs_row, Delta_row, InvFreq,
         mbarrier.wait(q_empty.index(slot), ((r // NSLOT) & 1) ^ 1)
         buf = q_smem.index(slot)
         _st_rot(buf, 0, a1_0, a2_0, c16, s16, ns16, RC, H2, USE_ROPE)
-        for ch in gl.static_range(1, 4):
+        for ch in gl.static_range(1, NCH):
             a1, a2 = _ld_q(Q, q_start, n_rows, row0 + ch * RC, kvh, stride_qt, stride_qh, offs_h, G, RC, H2, blk, dt)
             _st_rot(buf, ch, a1, a2, c16, s16, ns16, RC, H2, USE_ROPE)
-        rend.index(slot).store(gl.full([1], gl.minimum(e_next * TPE, t_hi), gl.int32, layout=l1))
+        end = gl.where(e_next * PAGE_SIZE < k_end, e_next * PAGE_SIZE, k_hi)
+        rend.index(slot).store(gl.full([1], end, gl.int32, layout=l1))
         fence_async_shared()
         mbarrier.arrive(q_ready.index(slot), count=1)
         e = e_next
@@ -152,34 +173,99 @@ def _rd_end(rend, slot, NW: gl.constexpr):
 
 
 @gluon.jit
+def _needs_mask(BLen_row, key0, k_lo, max_blocks, STEP: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    """Whether keys ``[key0, key0 + STEP)`` need a mask: some of them are padding (an
+    entry shorter than its page, or past the table), or some row may not see some of them
+    (from ``k_lo`` on, the causal region)."""
+    needs = key0 + STEP > k_lo
+    if STEP >= PAGE_SIZE:
+        for j in gl.static_range(STEP // PAGE_SIZE):
+            e = key0 // PAGE_SIZE + j
+            needs = needs | (gl.load(BLen_row + e, mask=e < max_blocks, other=0) < PAGE_SIZE)
+    else:
+        needs = needs | (gl.load(BLen_row + key0 // PAGE_SIZE) < key0 % PAGE_SIZE + STEP)
+    return needs
+
+
+@gluon.jit
+def _attend(q_rows, q_next, k_tile, v_tile, m_i, l_i, acc, qpos, BPos_row, BLen_row, key0, k_lo, max_blocks,
+            qk_scale, STEP: gl.constexpr, PAGE_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr,
+            TWO_Q: gl.constexpr):
+    """One online-softmax step of a consumer's rows over keys ``[key0, key0 + STEP)`` (K and
+    V tiles in shared memory): ``S = Q K^T``, masked only where ``_needs_mask`` says so, the
+    running max and sum (``m_i``, ``l_i``, in log2 units) and ``acc += P V``. With ``TWO_Q``
+    the first half of the keys is scored by ``q_rows`` and the second by ``q_next``."""
+    BM: gl.constexpr = q_rows.shape[0]
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, STEP, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
+    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    if TWO_Q:  # each half of the keys scored by its own query (one run's, or two runs')
+        H: gl.constexpr = STEP // 2
+        h_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, H, 16])
+        qa = warpgroup_mma(q_rows, k_tile.slice(0, H).permute((1, 0)), gl.zeros([BM, H], gl.float32, layout=h_l),
+                           use_acc=False, is_async=True)
+        qb = warpgroup_mma(q_next, k_tile.slice(H, H).permute((1, 0)), gl.zeros([BM, H], gl.float32, layout=h_l),
+                           use_acc=False, is_async=True)
+        qa, qb = warpgroup_mma_wait(num_outstanding=0, deps=(qa, qb))
+        # the two accumulators side by side are the full tile's accumulator: no data moves
+        qk = gl.reshape(gl.permute(gl.join(qa, qb), (0, 2, 1)), [BM, STEP])
+        qk = gl.convert_layout(qk, s_l, assert_trivial=True)
+    else:
+        qk = warpgroup_mma(q_rows, k_tile.permute((1, 0)), gl.zeros([BM, STEP], gl.float32, layout=s_l),
+                           use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+    if _needs_mask(BLen_row, key0, k_lo, max_blocks, STEP, PAGE_SIZE):
+        key = key0 + gl.arange(0, STEP, layout=gl.SliceLayout(0, s_l))
+        ent = key // PAGE_SIZE
+        slot = key % PAGE_SIZE
+        em = ent < max_blocks
+        kvalid = slot < gl.load(BLen_row + ent, mask=em, other=0)
+        kpos = gl.load(BPos_row + ent, mask=em, other=0) + slot
+        # before k_lo every row sees every real key (rows past the end have qpos -1)
+        lim = gl.where(key0 + STEP > k_lo, gl.convert_layout(qpos, row_s), 2147483647)
+        seen = kvalid[None, :] & (kpos[None, :] <= lim[:, None])
+        qk = gl.where(seen, qk, float("-inf"))
+    # the scale folded into the row max and into one multiply-add per score
+    m_new = gl.maximum(m_i, gl.convert_layout(gl.max(qk, 1), row_o) * qk_scale)
+    p = gl.exp2(qk * qk_scale - gl.convert_layout(m_new, row_s)[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.convert_layout(gl.sum(p, 1), row_o)
+    acc = acc * alpha[:, None]
+    acc = warpgroup_mma(gl.convert_layout(p.to(v_tile.dtype), p_l), v_tile, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    return m_new, l_i, acc
+
+
+@gluon.jit
 def _consumer(q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
               QPos, Out, BPos_row, BLen_row, q_start, n_rows, row0, kvh,
-              stride_ot, stride_oh, t_lo, t_hi, qk_scale,
+              stride_ot, stride_oh, k_lo, t_hi, max_blocks, qk_scale,
               G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, NW: gl.constexpr,
               HALF: gl.constexpr, NSLOT: gl.constexpr):
-    """Online softmax over key tiles ``[0, t_hi)`` (causal mask from ``t_lo``) of rows
+    """Online softmax over key tiles ``[0, t_hi)`` (causal mask from key ``k_lo``) of rows
     ``HALF * BLOCK_M ..`` of the program's tile (``BLOCK_M`` is the consumer's share; two
     consumers, each its own partition), the query of run ``r`` in slot ``r % NSLOT``; writes
-    the normalized output rows."""
+    the normalized output rows. Where a tile's second page starts a new run (a new delta),
+    that page is scored by the next run's query, and the current run's slot is freed after
+    the tile."""
     row0 = row0 + HALF * BLOCK_M
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
-    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-    row_l: gl.constexpr = gl.SliceLayout(1, s_l)
-    rows = row0 + gl.arange(0, BLOCK_M, layout=row_l)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    rows = row0 + gl.arange(0, BLOCK_M, layout=row_o)
     row_ok = rows < n_rows
     qpos = gl.load(QPos + q_start + rows // G, mask=row_ok, other=-1).to(gl.int32)
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
-    m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, layout=row_l)  # finite: a row that saw nothing stays 0
-    l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=row_l)
+    m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, layout=row_o)  # finite: a row that saw nothing stays 0
+    l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=row_o)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_l)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_l)
     r = 0
     mbarrier.wait(q_ready.index(0), 0)
     r_end = _rd_end(rend, 0, NW)
     for tt in range(0, t_hi):
-        if tt >= r_end:  # a run starts: free the slot, take the next (already rotated)
+        key0 = tt * BLOCK_N
+        if key0 >= r_end:  # a run starts: free the slot, take the next (already rotated)
             mbarrier.arrive(q_empty.index(r % NSLOT), count=1)
             r += 1
             mbarrier.wait(q_ready.index(r % NSLOT), (r // NSLOT) & 1)
@@ -187,34 +273,30 @@ def _consumer(q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
         s = tt % STAGES
         mbarrier.wait(kv_ready.index(s), (tt // STAGES) & 1)
         q_rows = q_smem.index(r % NSLOT).slice(HALF * BLOCK_M, BLOCK_M, dim=0)
-        qk = warpgroup_mma(q_rows, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-        ent = (tt * BLOCK_N) // PAGE_SIZE
-        slot0 = (tt * BLOCK_N) % PAGE_SIZE
-        kvalid = (cols + slot0) < gl.load(BLen_row + ent)
-        if tt >= t_lo:
-            kpos = gl.load(BPos_row + ent) + slot0 + cols
-            seen = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
+        if BLOCK_N > PAGE_SIZE:
+            # a run that ends inside the tile (at its second page): the next run's query
+            # scores the second half
+            split = r_end < key0 + BLOCK_N
+            if split:
+                mbarrier.wait(q_ready.index((r + 1) % NSLOT), ((r + 1) // NSLOT) & 1)
+            q_next = q_smem.index((r + split.to(gl.int32)) % NSLOT).slice(HALF * BLOCK_M, BLOCK_M, dim=0)
+            m_i, l_i, acc = _attend(q_rows, q_next, k_smem.index(s), v_smem.index(s), m_i, l_i, acc, qpos,
+                                    BPos_row, BLen_row, key0, k_lo, max_blocks, qk_scale, BLOCK_N, PAGE_SIZE,
+                                    HEAD_DIM, NW, True)
+            if split:
+                mbarrier.arrive(q_empty.index(r % NSLOT), count=1)
+                r += 1
+                r_end = _rd_end(rend, r % NSLOT, NW)
         else:
-            seen = kvalid[None, :] & (qpos[:, None] >= -2147483647)
-        qk = gl.where(seen, qk * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, 1))
-        p = gl.exp2(qk - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-        pd = gl.convert_layout(p.to(v_smem.dtype), p_l)
-        acc = warpgroup_mma(pd, v_smem.index(s), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            m_i, l_i, acc = _attend(q_rows, q_rows, k_smem.index(s), v_smem.index(s), m_i, l_i, acc, qpos,
+                                    BPos_row, BLen_row, key0, k_lo, max_blocks, qk_scale, BLOCK_N, PAGE_SIZE,
+                                    HEAD_DIM, NW, False)
         mbarrier.arrive(kv_empty.index(s), count=1)
     mbarrier.arrive(q_empty.index(r % NSLOT), count=1)
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
-    o = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
-    orow = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_l))
-    optr = Out + (q_start + orow // G).to(gl.int64) * stride_ot + (kvh * G + orow % G) * stride_oh
+    o = acc / gl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    optr = Out + (q_start + rows // G).to(gl.int64) * stride_ot + (kvh * G + rows % G) * stride_oh
     ocol = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_l))
-    gl.store(optr[:, None] + ocol[None, :], o.to(Out.dtype.element_ty), mask=(orow < n_rows)[:, None])
+    gl.store(optr[:, None] + ocol[None, :], o.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
 @gluon.jit
@@ -224,7 +306,8 @@ def _paged_prefill_ws(Q, QPos, CuQ, kd, vd, BT, BPos, BLen, Runs, Delta, InvFreq
                       G: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                       SCAN_BLOCK: gl.constexpr, USE_ROPE: gl.constexpr, NW: gl.constexpr,
-                      CONS_REGS: gl.constexpr, NSLOT: gl.constexpr):
+                      CONS_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, ROT_CHUNKS: gl.constexpr,
+                      NSLOT: gl.constexpr):
     """Grid ``(q_tiles, num_kv_heads, batch)``; see the module docstring."""
     pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # heaviest (latest) query tiles first
     kvh = gl.program_id(1)
@@ -238,8 +321,8 @@ def _paged_prefill_ws(Q, QPos, CuQ, kd, vd, BT, BPos, BLen, Runs, Delta, InvFreq
         BLen_row = BLen + b.to(gl.int64) * stride_blb
         Runs_row = Runs + b.to(gl.int64) * max_blocks
         Delta_row = Delta + b.to(gl.int64) * stride_bdb
-        # one scan of the table row: tiles before t_lo are seen in full by every row, none
-        # from t_hi on is seen at all (as the Triton prefill's scan)
+        # one scan of the table row: entries before lo_e are seen in full by every row, none
+        # from hi_e on is seen at all (as the Triton prefill's scan)
         l1: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
         rr = row0 + gl.arange(0, BLOCK_M, layout=l1)
         rok = rr < n_rows
@@ -257,7 +340,7 @@ def _paged_prefill_ws(Q, QPos, CuQ, kd, vd, BT, BPos, BLen, Runs, Delta, InvFreq
             hi_e = gl.maximum(hi_e, gl.max(gl.where(used & (bp <= qmax), e + 1, 0), 0))
             lo_e = gl.minimum(lo_e, gl.min(gl.where(used & (bp + ln - 1 > qmin), e, max_blocks), 0))
         t_hi = (hi_e * PAGE_SIZE + BLOCK_N - 1) // BLOCK_N
-        t_lo = gl.minimum((lo_e * PAGE_SIZE) // BLOCK_N, t_hi)
+        k_lo = gl.minimum(lo_e, hi_e) * PAGE_SIZE  # keys (table slots) from here on are masked causally
 
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.bfloat16)
         q_smem = gl.allocate_shared_memory(kd.dtype, [NSLOT, BLOCK_M, HEAD_DIM], q_layout)
@@ -276,21 +359,23 @@ def _paged_prefill_ws(Q, QPos, CuQ, kd, vd, BT, BPos, BLen, Runs, Delta, InvFreq
             mbarrier.init(q_empty.index(i), count=2)
         fence_async_shared()
         CM: gl.constexpr = BLOCK_M // 2
+        # the rotator is the default partition (the kernel's 4 warps; it gets the registers
+        # the workers leave), so that both consumers get the count they are given
         gl.warp_specialize([
+            (_rotator, (Q, q_smem, rend, q_ready, q_empty, Runs_row, Delta_row, InvFreq,
+                        q_start, n_rows, row0, kvh, stride_qt, stride_qh, hi_e * PAGE_SIZE, t_hi * BLOCK_N,
+                        G, HEAD_DIM, BLOCK_M, PAGE_SIZE, USE_ROPE, NSLOT, ROT_CHUNKS)),
             (_consumer, (q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                          QPos, Out, BPos_row, BLen_row, q_start, n_rows, row0, kvh,
-                         stride_ot, stride_oh, t_lo, t_hi, qk_scale,
+                         stride_ot, stride_oh, k_lo, t_hi, max_blocks, qk_scale,
                          G, HEAD_DIM, CM, BLOCK_N, PAGE_SIZE, STAGES, NW, 0, NSLOT)),
             (_consumer, (q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                          QPos, Out, BPos_row, BLen_row, q_start, n_rows, row0, kvh,
-                         stride_ot, stride_oh, t_lo, t_hi, qk_scale,
+                         stride_ot, stride_oh, k_lo, t_hi, max_blocks, qk_scale,
                          G, HEAD_DIM, CM, BLOCK_N, PAGE_SIZE, STAGES, NW, 1, NSLOT)),
-            (_loader, (kd, vd, k_smem, v_smem, kv_ready, kv_empty, BT_row, kvh * HEAD_DIM, t_hi,
+            (_loader, (kd, vd, k_smem, v_smem, kv_ready, kv_empty, BT_row, kvh * HEAD_DIM, t_hi, max_blocks,
                        PAGE_SIZE, BLOCK_N, STAGES)),
-            (_rotator, (Q, q_smem, rend, q_ready, q_empty, Runs_row, Delta_row, InvFreq,
-                        q_start, n_rows, row0, kvh, stride_qt, stride_qh, t_hi,
-                        G, HEAD_DIM, BLOCK_M, PAGE_SIZE // BLOCK_N, USE_ROPE, NSLOT)),
-        ], [NW, 1, 4], [CONS_REGS, 24, 88])
+        ], [NW, NW, 1], [CONS_REGS, CONS_REGS, LOAD_REGS])
 
 
 def _unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -305,8 +390,8 @@ def _unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                 f"cache head_dim {dk}, rotary_dim {2 * inv_freq.numel()}")
     if k_cache.dtype not in (torch.float16, torch.bfloat16) or v_cache.dtype != k_cache.dtype:
         return f"paged_prefill_gluon needs float16 or bfloat16 caches, got {k_cache.dtype}/{v_cache.dtype}"
-    if page_size % _BLOCK_N or tuple(v_cache.shape) != tuple(k_cache.shape):
-        return (f"paged_prefill_gluon needs pages of a multiple of {_BLOCK_N} tokens and equal K/V "
+    if page_size % _PAGE_GRAIN or tuple(v_cache.shape) != tuple(k_cache.shape):
+        return (f"paged_prefill_gluon needs pages of a multiple of {_PAGE_GRAIN} tokens and equal K/V "
                 f"cache shapes, got {tuple(k_cache.shape)}/{tuple(v_cache.shape)}")
     try:
         k_cache.view(-1, hkv * d), v_cache.view(-1, hkv * d)
@@ -347,7 +432,7 @@ def paged_prefill_gluon(
     padding_finite: bool,
     use_rope: bool = True,
     runs: torch.Tensor | None = None,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Deferred-RoPE paged prefill, warp-specialized (Gluon, Hopper); the arguments and
     result of ``paged_attention_triton`` (see there and the module
@@ -362,8 +447,9 @@ def paged_prefill_gluon(
     device but a Hopper GPU ``RuntimeError``.
     runs : optional ``delta_runs(block_delta)`` (``rope_table(...)[2]``), to build it once
         per step; derived here otherwise.
-    config : ``(BLOCK_M, num_warps, stages)``, for benchmarks: 128 rows per program, 4 warps per
-        consumer, 2 or 3 K/V stages (the default ``(128, 4, 2)`` ran faster on the H200).
+    config : ``(BLOCK_M, num_warps, stages[, block_n])``, for benchmarks: 128 rows per program,
+        4 warps per consumer, 2 or 3 K/V stages of 64 keys or 2 of 128 (shared memory holds no
+        more); the default is ``(128, 4, 2, 128)``.
     """
     total_q, hq, d = q.shape
     if not padding_finite:
@@ -375,10 +461,11 @@ def paged_prefill_gluon(
         raise ValueError(problem)
     if hq % hkv:
         raise ValueError(f"num_q_heads {hq} is not a multiple of num_kv_heads {hkv}")
-    block_m, num_warps, stages = config or _CONFIG
-    if (block_m, num_warps) != (_BLOCK_M, 4) or stages not in (2, 3):
-        raise ValueError(f"config {(block_m, num_warps, stages)}: BLOCK_M {_BLOCK_M} with 4 warps per consumer, "
-                         "2 or 3 stages")
+    config = tuple(config or _CONFIG)
+    block_m, num_warps, stages, block_n = config if len(config) == 4 else (*config, 64)
+    if (block_m, num_warps) != (_BLOCK_M, 4) or (block_n, stages) not in ((64, 2), (64, 3), (128, 2)):
+        raise ValueError(f"config {config}: BLOCK_M {_BLOCK_M} with 4 warps per consumer, and 2 or 3 stages "
+                         "of 64 keys or 2 of 128")
     batch = cu_seqlens_q.numel() - 1
     tables = (block_table, block_pos, block_delta, block_len)
     if any(t.dim() != 2 or t.shape != block_table.shape for t in tables) or block_table.shape[0] != max(batch, 0):
@@ -406,9 +493,10 @@ def paged_prefill_gluon(
     elif runs is None:
         runs = delta_runs(block_delta)
     gdt = gl.bfloat16 if k_cache.dtype == torch.bfloat16 else gl.float16
-    lay = gl.NVMMASharedLayout.get_default_for([_BLOCK_N, d], gdt)
-    kd = TensorDescriptor.from_tensor(k_cache.view(-1, hkv * d), [_BLOCK_N, d], lay)
-    vd = TensorDescriptor.from_tensor(v_cache.view(-1, hkv * d), [_BLOCK_N, d], lay)
+    sub = min(block_n, page_size)  # keys per TMA copy: a tile, or a page of a tile
+    lay = gl.NVMMASharedLayout.get_default_for([sub, d], gdt)
+    kd = TensorDescriptor.from_tensor(k_cache.view(-1, hkv * d), [sub, d], lay)
+    vd = TensorDescriptor.from_tensor(v_cache.view(-1, hkv * d), [sub, d], lay)
     group = hq // hkv
     grid = (triton.cdiv(max_seqlen_q * group, block_m), hkv, batch)
     _paged_prefill_ws[grid](
@@ -416,8 +504,9 @@ def paged_prefill_gluon(
         inv_freq.to(device=q.device, dtype=torch.float32).contiguous(), target, float(sm_scale) * _LOG2E,
         q.stride(0), q.stride(1), target.stride(0), target.stride(1),
         block_table.stride(0), block_pos.stride(0), block_len.stride(0), block_delta.stride(0), block_table.shape[1],
-        G=group, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, STAGES=stages,
-        SCAN_BLOCK=256, USE_ROPE=bool(use_rope), NW=num_warps, CONS_REGS=_CONS_REGS, NSLOT=_NSLOT,
+        G=group, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
+        SCAN_BLOCK=256, USE_ROPE=bool(use_rope), NW=num_warps, CONS_REGS=_REGS[0], LOAD_REGS=_REGS[1],
+        ROT_CHUNKS=_ROT_CHUNKS, NSLOT=_NSLOT,
         num_warps=num_warps,
     )
     if target is not out:
