@@ -524,6 +524,13 @@ def run_copy(inv_freq, dev, copy_tbs, n_layers=32, ps=16, n=256):
 # ----------------------------------------------------------------------------------------
 
 
+def _fastest(r, readings):
+    """The fastest of the row's readings ``(name, key)`` that it holds, as ``(name, ms)``;
+    ``None`` where it holds none."""
+    held = [(name, r[key]) for name, key in readings if r.get(key)]
+    return min(held, key=lambda x: x[1]) if held else None
+
+
 def derived(row):
     r = dict(row)
     if "error" in r:
@@ -556,10 +563,10 @@ def derived(row):
             # reading of a causal SDPA backend (flash from a graph or do_bench, cuDNN causal), and
             # cuDNN's unmasked kernel by FLOP rate (ours on the causal pairs, it on all pairs)
             r["tflops_rope_graph"] = r["flops"] / r["ms_rope_graph_min"] / 1e9
-            readings = (("flash, graph", "ms_sdpa_graph"), ("flash, do_bench", "ms_sdpa"), ("cuDNN causal", "ms_cudnn"))
-            best = [(name, r[key]) for name, key in readings if r.get(key)]
+            best = _fastest(r, (("flash, graph", "ms_sdpa_graph"), ("flash, do_bench", "ms_sdpa"),
+                                ("cuDNN causal", "ms_cudnn")))
             if best:
-                r["best_causal_sdpa"], r["ms_best_causal_sdpa"] = min(best, key=lambda x: x[1])
+                r["best_causal_sdpa"], r["ms_best_causal_sdpa"] = best
                 r["vs_best_causal_sdpa"] = r["ms_best_causal_sdpa"] / r["ms_rope_graph_min"]
             if r.get("ms_cudnn_nomask"):
                 r["rate_vs_cudnn_nomask"] = r["tflops_rope_graph"] / r["tflops_cudnn_nomask"]
@@ -576,12 +583,11 @@ def derived(row):
             if r.get("ms_sdpa_graph"):
                 r["tbs_sdpa_graph"] = r["bytes"] / r["ms_sdpa_graph"] / 1e9
             # the strongest SDPA backend of the row: flash (FA2) or cuDNN, both from CUDA graphs
-            best = [("flash", r["ms_sdpa_graph"])] if r.get("ms_sdpa_graph") else []
             if r.get("ms_cudnn_graph"):
                 r["ms_cudnn_graph_min"] = min(r["ms_cudnn_graph"], r.get("ms_cudnn_graph2", r["ms_cudnn_graph"]))
-                best.append(("cuDNN", r["ms_cudnn_graph_min"]))
+            best = _fastest(r, (("flash", "ms_sdpa_graph"), ("cuDNN", "ms_cudnn_graph_min")))
             if best:
-                r["best_sdpa"], r["ms_best_sdpa_graph"] = min(best, key=lambda x: x[1])
+                r["best_sdpa"], r["ms_best_sdpa_graph"] = best
                 r["tbs_best_sdpa_graph"] = r["bytes"] / r["ms_best_sdpa_graph"] / 1e9
                 r["vs_best_sdpa_graph"] = r["ms_best_sdpa_graph"] / r["ms_rope_graph_min"]
     if r["kind"] == "rerotate" and "ms" in r:
