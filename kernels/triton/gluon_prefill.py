@@ -173,22 +173,33 @@ def _rd_end(rend, slot, NW: gl.constexpr):
 
 
 @gluon.jit
-def _needs_mask(BLen_row, key0, k_lo, max_blocks, STEP: gl.constexpr, PAGE_SIZE: gl.constexpr):
-    """Whether keys ``[key0, key0 + STEP)`` need a mask: some of them are padding (an
-    entry shorter than its page, or past the table), or some row may not see some of them
-    (from ``k_lo`` on, the causal region)."""
-    needs = key0 + STEP > k_lo
-    if STEP >= PAGE_SIZE:
-        for j in gl.static_range(STEP // PAGE_SIZE):
-            e = key0 // PAGE_SIZE + j
-            needs = needs | (gl.load(BLen_row + e, mask=e < max_blocks, other=0) < PAGE_SIZE)
-    else:
-        needs = needs | (gl.load(BLen_row + key0 // PAGE_SIZE) < key0 % PAGE_SIZE + STEP)
-    return needs
+def _tile_pages(BLen_row, BPos_row, key0, max_blocks, STEP: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    """The lengths and first positions of the page(s) keys ``[key0, key0 + STEP)`` lie in:
+    two pages when a tile spans two, else the same one twice (an entry past the table:
+    length 0). Consumers fetch them a tile ahead, so that no global load sits on a tile's
+    path between its two products."""
+    e0 = key0 // PAGE_SIZE
+    e1 = e0 + (1 if STEP > PAGE_SIZE else 0)
+    ok0 = e0 < max_blocks
+    ok1 = e1 < max_blocks
+    return (gl.load(BLen_row + e0, mask=ok0, other=0), gl.load(BLen_row + e1, mask=ok1, other=0),
+            gl.load(BPos_row + e0, mask=ok0, other=0), gl.load(BPos_row + e1, mask=ok1, other=0))
 
 
 @gluon.jit
-def _attend(q_rows, q_next, k_tile, v_tile, m_i, l_i, acc, qpos, BPos_row, BLen_row, key0, k_lo, max_blocks,
+def _needs_mask(bl0, bl1, key0, k_lo, STEP: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    """Whether keys ``[key0, key0 + STEP)`` (pages of lengths ``bl0``, ``bl1``, as
+    ``_tile_pages``) need a mask: some of them are padding (an entry shorter than its page,
+    or past the table), or some row may not see some of them (from ``k_lo`` on, the causal
+    region)."""
+    if STEP > PAGE_SIZE:
+        return (key0 + STEP > k_lo) | (bl0 < PAGE_SIZE) | (bl1 < PAGE_SIZE)
+    else:
+        return (key0 + STEP > k_lo) | (bl0 < key0 % PAGE_SIZE + STEP)
+
+
+@gluon.jit
+def _attend(q_rows, q_next, k_tile, v_tile, m_i, l_i, acc, qpos, bl0, bl1, bp0, bp1, key0, k_lo,
             qk_scale, STEP: gl.constexpr, PAGE_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr,
             TWO_Q: gl.constexpr):
     """One online-softmax step of a consumer's rows over keys ``[key0, key0 + STEP)`` (K and
@@ -216,17 +227,20 @@ def _attend(q_rows, q_next, k_tile, v_tile, m_i, l_i, acc, qpos, BPos_row, BLen_
         qk = warpgroup_mma(q_rows, k_tile.permute((1, 0)), gl.zeros([BM, STEP], gl.float32, layout=s_l),
                            use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-    if _needs_mask(BLen_row, key0, k_lo, max_blocks, STEP, PAGE_SIZE):
-        key = key0 + gl.arange(0, STEP, layout=gl.SliceLayout(0, s_l))
-        ent = key // PAGE_SIZE
-        slot = key % PAGE_SIZE
-        em = ent < max_blocks
-        kvalid = slot < gl.load(BLen_row + ent, mask=em, other=0)
-        kpos = gl.load(BPos_row + ent, mask=em, other=0) + slot
+    if _needs_mask(bl0, bl1, key0, k_lo, STEP, PAGE_SIZE):
+        # from the pages' scalars: a column's slot in its page, and so its key position
+        # (a padding slot's: past every query)
+        col = gl.arange(0, STEP, layout=gl.SliceLayout(0, s_l))
+        if STEP > PAGE_SIZE:
+            hi = col >= PAGE_SIZE
+            slot = gl.where(hi, col - PAGE_SIZE, col)
+            kpos = gl.where(slot < gl.where(hi, bl1, bl0), gl.where(hi, bp1, bp0) + slot, 2147483647)
+        else:
+            slot = key0 % PAGE_SIZE + col
+            kpos = gl.where(slot < bl0, bp0 + slot, 2147483647)
         # before k_lo every row sees every real key (rows past the end have qpos -1)
-        lim = gl.where(key0 + STEP > k_lo, gl.convert_layout(qpos, row_s), 2147483647)
-        seen = kvalid[None, :] & (kpos[None, :] <= lim[:, None])
-        qk = gl.where(seen, qk, float("-inf"))
+        lim = gl.where(key0 + STEP > k_lo, gl.convert_layout(qpos, row_s), 2147483646)
+        qk = gl.where(kpos[None, :] <= lim[:, None], qk, float("-inf"))
     # the scale folded into the row max and into one multiply-add per score
     m_new = gl.maximum(m_i, gl.convert_layout(gl.max(qk, 1), row_o) * qk_scale)
     p = gl.exp2(qk * qk_scale - gl.convert_layout(m_new, row_s)[:, None])
@@ -263,8 +277,11 @@ def _consumer(q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
     r = 0
     mbarrier.wait(q_ready.index(0), 0)
     r_end = _rd_end(rend, 0, NW)
+    bl0, bl1, bp0, bp1 = _tile_pages(BLen_row, BPos_row, 0, max_blocks, BLOCK_N, PAGE_SIZE)
     for tt in range(0, t_hi):
         key0 = tt * BLOCK_N
+        # the next tile's pages, fetched while this one is computed
+        nl0, nl1, np0, np1 = _tile_pages(BLen_row, BPos_row, key0 + BLOCK_N, max_blocks, BLOCK_N, PAGE_SIZE)
         if key0 >= r_end:  # a run starts: free the slot, take the next (already rotated)
             mbarrier.arrive(q_empty.index(r % NSLOT), count=1)
             r += 1
@@ -281,7 +298,7 @@ def _consumer(q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
                 mbarrier.wait(q_ready.index((r + 1) % NSLOT), ((r + 1) // NSLOT) & 1)
             q_next = q_smem.index((r + split.to(gl.int32)) % NSLOT).slice(HALF * BLOCK_M, BLOCK_M, dim=0)
             m_i, l_i, acc = _attend(q_rows, q_next, k_smem.index(s), v_smem.index(s), m_i, l_i, acc, qpos,
-                                    BPos_row, BLen_row, key0, k_lo, max_blocks, qk_scale, BLOCK_N, PAGE_SIZE,
+                                    bl0, bl1, bp0, bp1, key0, k_lo, qk_scale, BLOCK_N, PAGE_SIZE,
                                     HEAD_DIM, NW, True)
             if split:
                 mbarrier.arrive(q_empty.index(r % NSLOT), count=1)
@@ -289,9 +306,10 @@ def _consumer(q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
                 r_end = _rd_end(rend, r % NSLOT, NW)
         else:
             m_i, l_i, acc = _attend(q_rows, q_rows, k_smem.index(s), v_smem.index(s), m_i, l_i, acc, qpos,
-                                    BPos_row, BLen_row, key0, k_lo, max_blocks, qk_scale, BLOCK_N, PAGE_SIZE,
+                                    bl0, bl1, bp0, bp1, key0, k_lo, qk_scale, BLOCK_N, PAGE_SIZE,
                                     HEAD_DIM, NW, False)
         mbarrier.arrive(kv_empty.index(s), count=1)
+        bl0, bl1, bp0, bp1 = nl0, nl1, np0, np1
     mbarrier.arrive(q_empty.index(r % NSLOT), count=1)
     o = acc / gl.where(l_i > 0.0, l_i, 1.0)[:, None]
     optr = Out + (q_start + rows // G).to(gl.int64) * stride_ot + (kvh * G + rows % G) * stride_oh
