@@ -13,19 +13,23 @@ that talk through mbarriers:
   ``S = Q_slot K^T`` (wgmma, the query from a shared-memory slot), online softmax with the
   scale folded into one multiply-add per score, ``O += P V`` (wgmma, P from registers).
   Padding and causal masks are built only for tiles that need them (a page shorter than
-  its slots, a key past the table, or keys from the first one some row may not see);
-  elsewhere a score goes straight to the softmax. Over pages of 64, ``S`` is two products
-  of 64 keys, one per page, each with its page's query: the same run's for both, or, where
-  the second page starts a new run of deltas, the next run's (already rotated in the other
-  slot). The two accumulators together are the 128-key tile's, so one softmax step serves
-  both.
-  Each frees a K/V stage after its last product and a query slot when its run ends; at a
-  run start it only switches slots and reads the new run's end from shared memory (no
-  global load on its path). The two run out of step, so one's softmax overlaps the other's
-  products.
+  its slots, a key past the table, or keys from the first one some row may not see), from
+  the pages' lengths and positions, which a consumer fetches a tile ahead; elsewhere a
+  score goes straight to the softmax. Over pages of 64, ``S`` is two products of 64 keys,
+  one per page, each with its page's query: the same run's for both, or, where the second
+  page starts a new run of deltas, the next run's (already rotated in the other slot). The
+  two accumulators together are the 128-key tile's, so one softmax step serves both.
+  Over pages of 64 the consumers run in FA3's intra-warpgroup order: the scores of tile
+  ``j`` are issued together with ``P V`` of tile ``j - 1``, so that product runs during the
+  wait for the scores and the masking after it; K and V then have stages of their own (K
+  freed after the scores, V a step after its product). Each frees a query slot when its
+  run ends; at a run start it only switches slots and reads the new run's end from shared
+  memory (no global load on its path). The two consumers run out of step, so one's softmax
+  overlaps the other's products.
 * **loader** (1 warp): K and V by TMA (tensor descriptors over the caches viewed as
   ``(num_pages * page_size, num_kv_heads * head_dim)``), a page (or a whole tile, for
-  pages of 128+) per copy, into a ring of ``stages`` stages.
+  pages of 128+) per copy, into a ring of ``stages`` stages (over pages of 64: K a tile
+  ahead of V).
 * **rotator** (the default partition, 4 warps, the registers the others leave): for each
   run, ``R(-delta) q`` into one of two query slots, in pieces of 16 rows, on pairs of
   16-bit values with cos/sin computed from the delta, by the Triton kernels' own helpers
@@ -77,23 +81,63 @@ _REGS = (208, 24)
 
 
 @gluon.jit
+def _page_row(BT_row, key, max_blocks, PAGE_SIZE: gl.constexpr):
+    """The pool row (``page * PAGE_SIZE + slot``) holding table key ``key`` (an entry past the
+    table reads page 0: finite, and masked by its length 0)."""
+    e = key // PAGE_SIZE
+    return gl.load(BT_row + e, mask=e < max_blocks, other=0) * PAGE_SIZE + key % PAGE_SIZE
+
+
+@gluon.jit
+def _load_v(vd, v_smem, kv_ready, kv_empty, tt, r0, r1, col, STAGES: gl.constexpr, NCP: gl.constexpr,
+            SUB: gl.constexpr):
+    """V of tile ``tt`` (pool rows ``r0``, ``r1`` of its copies) into its stage once free."""
+    s = tt % STAGES
+    mbarrier.wait(kv_empty.index(STAGES + s), ((tt // STAGES) & 1) ^ 1)
+    mbarrier.expect(kv_ready.index(STAGES + s), vd.block_type.nbytes * NCP)
+    for j in gl.static_range(NCP):
+        tma.async_copy_global_to_shared(vd, [r0 if j == 0 else r1, col], kv_ready.index(STAGES + s),
+                                        v_smem.index(s).slice(j * SUB, SUB))
+
+
+@gluon.jit
 def _loader(kd, vd, k_smem, v_smem, kv_ready, kv_empty, BT_row, col, t_hi, max_blocks,
-            PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+            PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT_KV: gl.constexpr):
     """Key tiles ``[0, t_hi)``: K and V of tile ``tt`` by TMA into stage ``tt % STAGES``
     once both consumers have freed it; a tile longer than a page takes one copy per page
-    (an entry past the table reads page 0: finite, and masked by its length 0)."""
+    (an entry past the table reads page 0: finite, and masked by its length 0). With
+    ``SPLIT_KV`` (the overlapped consumers) K and V have barriers of their own (V's at
+    ``STAGES + s``) and K runs a tile ahead of V: K of tile ``tt`` is needed a step before
+    V of tile ``tt`` is."""
     SUB: gl.constexpr = kd.block_type.shape[0]  # keys per copy: min(BLOCK_N, PAGE_SIZE)
+    NCP: gl.constexpr = BLOCK_N // SUB
+    pr0 = 0
+    pr1 = 0
     for tt in range(0, t_hi):
         s = tt % STAGES
-        mbarrier.wait(kv_empty.index(s), ((tt // STAGES) & 1) ^ 1)  # a fresh stage passes
-        mbarrier.expect(kv_ready.index(s), (kd.block_type.nbytes + vd.block_type.nbytes) * (BLOCK_N // SUB))
-        for j in gl.static_range(BLOCK_N // SUB):
-            key = tt * BLOCK_N + j * SUB
-            e = key // PAGE_SIZE
-            page = gl.load(BT_row + e, mask=e < max_blocks, other=0)
-            row = page * PAGE_SIZE + key % PAGE_SIZE
-            tma.async_copy_global_to_shared(kd, [row, col], kv_ready.index(s), k_smem.index(s).slice(j * SUB, SUB))
-            tma.async_copy_global_to_shared(vd, [row, col], kv_ready.index(s), v_smem.index(s).slice(j * SUB, SUB))
+        ph = ((tt // STAGES) & 1) ^ 1  # a fresh stage passes
+        # the pool rows of the tile's (at most two) copies
+        r0 = _page_row(BT_row, tt * BLOCK_N, max_blocks, PAGE_SIZE)
+        r1 = _page_row(BT_row, tt * BLOCK_N + SUB, max_blocks, PAGE_SIZE) if NCP > 1 else r0
+        if SPLIT_KV:  # K of this tile, then V of the previous one (K runs a tile ahead)
+            mbarrier.wait(kv_empty.index(s), ph)
+            mbarrier.expect(kv_ready.index(s), kd.block_type.nbytes * NCP)
+            for j in gl.static_range(NCP):
+                tma.async_copy_global_to_shared(kd, [r0 if j == 0 else r1, col], kv_ready.index(s),
+                                                k_smem.index(s).slice(j * SUB, SUB))
+            if tt > 0:
+                _load_v(vd, v_smem, kv_ready, kv_empty, tt - 1, pr0, pr1, col, STAGES, NCP, SUB)
+            pr0 = r0
+            pr1 = r1
+        else:
+            mbarrier.wait(kv_empty.index(s), ph)
+            mbarrier.expect(kv_ready.index(s), (kd.block_type.nbytes + vd.block_type.nbytes) * NCP)
+            for j in gl.static_range(NCP):
+                row = r0 if j == 0 else r1
+                tma.async_copy_global_to_shared(kd, [row, col], kv_ready.index(s), k_smem.index(s).slice(j * SUB, SUB))
+                tma.async_copy_global_to_shared(vd, [row, col], kv_ready.index(s), v_smem.index(s).slice(j * SUB, SUB))
+    if SPLIT_KV and t_hi > 0:  # V of the last tile
+        _load_v(vd, v_smem, kv_ready, kv_empty, t_hi - 1, pr0, pr1, col, STAGES, NCP, SUB)
 
 
 @gluon.jit
@@ -199,6 +243,61 @@ def _needs_mask(bl0, bl1, key0, k_lo, STEP: gl.constexpr, PAGE_SIZE: gl.constexp
 
 
 @gluon.jit
+def _score_halves(q_rows, q_next, k_tile, NW: gl.constexpr):
+    """Issues (async) the score products of a tile's two halves of keys, the first scored
+    by ``q_rows`` and the second by ``q_next``."""
+    BM: gl.constexpr = q_rows.shape[0]
+    H: gl.constexpr = k_tile.shape[0] // 2
+    h_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, H, 16])
+    qa = warpgroup_mma(q_rows, k_tile.slice(0, H).permute((1, 0)), gl.zeros([BM, H], gl.float32, layout=h_l),
+                       use_acc=False, is_async=True)
+    qb = warpgroup_mma(q_next, k_tile.slice(H, H).permute((1, 0)), gl.zeros([BM, H], gl.float32, layout=h_l),
+                       use_acc=False, is_async=True)
+    return qa, qb
+
+
+@gluon.jit
+def _joined(qa, qb, s_l: gl.constexpr):
+    """The two halves' accumulators side by side: the full tile's accumulator (the same
+    registers; ``assert_trivial`` proves no data moves)."""
+    BM: gl.constexpr = qa.shape[0]
+    qk = gl.reshape(gl.permute(gl.join(qa, qb), (0, 2, 1)), [BM, 2 * qa.shape[1]])
+    return gl.convert_layout(qk, s_l, assert_trivial=True)
+
+
+@gluon.jit
+def _mask_scores(qk, qpos, bl0, bl1, bp0, bp1, key0, k_lo, STEP: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    """Scores of keys ``[key0, key0 + STEP)`` masked from the pages' scalars (``_tile_pages``):
+    a column's slot in its page, and so its key position (a padding slot's: past every
+    query), is known per register."""
+    s_l: gl.constexpr = qk.type.layout
+    col = gl.arange(0, STEP, layout=gl.SliceLayout(0, s_l))
+    if STEP > PAGE_SIZE:
+        hi = col >= PAGE_SIZE
+        slot = gl.where(hi, col - PAGE_SIZE, col)
+        kpos = gl.where(slot < gl.where(hi, bl1, bl0), gl.where(hi, bp1, bp0) + slot, 2147483647)
+    else:
+        slot = key0 % PAGE_SIZE + col
+        kpos = gl.where(slot < bl0, bp0 + slot, 2147483647)
+    # before k_lo every row sees every real key (rows past the end have qpos -1)
+    lim = gl.where(key0 + STEP > k_lo, gl.convert_layout(qpos, gl.SliceLayout(1, s_l)), 2147483646)
+    return gl.where(kpos[None, :] <= lim[:, None], qk, float("-inf"))
+
+
+@gluon.jit
+def _softmax_step(qk, m_i, l_i, qk_scale, row_o: gl.constexpr):
+    """The online-softmax update for one tile's scores (log2 units, the scale folded into
+    the row max and one multiply-add per score): the new row max and sum, the factor the
+    accumulator is to be scaled by, and ``P`` (float32, in the scores' layout)."""
+    row_s: gl.constexpr = gl.SliceLayout(1, qk.type.layout)
+    m_new = gl.maximum(m_i, gl.convert_layout(gl.max(qk, 1), row_o) * qk_scale)
+    p = gl.exp2(qk * qk_scale - gl.convert_layout(m_new, row_s)[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.convert_layout(gl.sum(p, 1), row_o)
+    return m_new, l_i, alpha, p
+
+
+@gluon.jit
 def _attend(q_rows, q_next, k_tile, v_tile, m_i, l_i, acc, qpos, bl0, bl1, bp0, bp1, key0, k_lo,
             qk_scale, STEP: gl.constexpr, PAGE_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr,
             TWO_Q: gl.constexpr):
@@ -211,41 +310,17 @@ def _attend(q_rows, q_next, k_tile, v_tile, m_i, l_i, acc, qpos, bl0, bl1, bp0, 
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, o_l)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
     if TWO_Q:  # each half of the keys scored by its own query (one run's, or two runs')
-        H: gl.constexpr = STEP // 2
-        h_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, H, 16])
-        qa = warpgroup_mma(q_rows, k_tile.slice(0, H).permute((1, 0)), gl.zeros([BM, H], gl.float32, layout=h_l),
-                           use_acc=False, is_async=True)
-        qb = warpgroup_mma(q_next, k_tile.slice(H, H).permute((1, 0)), gl.zeros([BM, H], gl.float32, layout=h_l),
-                           use_acc=False, is_async=True)
+        qa, qb = _score_halves(q_rows, q_next, k_tile, NW)
         qa, qb = warpgroup_mma_wait(num_outstanding=0, deps=(qa, qb))
-        # the two accumulators side by side are the full tile's accumulator: no data moves
-        qk = gl.reshape(gl.permute(gl.join(qa, qb), (0, 2, 1)), [BM, STEP])
-        qk = gl.convert_layout(qk, s_l, assert_trivial=True)
+        qk = _joined(qa, qb, s_l)
     else:
         qk = warpgroup_mma(q_rows, k_tile.permute((1, 0)), gl.zeros([BM, STEP], gl.float32, layout=s_l),
                            use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
     if _needs_mask(bl0, bl1, key0, k_lo, STEP, PAGE_SIZE):
-        # from the pages' scalars: a column's slot in its page, and so its key position
-        # (a padding slot's: past every query)
-        col = gl.arange(0, STEP, layout=gl.SliceLayout(0, s_l))
-        if STEP > PAGE_SIZE:
-            hi = col >= PAGE_SIZE
-            slot = gl.where(hi, col - PAGE_SIZE, col)
-            kpos = gl.where(slot < gl.where(hi, bl1, bl0), gl.where(hi, bp1, bp0) + slot, 2147483647)
-        else:
-            slot = key0 % PAGE_SIZE + col
-            kpos = gl.where(slot < bl0, bp0 + slot, 2147483647)
-        # before k_lo every row sees every real key (rows past the end have qpos -1)
-        lim = gl.where(key0 + STEP > k_lo, gl.convert_layout(qpos, row_s), 2147483646)
-        qk = gl.where(kpos[None, :] <= lim[:, None], qk, float("-inf"))
-    # the scale folded into the row max and into one multiply-add per score
-    m_new = gl.maximum(m_i, gl.convert_layout(gl.max(qk, 1), row_o) * qk_scale)
-    p = gl.exp2(qk * qk_scale - gl.convert_layout(m_new, row_s)[:, None])
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.convert_layout(gl.sum(p, 1), row_o)
+        qk = _mask_scores(qk, qpos, bl0, bl1, bp0, bp1, key0, k_lo, STEP, PAGE_SIZE)
+    m_new, l_i, alpha, p = _softmax_step(qk, m_i, l_i, qk_scale, row_o)
     acc = acc * alpha[:, None]
     acc = warpgroup_mma(gl.convert_layout(p.to(v_tile.dtype), p_l), v_tile, acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -258,13 +333,19 @@ def _consumer(q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
               stride_ot, stride_oh, k_lo, t_hi, max_blocks, qk_scale,
               G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, NW: gl.constexpr,
-              HALF: gl.constexpr, NSLOT: gl.constexpr):
+              HALF: gl.constexpr, NSLOT: gl.constexpr, OVERLAP: gl.constexpr):
     """Online softmax over key tiles ``[0, t_hi)`` (causal mask from key ``k_lo``) of rows
     ``HALF * BLOCK_M ..`` of the program's tile (``BLOCK_M`` is the consumer's share; two
     consumers, each its own partition), the query of run ``r`` in slot ``r % NSLOT``; writes
     the normalized output rows. Where a tile's second page starts a new run (a new delta),
     that page is scored by the next run's query, and the current run's slot is freed after
     the tile."""
+    if OVERLAP:
+        _consumer_ov(q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
+                     QPos, Out, BPos_row, BLen_row, q_start, n_rows, row0, kvh,
+                     stride_ot, stride_oh, k_lo, t_hi, max_blocks, qk_scale,
+                     G, HEAD_DIM, BLOCK_M, BLOCK_N, PAGE_SIZE, STAGES, NW, HALF, NSLOT)
+        return
     row0 = row0 + HALF * BLOCK_M
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
     row_o: gl.constexpr = gl.SliceLayout(1, o_l)
@@ -318,6 +399,104 @@ def _consumer(q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
 
 
 @gluon.jit
+def _consumer_ov(q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
+                 QPos, Out, BPos_row, BLen_row, q_start, n_rows, row0, kvh,
+                 stride_ot, stride_oh, k_lo, t_hi, max_blocks, qk_scale,
+                 G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, NW: gl.constexpr,
+                 HALF: gl.constexpr, NSLOT: gl.constexpr):
+    """``_consumer`` for tiles of two pages with K and V staged separately, in FA3's
+    intra-warpgroup order: the scores of tile ``j`` are issued with ``P V`` of tile ``j - 1``
+    and the softmax of tile ``j`` runs while that product does."""
+    row0 = row0 + HALF * BLOCK_M
+    dt: gl.constexpr = q_smem.dtype
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16])
+    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    rows = row0 + gl.arange(0, BLOCK_M, layout=row_o)
+    row_ok = rows < n_rows
+    qpos = gl.load(QPos + q_start + rows // G, mask=row_ok, other=-1).to(gl.int32)
+    m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, layout=row_o)
+    l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=row_o)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_l)
+    r = 0
+    mbarrier.wait(q_ready.index(0), 0)
+    r_end = _rd_end(rend, 0, NW)
+    bl0, bl1, bp0, bp1 = _tile_pages(BLen_row, BPos_row, 0, max_blocks, BLOCK_N, PAGE_SIZE)
+    if t_hi > 0:
+        # tile 0: scores and softmax only (nothing to add to yet)
+        mbarrier.wait(kv_ready.index(0), 0)
+        split = r_end < BLOCK_N
+        if split:
+            mbarrier.wait(q_ready.index(1 % NSLOT), (1 // NSLOT) & 1)
+        q_rows = q_smem.index(0).slice(HALF * BLOCK_M, BLOCK_M, dim=0)
+        q_next = q_smem.index(split.to(gl.int32) % NSLOT).slice(HALF * BLOCK_M, BLOCK_M, dim=0)
+        qa, qb = _score_halves(q_rows, q_next, k_smem.index(0), NW)
+        qa, qb = warpgroup_mma_wait(num_outstanding=0, deps=(qa, qb))
+        mbarrier.arrive(kv_empty.index(0), count=1)
+        if split:
+            mbarrier.arrive(q_empty.index(0), count=1)
+            r = 1
+            r_end = _rd_end(rend, 1 % NSLOT, NW)
+        qk = _joined(qa, qb, s_l)
+        if _needs_mask(bl0, bl1, 0, k_lo, BLOCK_N, PAGE_SIZE):
+            qk = _mask_scores(qk, qpos, bl0, bl1, bp0, bp1, 0, k_lo, BLOCK_N, PAGE_SIZE)
+        m_i, l_i, alpha, p = _softmax_step(qk, m_i, l_i, qk_scale, row_o)
+        p_prev = gl.convert_layout(p.to(dt), p_l)
+        bl0, bl1, bp0, bp1 = _tile_pages(BLen_row, BPos_row, BLOCK_N, max_blocks, BLOCK_N, PAGE_SIZE)
+        for tt in range(1, t_hi):
+            key0 = tt * BLOCK_N
+            nl0, nl1, np0, np1 = _tile_pages(BLen_row, BPos_row, key0 + BLOCK_N, max_blocks, BLOCK_N, PAGE_SIZE)
+            if key0 >= r_end:  # a run starts: free the slot, take the next (already rotated)
+                mbarrier.arrive(q_empty.index(r % NSLOT), count=1)
+                r += 1
+                mbarrier.wait(q_ready.index(r % NSLOT), (r // NSLOT) & 1)
+                r_end = _rd_end(rend, r % NSLOT, NW)
+            s = tt % STAGES
+            sp = (tt - 1) % STAGES
+            mbarrier.wait(kv_ready.index(s), (tt // STAGES) & 1)  # K of this tile
+            split = r_end < key0 + BLOCK_N
+            if split:
+                mbarrier.wait(q_ready.index((r + 1) % NSLOT), ((r + 1) // NSLOT) & 1)
+            q_rows = q_smem.index(r % NSLOT).slice(HALF * BLOCK_M, BLOCK_M, dim=0)
+            q_next = q_smem.index((r + split.to(gl.int32)) % NSLOT).slice(HALF * BLOCK_M, BLOCK_M, dim=0)
+            mbarrier.wait(kv_ready.index(STAGES + sp), ((tt - 1) // STAGES) & 1)  # V of the previous one
+            qa, qb = _score_halves(q_rows, q_next, k_smem.index(s), NW)
+            acc = warpgroup_mma(p_prev, v_smem.index(sp), acc, is_async=True)
+            qa, qb = warpgroup_mma_wait(num_outstanding=1, deps=(qa, qb))  # the scores; P V runs on
+            mbarrier.arrive(kv_empty.index(s), count=1)
+            if tt >= 2:  # V of tile tt - 2, whose product the last step waited for (freed here, so
+                # that no barrier sits between this step's softmax and its wait for P V)
+                mbarrier.arrive(kv_empty.index(STAGES + (tt - 2) % STAGES), count=1)
+            if split:  # the run that ended in this tile frees its slot
+                mbarrier.arrive(q_empty.index(r % NSLOT), count=1)
+                r += 1
+                r_end = _rd_end(rend, r % NSLOT, NW)
+            qk = _joined(qa, qb, s_l)
+            if _needs_mask(bl0, bl1, key0, k_lo, BLOCK_N, PAGE_SIZE):
+                qk = _mask_scores(qk, qpos, bl0, bl1, bp0, bp1, key0, k_lo, BLOCK_N, PAGE_SIZE)
+            m_i, l_i, alpha, p = _softmax_step(qk, m_i, l_i, qk_scale, row_o)
+            p_next = gl.convert_layout(p.to(dt), p_l)
+            acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_prev))
+            acc = acc * alpha[:, None]
+            p_prev = p_next
+            bl0, bl1, bp0, bp1 = nl0, nl1, np0, np1
+        if t_hi >= 2:
+            mbarrier.arrive(kv_empty.index(STAGES + (t_hi - 2) % STAGES), count=1)
+        sp = (t_hi - 1) % STAGES
+        mbarrier.wait(kv_ready.index(STAGES + sp), ((t_hi - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p_prev, v_smem.index(sp), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(kv_empty.index(STAGES + sp), count=1)
+    mbarrier.arrive(q_empty.index(r % NSLOT), count=1)
+    o = acc / gl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    optr = Out + (q_start + rows // G).to(gl.int64) * stride_ot + (kvh * G + rows % G) * stride_oh
+    ocol = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_l))
+    gl.store(optr[:, None] + ocol[None, :], o.to(Out.dtype.element_ty), mask=row_ok[:, None])
+
+
+@gluon.jit
 def _paged_prefill_ws(Q, QPos, CuQ, kd, vd, BT, BPos, BLen, Runs, Delta, InvFreq, Out,
                       qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
                       stride_btb, stride_bpb, stride_blb, stride_bdb, max_blocks,
@@ -325,7 +504,7 @@ def _paged_prefill_ws(Q, QPos, CuQ, kd, vd, BT, BPos, BLen, Runs, Delta, InvFreq
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                       SCAN_BLOCK: gl.constexpr, USE_ROPE: gl.constexpr, NW: gl.constexpr,
                       CONS_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, ROT_CHUNKS: gl.constexpr,
-                      NSLOT: gl.constexpr):
+                      NSLOT: gl.constexpr, OVERLAP: gl.constexpr):
     """Grid ``(q_tiles, num_kv_heads, batch)``; see the module docstring."""
     pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # heaviest (latest) query tiles first
     kvh = gl.program_id(1)
@@ -365,11 +544,12 @@ def _paged_prefill_ws(Q, QPos, CuQ, kd, vd, BT, BPos, BLen, Runs, Delta, InvFreq
         rend = gl.allocate_shared_memory(gl.int32, [NSLOT, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         k_smem = gl.allocate_shared_memory(kd.dtype, [STAGES, BLOCK_N, HEAD_DIM], kd.layout)
         v_smem = gl.allocate_shared_memory(vd.dtype, [STAGES, BLOCK_N, HEAD_DIM], vd.layout)
-        kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # stage s: [s] for K and V together, or with OVERLAP [s] for K and [STAGES + s] for V
+        kv_ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
+        for i in gl.static_range(2 * STAGES):
             mbarrier.init(kv_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)  # both consumers
         for i in gl.static_range(NSLOT):
@@ -386,13 +566,13 @@ def _paged_prefill_ws(Q, QPos, CuQ, kd, vd, BT, BPos, BLen, Runs, Delta, InvFreq
             (_consumer, (q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                          QPos, Out, BPos_row, BLen_row, q_start, n_rows, row0, kvh,
                          stride_ot, stride_oh, k_lo, t_hi, max_blocks, qk_scale,
-                         G, HEAD_DIM, CM, BLOCK_N, PAGE_SIZE, STAGES, NW, 0, NSLOT)),
+                         G, HEAD_DIM, CM, BLOCK_N, PAGE_SIZE, STAGES, NW, 0, NSLOT, OVERLAP)),
             (_consumer, (q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                          QPos, Out, BPos_row, BLen_row, q_start, n_rows, row0, kvh,
                          stride_ot, stride_oh, k_lo, t_hi, max_blocks, qk_scale,
-                         G, HEAD_DIM, CM, BLOCK_N, PAGE_SIZE, STAGES, NW, 1, NSLOT)),
+                         G, HEAD_DIM, CM, BLOCK_N, PAGE_SIZE, STAGES, NW, 1, NSLOT, OVERLAP)),
             (_loader, (kd, vd, k_smem, v_smem, kv_ready, kv_empty, BT_row, kvh * HEAD_DIM, t_hi, max_blocks,
-                       PAGE_SIZE, BLOCK_N, STAGES)),
+                       PAGE_SIZE, BLOCK_N, STAGES, OVERLAP)),
         ], [NW, NW, 1], [CONS_REGS, CONS_REGS, LOAD_REGS])
 
 
@@ -524,7 +704,7 @@ def paged_prefill_gluon(
         block_table.stride(0), block_pos.stride(0), block_len.stride(0), block_delta.stride(0), block_table.shape[1],
         G=group, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
         SCAN_BLOCK=256, USE_ROPE=bool(use_rope), NW=num_warps, CONS_REGS=_REGS[0], LOAD_REGS=_REGS[1],
-        ROT_CHUNKS=_ROT_CHUNKS, NSLOT=_NSLOT,
+        ROT_CHUNKS=_ROT_CHUNKS, NSLOT=_NSLOT, OVERLAP=block_n == 2 * page_size,
         num_warps=num_warps,
     )
     if target is not out:
