@@ -278,7 +278,8 @@ def sdpa_cudnn(q, k, v, causal):
 
 def run_cudnn(qs, k, v, s_out):
     """SDPA cuDNN's times for a prefill row: the causal problem (checked against the flash
-    output) and the same shape unmasked; none in the dry run."""
+    output) and the same shape unmasked, each under ``do_bench`` and from a CUDA graph (as
+    ours is timed; the tables take the faster reading); none in the dry run."""
     row = {}
     if DRY:
         return row
@@ -286,6 +287,8 @@ def run_cudnn(qs, k, v, s_out):
         row["err_cudnn"] = relerr(sdpa_cudnn(qs, k, v, True), s_out)
         row["ms_cudnn"] = bench(lambda: sdpa_cudnn(qs, k, v, True))
         row["ms_cudnn_nomask"] = bench(lambda: sdpa_cudnn(qs, k, v, False))
+        row["ms_cudnn_graph"] = bench_graph(lambda: sdpa_cudnn(qs, k, v, True))
+        row["ms_cudnn_nomask_graph"] = bench_graph(lambda: sdpa_cudnn(qs, k, v, False))
     except Exception as e:  # no cuDNN attention in this build: the row keeps the rest
         row["cudnn_error"] = repr(e)[:200]
     return row
@@ -564,12 +567,17 @@ def derived(row):
             # cuDNN's unmasked kernel by FLOP rate (ours on the causal pairs, it on all pairs)
             r["tflops_rope_graph"] = r["flops"] / r["ms_rope_graph_min"] / 1e9
             best = _fastest(r, (("flash, graph", "ms_sdpa_graph"), ("flash, do_bench", "ms_sdpa"),
-                                ("cuDNN causal", "ms_cudnn")))
+                                ("cuDNN causal, graph", "ms_cudnn_graph"), ("cuDNN causal", "ms_cudnn")))
             if best:
                 r["best_causal_sdpa"], r["ms_best_causal_sdpa"] = best
                 r["vs_best_causal_sdpa"] = r["ms_best_causal_sdpa"] / r["ms_rope_graph_min"]
-            if r.get("ms_cudnn_nomask"):
-                r["rate_vs_cudnn_nomask"] = r["tflops_rope_graph"] / r["tflops_cudnn_nomask"]
+            # cuDNN unmasked: its faster reading (a graph keeps a small problem's K/V in L2
+            # between replays, as ours; do_bench flushes L2)
+            nomask = _fastest(r, (("graph", "ms_cudnn_nomask_graph"), ("do_bench", "ms_cudnn_nomask")))
+            if nomask:
+                r["ms_cudnn_nomask_best"] = nomask[1]
+                r["tflops_cudnn_nomask_best"] = 4 * HQ * D * r["q"] * r["kv"] / nomask[1] / 1e9
+                r["rate_vs_cudnn_nomask"] = r["tflops_rope_graph"] / r["tflops_cudnn_nomask_best"]
     if r["kind"] == "decode" and "ms_rope" in r:
         r["tbs_rope"] = r["bytes"] / r["ms_rope"] / 1e9
         r["tbs_norope"] = r["bytes"] / r["ms_norope"] / 1e9
@@ -699,13 +707,13 @@ def markdown(meta, rows):
             L += md_table(
                 "Against the strongest baseline (ours from CUDA graphs, TFLOP/s on the causal pair count; the "
                 "fastest causal SDPA reading of the row, named; cuDNN's unmasked kernel, the FA3-class reference, "
-                "by FLOP rate on all pairs):",
+                "by FLOP rate on all pairs, its faster reading of a CUDA graph and do_bench):",
                 ["new tokens", "keys", "our kernel", "ours ms", "ours TFLOP/s", "fastest causal SDPA", "its ms",
                  "its time / ours", "cuDNN unmasked ms", "its TFLOP/s", "ours / cuDNN unmasked rate", "RoPE cost"],
                 [[r["q"], r["kv"], r.get("kernel", "triton").capitalize(), f"{r['ms_rope_graph_min']:.4f}",
                   f"{r['tflops_rope_graph']:.0f}", r["best_causal_sdpa"], f"{r['ms_best_causal_sdpa']:.4f}",
-                  f"{100 * r['vs_best_causal_sdpa']:.0f}%", f"{r.get('ms_cudnn_nomask', nan):.4f}",
-                  f"{r.get('tflops_cudnn_nomask', nan):.0f}", f"{100 * r.get('rate_vs_cudnn_nomask', nan):.0f}%",
+                  f"{100 * r['vs_best_causal_sdpa']:.0f}%", f"{r.get('ms_cudnn_nomask_best', nan):.4f}",
+                  f"{r.get('tflops_cudnn_nomask_best', nan):.0f}", f"{100 * r.get('rate_vs_cudnn_nomask', nan):.0f}%",
                   f"{100 * r['rope_cost_graph']:+.1f}%"] for r in sb],
                 ["---:", "---:", "---"] + ["---:"] * 2 + ["---"] + ["---:"] * 6)
     if dec:

@@ -65,3 +65,19 @@ def test_dry_run_checks_every_kernel_against_the_reference(tmp_path):
         else:
             assert r["v_equal"] and r["err_k"] < 1e-2, r
     assert (tmp_path / "kernels.md").read_text().count("| 16 | 600 |") >= 1
+
+
+@pytest.mark.parametrize("graph,do_bench", [(0.06, 0.07), (0.08, 0.07)])
+def test_cudnn_unmasked_is_taken_at_its_faster_reading(graph, do_bench):
+    """The FA3-class reference is cuDNN unmasked at the faster of its CUDA-graph and do_bench
+    readings (a graph keeps K/V in L2 as ours does), and the same for cuDNN causal."""
+    bk = load_benchmark("kernels")
+    row = dict(_prefill_row(0.2, 0.2, 0.2, nomask=do_bench), ms_cudnn_nomask_graph=graph, ms_cudnn_graph=0.15)
+    r = bk.derived(row)
+    best = min(graph, do_bench)
+    assert r["ms_cudnn_nomask_best"] == pytest.approx(best)
+    assert r["rate_vs_cudnn_nomask"] == pytest.approx((r["flops"] / 0.09) / (4 * 32 * 128 * 512 * 4096 / best))
+    assert r["best_causal_sdpa"] == "cuDNN causal, graph" and r["ms_best_causal_sdpa"] == pytest.approx(0.15)
+    md = bk.markdown(dict(device="H200", torch="2", triton="3", date="d", page_size=64, copy_tbs=4.2), [r])
+    line = next(ln for ln in md.splitlines() if ln.startswith("| 512 | 4096 | Gluon |"))
+    assert f"| {best:.4f} |" in line
