@@ -298,33 +298,62 @@ def _softmax_step(qk, m_i, l_i, qk_scale, row_o: gl.constexpr):
 
 
 @gluon.jit
-def _attend(q_rows, q_next, k_tile, v_tile, m_i, l_i, acc, qpos, bl0, bl1, bp0, bp1, key0, k_lo,
-            qk_scale, STEP: gl.constexpr, PAGE_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr,
-            TWO_Q: gl.constexpr):
-    """One online-softmax step of a consumer's rows over keys ``[key0, key0 + STEP)`` (K and
-    V tiles in shared memory): ``S = Q K^T``, masked only where ``_needs_mask`` says so, the
-    running max and sum (``m_i``, ``l_i``, in log2 units) and ``acc += P V``. With ``TWO_Q``
-    the first half of the keys is scored by ``q_rows`` and the second by ``q_next``."""
+def _attend(q_rows, k_tile, v_tile, m_i, l_i, acc, qpos, bl0, bl1, bp0, bp1, key0, k_lo,
+            qk_scale, STEP: gl.constexpr, PAGE_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr):
+    """One online-softmax step of a consumer's rows over keys ``[key0, key0 + STEP)`` of one
+    page (K and V tiles in shared memory): ``S = Q K^T``, masked only where ``_needs_mask``
+    says so, the running max and sum (``m_i``, ``l_i``, in log2 units) and ``acc += P V``."""
     BM: gl.constexpr = q_rows.shape[0]
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, STEP, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
-    if TWO_Q:  # each half of the keys scored by its own query (one run's, or two runs')
-        qa, qb = _score_halves(q_rows, q_next, k_tile, NW)
-        qa, qb = warpgroup_mma_wait(num_outstanding=0, deps=(qa, qb))
-        qk = _joined(qa, qb, s_l)
-    else:
-        qk = warpgroup_mma(q_rows, k_tile.permute((1, 0)), gl.zeros([BM, STEP], gl.float32, layout=s_l),
-                           use_acc=False, is_async=True)
-        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+    qk = warpgroup_mma(q_rows, k_tile.permute((1, 0)), gl.zeros([BM, STEP], gl.float32, layout=s_l),
+                       use_acc=False, is_async=True)
+    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
     if _needs_mask(bl0, bl1, key0, k_lo, STEP, PAGE_SIZE):
         qk = _mask_scores(qk, qpos, bl0, bl1, bp0, bp1, key0, k_lo, STEP, PAGE_SIZE)
-    m_new, l_i, alpha, p = _softmax_step(qk, m_i, l_i, qk_scale, row_o)
+    m_new, l_i, alpha, p = _softmax_step(qk, m_i, l_i, qk_scale, gl.SliceLayout(1, o_l))
     acc = acc * alpha[:, None]
     acc = warpgroup_mma(gl.convert_layout(p.to(v_tile.dtype), p_l), v_tile, acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     return m_new, l_i, acc
+
+
+@gluon.jit
+def _rows_start(QPos, q_start, n_rows, row0, G: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                o_l: gl.constexpr):
+    """A consumer's rows (``row0 ..``), which exist, their query positions (-1 past the
+    end), and the online softmax's start: row max (finite: a row that saw nothing stays 0),
+    row sum and accumulator."""
+    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    rows = row0 + gl.arange(0, BLOCK_M, layout=row_o)
+    row_ok = rows < n_rows
+    qpos = gl.load(QPos + q_start + rows // G, mask=row_ok, other=-1).to(gl.int32)
+    m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, layout=row_o)
+    l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=row_o)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_l)
+    return rows, row_ok, qpos, m_i, l_i, acc
+
+
+@gluon.jit
+def _store_rows(Out, acc, l_i, rows, row_ok, q_start, kvh, stride_ot, stride_oh, G: gl.constexpr):
+    """The normalized output rows."""
+    o_l: gl.constexpr = acc.type.layout
+    o = acc / gl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    optr = Out + (q_start + rows // G).to(gl.int64) * stride_ot + (kvh * G + rows % G) * stride_oh
+    ocol = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, o_l))
+    gl.store(optr[:, None] + ocol[None, :], o.to(Out.dtype.element_ty), mask=row_ok[:, None])
+
+
+@gluon.jit
+def _next_run(q_empty, q_ready, rend, r, WAIT: gl.constexpr, NSLOT: gl.constexpr, NW: gl.constexpr):
+    """Run ``r``'s query slot freed, run ``r + 1`` taken (its slot waited for if ``WAIT``)
+    and its end read: ``(r + 1, end)``."""
+    mbarrier.arrive(q_empty.index(r % NSLOT), count=1)
+    r += 1
+    if WAIT:
+        mbarrier.wait(q_ready.index(r % NSLOT), (r // NSLOT) & 1)
+    return r, _rd_end(rend, r % NSLOT, NW)
 
 
 @gluon.jit
@@ -337,24 +366,17 @@ def _consumer(q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
     """Online softmax over key tiles ``[0, t_hi)`` (causal mask from key ``k_lo``) of rows
     ``HALF * BLOCK_M ..`` of the program's tile (``BLOCK_M`` is the consumer's share; two
     consumers, each its own partition), the query of run ``r`` in slot ``r % NSLOT``; writes
-    the normalized output rows. Where a tile's second page starts a new run (a new delta),
-    that page is scored by the next run's query, and the current run's slot is freed after
-    the tile."""
+    the normalized output rows. Tiles of two pages (``OVERLAP``) go to ``_consumer_ov``;
+    here a tile lies in one page, so one run."""
     if OVERLAP:
         _consumer_ov(q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                      QPos, Out, BPos_row, BLen_row, q_start, n_rows, row0, kvh,
                      stride_ot, stride_oh, k_lo, t_hi, max_blocks, qk_scale,
                      G, HEAD_DIM, BLOCK_M, BLOCK_N, PAGE_SIZE, STAGES, NW, HALF, NSLOT)
         return
-    row0 = row0 + HALF * BLOCK_M
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
-    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
-    rows = row0 + gl.arange(0, BLOCK_M, layout=row_o)
-    row_ok = rows < n_rows
-    qpos = gl.load(QPos + q_start + rows // G, mask=row_ok, other=-1).to(gl.int32)
-    m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, layout=row_o)  # finite: a row that saw nothing stays 0
-    l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=row_o)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_l)
+    rows, row_ok, qpos, m_i, l_i, acc = _rows_start(QPos, q_start, n_rows, row0 + HALF * BLOCK_M, G, BLOCK_M,
+                                                    HEAD_DIM, o_l)
     r = 0
     mbarrier.wait(q_ready.index(0), 0)
     r_end = _rd_end(rend, 0, NW)
@@ -364,38 +386,16 @@ def _consumer(q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
         # the next tile's pages, fetched while this one is computed
         nl0, nl1, np0, np1 = _tile_pages(BLen_row, BPos_row, key0 + BLOCK_N, max_blocks, BLOCK_N, PAGE_SIZE)
         if key0 >= r_end:  # a run starts: free the slot, take the next (already rotated)
-            mbarrier.arrive(q_empty.index(r % NSLOT), count=1)
-            r += 1
-            mbarrier.wait(q_ready.index(r % NSLOT), (r // NSLOT) & 1)
-            r_end = _rd_end(rend, r % NSLOT, NW)
+            r, r_end = _next_run(q_empty, q_ready, rend, r, True, NSLOT, NW)
         s = tt % STAGES
         mbarrier.wait(kv_ready.index(s), (tt // STAGES) & 1)
         q_rows = q_smem.index(r % NSLOT).slice(HALF * BLOCK_M, BLOCK_M, dim=0)
-        if BLOCK_N > PAGE_SIZE:
-            # a run that ends inside the tile (at its second page): the next run's query
-            # scores the second half
-            split = r_end < key0 + BLOCK_N
-            if split:
-                mbarrier.wait(q_ready.index((r + 1) % NSLOT), ((r + 1) // NSLOT) & 1)
-            q_next = q_smem.index((r + split.to(gl.int32)) % NSLOT).slice(HALF * BLOCK_M, BLOCK_M, dim=0)
-            m_i, l_i, acc = _attend(q_rows, q_next, k_smem.index(s), v_smem.index(s), m_i, l_i, acc, qpos,
-                                    bl0, bl1, bp0, bp1, key0, k_lo, qk_scale, BLOCK_N, PAGE_SIZE,
-                                    HEAD_DIM, NW, True)
-            if split:
-                mbarrier.arrive(q_empty.index(r % NSLOT), count=1)
-                r += 1
-                r_end = _rd_end(rend, r % NSLOT, NW)
-        else:
-            m_i, l_i, acc = _attend(q_rows, q_rows, k_smem.index(s), v_smem.index(s), m_i, l_i, acc, qpos,
-                                    bl0, bl1, bp0, bp1, key0, k_lo, qk_scale, BLOCK_N, PAGE_SIZE,
-                                    HEAD_DIM, NW, False)
+        m_i, l_i, acc = _attend(q_rows, k_smem.index(s), v_smem.index(s), m_i, l_i, acc, qpos,
+                                bl0, bl1, bp0, bp1, key0, k_lo, qk_scale, BLOCK_N, PAGE_SIZE, HEAD_DIM, NW)
         mbarrier.arrive(kv_empty.index(s), count=1)
         bl0, bl1, bp0, bp1 = nl0, nl1, np0, np1
     mbarrier.arrive(q_empty.index(r % NSLOT), count=1)
-    o = acc / gl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    optr = Out + (q_start + rows // G).to(gl.int64) * stride_ot + (kvh * G + rows % G) * stride_oh
-    ocol = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_l))
-    gl.store(optr[:, None] + ocol[None, :], o.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    _store_rows(Out, acc, l_i, rows, row_ok, q_start, kvh, stride_ot, stride_oh, G)
 
 
 @gluon.jit
@@ -406,20 +406,16 @@ def _consumer_ov(q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_em
                  PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, NW: gl.constexpr,
                  HALF: gl.constexpr, NSLOT: gl.constexpr):
     """``_consumer`` for tiles of two pages with K and V staged separately, in FA3's
-    intra-warpgroup order: the scores of tile ``j`` are issued with ``P V`` of tile ``j - 1``
-    and the softmax of tile ``j`` runs while that product does."""
-    row0 = row0 + HALF * BLOCK_M
+    intra-warpgroup order: the scores of tile ``j`` are issued with ``P V`` of tile ``j - 1``,
+    which runs while the consumer waits for the scores and masks them (ptxas waits for it
+    before the exponentials: it reuses the registers of the product's ``P`` operand)."""
     dt: gl.constexpr = q_smem.dtype
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16])
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, o_l)
-    rows = row0 + gl.arange(0, BLOCK_M, layout=row_o)
-    row_ok = rows < n_rows
-    qpos = gl.load(QPos + q_start + rows // G, mask=row_ok, other=-1).to(gl.int32)
-    m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, layout=row_o)
-    l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=row_o)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_l)
+    rows, row_ok, qpos, m_i, l_i, acc = _rows_start(QPos, q_start, n_rows, row0 + HALF * BLOCK_M, G, BLOCK_M,
+                                                    HEAD_DIM, o_l)
     r = 0
     mbarrier.wait(q_ready.index(0), 0)
     r_end = _rd_end(rend, 0, NW)
@@ -435,10 +431,8 @@ def _consumer_ov(q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_em
         qa, qb = _score_halves(q_rows, q_next, k_smem.index(0), NW)
         qa, qb = warpgroup_mma_wait(num_outstanding=0, deps=(qa, qb))
         mbarrier.arrive(kv_empty.index(0), count=1)
-        if split:
-            mbarrier.arrive(q_empty.index(0), count=1)
-            r = 1
-            r_end = _rd_end(rend, 1 % NSLOT, NW)
+        if split:  # the first run ended in this tile
+            r, r_end = _next_run(q_empty, q_ready, rend, r, False, NSLOT, NW)
         qk = _joined(qa, qb, s_l)
         if _needs_mask(bl0, bl1, 0, k_lo, BLOCK_N, PAGE_SIZE):
             qk = _mask_scores(qk, qpos, bl0, bl1, bp0, bp1, 0, k_lo, BLOCK_N, PAGE_SIZE)
@@ -449,10 +443,7 @@ def _consumer_ov(q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_em
             key0 = tt * BLOCK_N
             nl0, nl1, np0, np1 = _tile_pages(BLen_row, BPos_row, key0 + BLOCK_N, max_blocks, BLOCK_N, PAGE_SIZE)
             if key0 >= r_end:  # a run starts: free the slot, take the next (already rotated)
-                mbarrier.arrive(q_empty.index(r % NSLOT), count=1)
-                r += 1
-                mbarrier.wait(q_ready.index(r % NSLOT), (r // NSLOT) & 1)
-                r_end = _rd_end(rend, r % NSLOT, NW)
+                r, r_end = _next_run(q_empty, q_ready, rend, r, True, NSLOT, NW)
             s = tt % STAGES
             sp = (tt - 1) % STAGES
             mbarrier.wait(kv_ready.index(s), (tt // STAGES) & 1)  # K of this tile
@@ -470,9 +461,7 @@ def _consumer_ov(q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_em
                 # that no barrier sits between this step's softmax and its wait for P V)
                 mbarrier.arrive(kv_empty.index(STAGES + (tt - 2) % STAGES), count=1)
             if split:  # the run that ended in this tile frees its slot
-                mbarrier.arrive(q_empty.index(r % NSLOT), count=1)
-                r += 1
-                r_end = _rd_end(rend, r % NSLOT, NW)
+                r, r_end = _next_run(q_empty, q_ready, rend, r, False, NSLOT, NW)
             qk = _joined(qa, qb, s_l)
             if _needs_mask(bl0, bl1, key0, k_lo, BLOCK_N, PAGE_SIZE):
                 qk = _mask_scores(qk, qpos, bl0, bl1, bp0, bp1, key0, k_lo, BLOCK_N, PAGE_SIZE)
@@ -490,10 +479,7 @@ def _consumer_ov(q_smem, rend, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_em
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(kv_empty.index(STAGES + sp), count=1)
     mbarrier.arrive(q_empty.index(r % NSLOT), count=1)
-    o = acc / gl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    optr = Out + (q_start + rows // G).to(gl.int64) * stride_ot + (kvh * G + rows % G) * stride_oh
-    ocol = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_l))
-    gl.store(optr[:, None] + ocol[None, :], o.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    _store_rows(Out, acc, l_i, rows, row_ok, q_start, kvh, stride_ot, stride_oh, G)
 
 
 @gluon.jit
