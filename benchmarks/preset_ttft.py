@@ -29,7 +29,7 @@ sys.path[:0] = [p for p in (ROOT, os.path.join(ROOT, "benchmarks")) if p not in 
 
 from engine import llama31_8b_config, random_model, text_of_tokens  # noqa: E402
 
-from lazyllm.quality_presets import PRESETS  # noqa: E402
+from lazyllm.presets import PRESETS  # noqa: E402
 
 SETTINGS = {"default": {}, **{name: {"quality": name} for name in PRESETS},
             "balanced-two-stage": {"quality": "balanced", "recompute_selection": "two-stage"}}

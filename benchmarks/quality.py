@@ -84,8 +84,8 @@ if ROOT not in sys.path:
 
 from lazyllm import LazyLLM  # noqa: E402
 from lazyllm.errors import LazyLLMError, UnsupportedModelError  # noqa: E402
+from lazyllm.presets import PRESETS, QUALITY_OPTIONS  # noqa: E402
 from lazyllm.quality import kl_and_agreement  # noqa: E402  (the fidelity report's metric code)
-from lazyllm.quality_presets import PRESETS, QUALITY_OPTIONS  # noqa: E402
 
 SYSTEM = "You are a helpful assistant. Answer the question briefly, using only the documents."
 

@@ -24,7 +24,7 @@ from .errors import InvalidRequestError
 from .model.attention import BACKENDS, make_backend
 from .model.llama import LlamaFamilyModel
 from .model.loader import fingerprint, load_hf
-from .quality_presets import resolve as resolve_quality
+from .presets import resolve as resolve_quality
 from .types import Chunk, GenerationOutput, SamplingParams, ScoreOutput, as_chunk
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -216,14 +216,14 @@ class LazyLLM:
     kernel_options : a ``lazyllm.kernels.KernelOptions`` for the Triton backend's launch
         choices (which prefill kernel and key-tile loop, tiles, splits), for A/B measurements;
         ``None`` keeps the measured defaults.
-    quality : a named fidelity preset (``lazyllm.quality_presets.PRESETS``), measured on
+    quality : a named fidelity preset (``lazyllm.presets.PRESETS``), measured on
         the default model (README, "Answer fidelity"): ``"fast"`` (``chunk_context="prefix"``,
         nothing recomputed), ``"balanced"`` (``fast`` plus the first 4 tokens of each chunk
         and 14% of chunk tokens, chosen by the question's attention and key deviation,
         recomputed with full context, per request), ``"exact"`` (``reuse="prefix"``: full
         attention), or ``"block-ft"`` for Block-Attention
         fine-tuned checkpoints (isolated chunks in the prompt layout they were trained with,
-        ``lazyllm.quality_blockft``). ``None`` (default): each option's
+        ``lazyllm.engine.prompt_blockft``). ``None`` (default): each option's
         own default (``reuse="lazy"``, ``chunk_context="isolated"``, no recovery). Options
         passed explicitly (``reuse``, ``chunk_context``, ``recompute_*``) override the
         preset's. ``lazyllm.quality.compare`` measures them on your own data.
@@ -383,7 +383,7 @@ class LazyLLM:
         self.store = ChunkStore(pool)
         self.prompts = PromptBuilder(tok)
         if quality == "block-ft":  # the Block-Attention training layout
-            from .quality_blockft import BlockFTPromptBuilder
+            from .engine.prompt_blockft import BlockFTPromptBuilder
 
             self.prompts = BlockFTPromptBuilder(tok)
         eos = set()

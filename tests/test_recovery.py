@@ -183,7 +183,7 @@ def test_key_deviation_is_zero_for_the_first_isolated_chunk_only(model, tokenize
 
 def test_quality_presets_set_options_and_explicit_options_win(model, tokenizer):
     from lazyllm.errors import InvalidRequestError
-    from lazyllm.quality_presets import PRESETS
+    from lazyllm.presets import PRESETS
 
     kw = dict(model=model, tokenizer=tokenizer, kv_cache_bytes=8 << 20)
     for name, preset in PRESETS.items():

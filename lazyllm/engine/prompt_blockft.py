@@ -29,9 +29,9 @@ trained system sentence.
 """
 from __future__ import annotations
 
-from .engine.prompt import PromptBuilder, Segment, _check_text
-from .errors import InvalidRequestError
-from .types import Chunk
+from ..errors import InvalidRequestError
+from ..types import Chunk
+from .prompt import PromptBuilder, Segment, _check_text
 
 SYSTEM = ("You are an intelligent AI assistant. Please answer questions based on the user's instructions. "
           "Below are some reference documents that may help you in answering the user's question.")

@@ -1,6 +1,7 @@
 """Named fidelity presets for ``LazyLLM(quality=...)``: each a measured setting of the reuse
-and recovery options (BENCHMARKS.md, "Quality presets"). A leaf module: ``lazyllm.api`` and
-``lazyllm.quality`` both read it.
+and recovery options (BENCHMARKS.md, "Quality presets"). A leaf module below the API:
+``lazyllm.api`` applies the presets, and the fidelity report (``lazyllm.quality``, which
+builds ``LazyLLM`` engines and so sits above the API) compares them.
 
 * ``"fast"``: chunk KV reused as is, encoded after the shared system prefix; nothing
   recomputed. The cheapest TTFT after full reuse.
@@ -12,7 +13,7 @@ and recovery options (BENCHMARKS.md, "Quality presets"). A leaf module: ``lazyll
   answer, at full prefill cost for the documents.
 * ``"block-ft"``: for Block-Attention fine-tuned checkpoints (``ldsjmdy/Tulu3-Block-FT``,
   ``hxia7/Llama-3.2-1B-Block-FT``...): isolated chunks in the prompt layout they were
-  trained with (``lazyllm.quality_blockft``).
+  trained with (``lazyllm.engine.prompt_blockft``).
 
 Explicit options passed to ``LazyLLM`` override the preset's values.
 """
@@ -38,7 +39,7 @@ PRESETS: dict[str, dict[str, object]] = {
                  "recompute_selection": "two-stage"},
     "exact": {"reuse": "prefix", "chunk_context": "prefix", "recompute_first_tokens": 0, "recompute_ratio": 0.0},
     # for Block-Attention fine-tuned checkpoints: the isolated blocks they were trained on, in
-    # their training prompt layout (lazyllm.quality_blockft)
+    # their training prompt layout (lazyllm.engine.prompt_blockft)
     "block-ft": {"reuse": "lazy", "chunk_context": "isolated", "recompute_first_tokens": 0, "recompute_ratio": 0.0},
 }
 # presets that also change the prompt layout

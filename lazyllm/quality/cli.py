@@ -1,0 +1,60 @@
+"""``python -m lazyllm.quality``: the fidelity report from a shell."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+from ..api import LazyLLM
+from ..presets import PRESETS
+from .report import DEFAULT_SETTINGS, FidelityReport, compare
+
+
+def main(argv: Sequence[str] | None = None) -> FidelityReport:
+    ap = argparse.ArgumentParser(prog="python -m lazyllm.quality",
+                                 description="Fidelity of lazyllm's reuse settings to full attention on your cases.")
+    ap.add_argument("cases", help="JSONL: question, documents, optional system and reference")
+    ap.add_argument("--model", default=None, help="model folder / .gguf / hub id (default: the embedded model)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
+                    help=f"comma-separated: 'default' and presets {tuple(PRESETS)}, or name=JSON kwargs "
+                         "separated by ';' (e.g. 'r30={\"quality\":\"balanced\",\"recompute_ratio\":0.3}')")
+    ap.add_argument("--target", default=None, help="e.g. top1>=0.97,kl<=0.01,same>=0.9 (the default)")
+    ap.add_argument("--answer-tokens", type=int, default=16)
+    ap.add_argument("--same-answer-tokens", type=int, default=8)
+    ap.add_argument("--ttft-cases", type=int, default=8)
+    ap.add_argument("--system", default=None, help="system prompt for cases without one")
+    ap.add_argument("--markdown", default=None, help="write the table here")
+    ap.add_argument("--json", default=None, help="write the full report here")
+    ap.add_argument("--plot", default=None, help="write the plot here (PNG)")
+    ap.add_argument("--no-progress", action="store_true")
+    a = ap.parse_args(argv)
+    if "{" in a.settings:
+        settings = []
+        for part in filter(None, (p.strip() for p in a.settings.split(";"))):
+            name, _, kw = part.partition("=")
+            settings.append((name.strip(), json.loads(kw)) if kw else (name.strip(), None))
+    else:
+        settings = [s.strip() for s in a.settings.split(",") if s.strip()]
+    t0 = time.perf_counter()
+    llm = LazyLLM(a.model, device=a.device, reuse="none", kv_cache_bytes=256 << 20, progress=not a.no_progress)
+    try:
+        report = compare(llm, a.cases, settings, a.target, system=a.system, answer_tokens=a.answer_tokens,
+                         same_answer_tokens=a.same_answer_tokens, ttft_cases=a.ttft_cases,
+                         progress=not a.no_progress)
+    finally:
+        llm.close()
+    md = report.to_markdown()
+    print(md)
+    print(f"\n({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
+    if a.markdown:
+        with open(a.markdown, "w", encoding="utf-8") as f:
+            f.write(md + "\n")
+    if a.json:
+        report.to_json(a.json)
+    if a.plot:
+        report.plot(path=a.plot)
+    return report
+
