@@ -238,6 +238,15 @@ class LazyLLM:
         CUDA graphs and the fused kernels (the forward runs eagerly), ``recompute_ratio``
         and ``kv_disk_dir``. The workers are spawned and re-import the main module: guard a
         script's work with ``if __name__ == "__main__":``. Default 1 (one process).
+    packets : learned chunk packets (``lazyllm.model.packets``): a packet file trained for this
+        model (``lazyllm adapt``) or a ``Packets``; its embeddings are placed around every chunk
+        when the chunk's KV is computed and cached with it (each chunk gets ``k_header +
+        k_trailer`` more tokens), which brings reused chunks closer to full attention without
+        recomputing anything per request. ``"auto"`` (default): the packet shipped for this
+        model and chunk context when there is one (the default model's), in the modes that
+        cache chunks; ``None``: none. A packet of another model raises ``InvalidRequestError``;
+        so does one with ``reuse`` ``"prefix"``/``"none"`` (full attention has no chunks to
+        carry it), ``quality="block-ft"`` or ``tensor_parallel``.
     """
 
     def __init__(
@@ -268,6 +277,7 @@ class LazyLLM:
         overlap_decode: bool | None = None,
         kernel_options: Any = None,
         tensor_parallel: int = 1,
+        packets: Any = "auto",
     ):
         try:
             opts = resolve_quality(quality, dict(
@@ -363,7 +373,10 @@ class LazyLLM:
         else:
             self.model = LlamaFamilyModel(hf, attention=backend, batch_invariant=batch_invariant)
         spec = self.model.spec
-        self.fingerprint = fingerprint(self.model)
+        self.model_fingerprint = fingerprint(self.model)
+        self.packets = self._setup_packets(packets, quality)
+        # cache keys and the disk tier separate packet versions: a packet changes every chunk's KV
+        self.fingerprint = self.model_fingerprint + (f":packets:{self.packets.digest}" if self.packets else "")
         page_bytes = PagePool.page_bytes(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, self.dtype)
         if kv_cache_bytes is None:
             if self.device.type == "cuda":
@@ -381,7 +394,7 @@ class LazyLLM:
                 self._tp.close()
             raise
         self.store = ChunkStore(pool)
-        self.prompts = PromptBuilder(tok)
+        self.prompts = PromptBuilder(tok, self.packets.ids(self.model.embed_rows) if self.packets else None)
         if quality == "block-ft":  # the Block-Attention training layout
             from .engine.prompt_blockft import BlockFTPromptBuilder
 
@@ -406,6 +419,26 @@ class LazyLLM:
         # an engine thread still inside torch at interpreter shutdown can abort the
         # process: stop it first (weakly referenced, so the LazyLLM can still be freed)
         _LIVE_ENGINES.add(self.engine)
+
+    def _setup_packets(self, packets, quality):
+        """The ``Packets`` this engine places around chunks (``None``: none), checked against
+        the model and the options, and installed in the model's embedding lookup."""
+        from .model.packets import as_packets, check_packets_for, shipped_packets
+
+        if isinstance(packets, str) and packets == "auto":
+            auto = self.reuse in CHUNK_CACHING_MODES and quality != "block-ft" and self._tp is None
+            p = shipped_packets(self.model, self.chunk_context) if auto else None
+        else:
+            p = as_packets(packets)
+            if p is not None:
+                if self.reuse not in CHUNK_CACHING_MODES:
+                    raise InvalidRequestError(f"packets need reuse='lazy' or 'block' (the modes that cache "
+                                              f"chunks), not {self.reuse!r}")
+                if quality == "block-ft" or self._tp is not None:
+                    raise InvalidRequestError("packets are not supported with quality='block-ft' or tensor_parallel")
+                check_packets_for(p, self.model)
+        self.model.set_packets(p.rows if p is not None else None)
+        return p
 
     def _start_tensor_parallel(self, hf, source, backend, attention_backend, kernel_options):
         """Check ``tensor_parallel`` against the model and the GPUs, start the workers and

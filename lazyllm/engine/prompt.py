@@ -41,9 +41,11 @@ def _check_text(text: str, what: str) -> None:
 class PromptBuilder:
     """Splits a RAG request into prefix / chunk / suffix token segments."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, packet_ids: tuple[list[int], list[int]] | None = None):
         self.tok = tokenizer
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
+        # learned chunk packets (lazyllm.model.packets): virtual ids around every chunk
+        self.packet_ids = packet_ids
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
@@ -76,6 +78,7 @@ class PromptBuilder:
         rendered = self._render(system, f"{header}{_MARK}{QUESTION_HEADER}{question.strip()}")
         pre, post = rendered.split(_MARK)
         segs = [Segment("prefix", self.encode(pre))]
-        segs += [Segment("chunk", self.encode(self.chunk_text(c)), c) for c in chunks]
+        head, tail = self.packet_ids or ([], [])
+        segs += [Segment("chunk", head + self.encode(self.chunk_text(c)) + tail, c) for c in chunks]
         segs.append(Segment("suffix", self.encode(post)))
         return segs

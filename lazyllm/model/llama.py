@@ -395,8 +395,21 @@ class LlamaFamilyModel:
             h = self._finish_layer(h, o, w)
         return mass
 
+    def set_packets(self, rows: torch.Tensor | None) -> None:
+        """Packet embeddings (``lazyllm.model.packets``): ``(k, hidden)`` rows that the virtual
+        token ids ``embed_rows .. embed_rows + k - 1`` look up, or ``None`` for none."""
+        self.embed_rows = int(self.embed.shape[0])
+        self.packet_rows = None if rows is None else rows.to(self.device, self.dtype).contiguous()
+
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = F.embedding(input_ids, self.embed)
+        rows = getattr(self, "packet_rows", None)
+        if rows is None:
+            h = F.embedding(input_ids, self.embed)
+        else:  # ids past the table are packet rows; one gather each and a select: graph-capturable
+            base = self.embed_rows
+            virtual = (input_ids >= base)[:, None]
+            h = torch.where(virtual, F.embedding((input_ids - base).clamp(0, rows.shape[0] - 1), rows),
+                            F.embedding(input_ids.clamp(max=base - 1), self.embed))
         if self.embed_scale is not None:  # Gemma: scaled by sqrt(hidden), in the weights' dtype
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         return h

@@ -1,0 +1,246 @@
+"""Training learned chunk packets by self-distillation (docs/design.md, "Learned chunk
+packets"), with no labels.
+
+The teacher is the model itself with full attention over the concatenated documents; the
+student is the same frozen model reading isolated chunks, each wrapped in the packet's header
+and trailer embeddings. The loss is KL(teacher || student) over the next-token distributions
+of the question's and the answer's tokens, teacher-forced on the teacher's greedy answer.
+Gradients reach only the packet embeddings.
+
+The engine's paged forward is not differentiable, so the student runs the transformers model
+with ``inputs_embeds`` (the packet rows put in at the virtual ids), the request's 4-D mask and
+explicit position ids: for ``chunk_context="isolated"`` that is exactly what the engine computes
+(the tests hold the two together).
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .errors import InvalidRequestError
+from .model.packets import Packets, packet_model_id
+
+__all__ = ["TrainCase", "embed_with_packets", "student_mask", "student_logits", "build_case",
+           "build_cases", "init_packets", "train_packets", "case_loss"]
+
+
+@dataclass
+class TrainCase:
+    """One distillation example.
+
+    segments : ``[(kind, ids)]`` of the request without packets (prefix, chunks, suffix).
+    answer : the teacher's greedy answer, token ids.
+    teacher_logp : ``(len(suffix) + len(answer) - 1, vocab)`` float16 log-probabilities of
+        full attention at the question's and answer's positions (each predicts the next token).
+    docs : the documents' texts (for the split by document).
+    """
+
+    segments: list[tuple[str, list[int]]]
+    answer: list[int]
+    teacher_logp: torch.Tensor
+    docs: list[str] = field(default_factory=list)
+
+
+def embed_with_packets(hf_model, ids: torch.Tensor, rows: torch.Tensor | None, base: int) -> torch.Tensor:
+    """Input embeddings ``(1, n, hidden)`` of token ids ``(n,)`` where ids ``>= base`` are packet
+    rows ``rows[id - base]`` (differentiable in ``rows``), scaled like the model's own
+    embeddings (Gemma multiplies by ``sqrt(hidden)``)."""
+    emb = hf_model.get_input_embeddings()
+    h = emb(ids.clamp(max=base - 1))
+    if rows is None:
+        return h[None]
+    scale = getattr(emb, "embed_scale", None)
+    p = rows.to(h.dtype)
+    if scale is not None:
+        p = p * scale.to(h.dtype)
+    virtual = ids >= base
+    pk = F.embedding((ids - base).clamp(0, rows.shape[0] - 1), p)
+    return torch.where(virtual[:, None], pk, h)[None]
+
+
+def student_mask(segments: Sequence[tuple[str, Sequence[int]]], n_extra: int, k_header: int,
+                 question_sees_header: bool = True) -> torch.Tensor:
+    """Boolean ``(n, n)`` mask (True = may attend) of isolated chunks with packets: a chunk
+    token (packet tokens included) attends causally within its own chunk, everything else
+    causally to all; ``n_extra`` answer tokens follow the suffix. With
+    ``question_sees_header=False`` the suffix and answer do not attend to the headers."""
+    kinds, seg_of, head = [], [], []
+    for si, (kind, ids) in enumerate(segments):
+        kinds += [kind] * len(ids)
+        seg_of += [si] * len(ids)
+        head += [kind == "chunk" and i < k_header for i in range(len(ids))]
+    kinds += ["suffix"] * n_extra
+    seg_of += [len(segments) - 1] * n_extra
+    head += [False] * n_extra
+    n = len(kinds)
+    causal = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    seg = torch.tensor(seg_of)
+    is_chunk = torch.tensor([k == "chunk" for k in kinds])
+    allowed = torch.where(is_chunk[:, None], seg[:, None] == seg[None, :], torch.ones(n, n, dtype=torch.bool))
+    if not question_sees_header:
+        is_q = torch.tensor([k == "suffix" for k in kinds])
+        allowed &= ~(is_q[:, None] & torch.tensor(head)[None, :])
+    return causal & allowed
+
+
+def student_logits(hf_model, ids: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor | None, base: int,
+                   last: int) -> torch.Tensor:
+    """Float32 logits ``(last, vocab)`` of the final ``last`` positions of ``ids`` ``(n,)`` under
+    the boolean ``(n, n)`` ``mask`` at positions ``0..n-1``; differentiable in ``rows``."""
+    dev = ids.device
+    n = ids.shape[0]
+    out = hf_model.model(inputs_embeds=embed_with_packets(hf_model, ids, rows, base),
+                         attention_mask=mask[None, None].to(dev), position_ids=torch.arange(n, device=dev)[None],
+                         use_cache=False)
+    h = out.last_hidden_state[0, n - last:]
+    return hf_model.lm_head(h).float()
+
+
+def _ids(segments, packets_ids=None) -> list[int]:
+    head, tail = packets_ids or ([], [])
+    out: list[int] = []
+    for kind, s in segments:
+        out += (head + list(s) + tail) if kind == "chunk" else list(s)
+    return out
+
+
+def case_loss(hf_model, case: TrainCase, rows: torch.Tensor, k_header: int, base: int,
+              question_sees_header: bool = True) -> torch.Tensor:
+    """Mean KL(teacher || student) over the case's question and answer positions, nats per
+    token; differentiable in ``rows`` ``(k_header + k_trailer, hidden)``."""
+    k_trailer = rows.shape[0] - k_header
+    pids = (list(range(base, base + k_header)), list(range(base + k_header, base + k_header + k_trailer)))
+    segs = [(k, (pids[0] + list(s) + pids[1]) if k == "chunk" else list(s)) for k, s in case.segments]
+    ids = torch.tensor(_ids(segs) + case.answer[:-1], dtype=torch.long, device=rows.device)
+    mask = student_mask(segs, len(case.answer) - 1, k_header, question_sees_header)
+    last = case.teacher_logp.shape[0]
+    logq = torch.log_softmax(student_logits(hf_model, ids, mask, rows, base, last), -1)
+    logp = case.teacher_logp.to(logq.device).float()
+    return (logp.exp() * (logp - logq)).sum(-1).mean()
+
+
+@torch.no_grad()
+def build_case(llm_full, question: str, docs: Sequence[str], system: str | None, answer_tokens: int = 16,
+               answer: list[int] | None = None) -> TrainCase:
+    """A distillation case: the teacher's greedy answer (``llm_full``: a ``LazyLLM`` with full
+    attention, ``reuse="none"``) and its log-probabilities at the question's and answer's
+    positions."""
+    segs = [(s.kind, list(s.ids)) for s in llm_full.prompts.build(question, [_chunk(d) for d in docs], system)]
+    if answer is None:
+        out = llm_full.generate(question, chunks=list(docs), system=system, max_new_tokens=answer_tokens)
+        answer = list(out.token_ids) or [llm_full.tokenizer.eos_token_id]
+    hf = llm_full.hf_model
+    dev = next(hf.parameters()).device
+    ids = torch.tensor(_ids(segs) + answer[:-1], dtype=torch.long, device=dev)
+    last = len(segs[-1][1]) + len(answer) - 1
+    logits = hf(input_ids=ids[None], use_cache=False, logits_to_keep=last).logits[0].float()
+    return TrainCase(segs, answer, torch.log_softmax(logits, -1).half().cpu(), list(docs))
+
+
+def _chunk(text: str):
+    from .types import Chunk
+
+    return Chunk(text)
+
+
+def build_cases(llm_full, items: Sequence[dict], *, answer_tokens: int = 16, progress: bool = True
+                ) -> list[TrainCase]:
+    """``build_case`` over items ``{"question", "documents", "system"?}``; the teachers' answers
+    come from one batched ``generate_batch``."""
+    from tqdm.auto import tqdm
+
+    gens = llm_full.generate_batch([dict(question=it["question"], chunks=list(it["documents"]),
+                                         system=it.get("system"), max_new_tokens=answer_tokens) for it in items])
+    out = []
+    for it, g in tqdm(list(zip(items, gens)), desc="teacher", unit="case", disable=not progress):
+        ans = list(g.token_ids) or [llm_full.tokenizer.eos_token_id]
+        out.append(build_case(llm_full, it["question"], it["documents"], it.get("system"), answer=ans))
+    return out
+
+
+@torch.no_grad()
+def init_packets(hf_model, tokenizer, k_header: int, k_trailer: int, seed: int = 0) -> torch.Tensor:
+    """Starting rows ``(k_header + k_trailer, hidden)`` float32: the header from the embeddings of
+    the text that precedes the documents in a prompt (what a chunk sees under full attention),
+    the trailer from the embedding of a paragraph break; both with a little noise."""
+    emb = hf_model.get_input_embeddings().weight.detach().float().cpu()
+    g = torch.Generator().manual_seed(seed)
+    text = "Answer the question using the documents below.\n\nDocuments:\n\n"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"] or [0]
+    head = [ids[max(0, len(ids) - k_header + i)] if len(ids) >= k_header else ids[i % len(ids)]
+            for i in range(k_header)]
+    nl = tokenizer("\n\n", add_special_tokens=False)["input_ids"] or [0]
+    rows = torch.cat([emb[head], emb[nl[-1]].expand(k_trailer, -1)])
+    noise = torch.randn(rows.shape, generator=g) * emb.std() * 0.1
+    return (rows + noise).contiguous()
+
+
+def train_packets(hf_model, tokenizer, cases: Sequence[TrainCase], *, k_header: int = 4, k_trailer: int = 4,
+                  steps: int = 300, lr: float = 1e-2, batch: int = 1, seed: int = 0,
+                  question_sees_header: bool = True, init: torch.Tensor | None = None,
+                  time_limit_s: float | None = None, progress: bool = True,
+                  on_step: Callable[[int, float], None] | None = None) -> tuple[Packets, dict]:
+    """Train a packet on ``cases`` with Adam; the model's weights stay frozen (their
+    ``requires_grad`` is restored afterwards).
+
+    Returns the ``Packets`` and a log ``{"losses": [...], "steps", "seconds", ...}``. Training
+    stops after ``steps`` optimizer steps of ``batch`` cases each, or at ``time_limit_s``.
+    """
+    from tqdm.auto import tqdm
+
+    if not cases:
+        raise InvalidRequestError("no training cases")
+    if k_header < 0 or k_trailer < 0 or k_header + k_trailer == 0:
+        raise InvalidRequestError(f"k_header={k_header}, k_trailer={k_trailer}: need at least one packet token")
+    dev = next(hf_model.parameters()).device
+    base = int(hf_model.get_input_embeddings().weight.shape[0])
+    rows0 = init if init is not None else init_packets(hf_model, tokenizer, k_header, k_trailer, seed)
+    rows = torch.nn.Parameter(rows0.to(dev, torch.float32).clone())
+    opt = torch.optim.Adam([rows], lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * 0.5 * (
+        1 + math.cos(math.pi * min(s, steps) / max(steps, 1))))
+    saved = [(p, p.requires_grad) for p in hf_model.parameters()]
+    for p, _ in saved:
+        p.requires_grad_(False)
+    rng = random.Random(seed)
+    order: list[int] = []
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    try:
+        with tqdm(total=steps, desc="training packets", unit="step", disable=not progress) as bar:
+            for step in range(steps):
+                opt.zero_grad(set_to_none=True)
+                total = 0.0
+                for _ in range(batch):
+                    if not order:
+                        order = list(range(len(cases)))
+                        rng.shuffle(order)
+                    loss = case_loss(hf_model, cases[order.pop()], rows, k_header, base, question_sees_header)
+                    (loss / batch).backward()
+                    total += float(loss) / batch
+                opt.step()
+                sched.step()
+                losses.append(total)
+                bar.update(1)
+                bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.4f}")
+                if on_step is not None:
+                    on_step(step, total)
+                if time_limit_s is not None and time.perf_counter() - t0 > time_limit_s:
+                    break
+    finally:
+        for p, req in saved:
+            p.requires_grad_(req)
+    final = rows.detach().float().cpu()
+    from .model.llama import LlamaFamilyModel
+
+    info = dict(chunk_context="isolated", question_sees_header=question_sees_header, steps=len(losses),
+                cases=len(cases), lr=lr, batch=batch, seed=seed)
+    packets = Packets(final[:k_header].clone(), final[k_header:].clone(),
+                      packet_model_id(LlamaFamilyModel(hf_model, fuse=False, fused_kernels=False)), info)
+    return packets, dict(losses=losses, steps=len(losses), seconds=time.perf_counter() - t0)
