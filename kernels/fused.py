@@ -24,7 +24,7 @@ differs), so the engine gives the same tokens with or without them:
   decode at batch 1 spends most of its time on. Not bit-identical to cuBLAS (another
   summation order).
 
-The torch twins are those functions; ``tests/test_kernels_triton.py`` compares each kernel
+The torch twins are those functions; ``tests/kernels/test_kernels_triton.py`` compares each kernel
 with its twin on random inputs in Triton's interpreter.
 """
 from __future__ import annotations

@@ -131,7 +131,7 @@ class Engine:
         self.decode_step_log: collections.deque = collections.deque(maxlen=4096)
         # Overlapped decode (see _decode): on by default where decode runs from CUDA graphs
         # (there the host's per-step work is what it hides); elsewhere a step is synchronous
-        # anyway. Token for token the same as one step at a time (tests/test_async_decode.py).
+        # anyway. Token for token the same as one step at a time (tests/engine/test_async_decode.py).
         self.async_decode = self.graphs.enabled if async_decode is None else bool(async_decode)
         self._inflight: DecodeStep | None = None
         self._last_read: tuple[float, int] | None = None

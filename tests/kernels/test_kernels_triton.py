@@ -83,7 +83,7 @@ def test_engine_cpu_backend_is_interpreted_whatever_was_imported_first():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _CPU_BACKEND_SCRIPT], capture_output=True, text=True, env=env,
-                       timeout=600, cwd=Path(__file__).resolve().parents[1])
+                       timeout=600, cwd=Path(__file__).resolve().parents[2])
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout[-1000:] + r.stderr[-3000:]
 
 

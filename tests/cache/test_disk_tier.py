@@ -21,7 +21,7 @@ import torch
 from lazyllm.cache import disk as disk_mod
 from lazyllm.cache.disk import DiskKVStore
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FP = "fp-model-a"
 SETTINGS = {"chunk_context": "isolated", "format_version": 1}
 

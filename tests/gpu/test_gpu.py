@@ -104,7 +104,7 @@ def test_256_concurrent_requests_equal_solo_on_gpu(tokenizer, dtype, invariant):
     """No cross-talk: 256 requests from 32 threads give each request's solo tokens. In
     16-bit floats this needs ``batch_invariant=True`` (cuBLAS picks GEMM kernels by batch
     size); float32 holds without it."""
-    from tests.test_concurrency import _requests, _run_concurrently
+    from tests.engine.test_concurrency import _requests, _run_concurrently
 
     model = make_tiny("llama", seed=21).to("cuda", dtype)
     reqs = _requests(256, seed=1)
@@ -125,7 +125,7 @@ def test_batch_invariant_8b_layer_shapes_equal_solo(tokenizer, overlap):
     request run alone (with random weights, near-ties are common: a strict check)."""
     import transformers
 
-    from tests.test_concurrency import _requests, _run_concurrently
+    from tests.engine.test_concurrency import _requests, _run_concurrently
 
     cfg = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=4096, intermediate_size=14336,
                                    num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,

@@ -462,7 +462,7 @@ def test_process_exits_cleanly_without_close(tmp_path):
     from lazyllm.model.loader import default_model_dir
 
     tok = os.environ.get("LAZYLLM_TEST_TOKENIZER") or str(default_model_dir())
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for _ in range(3):
         p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=root,
                            env={**os.environ, "TOK": tok, "PYTHONPATH": root}, timeout=300)

@@ -7,7 +7,7 @@ import pytest
 from lazyllm import LazyLLM
 from lazyllm import quality as q
 
-CASES = Path(__file__).parent / "data" / "quality_cases.jsonl"
+CASES = Path(__file__).parents[1] / "data" / "quality_cases.jsonl"
 
 
 @pytest.fixture(scope="module")

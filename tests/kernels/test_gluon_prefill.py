@@ -14,8 +14,8 @@ import torch
 
 from lazyllm.kernels import KernelOptions
 from lazyllm.kernels.reference import paged_attention_ref
-from tests.test_kernels_triton import _chunks, _LaunchSpy, _make_batch, _relerr
-from tests.test_kernels_triton import ta as ta_interp
+from tests.kernels.test_kernels_triton import _chunks, _LaunchSpy, _make_batch, _relerr
+from tests.kernels.test_kernels_triton import ta as ta_interp
 
 gp = pytest.importorskip("lazyllm.kernels.triton.gluon_prefill",
                          reason="this triton has no Gluon (triton.experimental.gluon)")

@@ -6,7 +6,7 @@ requests that stop, length limits, preemption, sampling fallback) against the on
 time engine, token for token."""
 from lazyllm import LazyLLM
 from tests.conftest import make_tiny
-from tests.test_concurrency import DOCS, _requests, _run_concurrently
+from tests.engine.test_concurrency import DOCS, _requests, _run_concurrently
 
 
 def _pair(model, tokenizer, **kw):

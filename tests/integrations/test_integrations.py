@@ -536,7 +536,7 @@ OFFLINE_PROXIES.update(NO_PROXY="", no_proxy="")
 
 @pytest.mark.parametrize("script", ["langchain_rag.py", "llamaindex_rag.py"])
 def test_examples_run(script):
-    path = os.path.join(os.path.dirname(__file__), "..", "examples", script)
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", script)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                **OFFLINE_PROXIES)
     out = subprocess.run([sys.executable, path, "--max-new-tokens", "8"], capture_output=True, text=True,

@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _prefill_row(flash_graph, flash, cudnn_causal, ours=(0.10, 0.09), norope=(0.088, 0.089), nomask=0.07):

@@ -14,7 +14,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "examples" / "notebook.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "examples" / "notebook.ipynb"
 KERNEL = "lazyllm-test-python"
 
 pytestmark = pytest.mark.slow
