@@ -89,26 +89,6 @@ def test_shared_plan_follows_rows_that_leave_and_grow(model, tokenizer):
     llm.close()
 
 
-@pytest.mark.gpu
-def test_shared_decode_on_gpu_with_cuda_graphs(tokenizer):
-    """CUDA-graph decode over shared pages: the same tokens as the per-request kernel, and
-    the steps really went through the shared path."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    model = make_tiny("llama", seed=7).to("cuda")  # float32: the two kernels agree to rounding
-    outs = {}
-    for on in (True, False):
-        llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=256 << 20,
-                      kernel_options=KernelOptions(shared_decode=on))
-        llm.warm(DOCS)
-        outs[on] = [o.token_ids for o in llm.generate_batch(_batch() * 3, max_new_tokens=24)]
-        m = llm.engine.metrics
-        assert (m["shared_decode_steps"] > 0) is on
-        assert llm.engine.graphs.graphs and all(len(k) == 3 for k in llm.engine.graphs.graphs)
-        llm.close()
-    assert outs[True] == outs[False]
-
-
 def test_little_sharing_keeps_the_per_request_kernel(model, tokenizer):
     """Requests over their own documents share only the system prompt's page: not worth the
     shared path (``ModelRunner.SHARED_MIN_SAVED``), the step runs the per-request kernel."""
