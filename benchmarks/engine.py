@@ -168,7 +168,7 @@ def main():
         fused.GEMV_DEFAULT = None
     llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=48 << 30, page_size=args.page_size,
                   overlap_decode=args.overlap, kernel_options=KernelOptions(shared_decode=args.shared_decode))
-    llm.engine.eos_ids = set()  # random weights: run every request to its length
+    llm.engine.output.eos_ids = set()  # random weights: run every request to its length
     results = {"device": torch.cuda.get_device_name(), "copy_TBps": bw / 1e12, "date": time.strftime("%Y-%m-%d"),
                "overlapped_decode": llm.engine.async_decode, "gemv": not args.no_gemv,
                "shared_decode": args.shared_decode}

@@ -123,7 +123,7 @@ def measure(family: str, tok, args) -> dict:
         llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=args.kv_gb << 30, device=device)
     finally:
         log.removeHandler(handler)
-    llm.engine.eos_ids = set()  # random weights: run every request to its length
+    llm.engine.output.eos_ids = set()  # random weights: run every request to its length
     m = llm.model
     res.update(fused_kernels=m.fused is not None, graph_capturable=m.graph_capturable,
                windowed_layers=sum(w is not None for w in m.windows), warnings=handler.messages)

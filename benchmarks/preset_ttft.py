@@ -71,7 +71,7 @@ def main(argv=None) -> dict:
         kw = SETTINGS[name]
         llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=(16 << 30) if args.device.startswith("cuda")
                       else (256 << 20), **kw)
-        llm.engine.eos_ids = set()
+        llm.engine.output.eos_ids = set()
         if chunks is None:
             chunks = [text_of_tokens(llm, args.chunk_tokens, seed=i) for i in range(args.chunks)]
             question = text_of_tokens(llm, 50, seed=99)

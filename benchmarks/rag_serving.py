@@ -311,7 +311,7 @@ class LazyRunner:
         self.llm = LazyLLM(model=hf, tokenizer=tok, reuse=system,
                            kv_cache_bytes=max(int(budget_frac * pool_bytes), 1 << 20), page_size=args.page_size,
                            kernel_options=KernelOptions(shared_decode=args.shared_decode))
-        self.llm.engine.eos_ids = set()  # every request runs to its length: same work for every system
+        self.llm.engine.output.eos_ids = set()  # every request runs to its length: same work for every system
         self.page_bytes = pool_bytes / max(args.docs * args.doc_tokens, 1) * self.llm.page_size
 
     def one(self, r, docs):

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,17 +152,3 @@ class ScoreOutput:
     usage: Usage
     prefilled_tokens: int
     ttft_s: float
-
-    @property
-    def total_logprob(self) -> float:
-        return float(sum(self.logprobs))
-
-
-def check_stop(stop: Any) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        return (stop,)
-    if isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop):
-        return tuple(stop)
-    raise InvalidRequestError(f"stop must be a str or a list of str, got {stop!r}")

@@ -138,14 +138,6 @@ class Engine:
 
     # -- public, any thread ----------------------------------------------------------
     @property
-    def eos_ids(self) -> set[int]:
-        return self.output.eos_ids
-
-    @eos_ids.setter
-    def eos_ids(self, ids: set[int]) -> None:
-        self.output.eos_ids = ids
-
-    @property
     def running(self) -> list[Request]:
         return self.scheduler.running
 

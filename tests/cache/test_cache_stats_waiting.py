@@ -21,7 +21,7 @@ def test_waiting_request_lookups_count_once():
     llm0.close()
     # room for one request at a time: the second waits, re-planned every step, until the first ends
     llm = LazyLLM(model=llm0.hf_model, tokenizer=llm0.tokenizer, kv_cache_bytes=page * pages)
-    llm.engine.eos_ids = set()
+    llm.engine.output.eos_ids = set()
     try:
         outs = llm.generate_batch(reqs, max_new_tokens=8)
         assert outs[1].ttft_s > outs[0].total_s * 0.9  # it did wait

@@ -66,7 +66,7 @@ def test_lengths_eos_and_stop_strings(tokenizer):
     batch = [{"question": "q?", "chunks": DOCS[:2], "max_new_tokens": n} for n in (1, 2, 3, 7, 12)]
     batch += [{"question": "q?", "chunks": DOCS[:2], "max_new_tokens": 12, "stop": [stop_text]}]
     for llm in (sync, over):
-        llm.engine.eos_ids = set(sync.engine.eos_ids)
+        llm.engine.output.eos_ids = set(sync.engine.output.eos_ids)
     outs_sync = sync.generate_batch(batch)
     outs = over.generate_batch(batch)
     assert [o.token_ids for o in outs] == [o.token_ids for o in outs_sync]
@@ -74,7 +74,7 @@ def test_lengths_eos_and_stop_strings(tokenizer):
     assert [len(o.token_ids) for o in outs[:5]] == [1, 2, 3, 7, 12]
     assert outs[5].finish_reason == "stop" and stop_text not in outs[5].text
     for llm in (sync, over):  # a token of the answer as EOS: every request stops there
-        llm.engine.eos_ids = {eos}
+        llm.engine.output.eos_ids = {eos}
     a, b = sync.generate_batch(batch[2:5]), over.generate_batch(batch[2:5])
     assert [o.token_ids for o in b] == [o.token_ids for o in a]
     assert [o.finish_reason for o in b] == [o.finish_reason for o in a]

@@ -406,7 +406,7 @@ def test_stream_close_returns_once_pages_are_released(tiny_model, tokenizer):
     from lazyllm.engine.engine import _Call
 
     llm = _llm(tiny_model, tokenizer)
-    llm.engine.eos_ids = set()  # random weights: run every request to its length
+    llm.engine.output.eos_ids = set()  # random weights: run every request to its length
     for _ in range(3):
         it = llm.stream("q?", chunks=DOCS[:3], max_new_tokens=300)
         next(it)
@@ -474,7 +474,7 @@ def test_decode_step_log_records_batch_sizes(tiny_model, tokenizer):
     """Each decode step logs (batch, seconds): the engine benchmark reads the step time at
     an exact batch size from it."""
     llm = _llm(tiny_model, tokenizer)
-    llm.engine.eos_ids = set()
+    llm.engine.output.eos_ids = set()
     llm.engine.decode_step_log.clear()
     outs = llm.generate_batch([{"question": f"q{i}?", "chunks": DOCS[i:i + 2]} for i in range(3)],
                               max_new_tokens=5)
