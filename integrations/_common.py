@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lazyllm import Chunk, GenerationOutput, InvalidRequestError, LazyLLM
-from lazyllm.api import TextStream
+from lazyllm.stream import TextStream
 
 HISTORY_HEADER = "Conversation so far:"
 ROLE_LABELS = {"user": "User", "assistant": "Assistant", "tool": "Tool", "system": "System"}
@@ -219,7 +219,7 @@ class RemoteLazyLLM:
     a system and a user message. Results are ``GenerationOutput``s with the usage
     (``cached_tokens``...), finish reason and the server's TTFT, queue and total times;
     ``token_ids`` and ``prompt_segments`` stay empty (the server does not send them).
-    ``model``: the ``model`` id to send (``None``: the server's one). Errors: a 400 raises
+    ``model``: the ``model`` id to send (``None``: the server's one, asked at the first request). Errors: a 400 raises
     ``InvalidRequestError`` (``ContextLengthError`` for a prompt too long), anything else
     ``LazyLLMError``, both with the server's message.
     """
@@ -257,6 +257,12 @@ class RemoteLazyLLM:
 
         return httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=self.timeout)
 
+    def _model_id(self) -> str:
+        """``model``, or the server's own id (asked once: a request must name its model)."""
+        if self.model is None:
+            self.model = self.models()[0]["id"]
+        return self.model
+
     def payload(self, question: str, chunks: Any = None, system: str | None = None, *, stream: bool = False,
                 **sampling: Any) -> dict[str, Any]:
         """The chat completion body of one request."""
@@ -278,8 +284,7 @@ class RemoteLazyLLM:
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": question}]
         body: dict[str, Any] = {"messages": messages, "documents": docs, "stream": stream}
-        if self.model is not None:
-            body["model"] = self.model
+        body["model"] = self._model_id()
         unknown = set(sampling) - set(SAMPLING_KEYS)
         if unknown:
             raise InvalidRequestError(f"unsupported options: {sorted(unknown)}")

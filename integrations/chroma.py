@@ -183,10 +183,10 @@ def as_llama_index(collection, embed_model: Any = None):
 
 
 def __getattr__(name: str):
-    # The LangChain retriever lives with the LangChain adapter (it needs langchain-core);
-    # re-exported here lazily so that importing this module never requires LangChain.
+    # The LangChain retriever needs langchain-core: re-exported here lazily, so that
+    # importing this module never requires LangChain.
     if name == "ChromaRetriever":
-        from .langchain import ChromaRetriever
+        from .chroma_langchain import ChromaRetriever
 
         return ChromaRetriever
     raise AttributeError(name)

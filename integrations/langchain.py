@@ -45,18 +45,14 @@ import binascii
 import html
 import json
 import re
-import warnings
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from langchain_core.callbacks import (
     AsyncCallbackManagerForLLMRun,
-    AsyncCallbackManagerForRetrieverRun,
     CallbackManagerForLLMRun,
-    CallbackManagerForRetrieverRun,
 )
 from langchain_core.documents import Document
-from langchain_core.embeddings import Embeddings
 from langchain_core.language_models import BaseChatModel, BaseLLM, LangSmithParams
 from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
 from langchain_core.messages import (
@@ -80,7 +76,6 @@ from langchain_core.outputs import (
 )
 from langchain_core.prompt_values import ChatPromptValue, PromptValue, StringPromptValue
 from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder
-from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableLambda
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
@@ -99,7 +94,8 @@ from ._common import (
     request_from_messages,
     usage_dict,
 )
-from .minilm import check_batch_size, embed
+from .chroma_langchain import ChromaRetriever
+from .minilm_langchain import BundledMiniLMEmbeddings
 
 PROVIDER = "lazyllm"
 
@@ -606,70 +602,6 @@ class LazyLLMText(_EngineParams, BaseLLM):
                 await run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
         yield GenerationChunk(text="", generation_info=usage_dict(stream.output))
-
-
-# -- the bundled embedding model ---------------------------------------------------
-
-
-class BundledMiniLMEmbeddings(Embeddings):
-    """LangChain ``Embeddings`` backed by the bundled all-MiniLM-L6-v2 (384-d, unit-length
-    vectors), offline: the same vectors as ``lazyllm.integrations.chroma.BundledMiniLM``
-    and the LlamaIndex ``BundledMiniLMEmbedding``. For ``langchain_chroma.Chroma`` or any
-    LangChain vector store::
-
-        store = Chroma.from_texts(texts, embedding=BundledMiniLMEmbeddings(), client=client)
-        retriever = store.as_retriever(search_kwargs={"k": 4})
-    """
-
-    def __init__(self, batch_size: int = 32):
-        self.batch_size = check_batch_size(batch_size)
-
-    def embed_documents(self, texts: list[str]) -> list[list[float]]:
-        return embed(texts, batch_size=self.batch_size).tolist()
-
-    def embed_query(self, text: str) -> list[float]:
-        return embed([text])[0].tolist()
-
-
-# -- retriever over a chroma collection (deprecated) ---------------------------------
-
-
-class ChromaRetriever(BaseRetriever):
-    """Deprecated: use ``langchain_chroma.Chroma(client=..., collection_name=...,
-    embedding_function=BundledMiniLMEmbeddings()).as_retriever(search_kwargs={"k": k})``,
-    which returns the same documents (chroma id as ``id``, stored metadata).
-
-    LangChain retriever over a chromadb collection: the ``k`` nearest documents to the
-    query. The collection embeds the query with its own embedding function."""
-
-    collection: Any
-    k: int = 4
-    where: dict | None = None
-    where_document: dict | None = None
-
-    def model_post_init(self, context: Any, /) -> None:
-        warnings.warn("ChromaRetriever is deprecated: use langchain_chroma.Chroma(..., embedding_function="
-                      "BundledMiniLMEmbeddings()).as_retriever()", DeprecationWarning, stacklevel=3)
-        super().model_post_init(context)
-
-    def _query(self, query: str) -> list[Document]:
-        kw: dict[str, Any] = dict(query_texts=[query], n_results=self.k, include=["documents", "metadatas"])
-        if self.where:
-            kw["where"] = self.where
-        if self.where_document:
-            kw["where_document"] = self.where_document
-        res = self.collection.query(**kw)
-        return [Document(page_content=text, metadata=dict(meta or {}), id=i)
-                for i, text, meta in zip(res["ids"][0], res["documents"][0], res["metadatas"][0])]
-
-    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
-        return self._query(query)
-
-    async def _aget_relevant_documents(self, query: str, *,
-                                       run_manager: AsyncCallbackManagerForRetrieverRun) -> list[Document]:
-        import asyncio
-
-        return await asyncio.get_running_loop().run_in_executor(None, self._query, query)
 
 
 __all__ = [

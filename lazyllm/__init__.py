@@ -15,12 +15,13 @@ from .errors import (
     RequestCancelled,
     UnsupportedModelError,
 )
+from .stream import TextStream
 from .types import Chunk, GenerationOutput, SamplingParams, ScoreOutput, Usage
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "LazyLLM", "Chunk", "GenerationOutput", "SamplingParams", "ScoreOutput", "Usage",
+    "LazyLLM", "TextStream", "Chunk", "GenerationOutput", "SamplingParams", "ScoreOutput", "Usage",
     "LazyLLMError", "InvalidRequestError", "ContextLengthError", "ModelLoadError",
     "UnsupportedModelError", "CacheCapacityError", "RequestCancelled",
 ]

@@ -7,7 +7,7 @@ import contextlib
 import os
 import queue
 import weakref
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from .model.attention import BACKENDS, make_backend
 from .model.llama import LlamaFamilyModel
 from .model.loader import fingerprint, load_hf
 from .presets import resolve as resolve_quality
+from .stream import TextStream
 from .types import Chunk, GenerationOutput, SamplingParams, ScoreOutput, as_chunk
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -68,89 +69,6 @@ def _close_engines() -> None:
     for group in list(_LIVE_TP_GROUPS):
         with contextlib.suppress(Exception):
             group.close()
-
-
-class TextStream:
-    """Text deltas of one request, for ``for`` or ``async for``; once the iteration ends,
-    ``output`` holds the ``GenerationOutput`` (usage, TTFT, finish reason).
-
-    The request is validated when the stream is made (bad input raises at once) and
-    submitted when iteration starts. Stopping early (``break``, ``close()``, task
-    cancellation) cancels the request; ``close()`` returns once the engine has released
-    the request's pages.
-    """
-
-    # how long close() waits for the engine to retire a cancelled request (it does so at
-    # its next step; only a wedged engine takes longer)
-    CLOSE_TIMEOUT_S = 30.0
-
-    def __init__(self, engine: Engine, req: Request):
-        self._engine, self._req = engine, req
-        self._sync: Iterator[str] | None = None
-        self._submitted = self._over = False
-        self.output: GenerationOutput | None = None
-
-    def _take(self, kind, val) -> str | None:
-        """The delta of one engine event; ``None`` when the stream is over (raises the
-        request's error)."""
-        if kind == "delta":
-            return val
-        self._over = True
-        if kind == "error":
-            raise val
-        self.output = val
-        return None
-
-    def _submit(self) -> None:
-        self._submitted = True
-        self._engine.submit(self._req)
-
-    def _iterate(self) -> Iterator[str]:
-        self._submit()
-        try:
-            while (delta := self._take(*self._req.events.get())) is not None:
-                yield delta
-        finally:
-            self.cancel()
-
-    def __iter__(self) -> TextStream:
-        return self
-
-    def __next__(self) -> str:
-        if self._sync is None:
-            self._sync = self._iterate()
-        return next(self._sync)
-
-    async def __aiter__(self) -> AsyncIterator[str]:
-        loop = asyncio.get_running_loop()
-        self._submit()
-        try:
-            while (delta := self._take(*await loop.run_in_executor(None, self._req.events.get))) is not None:
-                yield delta
-        finally:
-            self.cancel()
-
-    def cancel(self) -> None:
-        """Ask the engine to stop the request (a no-op once it has finished). Returns at once
-        and may be called from any thread, also while another thread iterates the stream,
-        which then ends with ``RequestCancelled``; ``close()`` also waits for the pages."""
-        self._req.cancelled.set()
-
-    def close(self) -> None:
-        """Stop the stream: cancel the request and wait (up to ``CLOSE_TIMEOUT_S``) until the
-        engine has released its pages, so ``cache_stats()`` right after shows none pinned."""
-        if self._sync is not None:
-            self._sync.close()
-        self.cancel()
-        if self._submitted and not self._over:
-            try:
-                while True:
-                    kind, _ = self._req.events.get(timeout=self.CLOSE_TIMEOUT_S)
-                    if kind != "delta":
-                        break
-            except queue.Empty:
-                pass
-            self._over = True
 
 
 class LazyLLM:

@@ -1,0 +1,70 @@
+"""An OpenAI-compatible HTTP server (FastAPI + uvicorn) over a generation backend: one
+``LazyLLM`` in this process (``LocalBackend``), or Ray Serve replicas behind a deployment
+handle (``lazyllm.integrations.ray_serve.RayBackend``). Both get the same app, endpoints,
+validation, errors and metrics: ``create_app(llm_or_backend, ...)``.
+
+Endpoints:
+
+- ``POST /v1/chat/completions``: OpenAI's chat completions, streaming (server-sent
+  events) or not; ``usage.prompt_tokens_details.cached_tokens`` counts the prompt tokens
+  whose KV was reused.
+- ``GET /v1/models`` (and ``/v1/models/{id}``): the one model served.
+- ``GET /health``: liveness. ``GET /metrics``: Prometheus text (cache hits, misses,
+  resident bytes, pool pages; TTFT, queue-time and duration histograms; requests by
+  status). Neither needs the API key.
+
+Documents travel as chunks in a ``documents`` field next to ``messages`` (what the
+``openai`` client sends with ``extra_body={"documents": [...]}`` and LangChain's
+``ChatOpenAI(extra_body=...)`` likewise): each item is a string or
+``{"text": ..., "id": ..., "metadata": {...}}`` and becomes a ``lazyllm.Chunk``, its KV
+cached and reused by later requests at any position. Without it a request is plain chat.
+The messages become the question, system prompt and history exactly as the in-process
+adapters read them (``integrations._common.request_from_messages``).
+
+Safe by default: ``main`` binds to 127.0.0.1; an API key, when set, is required as
+``Authorization: Bearer <key>`` on ``/v1``; request bodies and ``max_tokens`` are capped;
+bad input gets OpenAI's error body (``{"error": {"message", "type", "param", "code"}}``)
+with status 400, 401, 404, 413 or 429; a streaming client that disconnects cancels its
+request (``GenerationStream.cancel``) and its pages are released.
+
+Modules: ``protocol`` (OpenAI's request and response bodies as pydantic models and pure
+functions: ``validate_body`` (bytes -> ``ChatCompletionRequest``), ``parse_chat_request``
+(-> question, chunks, system, sampling), ``completion_response``, ``stream_chunk``,
+``usage_json``, ``sse``, ``error_body``, ``error_from_exception``), ``backends`` (the
+``Backend`` interface and ``LocalBackend``), ``metrics`` (Prometheus), ``app``
+(``create_app``) and ``cli`` (``lazyllm serve``).
+
+Streams, one per boundary: ``lazyllm.TextStream`` carries a request's deltas from the engine
+thread to its caller (here, the local backend's worker threads); ``ray_serve.RayStream``
+from a Ray replica to the ingress; the app's ``_Relay`` from either (a ``GenerationStream``)
+to the HTTP response; ``_common.RemoteStream`` from the HTTP response to a Python client.
+"""
+from __future__ import annotations
+
+from .app import create_app
+from .backends import Backend, GenerationStream, LocalBackend, as_backend
+from .cli import build_parser, main
+from .metrics import ServerMetrics
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatRequest,
+    DocumentIn,
+    completion_response,
+    documents_to_chunks,
+    error_body,
+    error_from_exception,
+    new_request_id,
+    parse_chat_request,
+    sse,
+    stream_chunk,
+    usage_json,
+    validate_body,
+)
+
+__all__ = [
+    "create_app", "main", "build_parser", "Backend", "GenerationStream", "LocalBackend", "as_backend",
+    "ChatCompletionRequest", "ChatRequest", "DocumentIn", "APIError",
+    "validate_body", "parse_chat_request", "documents_to_chunks", "completion_response", "stream_chunk",
+    "usage_json", "sse", "error_body", "error_from_exception", "new_request_id", "ServerMetrics",
+]

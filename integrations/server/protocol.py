@@ -1,0 +1,368 @@
+"""The OpenAI chat-completions protocol: the request body as pydantic models (a field a
+feature adds is one more model field, validated with the rest), its translation into a
+``LazyLLM.generate`` call (``parse_chat_request``), the response bodies (``completion_response``,
+``stream_chunk``, ``usage_json``, ``sse``) and OpenAI's error body (``APIError``,
+``error_body``, ``error_from_exception``). Pure functions: no app, no engine."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from lazyllm import Chunk, GenerationOutput
+from lazyllm.errors import CacheCapacityError, ContextLengthError, InvalidRequestError, RequestCancelled
+
+from .._common import request_from_messages
+
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+DEFAULT_MAX_NEW_TOKENS_LIMIT = 4096
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_CONCURRENCY = 256
+
+# -- errors ----------------------------------------------------------------------------
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                429: "rate_limit_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body and ``status``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _ERROR_TYPES.get(status, "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_from_exception(e: BaseException) -> APIError:
+    """The ``APIError`` (status and body) for an exception raised while serving a request:
+    lazyllm's bad-input errors are 400 (``ContextLengthError`` with code
+    ``context_length_exceeded``), a KV pool too small for the request 503, anything else 500."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ContextLengthError):
+        return APIError(400, str(e), param="messages", code="context_length_exceeded")
+    if isinstance(e, InvalidRequestError):
+        return APIError(400, str(e))
+    if isinstance(e, CacheCapacityError):
+        return APIError(503, str(e), code="kv_cache_capacity")
+    if isinstance(e, RequestCancelled):
+        return APIError(408, f"request {e}", code="cancelled", type="timeout_error")
+    return APIError(500, "internal server error", type="server_error")
+
+
+
+# -- the request body ------------------------------------------------------------------
+
+class DocumentIn(BaseModel):
+    """One document of the ``documents`` extension (a plain string is accepted too)."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: str
+    id: str | int | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class ChatMessageIn(BaseModel):
+    """One chat message. ``content`` is a string, ``null`` (an assistant turn with tool
+    calls) or a list of ``{"type": "text", "text": ...}`` parts."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    """The body of ``POST /v1/chat/completions``: OpenAI's fields, ``top_k`` (as vLLM),
+    ``documents`` (the chunks) and ``quality`` (the server's preset, see ``create_app``).
+    As OpenAI, an unknown field is refused with 400 ("Unrecognized request argument"), and
+    so are known features lazyllm does not have (tools, ``n`` > 1, logprobs, penalties,
+    audio, non-text response formats), rather than silently ignored. Fields that do not
+    change the answer (``user``, ``metadata``, ``store``...) are accepted.
+
+    A feature adds its fields here (validated with the rest, strict types) and reads them in
+    ``parse_chat_request``."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    documents: list[str | DocumentIn] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = Field(default=None, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    quality: str | None = None
+    # accepted, no effect on the answer
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # refused unless they ask for what lazyllm does anyway (text out, no audio)
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "DocumentIn", "ChatMessageIn",
+               "StreamOptions"}
+
+
+def _param(loc: tuple) -> str | None:
+    parts: list[str] = []
+    for p in loc:
+        if isinstance(p, int):
+            parts.append(f"[{p}]")
+        elif p in _UNION_TAGS or "[" in str(p) or str(p).startswith(("function-", "literal")):
+            continue  # pydantic's name of a union member, not a field
+        else:
+            parts.append(("." if parts else "") + str(p))
+    return "".join(parts) or None
+
+
+def _first_error(e: ValidationError) -> dict[str, Any]:
+    """The most specific error: where a value matches no member of a union (``str`` or an
+    object), pydantic reports one error per member; the deepest names the field."""
+    errors = e.errors(include_url=False)
+    return max(errors, key=lambda err: len((_param(tuple(err["loc"])) or "").replace("[", ".").split(".")))
+
+
+def validate_body(raw: bytes | str) -> ChatCompletionRequest:
+    """Parse and validate a request body (JSON, strict types: ``"5"`` is not a number).
+    Raises ``APIError(400)`` naming the offending field (``param``, e.g. ``messages[0].role``)."""
+    try:
+        return ChatCompletionRequest.model_validate_json(raw, strict=True)
+    except ValidationError as e:
+        err = _first_error(e)
+        if err["type"] == "json_invalid":
+            raise APIError(400, f"the body is not valid JSON: {err['msg']}", code="invalid_json") from None
+        param = _param(tuple(err["loc"]))
+        if err["type"] == "extra_forbidden":
+            raise APIError(400, f"Unrecognized request argument supplied: {param}", param=param,
+                           code="unknown_parameter") from None
+        if param is None and err["type"] == "model_type":
+            raise APIError(400, "the body must be a JSON object") from None
+        msg = err["msg"] if param is None else f"{param}: {err['msg']}"
+        raise APIError(400, msg, param=param) from None
+
+
+class ChatRequest(NamedTuple):
+    """What one chat completion asks of the engine: ``llm.generate(question, chunks,
+    system, **sampling)``."""
+
+    question: str
+    chunks: list[Chunk]
+    system: str | None
+    sampling: dict[str, Any]
+
+
+def _unsupported(body: ChatCompletionRequest) -> None:
+    def no(param: str, what: str) -> None:
+        raise APIError(400, f"{param}: {what} is not supported by lazyllm", param=param, code="unsupported")
+
+    if body.n not in (None, 1):
+        no("n", "more than one choice")
+    if body.tools or body.functions:
+        no("tools" if body.tools else "functions", "tool calling")
+    if body.logprobs or body.top_logprobs:
+        no("logprobs", "returning log-probabilities")
+    if body.presence_penalty or body.frequency_penalty:
+        no("presence_penalty" if body.presence_penalty else "frequency_penalty", "a repetition penalty")
+    if body.logit_bias:
+        no("logit_bias", "a logit bias")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        no("response_format", f"response_format {body.response_format.get('type')!r}")
+    if body.modalities not in (None, ["text"]) or body.audio:
+        no("modalities" if body.modalities not in (None, ["text"]) else "audio", "audio output")
+    for name in ("prediction", "web_search_options", "reasoning_effort", "verbosity"):
+        if getattr(body, name) is not None:
+            no(name, name.replace("_", " "))
+
+
+def _content_text(m: ChatMessageIn, i: int) -> str:
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    texts = []
+    for j, part in enumerate(m.content):
+        kind = part.get("type")
+        if kind != "text" or not isinstance(part.get("text"), str):
+            param = f"messages[{i}].content[{j}]"
+            raise APIError(400, f"{param}: lazyllm takes text content parts ({{'type': 'text', 'text': ...}}); "
+                                f"got type {kind!r} (send documents in `documents`)", param=param)
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def documents_to_chunks(documents: list[str | DocumentIn | dict] | None) -> list[Chunk]:
+    """The ``documents`` extension as ``lazyllm.Chunk``s, in order."""
+    chunks = []
+    for d in documents or []:
+        if isinstance(d, str):
+            chunks.append(Chunk(d))
+        else:
+            if isinstance(d, dict):
+                d = DocumentIn.model_validate(d)
+            chunks.append(Chunk(d.text, id=None if d.id is None else str(d.id), metadata=dict(d.metadata or {})))
+    return chunks
+
+
+def parse_chat_request(body: ChatCompletionRequest | dict | bytes | str, *,
+                       max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT,
+                       default_max_tokens: int = DEFAULT_MAX_TOKENS,
+                       default_temperature: float = 0.0) -> ChatRequest:
+    """``(question, chunks, system, sampling)`` of a chat completion body.
+
+    ``system``/``developer`` messages join into the system prompt; the last ``user``
+    message with text is the question and the other turns are folded into it as a
+    transcript (``integrations._common``); ``documents`` become the chunks. ``max_tokens``
+    (or ``max_completion_tokens``) defaults to ``min(default_max_tokens,
+    max_new_tokens_limit)`` and may not exceed the limit; ``temperature`` defaults to
+    ``default_temperature`` (greedy). Raises ``APIError(400)`` for anything malformed.
+    """
+    if isinstance(body, (bytes, str)):
+        body = validate_body(body)
+    elif isinstance(body, dict):
+        try:
+            body = ChatCompletionRequest.model_validate(body)
+        except ValidationError as e:
+            err = _first_error(e)
+            param = _param(tuple(err["loc"]))
+            raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
+    _unsupported(body)
+    turns = []
+    for i, m in enumerate(body.messages):
+        role = "system" if m.role == "developer" else "tool" if m.role == "function" else m.role
+        turns.append((role, _content_text(m, i), []))
+    try:
+        req = request_from_messages(turns)
+    except InvalidRequestError as e:
+        raise APIError(400, str(e), param="messages") from None
+    try:
+        chunks = documents_to_chunks(body.documents)
+    except InvalidRequestError as e:
+        raise APIError(400, str(e), param="documents") from None
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is None:
+        max_tokens = min(default_max_tokens, max_new_tokens_limit)
+    elif max_tokens > max_new_tokens_limit:
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        raise APIError(400, f"{param}={max_tokens} is above this server's limit of {max_new_tokens_limit}",
+                       param=param)
+    stop = body.stop
+    if isinstance(stop, list) and any(s == "" for s in stop) or stop == "":
+        raise APIError(400, "stop: stop strings must not be empty", param="stop")
+    sampling: dict[str, Any] = {
+        "max_new_tokens": max_tokens,
+        "temperature": default_temperature if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "top_k": 0 if body.top_k is None else body.top_k,
+        "seed": body.seed,
+        "stop": stop or None,
+    }
+    return ChatRequest(req.question, chunks + req.chunks, req.system, sampling)
+
+
+# -- the response bodies -----------------------------------------------------------------
+
+def usage_json(out: GenerationOutput) -> dict[str, Any]:
+    """OpenAI's ``usage`` object, ``prompt_tokens_details.cached_tokens`` included."""
+    u = out.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def _timings(out: GenerationOutput) -> dict[str, Any]:
+    return {"ttft_s": out.ttft_s, "queue_s": out.queue_s, "total_s": out.total_s,
+            "cached_chunk_tokens": out.usage.cached_chunk_tokens, "chunk_ids": list(out.chunk_ids)}
+
+
+def completion_response(out: GenerationOutput, *, model: str, request_id: str | None = None,
+                        created: int | None = None) -> dict[str, Any]:
+    """OpenAI's ``chat.completion`` object for one result; a ``lazyllm`` field adds TTFT,
+    queue time and the chunk ids (clients ignore it)."""
+    return {
+        "id": request_id or new_request_id(),
+        "object": "chat.completion",
+        "created": int(time.time()) if created is None else created,
+        "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
+                     "logprobs": None, "finish_reason": out.finish_reason}],
+        "usage": usage_json(out),
+        "system_fingerprint": None,
+        "lazyllm": _timings(out),
+    }
+
+
+def stream_chunk(request_id: str, created: int, model: str, *, content: str | None = None,
+                 role: str | None = None, finish_reason: str | None = None,
+                 usage: dict[str, Any] | None = None, out: GenerationOutput | None = None) -> dict[str, Any]:
+    """One ``chat.completion.chunk``: a delta (``role`` and/or ``content``), the closing
+    delta (``finish_reason``), or, with ``usage``, the final usage chunk (no choices; with
+    ``out``, a ``lazyllm`` field adds TTFT, queue time and chunk ids)."""
+    obj: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                           "system_fingerprint": None}
+    if usage is not None:
+        obj["choices"] = []
+        obj["usage"] = usage
+        if out is not None:
+            obj["lazyllm"] = _timings(out)
+        return obj
+    delta: dict[str, Any] = {}
+    if role is not None:
+        delta["role"] = role
+    if content is not None:
+        delta["content"] = content
+    obj["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    return obj
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON (or the literal ``[DONE]``)."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def new_request_id() -> str:
+    return "chatcmpl-" + uuid.uuid4().hex
