@@ -507,32 +507,24 @@ def oracle_scores(rec, r) -> torch.Tensor:
             key=(rec.selection, rec.ratio, rec.first_tokens), scored=r.logit_rows > 1,
             lens=[len(s.ids) for s in spans], ids=[t for s in spans for t in s.ids], score=score.cpu(),
             kv=kv.cpu(), answer_mass=ans.cpu(), question_mass=question.cpu(),
-            probe_deviation=rec._oracle_probe_deviation(r).float().cpu()))
+            probe_deviation=rec.key_deviation(r).float().cpu()))
     return score
+
+
+def _oracle_selection(rec, r, n_pick, exclude):
+    """The recovery selection of every ``ORACLE_SELECTIONS`` name (``rec.selection`` says which)."""
+    return oracle_scores(rec, r)
 
 
 def install_oracle_selection() -> None:
     """Let ``LazyLLM(recompute_selection=...)`` take the ``ORACLE_SELECTIONS`` in this
-    process: adds them to the engine's selection names and routes ``Recovery.key_deviation``
-    (what any other selection name than "attention" and "two-stage" ranks by) to
-    ``oracle_scores`` for them; every other selection is unchanged. Idempotent."""
-    import lazyllm.api as api_mod
-    from lazyllm.engine import recovery as rec_mod
+    process: registers them as recovery selections (``lazyllm.config.register_selection``),
+    scored by ``oracle_scores``; every other selection is unchanged. Idempotent."""
+    from lazyllm.config import register_selection, selection_names
 
-    cls = rec_mod.Recovery
-    if getattr(cls, "_oracle_probe_deviation", None) is not None:
-        return
-    rec_mod.SELECTIONS = tuple(rec_mod.SELECTIONS) + ORACLE_SELECTIONS
-    api_mod.SELECTIONS = rec_mod.SELECTIONS
-    real = cls.key_deviation
-
-    def key_deviation(self, r):
-        if self.selection in ORACLE_SELECTIONS:
-            return oracle_scores(self, r)
-        return real(self, r)
-
-    cls._oracle_probe_deviation = real
-    cls.key_deviation = key_deviation
+    for name in ORACLE_SELECTIONS:
+        if name not in selection_names():
+            register_selection(name)(_oracle_selection)
 
 
 def _wants_oracle(args) -> bool:

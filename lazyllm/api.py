@@ -13,48 +13,37 @@ from typing import Any
 import torch
 
 from .cache.store import ChunkStore, PagePool
+from .config import CHUNK_CACHING_MODES, EngineConfig
+from .config import resolve_device as _resolve_device
+from .config import resolve_dtype as _resolve_dtype
 from .engine.detokenizer import Detokenizer
 from .engine.engine import Engine, check_fits
-from .engine.kv_planner import CHUNK_CACHING_MODES, CHUNK_CONTEXTS, REUSE_MODES
 from .engine.prompt import PromptBuilder, Segment
 from .engine.prompt import _check_text as check_text
-from .engine.recovery import SELECTIONS
 from .engine.request import Request
 from .errors import InvalidRequestError
-from .model.attention import BACKENDS, make_backend
+from .model.attention import make_backend
 from .model.llama import LlamaFamilyModel
 from .model.loader import fingerprint, load_hf
-from .presets import resolve as resolve_quality
 from .stream import TextStream
 from .types import Chunk, GenerationOutput, SamplingParams, ScoreOutput, as_chunk
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 MAX_CHUNKS = 4096
 
 
-def _resolve_device(device: str | torch.device) -> torch.device:
-    if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        d = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise InvalidRequestError(f"invalid device {device!r}: {e}") from None
-    if d.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidRequestError("device='cuda' was asked for but CUDA is not available")
-    return d
+def _from_config(name: str) -> property:
+    return property(lambda self: getattr(self.config, name), doc=f"``config.{name}``")
 
 
-def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
-    if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise InvalidRequestError(f"unsupported dtype {dtype}")
-        return dtype
-    if isinstance(dtype, str) and dtype in _DTYPES:
-        return _DTYPES[dtype]
-    raise InvalidRequestError(f"unsupported dtype {dtype!r}; use float32, float16 or bfloat16")
+def _eos_ids(hf, tok) -> set[int]:
+    """The token ids that end a request: the generation config's and the tokenizer's."""
+    eos = set()
+    for src in (getattr(getattr(hf, "generation_config", None), "eos_token_id", None), tok.eos_token_id):
+        if isinstance(src, int):
+            eos.add(src)
+        elif isinstance(src, (list, tuple)):
+            eos.update(int(x) for x in src)
+    return eos
 
 
 _LIVE_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -197,60 +186,79 @@ class LazyLLM:
         tensor_parallel: int = 1,
         packets: Any = "auto",
     ):
-        try:
-            opts = resolve_quality(quality, dict(
-                reuse=reuse, chunk_context=chunk_context, recompute_first_tokens=recompute_first_tokens,
-                recompute_ratio=recompute_ratio, recompute_selection=recompute_selection,
-                context_temperature=context_temperature, context_lse_scale=context_lse_scale))
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from None
-        self.quality = quality
-        reuse, chunk_context = opts["reuse"], opts["chunk_context"]
-        recompute_first_tokens, recompute_ratio = opts["recompute_first_tokens"], opts["recompute_ratio"]
-        recompute_selection = opts["recompute_selection"]
-        calibration = (opts["context_temperature"], opts["context_lse_scale"])
-        for name, v in zip(("context_temperature", "context_lse_scale"), calibration):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.0 < v < float("inf")):
-                raise InvalidRequestError(f"{name} must be a positive finite number, got {v!r}")
-        calibration = tuple(float(v) for v in calibration)
-        if reuse not in REUSE_MODES:
-            raise InvalidRequestError(f"reuse must be one of {REUSE_MODES}, got {reuse!r}")
-        if chunk_context not in CHUNK_CONTEXTS:
-            raise InvalidRequestError(f"chunk_context must be one of {CHUNK_CONTEXTS}, got {chunk_context!r}")
-        if page_size is not None and (isinstance(page_size, bool) or not isinstance(page_size, int)
-                                      or page_size < 1 or page_size & (page_size - 1)):
-            raise InvalidRequestError(f"page_size must be a power of two, got {page_size!r}")
-        if isinstance(recompute_first_tokens, bool) or not isinstance(recompute_first_tokens, int) \
-                or recompute_first_tokens < 0:
-            raise InvalidRequestError(f"recompute_first_tokens must be an int >= 0, got {recompute_first_tokens!r}")
-        if isinstance(recompute_ratio, bool) or not isinstance(recompute_ratio, (int, float)) \
-                or not 0.0 <= recompute_ratio <= 1.0:
-            raise InvalidRequestError(f"recompute_ratio must be in [0, 1], got {recompute_ratio!r}")
-        if recompute_selection not in SELECTIONS:
-            raise InvalidRequestError(
-                f"recompute_selection must be one of {SELECTIONS}, got {recompute_selection!r}")
-        if kv_cache_bytes is not None and (not isinstance(kv_cache_bytes, int) or kv_cache_bytes <= 0):
-            raise InvalidRequestError(f"kv_cache_bytes must be a positive int, got {kv_cache_bytes!r}")
-        if attention_backend not in BACKENDS:
-            raise InvalidRequestError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
-        if kernel_options is not None:
-            from .kernels import KernelOptions
-
-            if not isinstance(kernel_options, KernelOptions):
-                raise InvalidRequestError(
-                    f"kernel_options must be a lazyllm.kernels.KernelOptions, got {type(kernel_options).__name__}")
-        if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
-            raise InvalidRequestError(f"tensor_parallel must be an int >= 1, got {tensor_parallel!r}")
-        if tensor_parallel > 1 and recompute_ratio > 0:
-            raise InvalidRequestError("recompute_ratio is not supported with tensor_parallel yet")
-        if tensor_parallel > 1 and kv_disk_dir is not None:
-            raise InvalidRequestError("kv_disk_dir is not supported with tensor_parallel yet")
-        if tensor_parallel > 1 and calibration != (1.0, 1.0):
-            raise InvalidRequestError("context calibration is not supported with tensor_parallel yet")
-        self.tensor_parallel = tensor_parallel
+        config = EngineConfig.resolve(
+            quality, device=device, dtype=dtype, reuse=reuse, chunk_context=chunk_context,
+            kv_cache_bytes=kv_cache_bytes, page_size=page_size, attention_backend=attention_backend,
+            max_batch_tokens=max_batch_tokens, recompute_first_tokens=recompute_first_tokens,
+            recompute_ratio=recompute_ratio, recompute_selection=recompute_selection,
+            context_temperature=context_temperature, context_lse_scale=context_lse_scale, kv_disk_dir=kv_disk_dir,
+            kv_disk_bytes=kv_disk_bytes, trust_remote_code=trust_remote_code, progress=progress,
+            batch_invariant=batch_invariant, overlap_decode=overlap_decode, kernel_options=kernel_options,
+            tensor_parallel=tensor_parallel, packets=packets)
         self._tp = None
-        self.reuse = reuse
-        self.chunk_context = chunk_context
+        self._load(config, model_name_or_path, model, tokenizer)
+        # an engine thread still inside torch at interpreter shutdown can abort the
+        # process: stop it first (weakly referenced, so the LazyLLM can still be freed)
+        _LIVE_ENGINES.add(self.engine)
+
+    # the options as the running configuration holds them (``llm.config``)
+    quality = _from_config("quality")
+    reuse = _from_config("reuse")
+    chunk_context = _from_config("chunk_context")
+    recompute_first_tokens = _from_config("recompute_first_tokens")
+    recompute_ratio = _from_config("recompute_ratio")
+    recompute_selection = _from_config("recompute_selection")
+    context_temperature = _from_config("context_temperature")
+    context_lse_scale = _from_config("context_lse_scale")
+    attention_backend = _from_config("attention_backend")
+    page_size = _from_config("page_size")
+    batch_invariant = _from_config("batch_invariant")
+    tensor_parallel = _from_config("tensor_parallel")
+
+    def _load(self, config: EngineConfig, model_name_or_path, model, tokenizer) -> None:
+        """Load the model, the attention backend, the page pool and the engine for ``config``;
+        ``self.config`` ends as the running configuration, with the load-time choices in."""
+        self.config = config
+        hf, tok = self._load_model(config, model_name_or_path, model, tokenizer)
+        try:
+            backend = make_backend(config.attention_backend, self.device, batch_invariant=config.batch_invariant,
+                                   options=config.kernel_options, calibration=config.calibration)
+        except ImportError as e:
+            raise InvalidRequestError(f"attention_backend='triton' needs triton: {e}") from None
+        page_size = config.page_size
+        if page_size is None:
+            page_size = 64 if self.device.type == "cuda" and backend.name == "triton" else 16
+        self.hf_model = hf
+        self.tokenizer = tok
+        if config.tensor_parallel > 1:
+            # the workers load a checkpoint themselves; a model passed in travels to them
+            # (CPU tensors through shared memory, CUDA tensors through CUDA IPC)
+            source = hf if model is not None else ("load", model_name_or_path, config.trust_remote_code)
+            self.model = self._start_tensor_parallel(hf, source, backend, config.attention_backend,
+                                                     config.kernel_options)
+        else:
+            self.model = LlamaFamilyModel(hf, attention=backend, batch_invariant=config.batch_invariant)
+        self.model_fingerprint = fingerprint(self.model)
+        self.packets = self._setup_packets(config.packets)
+        # cache keys and the disk tier separate packet versions: a packet changes every chunk's KV
+        self.fingerprint = self.model_fingerprint + (f":packets:{self.packets.digest}" if self.packets else "")
+        kv_cache_bytes = self._make_store(page_size, config.kv_cache_bytes)
+        self.prompts = PromptBuilder(tok, self.packets.ids(self.model.embed_rows) if self.packets else None)
+        if config.quality == "block-ft":  # the Block-Attention training layout
+            from .engine.prompt_blockft import BlockFTPromptBuilder
+
+            self.prompts = BlockFTPromptBuilder(tok)
+        self.eos_token_ids = _eos_ids(hf, tok)
+        self.config = config.replace(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+                                     attention_backend=backend.name, page_size=page_size,
+                                     kv_cache_bytes=kv_cache_bytes)
+        self.engine = Engine(self.model, tok, self.store, self.config, fingerprint=self.fingerprint,
+                             eos_ids=self.eos_token_ids, rerotate_copy=backend.rerotate_copy,
+                             disk=self._open_disk(), **self._runner_kw())
+
+    def _load_model(self, config: EngineConfig, model_name_or_path, model, tokenizer):
+        """The transformers model and tokenizer, given or loaded; sets ``device``, ``dtype``
+        and ``model_name``."""
         if model is not None:
             if tokenizer is None:
                 raise InvalidRequestError("model= needs tokenizer= too")
@@ -258,43 +266,20 @@ class LazyLLM:
                 raise InvalidRequestError("give either model_name_or_path or model=, not both")
             p = next(model.parameters())
             self.device, self.dtype = p.device, p.dtype
-            hf, tok = model, tokenizer
             self.model_name = getattr(model.config, "_name_or_path", None) or type(model).__name__
-        else:
-            self.device = _resolve_device(device)
-            self.dtype = _resolve_dtype(dtype, self.device)
-            # with tensor_parallel, on the CPU: each rank moves only its shard to its GPU
-            hf, tok, self.model_name = load_hf(
-                model_name_or_path, device="cpu" if tensor_parallel > 1 else str(self.device), dtype=self.dtype,
-                trust_remote_code=trust_remote_code, progress=progress)
-        if overlap_decode is not None and not isinstance(overlap_decode, bool):
-            raise InvalidRequestError(f"overlap_decode must be a bool or None, got {overlap_decode!r}")
-        if not isinstance(batch_invariant, bool):
-            raise InvalidRequestError(f"batch_invariant must be a bool, got {batch_invariant!r}")
-        self.batch_invariant = batch_invariant
-        try:
-            backend = make_backend(attention_backend, self.device, batch_invariant=batch_invariant,
-                                   options=kernel_options, calibration=calibration)
-        except ImportError as e:
-            raise InvalidRequestError(f"attention_backend='triton' needs triton: {e}") from None
-        self.attention_backend = backend.name
-        if page_size is None:
-            page_size = 64 if self.device.type == "cuda" and backend.name == "triton" else 16
-        self.page_size = page_size
-        self.hf_model = hf
-        self.tokenizer = tok
-        if tensor_parallel > 1:
-            # the workers load a checkpoint themselves; a model passed in travels to them
-            # (CPU tensors through shared memory, CUDA tensors through CUDA IPC)
-            source = hf if model is not None else ("load", model_name_or_path, trust_remote_code)
-            self.model = self._start_tensor_parallel(hf, source, backend, attention_backend, kernel_options)
-        else:
-            self.model = LlamaFamilyModel(hf, attention=backend, batch_invariant=batch_invariant)
+            return model, tokenizer
+        self.device = _resolve_device(config.device)
+        self.dtype = _resolve_dtype(config.dtype, self.device)
+        # with tensor_parallel, on the CPU: each rank moves only its shard to its GPU
+        hf, tok, self.model_name = load_hf(
+            model_name_or_path, device="cpu" if config.tensor_parallel > 1 else str(self.device), dtype=self.dtype,
+            trust_remote_code=config.trust_remote_code, progress=config.progress)
+        return hf, tok
+
+    def _make_store(self, page_size: int, kv_cache_bytes: int | None) -> int:
+        """The page pool (``kv_cache_bytes``, ``None``: 40% of free GPU memory, 1 GiB on CPU)
+        and its chunk store; returns the byte budget used."""
         spec = self.model.spec
-        self.model_fingerprint = fingerprint(self.model)
-        self.packets = self._setup_packets(packets, quality)
-        # cache keys and the disk tier separate packet versions: a packet changes every chunk's KV
-        self.fingerprint = self.model_fingerprint + (f":packets:{self.packets.digest}" if self.packets else "")
         page_bytes = PagePool.page_bytes(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, self.dtype)
         if kv_cache_bytes is None:
             if self.device.type == "cuda":
@@ -312,48 +297,21 @@ class LazyLLM:
                 self._tp.close()
             raise
         self.store = ChunkStore(pool)
-        self.prompts = PromptBuilder(tok, self.packets.ids(self.model.embed_rows) if self.packets else None)
-        if quality == "block-ft":  # the Block-Attention training layout
-            from .engine.prompt_blockft import BlockFTPromptBuilder
+        return kv_cache_bytes
 
-            self.prompts = BlockFTPromptBuilder(tok)
-        eos = set()
-        for src in (getattr(getattr(hf, "generation_config", None), "eos_token_id", None), tok.eos_token_id):
-            if isinstance(src, int):
-                eos.add(src)
-            elif isinstance(src, (list, tuple)):
-                eos.update(int(x) for x in src)
-        self.eos_token_ids = eos
-        self.engine = Engine(self.model, tok, self.store, reuse=reuse, chunk_context=chunk_context,
-                             fingerprint=self.fingerprint, eos_ids=eos, max_batch_tokens=max_batch_tokens,
-                             rerotate_copy=backend.rerotate_copy, recompute_first_tokens=recompute_first_tokens,
-                             recompute_ratio=float(recompute_ratio), recompute_selection=recompute_selection,
-                             disk=self._open_disk(kv_disk_dir, kv_disk_bytes), async_decode=overlap_decode,
-                             **self._runner_kw())
-        self.recompute_first_tokens = recompute_first_tokens
-        self.recompute_ratio = float(recompute_ratio)
-        self.recompute_selection = recompute_selection
-        self.context_temperature, self.context_lse_scale = calibration
-        # an engine thread still inside torch at interpreter shutdown can abort the
-        # process: stop it first (weakly referenced, so the LazyLLM can still be freed)
-        _LIVE_ENGINES.add(self.engine)
-
-    def _setup_packets(self, packets, quality):
+    def _setup_packets(self, packets):
         """The ``Packets`` this engine places around chunks (``None``: none), checked against
-        the model and the options, and installed in the model's embedding lookup."""
+        the model (``EngineConfig`` checked them against the other options), and installed in
+        the model's embedding lookup."""
         from .model.packets import as_packets, check_packets_for, shipped_packets
 
         if isinstance(packets, str) and packets == "auto":
-            auto = self.reuse in CHUNK_CACHING_MODES and quality != "block-ft" and self._tp is None
+            c = self.config
+            auto = c.reuse in CHUNK_CACHING_MODES and c.quality != "block-ft" and c.tensor_parallel == 1
             p = shipped_packets(self.model, self.chunk_context) if auto else None
         else:
             p = as_packets(packets)
             if p is not None:
-                if self.reuse not in CHUNK_CACHING_MODES:
-                    raise InvalidRequestError(f"packets need reuse='lazy' or 'block' (the modes that cache "
-                                              f"chunks), not {self.reuse!r}")
-                if quality == "block-ft" or self._tp is not None:
-                    raise InvalidRequestError("packets are not supported with quality='block-ft' or tensor_parallel")
                 check_packets_for(p, self.model)
         self.model.set_packets(p.rows if p is not None else None)
         return p
@@ -393,17 +351,14 @@ class LazyLLM:
 
         return {"runner_cls": TensorParallelRunner}
 
-    def _open_disk(self, directory, max_bytes):
-        if directory is None:
+    def _open_disk(self):
+        c = self.config
+        if c.kv_disk_dir is None:
             return None
         from .cache.disk import DiskKVStore
 
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
-            raise InvalidRequestError(f"kv_disk_bytes must be a positive int, got {max_bytes!r}")
-        if self.reuse not in CHUNK_CACHING_MODES:
-            raise InvalidRequestError("kv_disk_dir needs reuse='lazy' or 'block' (the modes that cache chunks)")
-        return DiskKVStore(directory, max_bytes, fingerprint=self.fingerprint,
-                           settings={"chunk_context": self.chunk_context, "dtype": str(self.dtype)})
+        return DiskKVStore(c.kv_disk_dir, c.kv_disk_bytes, fingerprint=self.fingerprint,
+                           settings={"chunk_context": c.chunk_context, "dtype": str(self.dtype)})
 
     # -- requests ------------------------------------------------------------------
     def _request(self, question, chunks, system, *, max_new_tokens=64, temperature=0.0, top_p=1.0, top_k=0,

@@ -15,7 +15,8 @@ builds ``LazyLLM`` engines and so sits above the API) compares them.
   ``hxia7/Llama-3.2-1B-Block-FT``...): isolated chunks in the prompt layout they were
   trained with (``lazyllm.engine.prompt_blockft``).
 
-Explicit options passed to ``LazyLLM`` override the preset's values.
+Explicit options passed to ``LazyLLM`` override the preset's values
+(``lazyllm.config.EngineConfig.resolve``).
 """
 from __future__ import annotations
 
@@ -45,18 +46,4 @@ PRESETS: dict[str, dict[str, object]] = {
 # presets that also change the prompt layout
 PROMPT_LAYOUT_PRESETS = ("block-ft",)
 
-
-def resolve(quality: str | None, explicit: dict[str, object]) -> dict[str, object]:
-    """The quality options for ``quality`` (a preset name or ``None``), with every option in
-    ``explicit`` that is not ``None`` taking precedence. Raises ``ValueError`` for an unknown
-    preset name."""
-    if quality is not None and quality not in PRESETS:
-        raise ValueError(f"quality must be one of {tuple(PRESETS)} or None, got {quality!r}")
-    out = dict(QUALITY_OPTIONS)
-    if quality is not None:
-        out.update(PRESETS[quality])
-    out.update({k: v for k, v in explicit.items() if v is not None})
-    return out
-
-
-__all__ = ["PRESETS", "PROMPT_LAYOUT_PRESETS", "QUALITY_OPTIONS", "resolve"]
+__all__ = ["PRESETS", "PROMPT_LAYOUT_PRESETS", "QUALITY_OPTIONS"]

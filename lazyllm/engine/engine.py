@@ -32,10 +32,11 @@ import torch
 from ..cache.disk import DiskKVStore
 from ..cache.disk_tier import DiskTier
 from ..cache.store import ChunkStore
+from ..config import CHUNK_CONTEXTS, REUSE_MODES, EngineConfig
 from ..errors import ContextLengthError, LazyLLMError, RequestCancelled
 from ..types import SamplingParams
 from .detokenizer import Detokenizer
-from .kv_planner import CHUNK_CONTEXTS, REUSE_MODES, KVPlanner
+from .kv_planner import KVPlanner
 from .model_runner import DecodeStep, ModelRunner
 from .output import OutputProcessor
 from .recovery import Recovery
@@ -75,28 +76,23 @@ class Engine:
     model : a ``LlamaFamilyModel``.
     tokenizer : its tokenizer (for the final text of non-streaming requests).
     store : the chunk store; its pool holds every page.
-    reuse, chunk_context : see ``LazyLLM``.
+    config : the validated options (``lazyllm.config.EngineConfig``): reuse, chunk context,
+        prefill tokens per forward, quality recovery, overlapped decode.
     fingerprint : the model fingerprint, part of every cache key.
     eos_ids : token ids that end a request.
-    max_batch_tokens : prefill tokens per forward; a step admits requests up to it.
     max_batch_size : requests decoding together.
     cuda_graphs : replay decode steps and short prefills from CUDA graphs (CUDA only, and only
         where the model's attention can be captured).
     rerotate_copy : the attention backend's re-rotating page copy (block copies, recovery).
-    recompute_first_tokens, recompute_ratio, recompute_selection, probe_layer : quality
-        recovery (``Recovery``).
+    probe_layer : the layer whose keys recovery's key deviation compares (``Recovery``).
     disk : optional ``DiskKVStore``, a persistent tier for chunk KV.
-    async_decode : overlapped decode; ``None``: on where decode runs from CUDA graphs.
     runner_cls : the model runner's class (``ModelRunner``; tensor parallelism plugs in
         ``tp_runner.TensorParallelRunner``, which broadcasts what it runs).
     """
 
-    def __init__(self, model, tokenizer, store: ChunkStore, *, reuse: str, chunk_context: str,
-                 fingerprint: str, eos_ids: set[int], max_batch_tokens: int = 8192,
-                 max_batch_size: int = 256, cuda_graphs: bool = True, rerotate_copy=None,
-                 recompute_first_tokens: int = 0, recompute_ratio: float = 0.0, probe_layer: int = 1,
-                 recompute_selection: str = "deviation", disk: DiskKVStore | None = None,
-                 async_decode: bool | None = None, runner_cls: type[ModelRunner] = ModelRunner):
+    def __init__(self, model, tokenizer, store: ChunkStore, config: EngineConfig, *, fingerprint: str,
+                 eos_ids: set[int], max_batch_size: int = 256, cuda_graphs: bool = True, rerotate_copy=None,
+                 probe_layer: int = 1, disk: DiskKVStore | None = None, runner_cls: type[ModelRunner] = ModelRunner):
         self.model = model
         self.store = store
         self.pool = store.pool
@@ -110,16 +106,19 @@ class Engine:
                         "shared_plans": 0}  # decode batches found sharing pages (a plan made when the rows changed)
         self.disk = disk  # optional DiskKVStore: chunk KV that survives restarts
         self.disk_tier = DiskTier(disk, self.pool) if disk is not None else None
-        self.planner = KVPlanner(store, reuse, chunk_context, fingerprint, self.disk_tier, self.metrics)
+        self.config = config
+        max_batch_tokens = config.max_batch_tokens
+        self.planner = KVPlanner(store, config.reuse, config.chunk_context, fingerprint, self.disk_tier, self.metrics)
         self.runner = runner_cls(model, self.pool, rerotate_copy=rerotate_copy, max_batch_tokens=max_batch_tokens,
                                   max_batch_size=max_batch_size, cuda_graphs=cuda_graphs, metrics=self.metrics)
         self.decode_state = self.runner.decode_state
         self.graphs = self.runner.graphs
         self.scheduler = Scheduler(self.planner, self.decode_state, max_batch_tokens=max_batch_tokens,
                                    max_batch_size=max_batch_size, metrics=self.metrics)
-        self.recovery = Recovery(self.runner, self.planner, first_tokens=recompute_first_tokens,
-                                 ratio=recompute_ratio, selection=recompute_selection, probe_layer=probe_layer,
-                                 metrics=self.metrics, exact_at_home=reuse == "lazy" and chunk_context == "prefix")
+        self.recovery = Recovery(
+            self.runner, self.planner, first_tokens=config.recompute_first_tokens, ratio=config.recompute_ratio,
+            selection=config.recompute_selection, probe_layer=probe_layer, metrics=self.metrics,
+            exact_at_home=config.reuse == "lazy" and config.chunk_context == "prefix")
         self.output = OutputProcessor(tokenizer, eos_ids, model.spec.max_context, self.metrics)
         self.inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -132,7 +131,7 @@ class Engine:
         # Overlapped decode (see _decode): on by default where decode runs from CUDA graphs
         # (there the host's per-step work is what it hides); elsewhere a step is synchronous
         # anyway. Token for token the same as one step at a time (tests/engine/test_async_decode.py).
-        self.async_decode = self.graphs.enabled if async_decode is None else bool(async_decode)
+        self.async_decode = self.graphs.enabled if config.overlap_decode is None else config.overlap_decode
         self._inflight: DecodeStep | None = None
         self._last_read: tuple[float, int] | None = None
 

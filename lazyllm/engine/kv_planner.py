@@ -24,10 +24,8 @@ from dataclasses import dataclass
 
 from ..cache.disk_tier import DiskTier
 from ..cache.store import ChunkStore, Entry, chunk_key
+from ..config import CHUNK_CACHING_MODES, REUSE_MODES
 from .request import ChunkSpan, Job, PrefillPlan, Request, TableEntry, entry_table, pages_for
-
-REUSE_MODES = ("lazy", "block", "prefix", "none")
-CHUNK_CONTEXTS = ("isolated", "prefix")
 
 
 @dataclass
@@ -37,14 +35,11 @@ class PendingEntry:
 
 
 class KVPlanner:
-    """Reserves pages for requests under one reuse policy (engine thread only)."""
+    """Reserves pages for requests under one reuse policy (engine thread only). ``reuse`` and
+    ``chunk_context`` come validated (``lazyllm.config.EngineConfig``)."""
 
     def __init__(self, store: ChunkStore, reuse: str, chunk_context: str, fingerprint: str,
                  disk: DiskTier | None = None, metrics: dict | None = None):
-        if reuse not in REUSE_MODES:
-            raise ValueError(f"reuse must be one of {REUSE_MODES}, got {reuse!r}")
-        if chunk_context not in CHUNK_CONTEXTS:
-            raise ValueError(f"chunk_context must be one of {CHUNK_CONTEXTS}, got {chunk_context!r}")
         self.store, self.pool = store, store.pool
         self.page_size = self.pool.page_size
         self.policy: ReusePolicy = _POLICIES[reuse]()
@@ -342,6 +337,6 @@ class PrefixPolicy(NonePolicy):
 
 
 _POLICIES = {p.name: p for p in (LazyPolicy, BlockPolicy, PrefixPolicy, NonePolicy)}
+# the configuration's names are the policies' (and the modes it lets keep a disk tier cache chunks)
 assert tuple(_POLICIES) == REUSE_MODES
-# the modes whose policy caches chunks (and the prefix) as entries
-CHUNK_CACHING_MODES = tuple(name for name, p in _POLICIES.items() if p.caches_chunks)
+assert tuple(name for name, p in _POLICIES.items() if p.caches_chunks) == CHUNK_CACHING_MODES

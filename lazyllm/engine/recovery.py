@@ -18,11 +18,18 @@ import torch
 
 from lazyllm.kernels.reference import rotate_by_delta
 
+from ..config import register_selection, selection_names
+from ..config import selection as scorer_of
 from .kv_planner import KVPlanner
 from .model_runner import ModelRunner
 from .request import ChunkSpan, Job, Request, TableEntry, slot_of
 
-SELECTIONS = ("deviation", "attention", "two-stage")
+
+def __getattr__(name: str):
+    # ``SELECTIONS``: the registered selection names, read when asked (a benchmark may add some)
+    if name == "SELECTIONS":
+        return selection_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Recovery:
@@ -35,8 +42,6 @@ class Recovery:
         already holds full attention's KV, so nothing of it is recomputed: true for
         ``reuse="lazy"`` with ``chunk_context="prefix"``, where chunks are encoded right after
         the shared prefix and the first chunk of a request sits there."""
-        if selection not in SELECTIONS:
-            raise ValueError(f"recompute_selection must be one of {SELECTIONS}, got {selection!r}")
         self.runner, self.planner = runner, planner
         self.model, self.pool = runner.model, runner.pool
         self.first_tokens, self.ratio, self.selection = first_tokens, ratio, selection
@@ -65,12 +70,7 @@ class Recovery:
             total = sum(len(s.ids) for s in spans)
             n_pick = min(away, int(math.ceil(ratio * total)))
             at_home = torch.cat([torch.full((len(s.ids),), h) for s, h in zip(spans, home)]) if any(home) else None
-            if self.selection == "attention":
-                dev = self.question_attention(r)
-            elif self.selection == "two-stage":
-                dev = self.two_stage(r, n_pick, exclude=at_home)
-            else:
-                dev = self.key_deviation(r)
+            dev = scorer_of(self.selection)(self, r, n_pick, at_home)
             if at_home is not None:
                 dev = dev.masked_fill(at_home.to(dev.device), float("-inf"))
             flat = [(ci, i) for ci, s in enumerate(spans) for i in range(len(s.ids))]
@@ -191,3 +191,22 @@ class Recovery:
             rows.append(torch.arange(s.start, s.start + n))
         dev = self.pool.k.device
         return tuple(torch.cat(t).to(device=dev, dtype=torch.long) for t in (pages, slots, deltas, rows))
+
+
+# The engine's selections (``recompute_selection``); ``lazyllm.config.register_selection`` adds more.
+@register_selection("deviation")
+def _by_key_deviation(rec: Recovery, r: Request, n_pick: int, exclude: torch.Tensor | None) -> torch.Tensor:
+    """CacheBlend: the chunk tokens whose layer-``probe_layer`` keys deviate most."""
+    return rec.key_deviation(r)
+
+
+@register_selection("attention")
+def _by_question_attention(rec: Recovery, r: Request, n_pick: int, exclude: torch.Tensor | None) -> torch.Tensor:
+    """The chunk tokens the question attends to most over the cached KV."""
+    return rec.question_attention(r)
+
+
+@register_selection("two-stage")
+def _two_stage(rec: Recovery, r: Request, n_pick: int, exclude: torch.Tensor | None) -> torch.Tensor:
+    """ProphetKV: attention shortlists, attention times key deviation ranks."""
+    return rec.two_stage(r, n_pick, exclude=exclude)

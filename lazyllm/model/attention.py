@@ -22,8 +22,6 @@ import torch
 
 from lazyllm.kernels import reference
 
-BACKENDS = ("auto", "torch", "triton")
-
 
 class AttentionBackend:
     """Deferred-RoPE paged attention for the model's layers."""
@@ -151,17 +149,11 @@ class TritonAttention(AttentionBackend):
 def make_backend(name: str, device: torch.device, *, batch_invariant: bool = False,
                  options=None, calibration: tuple[float, float] = (1.0, 1.0)) -> AttentionBackend:
     """The backend ``name`` (``"auto"``, ``"torch"`` or ``"triton"``) for ``device``, with
-    context ``calibration`` ``(temperature, LSE scale)``. Raises ``ValueError`` for an unknown
-    name or a calibration that is not two positive finite numbers, ``ImportError`` where
-    Triton is missing."""
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
-    t, s = (float(x) for x in calibration)
-    if not (0.0 < t < float("inf") and 0.0 < s < float("inf")):
-        raise ValueError(f"context temperature and LSE scale must be positive and finite, got {calibration!r}")
+    context ``calibration`` ``(temperature, LSE scale)``, as ``lazyllm.config.EngineConfig``
+    validated them. Raises ``ImportError`` where Triton is missing."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     backend = TorchAttention() if name == "torch" else TritonAttention(device, batch_invariant=batch_invariant,
                                                                       options=options)
-    backend.calibration = (t, s)
+    backend.calibration = tuple(float(x) for x in calibration)
     return backend

@@ -1,0 +1,280 @@
+"""``EngineConfig``: every engine option of ``LazyLLM``, validated once.
+
+``LazyLLM(...)`` builds one from its keyword arguments (``EngineConfig.resolve``: a quality
+preset first, then the options passed explicitly) and hands it to the engine, the KV planner,
+recovery and the attention backend, which trust it. ``llm.config`` is the running
+configuration, with the values chosen at load time (device, dtype, page size, pool bytes,
+backend) filled in.
+
+Each field's ``metadata`` carries ``help`` and, where the values are a fixed set,
+``choices``: a command line or a server builds its flags from ``dataclasses.fields``.
+
+Quality recovery's token selections are a registry (``register_selection``): the engine
+registers its own, a benchmark may register more, and ``recompute_selection`` is checked
+against the names registered.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import InvalidRequestError
+from .kernels.options import KernelOptions
+from .presets import PRESETS, QUALITY_OPTIONS
+
+REUSE_MODES = ("lazy", "block", "prefix", "none")
+CHUNK_CACHING_MODES = ("lazy", "block")  # the modes that cache chunk KV
+CHUNK_CONTEXTS = ("isolated", "prefix")
+BACKENDS = ("auto", "torch", "triton")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+BUILTIN_SELECTIONS = ("deviation", "attention", "two-stage")
+
+# -- recovery selections ----------------------------------------------------------------
+# name -> scorer(recovery, request, n_pick, exclude) -> (chunk tokens,) scores, higher first
+_SELECTIONS: dict[str, Callable] = {}
+
+
+def register_selection(name: str) -> Callable[[Callable], Callable]:
+    """Decorator: register ``fn(recovery, request, n_pick, exclude)`` as the token selection
+    ``name`` of quality recovery (``recompute_selection=name``). ``fn`` returns a score per
+    chunk token of the request, in chunk order, ``(chunk tokens,)`` float; the ``n_pick``
+    highest finite scores are recomputed. ``exclude`` (bool, chunk order, or ``None``) marks
+    tokens that will not be picked whatever their score. Registering another function under
+    a taken name raises ``ValueError``; the same function again is a no-op."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a selection name must be a non-empty str, got {name!r}")
+
+    def add(fn: Callable) -> Callable:
+        old = _SELECTIONS.get(name)
+        if old is not None and old is not fn:
+            raise ValueError(f"recovery selection {name!r} is already registered")
+        _SELECTIONS[name] = fn
+        return fn
+
+    return add
+
+
+def selection_names() -> tuple[str, ...]:
+    """The registered recovery selections, in registration order."""
+    return tuple(_SELECTIONS)
+
+
+def selection(name: str) -> Callable:
+    """The scorer registered as ``name`` (``KeyError`` if none)."""
+    return _SELECTIONS[name]
+
+
+# -- the configuration ------------------------------------------------------------------
+def _opt(default: Any, help: str, choices: tuple | None = None, **kw) -> Any:
+    meta = {"help": help} if choices is None else {"help": help, "choices": choices}
+    return field(default=default, metadata=meta, **kw)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine options of ``LazyLLM`` (see its docstring for each in full). Validated when
+    made: every bad option is named in one ``InvalidRequestError``. ``None`` for ``dtype``,
+    ``kv_cache_bytes``, ``page_size`` and ``overlap_decode`` means "chosen at load time" (the
+    running ``llm.config`` holds the value chosen). Make one with a preset through
+    ``resolve``; made directly, every value is taken as given."""
+
+    device: str = _opt("auto", "'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1'...")
+    dtype: Any = _opt(None, "None/'auto': float32 on CPU, bfloat16 on CUDA; or a dtype name",
+                      choices=(None, "auto", *DTYPES))
+    reuse: str = _opt(QUALITY_OPTIONS["reuse"], "how chunk KV is reused", REUSE_MODES)
+    chunk_context: str = _opt(QUALITY_OPTIONS["chunk_context"],
+                              "what a cached chunk attends to: itself, or the system prefix and itself",
+                              CHUNK_CONTEXTS)
+    kv_cache_bytes: int | None = _opt(None, "bytes of the KV page pool (default: 1 GiB on CPU, 40% of free "
+                                            "GPU memory)")
+    page_size: int | None = _opt(None, "tokens per KV page, a power of two (default: 64 with Triton on CUDA, "
+                                       "else 16)")
+    attention_backend: str = _opt("auto", "attention kernels: 'auto' (Triton on CUDA, torch on CPU)", BACKENDS)
+    max_batch_tokens: int = _opt(8192, "prefill tokens per forward")
+    recompute_first_tokens: int = _opt(QUALITY_OPTIONS["recompute_first_tokens"],
+                                       "recompute this many first tokens of every chunk with full context")
+    recompute_ratio: float = _opt(QUALITY_OPTIONS["recompute_ratio"],
+                                  "also recompute this fraction of chunk tokens with full context, in [0, 1]")
+    recompute_selection: str = _opt(QUALITY_OPTIONS["recompute_selection"],
+                                    "how recompute_ratio picks its tokens", BUILTIN_SELECTIONS)
+    context_temperature: float = _opt(QUALITY_OPTIONS["context_temperature"],
+                                      "divide the documents' attention logits by this (1: off)")
+    context_lse_scale: float = _opt(QUALITY_OPTIONS["context_lse_scale"],
+                                    "scale the documents' attention log-sum-exp by this (1: off)")
+    quality: str | None = _opt(None, "a named fidelity preset; explicit options override it",
+                               (None, *PRESETS))
+    kv_disk_dir: str | os.PathLike | None = _opt(None, "folder of a persistent chunk KV tier")
+    kv_disk_bytes: int = _opt(16 << 30, "size cap of the persistent tier, bytes")
+    trust_remote_code: bool = _opt(False, "let transformers run the checkpoint's own code")
+    progress: bool = _opt(True, "show loading progress")
+    batch_invariant: bool = _opt(False, "compute every token as it would be computed alone (slower)")
+    overlap_decode: bool | None = _opt(None, "launch decode step n+1 before reading step n (None: where decode "
+                                             "runs from CUDA graphs)")
+    kernel_options: KernelOptions | None = _opt(None, "lazyllm.kernels.KernelOptions for the Triton launches")
+    tensor_parallel: int = _opt(1, "shard the model over this many processes, one per GPU")
+    packets: Any = _opt("auto", "learned chunk packets: a packet file, a lazyllm Packets, 'auto' (the one "
+                                "shipped for the model, if any) or None")
+
+    def __post_init__(self):
+        bad = _problems(self)
+        if bad:
+            raise InvalidRequestError("; ".join(bad))
+        # numbers in one type, whatever the caller passed (``1`` and ``1.0`` the same config)
+        for name in ("recompute_ratio", "context_temperature", "context_lse_scale"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+
+    @classmethod
+    def resolve(cls, quality: str | None = None, **explicit) -> EngineConfig:
+        """The configuration of preset ``quality`` (``None``: each option's default) with the
+        options in ``explicit`` taking precedence; for the options a preset sets
+        (``QUALITY_OPTIONS``), ``None`` means "not given". Raises ``InvalidRequestError`` for
+        an unknown option or preset and for bad values."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(explicit) - names)
+        if unknown:
+            raise InvalidRequestError(f"unknown engine option(s): {', '.join(unknown)}")
+        if quality is not None and quality not in PRESETS:
+            raise InvalidRequestError(f"quality must be one of {tuple(PRESETS)} or None, got {quality!r}")
+        values = dict(PRESETS[quality]) if quality is not None else {}
+        values.update({k: v for k, v in explicit.items() if v is not None or k not in QUALITY_OPTIONS})
+        return cls(quality=quality, **values)
+
+    @property
+    def calibration(self) -> tuple[float, float]:
+        """``(context_temperature, context_lse_scale)``; ``(1, 1)`` is off."""
+        return self.context_temperature, self.context_lse_scale
+
+    @property
+    def recovery_enabled(self) -> bool:
+        return self.recompute_first_tokens > 0 or self.recompute_ratio > 0
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The options as keyword arguments of ``LazyLLM`` (``LazyLLM(path, **c.as_kwargs())``
+        runs this configuration); shallow, unlike ``dataclasses.asdict``."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def replace(self, **changes) -> EngineConfig:
+        """A copy with ``changes`` (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _choice(name: str, v, choices) -> list[str]:
+    return [] if v in choices else [f"{name} must be one of {tuple(choices)}, got {v!r}"]
+
+
+def _problems(c: EngineConfig) -> list[str]:
+    """Every bad option of ``c``, each as a sentence naming it."""
+    bad = _value_problems(c)
+    if bad:  # the combinations are only meaningful between valid values
+        return bad
+    tp = c.tensor_parallel
+    if tp > 1 and c.recompute_ratio > 0:
+        bad.append("recompute_ratio is not supported with tensor_parallel yet")
+    if tp > 1 and c.kv_disk_dir is not None:
+        bad.append("kv_disk_dir is not supported with tensor_parallel yet")
+    if tp > 1 and c.calibration != (1.0, 1.0):
+        bad.append("context calibration is not supported with tensor_parallel yet")
+    if c.kv_disk_dir is not None and c.reuse not in CHUNK_CACHING_MODES:
+        bad.append("kv_disk_dir needs reuse='lazy' or 'block' (the modes that cache chunks)")
+    if c.packets is not None and not (isinstance(c.packets, str) and c.packets == "auto"):
+        if c.reuse not in CHUNK_CACHING_MODES:  # full attention has no chunks to carry a packet
+            bad.append(f"packets need reuse='lazy' or 'block' (the modes that cache chunks), not {c.reuse!r}")
+        if c.quality == "block-ft" or tp > 1:
+            bad.append("packets are not supported with quality='block-ft' or tensor_parallel")
+    return bad
+
+
+def _value_problems(c: EngineConfig) -> list[str]:
+    bad = _choice("reuse", c.reuse, REUSE_MODES) + _choice("chunk_context", c.chunk_context, CHUNK_CONTEXTS)
+    bad += _choice("attention_backend", c.attention_backend, BACKENDS)
+    bad += _choice("recompute_selection", c.recompute_selection, selection_names())
+    bad += _choice("quality", c.quality, (None, *PRESETS))
+    bad += _device_problems(c.device) + _dtype_problems(c.dtype)
+    for name in ("context_temperature", "context_lse_scale"):
+        v = getattr(c, name)
+        if not _is_number(v) or not 0.0 < v < math.inf:
+            bad.append(f"{name} must be a positive finite number, got {v!r}")
+    p = c.page_size
+    if p is not None and (not _is_int(p) or p < 1 or p & (p - 1)):
+        bad.append(f"page_size must be a power of two, got {p!r}")
+    if not _is_int(c.recompute_first_tokens) or c.recompute_first_tokens < 0:
+        bad.append(f"recompute_first_tokens must be an int >= 0, got {c.recompute_first_tokens!r}")
+    if not _is_number(c.recompute_ratio) or not 0.0 <= c.recompute_ratio <= 1.0:
+        bad.append(f"recompute_ratio must be in [0, 1], got {c.recompute_ratio!r}")
+    for name, v in (("kv_cache_bytes", c.kv_cache_bytes), ("kv_disk_bytes", c.kv_disk_bytes),
+                    ("max_batch_tokens", c.max_batch_tokens)):
+        if (v is not None or name != "kv_cache_bytes") and (not _is_int(v) or v <= 0):
+            bad.append(f"{name} must be a positive int, got {v!r}")
+    if not _is_int(c.tensor_parallel) or c.tensor_parallel < 1:
+        bad.append(f"tensor_parallel must be an int >= 1, got {c.tensor_parallel!r}")
+    for name in ("trust_remote_code", "progress", "batch_invariant"):
+        if not isinstance(getattr(c, name), bool):
+            bad.append(f"{name} must be a bool, got {getattr(c, name)!r}")
+    if c.overlap_decode is not None and not isinstance(c.overlap_decode, bool):
+        bad.append(f"overlap_decode must be a bool or None, got {c.overlap_decode!r}")
+    if c.kernel_options is not None and not isinstance(c.kernel_options, KernelOptions):
+        bad.append(f"kernel_options must be a lazyllm.kernels.KernelOptions, got {type(c.kernel_options).__name__}")
+    if c.kv_disk_dir is not None and not isinstance(c.kv_disk_dir, (str, os.PathLike)):
+        bad.append(f"kv_disk_dir must be a path, got {type(c.kv_disk_dir).__name__}")
+    return bad
+
+
+def _device_problems(device) -> list[str]:
+    if device is None or device == "auto" or isinstance(device, torch.device):
+        return []
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        return [f"invalid device {device!r}: {e}"]
+    return []
+
+
+def _dtype_problems(dtype) -> list[str]:
+    if dtype is None or dtype == "auto" or (isinstance(dtype, str) and dtype in DTYPES):
+        return []
+    if isinstance(dtype, torch.dtype):
+        ok = dtype in (torch.float32, torch.float16, torch.bfloat16)
+        return [] if ok else [f"unsupported dtype {dtype}"]
+    return [f"unsupported dtype {dtype!r}; use float32, float16 or bfloat16"]
+
+
+def resolve_device(device) -> torch.device:
+    """The torch device of a ``device`` option (``"auto"``: CUDA when present)."""
+    bad = _device_problems(device)
+    if bad:
+        raise InvalidRequestError(bad[0])
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    d = torch.device(device)
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError("device='cuda' was asked for but CUDA is not available")
+    return d
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    """The torch dtype of a ``dtype`` option on ``device``."""
+    bad = _dtype_problems(dtype)
+    if bad:
+        raise InvalidRequestError(bad[0])
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return dtype if isinstance(dtype, torch.dtype) else DTYPES[dtype]
+
+
+__all__ = ["EngineConfig", "register_selection", "selection_names", "selection", "REUSE_MODES",
+           "CHUNK_CONTEXTS", "CHUNK_CACHING_MODES", "BACKENDS"]
