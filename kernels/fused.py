@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lazyllm.intmath import next_pow2
+
 __all__ = ["rms_norm", "add_rms_norm", "silu_mul", "rope_qkv_write", "gemv_parts", "linear_or_parts"]
 
 
@@ -43,10 +45,6 @@ _INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 def _interpreting() -> bool:
     return _INTERPRETED
-
-
-def _p2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 @triton.jit
@@ -115,7 +113,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool =
     if n:
         extra = dict(GEMMA=True) if gemma else {}
         _rms_norm_kernel[(n,)](x, x, x, out, weight, x.stride(0), 0, 0, out.stride(0), hidden, float(eps), 0,
-                               ADD=False, BLOCK=_p2(hidden), num_warps=8 if hidden >= 2048 else 4,
+                               ADD=False, BLOCK=next_pow2(hidden), num_warps=8 if hidden >= 2048 else 4,
                                enable_fp_fusion=False, **extra)
     return out
 
@@ -138,7 +136,7 @@ def add_rms_norm(h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
     if n:
         extra = dict(GEMMA=True, WY=y_weight, NORM_Y=y_weight is not None) if gemma else {}
         _rms_norm_kernel[(n,)](h, y, hs, out, weight, h.stride(0), y.stride(-2), hs.stride(0), out.stride(0),
-                               hidden, float(eps), stride_ys, ADD=True, BLOCK=_p2(hidden), SPLITS=splits,
+                               hidden, float(eps), stride_ys, ADD=True, BLOCK=next_pow2(hidden), SPLITS=splits,
                                num_warps=8 if hidden >= 2048 else 4, enable_fp_fusion=False, **extra)
     return hs, out
 
@@ -281,7 +279,7 @@ def rope_qkv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
         cos = cos.contiguous()
         sin = sin.contiguous()
         heads = num_heads + 2 * num_kv_heads
-        hb = min(8, _p2(heads))  # several programs per token: a decode token's heads in parallel
+        hb = min(8, next_pow2(heads))  # several programs per token: a decode token's heads in parallel
         extra = {}
         if (q_norm is None) != (k_norm is None):
             raise ValueError("q_norm and k_norm go together")

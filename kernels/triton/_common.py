@@ -50,10 +50,6 @@ if _interpreting():
     _fix_interpreter_scalars()
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
 # Reductions spelled through tl.reduce with the standard combine functions: the same code
 # as tl.max/min/sum when compiled, and in the interpreter they work even when triton was
 # imported before TRITON_INTERPRET was set (the standard library's own jit wrappers then

@@ -5,7 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _next_pow2
+from lazyllm.intmath import next_pow2
+
 from .rope import _cos_sin
 
 __all__ = ["rerotate_copy_triton", "write_kv_triton"]
@@ -97,7 +98,7 @@ def rerotate_copy_triton(
     cos, sin = _cos_sin(delta.reshape(-1), inv_freq.to(k_cache.device))
     rows = page_size * hkv
     if block_rows is None:
-        block_rows = min(_next_pow2(rows), max(16, 8192 // d))
+        block_rows = min(next_pow2(rows), max(16, 8192 // d))
     if num_warps is None:
         num_warps = 4
     n_rb = triton.cdiv(rows, block_rows)
@@ -108,8 +109,8 @@ def rerotate_copy_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         n,
         ROWS=rows, NUM_HEADS=hkv, HEAD_DIM=d, HALF=half,
-        HALF_P=max(1, _next_pow2(half)) if half else 1,
-        PASS=pass_dim, PASS_P=max(1, _next_pow2(pass_dim)) if pass_dim else 1,
+        HALF_P=max(1, next_pow2(half)) if half else 1,
+        PASS=pass_dim, PASS_P=max(1, next_pow2(pass_dim)) if pass_dim else 1,
         BLOCK_R=block_rows, num_warps=num_warps,
     )
 
@@ -156,6 +157,6 @@ def write_kv_triton(k_cache, v_cache, slot_mapping, k, v) -> None:
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        PAGE_SIZE=page_size, NUM_HEADS=hkv, HEADS_P=_next_pow2(hkv), HEAD_DIM=d,
+        PAGE_SIZE=page_size, NUM_HEADS=hkv, HEADS_P=next_pow2(hkv), HEAD_DIM=d,
         num_warps=4,
     )

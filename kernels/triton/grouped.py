@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lazyllm.intmath import next_pow2
+
 from ._common import _LOG2E, _M_INIT, _cos_sin_of, _interpreting, _max, _sum
 from .launcher import _validate
 
@@ -283,12 +285,12 @@ def grouped_attention_triton(
     if plan.items.shape[0]:
         _shared_fwd[(hkv, plan.items.shape[0])](
             q, q_pos, k_cache, v_cache, inv, plan.items, plan.pages, plan.members, part_o, part_lse, scale,
-            *kv_strides, BLOCK_M=max(16, triton.next_power_of_2(members_per_item * group)), **common)
+            *kv_strides, BLOCK_M=max(16, next_pow2(members_per_item * group)), **common)
     target = out if out.stride(-1) == 1 else torch.empty_like(q)
     _own_merge[(total_q, hkv)](
         q, q_pos, k_cache, v_cache, block_table, block_pos, block_delta, block_len, inv, plan.own, plan.cols,
         plan.parts, part_o, part_lse, target, scale, *kv_strides, block_table.stride(0), target.stride(0),
-        target.stride(1), BLOCK_M=max(16, triton.next_power_of_2(group)), TAIL=16, **common)
+        target.stride(1), BLOCK_M=max(16, next_pow2(group)), TAIL=16, **common)
     if target is not out:
         out.copy_(target)
     return out

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from lazyllm.intmath import next_pow2
+
 from ..options import LOOPS, KernelOptions
-from ._common import _LOG2E, _interpreting, _next_pow2
+from ._common import _LOG2E, _interpreting
 from .configs import DECODE_CFG as _DECODE_CFG
 from .configs import DECODE_CFG_HALVES as _DECODE_CFG_HALVES
 from .configs import DECODE_CFG_RUNS as _DECODE_CFG_RUNS
@@ -175,13 +177,13 @@ def plan_launch(q, k_cache, v_cache, block_table, inv_freq, batch: int, max_seql
         if config is not None:
             _, block_n, num_warps, num_stages = config
         ppt = max(1, block_n // page_size)
-        block_m = max(16, _next_pow2(ppt * group))
+        block_m = max(16, next_pow2(ppt * group))
     elif config is not None:
         block_m, block_n, num_warps, num_stages = config
         if block_m <= 0:  # a decode config (the tile of rows is derived)
-            block_m = max(16, _next_pow2(rows))
+            block_m = max(16, next_pow2(rows))
     elif short:
-        block_m = max(16, _next_pow2(rows))
+        block_m = max(16, next_pow2(rows))
         if runs_decode:
             block_n, num_warps, num_stages = _DECODE_CFG_RUNS[d]
         else:
@@ -471,8 +473,8 @@ def _launch_triton(plan: LaunchPlan, args, max_seqlen_q, use_rope, rope, batch_i
             num_warps=plan.num_warps, num_stages=plan.num_stages, **win, **ape,
         )
     else:
-        half_p = max(16, _next_pow2(half)) if half else 16
-        pass_p = max(16, _next_pow2(pass_dim)) if pass_dim else 16
+        half_p = max(16, next_pow2(half)) if half else 16
+        pass_p = max(16, next_pow2(pass_dim)) if pass_dim else 16
         try:
             _paged_attn_fwd[(plan.q_tiles, hkv * num_splits, batch)](
                 q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, block_pos, block_len, cos, sin, runs,
@@ -510,7 +512,7 @@ def _launch_triton(plan: LaunchPlan, args, max_seqlen_q, use_rope, rope, batch_i
     if n_parts > 1:
         _merge_splits[(total_q * hq,)](
             part_o, part_lse, target, target.stride(0), target.stride(1), n_parts,
-            NUM_Q_HEADS=hq, SPLITS_P=max(2, _next_pow2(n_parts)),
+            NUM_Q_HEADS=hq, SPLITS_P=max(2, next_pow2(n_parts)),
             HEAD_DIM=d, num_warps=4, **({} if not plan.ape else dict(APE=True, ctx_lse_scale=ape_args[2])),
         )
     if target is not out:

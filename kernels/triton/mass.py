@@ -29,7 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _LOG2E, _M_INIT, _interpreting, _max, _min, _next_pow2, _sum
+from lazyllm.intmath import next_pow2
+
+from ._common import _LOG2E, _M_INIT, _interpreting, _max, _min, _sum
 from .launcher import _num_sms
 from .rope import _cos_sin
 
@@ -367,8 +369,8 @@ def paged_attention_mass_triton(
     num_splits = max(1, min(int(num_splits), kv_tiles))
     part_lse = torch.empty((num_splits, total_q, hq), dtype=torch.float32, device=q.device)
     pass_dim = d - 2 * half
-    const = dict(NUM_Q_HEADS=hq, G=group, HALF=half, HALF_P=max(16, _next_pow2(half)), PASS=pass_dim,
-                 PASS_P=max(16, _next_pow2(pass_dim)), PAGE_SIZE=page_size, BLOCK_M=block, BLOCK_N=block,
+    const = dict(NUM_Q_HEADS=hq, G=group, HALF=half, HALF_P=max(16, next_pow2(half)), PASS=pass_dim,
+                 PASS_P=max(16, next_pow2(pass_dim)), PAGE_SIZE=page_size, BLOCK_M=block, BLOCK_N=block,
                  USE_ROPE=use_rope, DOT_LOW=dot_low, DOT_PREC="tf32" if dot_low else "ieee",
                  IDX64=k_cache.numel() >= 2**31, WINDOW=0 if window is None else int(window),
                  num_warps=4, num_stages=1 if _interpreting() else 2)

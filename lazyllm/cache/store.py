@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import CacheCapacityError
+from ..intmath import cdiv
 
 
 def chunk_key(fingerprint: str, context: str, tokens: list[int], prefix_key: bytes | None = None) -> bytes:
@@ -211,7 +212,7 @@ class ChunkStore:
         if key in self.entries:  # replacing it would leak the old entry's pages
             raise ValueError("a cache entry with this key exists")
         ps = self.pool.page_size
-        pages = self.alloc_pages(-(-num_tokens // ps))
+        pages = self.alloc_pages(cdiv(num_tokens, ps))
         if pages is None:
             return None
         e = Entry(key=key, pages=pages, num_tokens=num_tokens, stored_pos=stored_pos, kind=kind, pins=1)

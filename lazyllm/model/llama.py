@@ -33,6 +33,7 @@ from lazyllm.kernels.reference import (
 )
 
 from ..errors import UnsupportedModelError
+from ..intmath import cdiv
 from .attention import AttentionBackend, TorchAttention
 
 log = logging.getLogger("lazyllm")
@@ -57,7 +58,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ``x`` ``(n, in)``, ``weight`` ``(out, in)``; returns ``(n, out)`` in ``x.dtype``.
     """
     n, k = x.shape
-    nb = -(-n // rows)
+    nb = cdiv(n, rows)
     if n != nb * rows:
         xp = x.new_zeros((nb * rows, k))
         xp[:n] = x

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from lazyllm.kernels.reference import rope_cos_sin
 
+from ..intmath import cdiv
 from .llama import AttentionMetadata, LlamaFamilyModel, _rms_norm
 
 # NVLink multicast (NVLS) off in NCCL, PyTorch's symmetric memory and NVSHMEM: set in every
@@ -169,7 +170,7 @@ class TensorParallelModel(LlamaFamilyModel):
         # the LM head by vocabulary rows, padded to equal shards for the gather
         V = self.lm_head.shape[0]
         self.vocab_rows = V
-        per = -(-V // world)
+        per = cdiv(V, world)
         head = take(self.lm_head, slice(rank * per, min((rank + 1) * per, V)))
         if head.shape[0] < per:
             head = torch.cat([head, head.new_zeros((per - head.shape[0], head.shape[1]))])
