@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .errors import InvalidRequestError
-from .model.packets import Packets, packet_model_id
+from ..errors import InvalidRequestError
+from ..model.packets import Packets, packet_model_id
 
 __all__ = ["TrainCase", "embed_with_packets", "student_mask", "student_logits", "build_case",
-           "build_cases", "init_packets", "train_packets", "case_loss"]
+           "build_cases", "init_packets", "train_packets", "case_loss", "mean_loss"]
 
 
 @dataclass
@@ -53,7 +53,7 @@ def embed_with_packets(hf_model, ids: torch.Tensor, rows: torch.Tensor | None, b
     embeddings (Gemma multiplies by ``sqrt(hidden)``)."""
     emb = hf_model.get_input_embeddings()
     h = emb(ids.clamp(max=base - 1))
-    if rows is None:
+    if rows is None or rows.shape[0] == 0:
         return h[None]
     scale = getattr(emb, "embed_scale", None)
     p = rows.to(h.dtype)
@@ -144,7 +144,7 @@ def build_case(llm_full, question: str, docs: Sequence[str], system: str | None,
 
 
 def _chunk(text: str):
-    from .types import Chunk
+    from ..types import Chunk
 
     return Chunk(text)
 
@@ -162,6 +162,18 @@ def build_cases(llm_full, items: Sequence[dict], *, answer_tokens: int = 16, pro
         ans = list(g.token_ids) or [llm_full.tokenizer.eos_token_id]
         out.append(build_case(llm_full, it["question"], it["documents"], it.get("system"), answer=ans))
     return out
+
+
+@torch.no_grad()
+def mean_loss(hf_model, cases: Sequence[TrainCase], rows: torch.Tensor | None, k_header: int = 0,
+              question_sees_header: bool = True) -> float:
+    """Mean ``case_loss`` over ``cases`` (``rows=None``: isolated chunks without a packet)."""
+    base = int(hf_model.get_input_embeddings().weight.shape[0])
+    dev = next(hf_model.parameters()).device
+    if rows is None:
+        rows, k_header = torch.zeros(0, hf_model.config.hidden_size, device=dev), 0
+    rows = rows.to(dev, torch.float32)
+    return sum(float(case_loss(hf_model, c, rows, k_header, base, question_sees_header)) for c in cases) / len(cases)
 
 
 @torch.no_grad()
@@ -184,13 +196,16 @@ def init_packets(hf_model, tokenizer, k_header: int, k_trailer: int, seed: int =
 def train_packets(hf_model, tokenizer, cases: Sequence[TrainCase], *, k_header: int = 4, k_trailer: int = 4,
                   steps: int = 300, lr: float = 1e-2, batch: int = 1, seed: int = 0,
                   question_sees_header: bool = True, init: torch.Tensor | None = None,
-                  time_limit_s: float | None = None, progress: bool = True,
+                  time_limit_s: float | None = None, progress: bool = True, autocast: torch.dtype | None = None,
                   on_step: Callable[[int, float], None] | None = None) -> tuple[Packets, dict]:
     """Train a packet on ``cases`` with Adam; the model's weights stay frozen (their
     ``requires_grad`` is restored afterwards).
 
     Returns the ``Packets`` and a log ``{"losses": [...], "steps", "seconds", ...}``. Training
     stops after ``steps`` optimizer steps of ``batch`` cases each, or at ``time_limit_s``.
+    ``autocast``: run the student forward and backward under ``torch.autocast`` in this dtype
+    (``torch.bfloat16`` is about 1.4x faster on CPUs with AVX-512 BF16; the packet itself stays
+    float32).
     """
     from tqdm.auto import tqdm
 
@@ -221,9 +236,10 @@ def train_packets(hf_model, tokenizer, cases: Sequence[TrainCase], *, k_header: 
                     if not order:
                         order = list(range(len(cases)))
                         rng.shuffle(order)
-                    loss = case_loss(hf_model, cases[order.pop()], rows, k_header, base, question_sees_header)
+                    with torch.autocast(dev.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+                        loss = case_loss(hf_model, cases[order.pop()], rows, k_header, base, question_sees_header)
                     (loss / batch).backward()
-                    total += float(loss) / batch
+                    total += float(loss.detach()) / batch
                 opt.step()
                 sched.step()
                 losses.append(total)
@@ -237,7 +253,7 @@ def train_packets(hf_model, tokenizer, cases: Sequence[TrainCase], *, k_header: 
         for p, req in saved:
             p.requires_grad_(req)
     final = rows.detach().float().cpu()
-    from .model.llama import LlamaFamilyModel
+    from ..model.llama import LlamaFamilyModel
 
     info = dict(chunk_context="isolated", question_sees_header=question_sees_header, steps=len(losses),
                 cases=len(cases), lr=lr, batch=batch, seed=seed)
