@@ -16,12 +16,13 @@ from .errors import (
     UnsupportedModelError,
 )
 from .stream import TextStream
-from .types import Chunk, GenerationOutput, SamplingParams, ScoreOutput, Usage
+from .types import Chunk, GenerationOutput, Grammar, Regex, SamplingParams, ScoreOutput, ToolCall, Usage
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "LazyLLM", "TextStream", "Chunk", "GenerationOutput", "SamplingParams", "ScoreOutput", "Usage",
+    "LazyLLM", "TextStream", "Chunk", "GenerationOutput", "SamplingParams", "ScoreOutput", "Usage", "Regex",
+    "Grammar", "ToolCall",
     "LazyLLMError", "InvalidRequestError", "ContextLengthError", "ModelLoadError",
     "UnsupportedModelError", "CacheCapacityError", "RequestCancelled",
 ]

@@ -196,6 +196,7 @@ class LazyLLM:
             batch_invariant=batch_invariant, overlap_decode=overlap_decode, kernel_options=kernel_options,
             tensor_parallel=tensor_parallel, packets=packets)
         self._tp = None
+        self._grammar_compiler = None
         self._load(config, model_name_or_path, model, tokenizer)
         # an engine thread still inside torch at interpreter shutdown can abort the
         # process: stop it first (weakly referenced, so the LazyLLM can still be freed)
@@ -362,7 +363,8 @@ class LazyLLM:
 
     # -- requests ------------------------------------------------------------------
     def _request(self, question, chunks, system, *, max_new_tokens=64, temperature=0.0, top_p=1.0, top_k=0,
-                 seed=None, stop=None, timeout=None, warm_only=False) -> Request:
+                 seed=None, stop=None, timeout=None, warm_only=False, response_format=None, tools=None,
+                 tool_choice=None, messages=None, parallel_tool_calls=False) -> Request:
         if chunks is None:
             chunks = []
         if isinstance(chunks, (str, Chunk)):
@@ -385,14 +387,20 @@ class LazyLLM:
                                       f"({self.model.spec.max_context} tokens)")
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
             raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        structured = self._structured(response_format, tools, tool_choice, parallel_tool_calls)
         if warm_only:
             segs = self.prompts.build("warm", chunks, system)[:-1]
             segs.append(Segment("suffix", []))
+        elif messages is not None or (structured is not None and structured.tools):
+            segs = self._conversation(question, chunks, system, messages, structured)
         else:
             segs = self.prompts.build(question, chunks, system)
         n = sum(len(s.ids) for s in segs)
         check_fits(n, params, self.model.spec.max_context)
         req = Request(segments=segs, params=params, events=queue.Queue(), warm_only=warm_only)
+        if structured is not None and structured.grammar is not None:
+            req.constraint = self._grammars.constraint(structured.grammar)
+        req.structured = structured
         if timeout is not None:
             req.deadline = req.submit_time + timeout
         req.detok = Detokenizer(self.tokenizer, params.stop)
@@ -401,19 +409,49 @@ class LazyLLM:
             req.gen.manual_seed(params.seed if params.seed is not None else torch.seed())
         return req
 
+    @property
+    def _grammars(self):
+        """Grammars compiled for this model's tokenizer (built on first use)."""
+        if self._grammar_compiler is None:
+            from .structured import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.spec.vocab_size)
+        return self._grammar_compiler
+
+    def _structured(self, response_format, tools, tool_choice, parallel_tool_calls):
+        if response_format is None and tools is None and tool_choice is None:
+            return None
+        from .structured import prepare
+
+        return prepare(self._grammars, response_format, tools, tool_choice, parallel_tool_calls)
+
+    def _conversation(self, question, chunks, system, messages, structured) -> list[Segment]:
+        from .structured import build_conversation
+
+        msgs = list(messages) if messages is not None else []
+        if messages is not None and not isinstance(messages, (list, tuple)):
+            raise InvalidRequestError("messages must be a list of message dicts")
+        if question is not None:
+            check_text(question, "question")
+            msgs.append({"role": "user", "content": question})
+        return build_conversation(self.prompts, msgs, chunks, system, structured.tools if structured else [])
+
     @staticmethod
     def _wait(req: Request) -> GenerationOutput:
         while True:
             kind, val = req.events.get()
             if kind == "done":
-                return val
+                st = getattr(req, "structured", None)
+                return st.finalize(val) if st is not None and isinstance(val, GenerationOutput) else val
             if kind == "error":
                 raise val
 
     def generate(self, question: str, chunks: Sequence[str | Chunk] | None = None, system: str | None = None,
                  *, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, stop: str | Sequence[str] | None = None,
-                 timeout: float | None = None) -> GenerationOutput:
+                 timeout: float | None = None, response_format: Any = None, tools: Sequence[dict] | None = None,
+                 tool_choice: str | dict | None = None, messages: Sequence[dict] | None = None,
+                 parallel_tool_calls: bool = False) -> GenerationOutput:
         """Answer ``question`` over ``chunks`` (each a ``str`` or ``Chunk``).
 
         Returns a ``GenerationOutput`` with ``text``, ``token_ids``, ``prompt_segments``,
@@ -421,9 +459,31 @@ class LazyLLM:
         ``ttft_s``. Raises ``InvalidRequestError`` for bad input, ``ContextLengthError``
         when the request does not fit the model's context, ``RequestCancelled`` when
         ``timeout`` (seconds) passes first.
+
+        Structured output and tools (the output is held to a grammar token by token):
+
+        - ``response_format``: a Pydantic model class, a JSON Schema dict, OpenAI's
+          ``{"type": "json_schema", "json_schema": {...}}`` or ``{"type": "json_object"}``,
+          ``lazyllm.Regex(pattern)``, a list of allowed strings, or ``lazyllm.Grammar(text)``
+          (Lark or GBNF). ``output.parsed`` holds the Pydantic instance / dict / str.
+        - ``tools``: OpenAI function tools (``{"type": "function", "function": {"name",
+          "description", "parameters"}}``); ``tool_choice``: ``"auto"`` (text or calls),
+          ``"required"`` (at least one call), ``"none"`` or a tool name (that tool, forced).
+          Calls come back in ``output.tool_calls`` (``lazyllm.ToolCall(id, name, arguments)``)
+          with ``finish_reason == "tool_calls"``; one call per answer unless
+          ``parallel_tool_calls`` (then one or more, a line each).
+        - ``messages``: the conversation so far, OpenAI-shaped (``role`` system / user /
+          assistant with ``tool_calls`` / tool with ``tool_call_id``); ``question``, when given,
+          is appended as the last user turn. ``chunks`` attach to the first user message (or a
+          message may carry its own ``"chunks"``), so an agent's steps reuse their KV.
+
+        When ``max_new_tokens`` ends the answer first, ``finish_reason`` is ``"length"``,
+        ``parsed`` is None and ``text`` holds the partial output.
         """
         req = self._request(question, chunks, system, max_new_tokens=max_new_tokens, temperature=temperature,
-                            top_p=top_p, top_k=top_k, seed=seed, stop=stop, timeout=timeout)
+                            top_p=top_p, top_k=top_k, seed=seed, stop=stop, timeout=timeout,
+                            response_format=response_format, tools=tools, tool_choice=tool_choice, messages=messages,
+                            parallel_tool_calls=parallel_tool_calls)
         req.streaming = False
         self.engine.submit(req)
         try:

@@ -107,6 +107,40 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
+@dataclass(frozen=True)
+class Regex:
+    """A ``response_format``: the answer must match ``pattern`` in full (Rust regex syntax:
+    no look-around, no back-references)."""
+
+    pattern: str
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A ``response_format``: the answer is a sentence of this grammar, written in Lark
+    (``start: ...``) or in GBNF/EBNF (``root ::= ...``)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool call made by the model: ``id`` (unique, to answer with a ``tool`` message
+    carrying ``tool_call_id``), the tool's ``name`` and its ``arguments`` (a dict that
+    validates against the tool's parameter schema)."""
+
+    id: str
+    name: str
+    arguments: dict
+
+    def to_openai(self) -> dict:
+        """The OpenAI ``tool_calls`` item (arguments as a JSON string)."""
+        import json
+
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
+
+
 @dataclass
 class GenerationOutput:
     """Result of one request.
@@ -121,11 +155,17 @@ class GenerationOutput:
     token_ids: list[int]
     prompt_segments: list[tuple[str, list[int]]]
     usage: Usage
-    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    finish_reason: str  # "stop" (EOS, stop string, grammar complete), "length" or "tool_calls"
     ttft_s: float
     total_s: float
     queue_s: float = 0.0
     chunk_ids: list[str | None] = field(default_factory=list)
+    # with ``response_format``: the parsed answer (a Pydantic instance, a dict or list, or the
+    # matched str); None when generation stopped before the answer was complete ("length")
+    parsed: Any = None
+    # with ``tools``: the calls the model made (finish_reason "tool_calls"); ``text`` keeps
+    # the generated text they were parsed from
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
     @property
     def prompt_token_ids(self) -> list[int]:

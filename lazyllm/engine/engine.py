@@ -327,7 +327,7 @@ class Engine:
         if inflight is not None:
             self.metrics["overlapped_steps"] += 1
             self._read_step(inflight)  # step n's tokens, while step n + 1 runs
-        if self.async_decode and all(r.params.greedy for r in reqs):
+        if self.async_decode and all(r.params.greedy and r.constraint is None for r in reqs):
             self._inflight = step
         else:
             self._inflight = None
@@ -336,7 +336,7 @@ class Engine:
     def _can_overlap(self) -> bool:
         """Whether the next step may be launched before the step in flight is read: every
         decoding row greedy (its next token is the device argmax)."""
-        return self.async_decode and all(r.params.greedy for r in self.decode_state.rows)
+        return self.async_decode and all(r.params.greedy and r.constraint is None for r in self.decode_state.rows)
 
     def _read_step(self, step: DecodeStep) -> None:
         """Hand out a launched step's tokens (waits for it on the GPU)."""

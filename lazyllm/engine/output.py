@@ -15,7 +15,7 @@ import torch
 from ..errors import RequestCancelled
 from ..types import GenerationOutput, ScoreOutput, Usage
 from .request import Request
-from .sampler import sample_token
+from .sampler import constrain_logits, sample_token
 
 __all__ = ["OutputProcessor"]
 
@@ -30,6 +30,8 @@ class OutputProcessor:
         """Append the request's next token (``greedy_pick`` when the device already took the
         argmax, else sampled from ``logits``) and stream its text; True when the request is
         done (``r.finish_reason`` set)."""
+        if r.constraint is not None:  # the grammar decides which tokens may be picked
+            logits, greedy_pick = constrain_logits(logits, r.constraint), None
         tok = greedy_pick if greedy_pick is not None else sample_token(logits, r.params, r.gen)
         if not r.generated and not r.first_token_time:
             # the first token exists once it is sampled (the forward before it may still have
@@ -37,11 +39,16 @@ class OutputProcessor:
             r.first_token_time = time.perf_counter()
         r.generated.append(tok)
         is_eos = tok in self.eos_ids
+        complete = False  # a complete grammar ends the answer even without an end-of-sequence token
+        if r.constraint is not None:
+            if not r.constraint.accept(tok):
+                raise RuntimeError(f"the grammar rejected token {tok}, which its own mask allowed")
+            complete = r.constraint.is_terminated()
         if r.streaming or r.params.stop:  # text is needed now: for the caller, or to stop
             delta = r.detok.add(tok) if not is_eos else r.detok.finish()
             if delta:
                 r.events.put(("delta", delta))
-        if is_eos or r.detok.stopped:
+        if is_eos or complete or r.detok.stopped:
             r.finish_reason = "stop"
         elif len(r.generated) >= r.params.max_new_tokens or r.next_pos >= self.max_context:
             r.finish_reason = "length"

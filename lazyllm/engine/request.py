@@ -11,7 +11,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -123,6 +123,10 @@ class Request:
     orig_segments: list | None = None  # the segments as submitted, if preemption changed them
     preempted: bool = False
     solo: bool = False  # prefill alone (a batched prefill with it failed)
+    # structured output: the grammar each token must follow (``sampler.TokenConstraint``), and
+    # the API's record of what was asked (it parses the finished text; the engine ignores it)
+    constraint: Any = None
+    structured: Any = None
 
     @property
     def prompt_ids(self) -> list[int]:

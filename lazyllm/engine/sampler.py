@@ -1,6 +1,8 @@
 """Token sampling: greedy, temperature, top-k and top-p."""
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from ..types import SamplingParams
@@ -23,3 +25,27 @@ def sample_token(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator |
         x = torch.full_like(x, float("-inf")).scatter(0, idx, sorted_x)
     probs = torch.softmax(x, dim=-1)
     return int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
+
+
+class TokenConstraint(Protocol):
+    """A request's grammar: which tokens may come next (one bitmask row), and its progress."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write row ``row`` of an int32 ``(B, ceil(V / 32))`` CPU tensor: bit ``j`` of word
+        ``i`` set allows token ``32 * i + j``."""
+
+    def accept(self, token: int) -> bool:
+        """Advance past ``token``; False when the grammar rejects it."""
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete and admits nothing more: the request must stop."""
+
+
+def constrain_logits(logits: torch.Tensor, constraint: TokenConstraint) -> torch.Tensor:
+    """``logits`` ``(vocab,)`` with every token the constraint forbids at -inf (a copy)."""
+    V = logits.shape[-1]
+    words = torch.zeros((1, (V + 31) // 32), dtype=torch.int32)
+    constraint.fill_bitmask(words, 0)
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((words[0, :, None] >> shifts) & 1).bool().flatten()[:V]
+    return logits.float().masked_fill(~allowed.to(logits.device), float("-inf"))
