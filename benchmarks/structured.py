@@ -1,0 +1,96 @@
+"""Cost of grammar-constrained decoding: decode time per output token at a fixed batch,
+constrained (a nested JSON Schema per row) against unconstrained, and the schema's compile time.
+
+    python benchmarks/structured.py --device cpu                       # the default model
+    python benchmarks/structured.py --device cuda --model 8b --tokenizer tok   # Llama-3.1-8B shapes
+
+Each batch is ``--batch`` requests started together, greedy; the figure is the median decode
+step time over the steps that ran all ``--batch`` rows (``Engine.decode_step_log``), divided by
+the batch. ``--model 8b`` builds random bf16 weights (benchmarks/engine.py) and runs every
+unconstrained request to its length; the tokenizer is the default model's (carry it with
+``benchmarks/engine.py --save-tokenizer tok``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from grammar_libs import NESTED  # noqa: E402
+
+
+def step_times(llm, batch: int, **kw) -> list[float]:
+    llm.engine.decode_step_log.clear()
+    outs = llm.generate_batch([f"Customer record number {i} as JSON." for i in range(batch)], **kw)
+    steps = [dt for b, dt in llm.engine.decode_step_log if b == batch]
+    return steps, outs
+
+
+def build(args):
+    from transformers import AutoTokenizer
+
+    from lazyllm import LazyLLM
+
+    if args.model == "default":
+        return LazyLLM(device=args.device, kv_cache_bytes=2 << 30)
+    from engine import llama31_8b_config, random_model
+
+    tok_dir = args.tokenizer
+    if tok_dir is None:
+        from lazyllm.model.loader import default_model_dir
+
+        tok_dir = str(default_model_dir())
+    model = random_model(llama31_8b_config(args.layers), device=args.device)
+    llm = LazyLLM(model=model, tokenizer=AutoTokenizer.from_pretrained(tok_dir), kv_cache_bytes=32 << 30)
+    llm.engine.eos_ids = set()  # random weights: unconstrained rows run to their length
+    return llm
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model", choices=("default", "8b"), default="default")
+    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=48, help="max_new_tokens of each request")
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    llm = build(args)
+    print(f"{llm!r}, batch {args.batch}, {args.tokens} new tokens, {time.strftime('%Y-%m-%d')}")
+
+    from lazyllm.structured import GrammarCompiler, normalize_response_format
+
+    fmt = normalize_response_format(NESTED)
+    comp = GrammarCompiler(llm.tokenizer, llm.model.spec.vocab_size)
+    comp._tokenizer()  # the vocabulary's one-time setup, reported apart
+    t0 = time.perf_counter()
+    comp.compile(fmt.grammar)
+    print(f"nested schema compile: {1e3 * (time.perf_counter() - t0):.1f} ms")
+
+    step_times(llm, args.batch, max_new_tokens=4)  # warm-up (and CUDA graphs)
+    step_times(llm, args.batch, max_new_tokens=4, response_format=NESTED)
+    free, cons = [], []
+    for _ in range(args.repeats):
+        s, _ = step_times(llm, args.batch, max_new_tokens=args.tokens)
+        free += s
+        s, outs = step_times(llm, args.batch, max_new_tokens=args.tokens, response_format=NESTED)
+        cons += s
+    if not free or not cons:
+        sys.exit("no step ran the whole batch: raise --tokens")
+    f, c = statistics.median(free), statistics.median(cons)
+    print(f"unconstrained: {1e3 * f / args.batch:.3f} ms per output token ({len(free)} steps at batch {args.batch})")
+    print(f"constrained:   {1e3 * c / args.batch:.3f} ms per output token ({len(cons)} steps at batch {args.batch})")
+    print(f"ratio constrained / unconstrained: {c / f:.3f}")
+    print("sample constrained output:", outs[0].text[:120])
+    if torch.cuda.is_available():
+        print(torch.cuda.get_device_name())
+
+
+if __name__ == "__main__":
+    main()
