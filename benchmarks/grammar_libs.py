@@ -17,7 +17,6 @@ import time
 import numpy as np
 import torch
 
-
 NESTED = {
     "type": "object",
     "properties": {

@@ -47,7 +47,7 @@ def build(args):
         tok_dir = str(default_model_dir())
     model = random_model(llama31_8b_config(args.layers), device=args.device)
     llm = LazyLLM(model=model, tokenizer=AutoTokenizer.from_pretrained(tok_dir), kv_cache_bytes=32 << 30)
-    llm.engine.eos_ids = set()  # random weights: unconstrained rows run to their length
+    llm.engine.output.eos_ids = set()  # random weights: unconstrained rows run to their length
     return llm
 
 
