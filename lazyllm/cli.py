@@ -2,6 +2,8 @@
 
 - ``lazyllm serve [model] [--host 127.0.0.1] [--port 8000] [--api-key KEY] ...``: an
   OpenAI-compatible server (``lazyllm serve --help`` lists the options).
+- ``lazyllm adapt DOCUMENTS --out PACKET [--model M] ...``: train a chunk packet on your
+  documents and print the fidelity report before and after (``lazyllm adapt --help``).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ USAGE = """usage: lazyllm <command> [options]
 
 commands:
   serve    serve a model over an OpenAI-compatible HTTP API (lazyllm serve --help)
+  adapt    train a chunk packet on your documents for fidelity without recompute (lazyllm adapt --help)
 """
 
 
@@ -24,8 +27,58 @@ def main(argv: list[str] | None = None) -> int:
         from lazyllm.integrations.server import main as serve
 
         return serve(rest)
+    if command == "adapt":
+        return adapt_main(rest)
     print(f"lazyllm: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2
+
+
+def adapt_main(argv: list[str]) -> int:
+    """``lazyllm adapt``: arguments of ``lazyllm.quality.adapt``."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="lazyllm adapt", description="Train a learned chunk packet on your documents "
+                                 "(self-distillation from full attention, no labels) and report fidelity on "
+                                 "held-out documents before and after.")
+    ap.add_argument("documents", help="a JSONL file, a folder of .txt/.md files, or one text file")
+    ap.add_argument("--out", default="packets.safetensors", help="packet file to write")
+    ap.add_argument("--model", default=None, help="model path or hub id (default: the embedded model)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--k-header", type=int, default=4)
+    ap.add_argument("--k-trailer", type=int, default=4)
+    ap.add_argument("--cases", type=int, default=120, help="training cases")
+    ap.add_argument("--heldout", type=float, default=0.2, help="fraction of documents held out")
+    ap.add_argument("--heldout-cases", type=int, default=16)
+    ap.add_argument("--questions", choices=("templates", "model", "mixed"), default="templates")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--minutes", type=float, default=20.0, help="training time limit")
+    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--no-report", action="store_true", help="skip the fidelity report")
+    ap.add_argument("--json", default=None, help="write the report and the training log here")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    from lazyllm import InvalidRequestError, LazyLLM
+    from lazyllm.quality.adapt import adapt
+
+    try:
+        llm = LazyLLM(a.model, device=a.device, reuse="none", packets=None, kv_cache_bytes=256 << 20)
+        res = adapt(llm, a.documents, out=a.out, questions=a.questions, k_header=a.k_header, k_trailer=a.k_trailer,
+                    cases=a.cases, heldout=a.heldout, heldout_cases=a.heldout_cases, steps=a.steps,
+                    minutes=a.minutes, lr=a.lr, report=not a.no_report, seed=a.seed)
+    except InvalidRequestError as e:
+        print(f"lazyllm adapt: {e}", file=sys.stderr)
+        return 2
+    print(res._repr_markdown_())
+    print(f"\nuse it: LazyLLM(packets={res.path!r})")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(path=res.path, split=res.split, heldout_loss_before=res.heldout_loss_before,
+                           heldout_loss_after=res.heldout_loss_after, losses=res.log.get("losses"),
+                           seconds=res.log.get("seconds"), report=res.report.to_dict() if res.report else None),
+                      f, indent=1, default=str)
+    llm.close()
+    return 0
 
 
 if __name__ == "__main__":

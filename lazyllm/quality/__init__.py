@@ -36,11 +36,12 @@ Per setting (and for full attention, the reference):
 """
 from __future__ import annotations
 
+from .adapt import AdaptResult, adapt
 from .cases import Case, cases_from_retriever, document_text, load_cases
 from .cli import main
 from .metrics import DEFAULT_TARGET, contains_answer, exact_match, kl_and_agreement, normalize_answer, parse_target
 from .report import DEFAULT_SETTINGS, REFERENCE_NAME, FidelityReport, compare
 
-__all__ = ["Case", "FidelityReport", "compare", "load_cases", "cases_from_retriever", "document_text",
+__all__ = ["adapt", "AdaptResult", "Case", "FidelityReport", "compare", "load_cases", "cases_from_retriever", "document_text",
            "kl_and_agreement", "normalize_answer", "exact_match", "contains_answer", "parse_target",
            "DEFAULT_TARGET", "DEFAULT_SETTINGS", "REFERENCE_NAME", "main"]

@@ -190,39 +190,3 @@ def test_auto_packets_off_for_models_without_a_shipped_packet(tiny, tokenizer):
     assert llm.packets is None and llm.fingerprint == llm.model_fingerprint
     llm.close()
 
-
-def test_training_forward_matches_engine_and_reduces_the_loss(tokenizer):
-    """The differentiable student forward gives the engine's logits (isolated chunks with the
-    packet), and a few Adam steps on a tiny model lower the distillation loss on its cases."""
-    from lazyllm.quality.packet_training import (
-        build_cases,
-        init_packets,
-        mean_loss,
-        student_logits,
-        student_mask,
-        train_packets,
-    )
-
-    model = make_tiny("llama", seed=3)
-    full = _llm(model, tokenizer, reuse="none")
-    items = [dict(question=QUESTION, documents=DOCS[i:i + 3], system=SYSTEM) for i in range(2)]
-    cases = build_cases(full, items, answer_tokens=6, progress=False)
-    init = init_packets(model, tokenizer, 2, 2)
-    before = mean_loss(model, cases, init, 2)
-    p, log = train_packets(model, tokenizer, cases, k_header=2, k_trailer=2, steps=25, lr=0.05, init=init,
-                           progress=False)
-    after = mean_loss(model, cases, p.rows, p.k_header)
-    assert after < 0.7 * before, (before, after, log["losses"])
-    assert all(q.requires_grad for q in model.parameters())  # frozen while training only
-    # the trained packet in the engine: the engine's logits equal the training forward's
-    llm = _llm(model, tokenizer, packets=p)
-    c = cases[0]
-    sc = llm.score(QUESTION, chunks=DOCS[0:3], system=SYSTEM, continuation=c.answer, return_logits=True)
-    segs = [(k, list(ids)) for k, ids in sc.prompt_segments]
-    ids = torch.tensor([t for _, s in segs for t in s] + c.answer[:-1])
-    mask = student_mask(segs, len(c.answer) - 1, p.k_header)
-    with torch.no_grad():
-        ref = student_logits(model, ids, mask, p.rows, llm.model.embed_rows, len(c.answer))
-    torch.testing.assert_close(sc.logits, ref, rtol=1e-3, atol=1e-3)
-    llm.close()
-    full.close()

@@ -1,0 +1,127 @@
+"""Packet training (self-distillation from full attention) and ``lazyllm adapt``: the
+training forward gives the engine's logits, training lowers the loss on a tiny model in
+seconds, and adapt turns documents into a packet file with a fidelity report on held-out
+documents."""
+import json
+
+import pytest
+import torch
+
+from lazyllm import InvalidRequestError, LazyLLM
+from tests.conftest import make_tiny
+
+DOCS = [
+    "The Eiffel Tower in Paris was completed in 1889 and is 330 metres tall.",
+    "Mount Fuji is the highest mountain in Japan, rising 3,776 metres above sea level.",
+    "The Great Wall of China stretches for more than 21,000 kilometres across northern China.",
+    "Python was created by Guido van Rossum and first released in 1991.",
+    "The Amazon river carries more water than any other river on Earth.",
+    "Honeybees tell each other where flowers are with a waggle dance.",
+    "The Sahara is the largest hot desert, covering about nine million square kilometres.",
+    "Copper conducts electricity well and is used in most household wiring.",
+]
+QUESTION = "Which of these was completed in 1889?"
+SYSTEM = "You are a concise assistant."
+
+
+def _llm(model, tok, **kw):
+    return LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=64 << 20, **kw)
+
+
+def test_training_forward_matches_engine_and_reduces_the_loss(tokenizer):
+    """The differentiable student forward gives the engine's logits (isolated chunks with the
+    packet), and a few Adam steps on a tiny model lower the distillation loss on its cases."""
+    from lazyllm.quality.packet_training import (
+        build_cases,
+        init_packets,
+        mean_loss,
+        student_logits,
+        student_mask,
+        train_packets,
+    )
+
+    model = make_tiny("llama", seed=3)
+    full = _llm(model, tokenizer, reuse="none")
+    items = [dict(question=QUESTION, documents=DOCS[i:i + 3], system=SYSTEM) for i in range(2)]
+    cases = build_cases(full, items, answer_tokens=6, progress=False)
+    init = init_packets(model, tokenizer, 2, 2)
+    before = mean_loss(model, cases, init, 2)
+    p, log = train_packets(model, tokenizer, cases, k_header=2, k_trailer=2, steps=25, lr=0.05, init=init,
+                           progress=False)
+    after = mean_loss(model, cases, p.rows, p.k_header)
+    assert after < 0.7 * before, (before, after, log["losses"])
+    assert all(q.requires_grad for q in model.parameters())  # frozen while training only
+    # the trained packet in the engine: the engine's logits equal the training forward's
+    llm = _llm(model, tokenizer, packets=p)
+    c = cases[0]
+    sc = llm.score(QUESTION, chunks=DOCS[0:3], system=SYSTEM, continuation=c.answer, return_logits=True)
+    segs = [(k, list(ids)) for k, ids in sc.prompt_segments]
+    ids = torch.tensor([t for _, s in segs for t in s] + c.answer[:-1])
+    mask = student_mask(segs, len(c.answer) - 1, p.k_header)
+    with torch.no_grad():
+        ref = student_logits(model, ids, mask, p.rows, llm.model.embed_rows, len(c.answer))
+    torch.testing.assert_close(sc.logits, ref, rtol=1e-3, atol=1e-3)
+    llm.close()
+    full.close()
+
+
+def test_adapt_makes_a_packet_and_reports_on_heldout_documents(tokenizer, tmp_path):
+    from lazyllm.model.packets import load_packets
+    from lazyllm.quality import adapt
+
+    model = make_tiny("llama", seed=5)
+    llm = _llm(model, tokenizer)
+    res = adapt(llm, DOCS, out=tmp_path / "p.safetensors", cases=4, heldout=0.25, heldout_cases=2, steps=4,
+                minutes=None, k_header=2, k_trailer=1, progress=False)
+    p = load_packets(res.path)
+    assert (p.k_header, p.k_trailer) == (2, 1) and p.info["train_documents"] == 6
+    assert res.split == dict(train_documents=6, heldout_documents=2, train_cases=4, heldout_cases=2)
+    names = [r["setting"] for r in res.report.rows]
+    assert names[1:] == ["no packet", "packet"] and res.report.n_cases == 2
+    assert res.heldout_loss_before is not None and res.heldout_loss_after is not None
+    # the packet works in the engine for this model
+    used = _llm(model, tokenizer, packets=res.path)
+    assert used.generate(QUESTION, chunks=DOCS[:2], max_new_tokens=2).usage.prompt_tokens > 0
+    used.close()
+    llm.close()
+    with pytest.raises(InvalidRequestError, match="at least 4"):
+        adapt(llm, DOCS[:3], out=tmp_path / "q.safetensors")
+
+
+def test_load_documents_from_folder_jsonl_and_objects(tmp_path):
+    from lazyllm.quality.adapt import load_documents
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("Doc A text.")
+    (tmp_path / "d" / "b.md").write_text("Doc B text.")
+    (tmp_path / "d" / "skip.bin").write_bytes(b"\x00")
+    assert load_documents(tmp_path / "d") == ["Doc A text.", "Doc B text."]
+    (tmp_path / "x.jsonl").write_text(json.dumps({"text": "one"}) + "\n" + json.dumps("two") + "\n"
+                                      + json.dumps({"question": "q", "documents": ["three", "one"]}) + "\n")
+    assert load_documents(tmp_path / "x.jsonl") == ["one", "two", "three"]
+
+    class LCDoc:  # a LangChain Document's shape
+        page_content = "from langchain"
+
+    assert load_documents([LCDoc(), {"page_content": "dict"}]) == ["from langchain", "dict"]
+    with pytest.raises(InvalidRequestError):
+        load_documents(tmp_path / "missing")
+
+
+def test_adapt_cli_writes_a_packet(tokenizer, tmp_path, capsys):
+    from lazyllm.cli import main
+
+    model = make_tiny("llama", seed=6)
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    (tmp_path / "docs").mkdir()
+    for i, d in enumerate(DOCS):
+        (tmp_path / "docs" / f"{i}.txt").write_text(d)
+    out = tmp_path / "p.safetensors"
+    rc = main(["adapt", str(tmp_path / "docs"), "--model", str(tmp_path / "m"), "--device", "cpu", "--out", str(out),
+               "--cases", "3", "--heldout-cases", "2", "--steps", "2", "--k-header", "1", "--k-trailer", "1",
+               "--json", str(tmp_path / "r.json")])
+    assert rc == 0 and out.is_file()
+    text = capsys.readouterr().out
+    assert "| packet |" in text and "LazyLLM(packets=" in text
+    assert json.loads((tmp_path / "r.json").read_text())["split"]["train_documents"] == 6
