@@ -42,6 +42,7 @@ from .cli import main
 from .metrics import DEFAULT_TARGET, contains_answer, exact_match, kl_and_agreement, normalize_answer, parse_target
 from .report import DEFAULT_SETTINGS, REFERENCE_NAME, FidelityReport, compare
 
-__all__ = ["adapt", "AdaptResult", "Case", "FidelityReport", "compare", "load_cases", "cases_from_retriever", "document_text",
+__all__ = ["adapt", "AdaptResult",
+           "Case", "FidelityReport", "compare", "load_cases", "cases_from_retriever", "document_text",
            "kl_and_agreement", "normalize_answer", "exact_match", "contains_answer", "parse_target",
            "DEFAULT_TARGET", "DEFAULT_SETTINGS", "REFERENCE_NAME", "main"]
