@@ -31,8 +31,9 @@ import torch
 
 from lazyllm.kernels.grouping import ITEM_FIELDS, MEMBER_FIELDS, PAGE_FIELDS, GroupPlan, GroupTensors
 
+from ..intmath import cdiv, next_pow2
 from ..model.llama import AttentionMetadata, SharedMeta
-from .request import next_pow2, pack_tables
+from .request import pack_tables
 
 _PAGE, _POS, _DELTA, _LEN = range(4)
 log = logging.getLogger("lazyllm")
@@ -290,7 +291,7 @@ class GraphRunner:
         # kernel work, each bucket costs one capture
         if not self.enabled:
             return W
-        b = next_pow2(W, 16) if W <= 64 else -(-W // 64) * 64
+        b = next_pow2(W, 16) if W <= 64 else cdiv(W, 64) * 64
         return min(b, self.state.max_entries)
 
     def _step(self, B: int, W: int, S: int = 0):

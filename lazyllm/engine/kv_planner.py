@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from ..cache.disk_tier import DiskTier
 from ..cache.store import ChunkStore, Entry, chunk_key
 from ..config import CHUNK_CACHING_MODES, REUSE_MODES
-from .request import ChunkSpan, Job, PrefillPlan, Request, TableEntry, entry_table, pages_for
+from ..intmath import cdiv
+from .request import ChunkSpan, Job, PrefillPlan, Request, TableEntry, entry_table
 
 
 @dataclass
@@ -54,7 +55,7 @@ class KVPlanner:
     # -- planning ---------------------------------------------------------------------
     def plan(self, r: Request) -> bool:
         """Reserve everything request ``r`` needs; on failure undo and return False."""
-        decode_pages = pages_for(r.params.max_new_tokens + 1, self.page_size)
+        decode_pages = cdiv(r.params.max_new_tokens + 1, self.page_size)
         r.lookups = []
         ok = self.policy.plan(self, r, decode_pages)
         if not ok:
@@ -224,7 +225,7 @@ class LazyPolicy(ReusePolicy):
             return True
         # the suffix in private pages
         S = len(suffix.ids)
-        own = planner.alloc_private(r, pages_for(S, ps))
+        own = planner.alloc_private(r, cdiv(S, ps))
         if own is None:
             return False
         plan = PrefillPlan(spans=spans, own=own, suffix_ids=list(suffix.ids), suffix_pos=pos)
@@ -285,7 +286,7 @@ class NonePolicy(ReusePolicy):
         rest = ids[m:]
         if self.name == "prefix":
             r.lookups.append((False, len(rest)))
-        own = planner.alloc_private(r, pages_for(len(rest), planner.page_size))
+        own = planner.alloc_private(r, cdiv(len(rest), planner.page_size))
         if own is None or not planner.has_decode_room(decode_pages):
             return False
         r.plan = PrefillPlan(job=Job(rest, m, own, list(table), logit_rows=r.logit_rows),

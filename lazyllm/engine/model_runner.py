@@ -20,6 +20,7 @@ from lazyllm.kernels import KernelOptions
 from lazyllm.kernels.grouping import plan_groups
 
 from ..cache.store import PagePool
+from ..intmath import cdiv
 from ..model.llama import AttentionMetadata
 from .cuda_graphs import DecodeState, GraphRunner, PinnedTurns, PrefillGraphs, SharedPlanBuffers
 from .request import Job, Request, TableEntry, entry_table, pack_tables, slot_of
@@ -57,7 +58,7 @@ class ModelRunner:
         self.rerotate_copy = rerotate_copy
         self.max_batch_tokens = max_batch_tokens
         self.metrics = metrics
-        max_entries = -(-model.spec.max_context // pool.page_size) + 2
+        max_entries = cdiv(model.spec.max_context, pool.page_size) + 2
         att, spec = model.attention, model.spec
         # context calibration (LazyLLM(context_temperature=, context_lse_scale=)): every step
         # carries each sequence's document range

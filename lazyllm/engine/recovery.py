@@ -20,6 +20,7 @@ from lazyllm.kernels.reference import rotate_by_delta
 
 from ..config import register_selection, selection_names
 from ..config import selection as scorer_of
+from ..intmath import cdiv
 from .kv_planner import KVPlanner
 from .model_runner import ModelRunner
 from .request import ChunkSpan, Job, Request, TableEntry, slot_of
@@ -184,7 +185,7 @@ class Recovery:
         pages, slots, deltas, rows = [], [], [], []
         for s in r.plan.spans:
             n = len(s.ids)
-            ent = s.entries[:-(-n // ps)]
+            ent = s.entries[:cdiv(n, ps)]
             pages.append(torch.tensor([e.page for e in ent]).repeat_interleave(ps)[:n])
             deltas.append(torch.tensor([e.delta for e in ent]).repeat_interleave(ps)[:n])
             slots.append(torch.arange(n) % ps)

@@ -137,10 +137,6 @@ class Request:
         return sum(len(s.ids) for s in self.segments)
 
 
-def pages_for(n: int, page_size: int) -> int:
-    """Pages that hold ``n`` tokens."""
-    return -(-n // page_size)
-
 
 def slot_of(pages: list[int], i: int, page_size: int) -> int:
     """Pool slot of the ``i``-th token laid out over ``pages``."""
@@ -164,11 +160,3 @@ def pack_tables(tables: list[list[TableEntry]] | list[list[tuple]], width: int) 
             rows = [e.astuple() if isinstance(e, TableEntry) else e for e in t]
             out[:, b, : len(rows)] = np.asarray(rows, dtype=np.int64).T
     return out
-
-
-def next_pow2(n: int, lo: int = 1) -> int:
-    """The smallest power-of-two multiple of ``lo`` that is ``>= n``."""
-    b = lo
-    while b < n:
-        b *= 2
-    return b
