@@ -59,6 +59,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--recompute", default="0.05,0.1")
     ap.add_argument("--eval-only", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cases-cache", default=None, help="a file keeping the teacher's cases between runs")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     res: dict = dict(args=vars(a), threads=torch.get_num_threads(), load=os.getloadavg())
@@ -68,8 +69,13 @@ def main(argv=None) -> dict:
         train_items = synthetic_cases(a.cases, seed=0)
         held_items = synthetic_cases(a.heldout_cases, seed=1, doc_offset=10**6)  # another document pool
         t0 = time.perf_counter()
-        train = build_cases(full, train_items)
-        held = build_cases(full, held_items)
+        if a.cases_cache and os.path.exists(a.cases_cache):
+            train, held = torch.load(a.cases_cache, weights_only=False)
+        else:
+            train = build_cases(full, train_items)
+            held = build_cases(full, held_items)
+            if a.cases_cache:
+                torch.save((train, held), a.cases_cache)
         res["teacher_s"] = time.perf_counter() - t0
         ap_kw = dict(k_header=a.k_header, k_trailer=a.k_trailer, steps=a.steps, lr=a.lr,
                      question_sees_header=bool(a.question_sees_header),
