@@ -97,7 +97,8 @@ class GrammarCompiler:
             is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tok)
             if is_error:
                 raise InvalidRequestError("unsupported or invalid grammar: " + "; ".join(messages))
-            m = llguidance.LLMatcher(tok, grammar)
+            # errors are read through get_error(), not printed
+            m = llguidance.LLMatcher(tok, grammar, log_level=0)
             # the lexer over the vocabulary is built lazily at the first mask: build it now so
             # that every request's copy starts with it
             llguidance.torch.fill_next_token_bitmask(m, llguidance.torch.allocate_token_bitmask(1, self._vocab), 0)
