@@ -112,10 +112,10 @@ class LazyLLM:
         size, so a greedy answer can change in rare near-ties depending on what else runs in the
         same step. Costs speed (decode at batch 1 and long prefills are slower); off by
         default. float32 answers were batch-independent in our tests without it.
-    overlap_decode : launch decode step ``n + 1`` (its tokens fed from step ``n``'s argmax on
+    overlap_decode : launch decode step ``n + 1`` (its tokens fed from step ``n``'s picks on
         the device) before the host reads step ``n``, so the GPU never waits for the host's
-        per-step work. Greedy batches only; token for token the same as stepping one at a
-        time. ``None`` (default): on where decode runs from CUDA graphs.
+        per-step work. Greedy, sampled and constrained batches; token for token the same as
+        stepping one at a time. ``None`` (default): on where decode runs from CUDA graphs.
     kv_disk_dir, kv_disk_bytes : an optional persistent tier for chunk KV (safetensors
         files, validated against the model fingerprint, settings and a checksum; atomic
         writes; LRU size cap): chunks computed once survive restarts. Written in the
@@ -404,9 +404,6 @@ class LazyLLM:
         if timeout is not None:
             req.deadline = req.submit_time + timeout
         req.detok = Detokenizer(self.tokenizer, params.stop)
-        if not params.greedy:
-            req.gen = torch.Generator()
-            req.gen.manual_seed(params.seed if params.seed is not None else torch.seed())
         return req
 
     @property

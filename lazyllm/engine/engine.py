@@ -9,7 +9,8 @@ queue. Each step of the worker:
 3. prefills, batched across the admitted requests (``ModelRunner.run_jobs``): shared
    prefixes, then missing chunks (each distinct chunk once), then each request's own tokens
    (its suffix, or the whole prompt in the full-attention modes), with quality recovery and
-   re-rotated copies applied first; samples each request's first token (``OutputProcessor``);
+   re-rotated copies applied first; picks each request's first token (``Sampler``, one batched
+   pick) and hands it out (``OutputProcessor``);
 4. decodes one token for every running request, together (``ModelRunner.launch_decode``),
    optionally launching step ``n + 1`` before reading step ``n``;
 5. retires finished requests (``Scheduler.retire``: unpin, free) before handing out their
@@ -278,6 +279,10 @@ class Engine:
                 self._finish(r)
         own = [r for r in reqs if not r.warm_only]
         logits = self.runner.run_jobs([r.plan.job for r in own]) if own else []
+        gen = [(r, lg[-1]) for r, lg in zip(own, logits) if not (r.logit_rows > 1 or r.score_only)]
+        # every generating request's first token, in one batched pick
+        firsts = dict(zip((id(r) for r, _ in gen), self.runner.first_picks(*zip(*gen)))) if gen else {}
+        failed = {id(r): e for r, e in self.runner.sampler.failed} if gen else {}
         for r, lg in zip(own, logits):
             self.planner.after_prefill(r)
             r.plan = None  # consumed
@@ -287,7 +292,10 @@ class Engine:
                 self.output.done_score(r, result)
                 continue
             r.preempted = False
-            self._emit(r, lg[-1])
+            if id(r) in failed:
+                self._finish(r, error=failed[id(r)])
+                continue
+            self._emit(r, firsts[id(r)])
             if r.finish_reason is None and r in self.scheduler.running:
                 self.decode_state.attach(r, r.table)
 
@@ -296,15 +304,18 @@ class Engine:
         """One token for every decoding request. Host work is O(batch): each request
         changes one table entry; the tables themselves stay on the device.
 
-        Overlapped (``async_decode``, greedy batches): while step ``n`` runs on the GPU, the
-        host stages and launches step ``n + 1``, whose token ids come from step ``n``'s argmax
-        on the device, and only then reads step ``n``'s tokens and hands them out; the GPU
-        never waits for the host's bookkeeping. A request that stops at step ``n`` (EOS, a
-        stop string, cancellation, its length limit) has one wasted token computed in step
-        ``n + 1``, which is dropped (at its length limit into the scratch slot). Batches with a
-        sampled request run one step at a time (the host draws their tokens)."""
+        Overlapped (``async_decode``): while step ``n`` runs on the GPU, the host stages and
+        launches step ``n + 1``'s forward, whose token ids come from step ``n``'s picks on the
+        device, then reads step ``n``'s tokens and hands them out (constraints accept them),
+        then fills step ``n + 1``'s token masks and sampling inputs and enqueues its pick
+        (``ModelRunner.pick``), all while step ``n + 1``'s forward runs; the GPU never waits
+        for the host's bookkeeping. A request that stops at step ``n`` (EOS, a stop string, a
+        complete constraint, cancellation, its length limit) has one wasted token computed in
+        step ``n + 1``, which is dropped (at its length limit into the scratch slot). Sampled
+        draws depend only on each request's seed and token index, so they are the same
+        overlapped or not."""
         inflight = self._inflight
-        if inflight is not None and not self._can_overlap():
+        if inflight is not None and not self.async_decode:
             self._read_step(inflight)
             inflight = self._inflight = None
         # requests whose latest token is still in the unread step: row -> its row there
@@ -326,17 +337,15 @@ class Engine:
         step = self.runner.launch_decode(reqs, pending, dead)
         if inflight is not None:
             self.metrics["overlapped_steps"] += 1
+            self._inflight = None
             self._read_step(inflight)  # step n's tokens, while step n + 1 runs
-        if self.async_decode and all(r.params.greedy and r.constraint is None for r in reqs):
+        for r, e in self.runner.pick(step):
+            self._finish(r, error=e)  # its constraint failed: its token is dropped
+        if self.async_decode:
             self._inflight = step
         else:
             self._inflight = None
             self._read_step(step)
-
-    def _can_overlap(self) -> bool:
-        """Whether the next step may be launched before the step in flight is read: every
-        decoding row greedy (its next token is the device argmax)."""
-        return self.async_decode and all(r.params.greedy and r.constraint is None for r in self.decode_state.rows)
 
     def _read_step(self, step: DecodeStep) -> None:
         """Hand out a launched step's tokens (waits for it on the GPU)."""
@@ -349,17 +358,23 @@ class Engine:
         elif not step.overlapped:
             self.decode_step_log.append((B, now - step.t_launch))
         self._last_read = (now, B)
-        for r, lg, g in zip(step.reqs, step.logits, picks):
+        for r, tok in zip(step.reqs, picks):
             if r.row is None:
                 continue  # finished, cancelled or preempted after the step was launched
             r.next_pos += 1
-            self._emit(r, lg, g if r.params.greedy else None)  # a sampled request samples
+            self._emit(r, tok)
 
     # -- output ----------------------------------------------------------------------
-    def _emit(self, r: Request, logits: torch.Tensor, greedy_pick: int | None = None) -> None:
+    def _emit(self, r: Request, tok: int) -> None:
         if r.cancelled.is_set():
             self._finish(r, error=RequestCancelled("cancelled"))
-        elif self.output.emit(r, logits, greedy_pick):
+            return
+        try:
+            done = self.output.emit(r, tok)
+        except LazyLLMError as e:  # its constraint rejected the token
+            self._finish(r, error=e)
+            return
+        if done:
             self._finish(r)
 
     def _finish(self, r: Request, error: Exception | None = None) -> None:

@@ -2,7 +2,8 @@
 
 It turns prefill jobs into one varlen forward (metadata packed and sent to the device in one
 copy, short single-sequence prefills replayed from CUDA graphs), makes re-rotated page
-copies, and launches decode steps from the device-resident decode state. Where the requests
+copies, launches decode steps from the device-resident decode state and picks their tokens
+(``Sampler``: one batched pick on the device per step). Where the requests
 of a decode step hold the same pages (the hot documents), it plans shared-chunk attention
 (``lazyllm.kernels.grouping``) so each shared page is read once per step; the plan is made
 again only when the batch's rows change or a row outgrows it. It never admits, frees or
@@ -24,18 +25,24 @@ from ..intmath import cdiv
 from ..model.llama import AttentionMetadata
 from .cuda_graphs import DecodeState, GraphRunner, PinnedTurns, PrefillGraphs, SharedPlanBuffers
 from .request import Job, Request, TableEntry, entry_table, pack_tables, slot_of
+from .sampler import Sampler
 
 
 @dataclass
 class DecodeStep:
-    """A launched decode step: its requests in row order, logits, argmax on its way to the
-    host (``(buffer, event)``), and when it was staged."""
+    """A launched decode step: its requests in row order, its logits ``(B, vocab)`` and their
+    argmax ``(B,)`` on the device (overwritten by the next step of the same graph bucket),
+    the requests riding along with no page (``dead``, by ``id``), when it was staged, and,
+    once ``ModelRunner.pick`` has run, its tokens on their way to the host
+    (``(buffer, event)``)."""
 
     reqs: list
     logits: torch.Tensor
-    picks: tuple
+    argmax: torch.Tensor
     t_launch: float
     overlapped: bool = False  # launched while the step before it was still unread
+    dead: frozenset = frozenset()
+    picks: tuple | None = None
 
 
 class ModelRunner:
@@ -82,7 +89,8 @@ class ModelRunner:
         self.prefill_graphs = PrefillGraphs(model, pool.k, pool.v, max_entries, self.device,
                                             pool.scratch_page * pool.page_size, enabled=graphs,
                                             ctx_ranges=self.calibrated)
-        self._picks = PinnedTurns(max_batch_size, self.device)  # each step's argmax, on its way to the host
+        self._picks = PinnedTurns(max_batch_size, self.device)  # each step's tokens, on their way to the host
+        self.sampler = Sampler(self.device)
 
     def graph_stats(self) -> dict:
         d, p = self.graphs, self.prefill_graphs
@@ -184,11 +192,12 @@ class ModelRunner:
 
     # -- decode --------------------------------------------------------------------------
     def launch_decode(self, reqs: list[Request], pending: dict[int, int], dead: set[int]) -> DecodeStep:
-        """Stage and launch one decode step for ``reqs`` (the decode state's rows, each with
-        room for its next token in its last page). ``pending``: requests (by ``id``) whose
-        latest token is still in the unread step in flight, to the row it has there: their
-        input is that step's argmax on the device. ``dead``: requests that ride along with
-        no page (their K/V to the scratch slot, their token dropped)."""
+        """Stage and launch one decode step's forward for ``reqs`` (the decode state's rows,
+        each with room for its next token in its last page); ``pick`` then chooses its
+        tokens. ``pending``: requests (by ``id``) whose latest token is still in the unread
+        step in flight, to the row it has there: their input is that step's pick on the
+        device. ``dead``: requests that ride along with no page (their K/V to the scratch
+        slot, their token dropped)."""
         ps = self.pool.page_size
         state = self.decode_state
         updates, ids, src, pos, slots = [], [], [], [], []
@@ -205,7 +214,7 @@ class ModelRunner:
                 last.length += 1
                 updates.append((r.row, col, last.page, last.pos, last.delta, last.length))
             i = pending.get(id(r), -1)
-            src.append(i)  # its token: step n's argmax of that row, still on the device
+            src.append(i)  # its token: step n's pick of that row, still on the device
             ids.append(r.generated[-1] if i < 0 else 0)
             pos.append(r.next_pos + (i >= 0))
             W = max(W, len(r.table))
@@ -219,7 +228,34 @@ class ModelRunner:
         self.metrics["decode_steps"] += 1
         self.metrics["shared_decode_steps"] += S > 0
         self.metrics["decode_tokens"] += B
-        return DecodeStep(reqs, logits[:B], self._picks_to_host(argmax, B), t_step, overlapped=bool(pending))
+        return DecodeStep(reqs, logits[:B], argmax[:B], t_step, overlapped=bool(pending), dead=frozenset(dead))
+
+    def pick(self, step: DecodeStep) -> list[tuple[Request, Exception]]:
+        """Choose a launched step's tokens on the device and start their copy to the host.
+        Greedy unconstrained batches take the graph's argmax; any other batch runs the
+        ``Sampler`` over the step's logits (masks of constrained rows applied after the
+        forward) and its picks replace the argmax as the next step's inputs. Called after the
+        step before it was read (so constraints have accepted every earlier token), while
+        the GPU still runs this step's forward. Returns the requests whose constraint failed
+        (to be finished with the error; their token is dropped)."""
+        B = len(step.reqs)
+        rows = [None if id(r) in step.dead or r.row is None or r.finish_reason is not None else r
+                for r in step.reqs]
+        picks = step.argmax
+        if not self.sampler.plain_greedy(rows):
+            picks = self.sampler.pick(step.logits, rows)
+            self.decode_state.next_ids[:B].copy_(picks)
+        step.picks = self._picks_to_host(picks, B)
+        return self.sampler.failed if picks is not step.argmax else []
+
+    def first_picks(self, reqs: list[Request], logits: list[torch.Tensor]) -> list[int]:
+        """The first token of each of ``reqs`` (after their prefill) from its logits row
+        ``(vocab,)``, in one batched pick; the requests whose constraint failed are left in
+        ``self.sampler.failed``."""
+        self.sampler.failed = []
+        rows = torch.stack(logits)
+        picks = rows.argmax(dim=-1) if self.sampler.plain_greedy(reqs) else self.sampler.pick(rows, reqs)
+        return picks.tolist()
 
     def _shared_bucket(self, reqs: list[Request]) -> int:
         """The item bucket of the shared-chunk plan for this step's rows (0: no page is
@@ -261,18 +297,18 @@ class ModelRunner:
         self._entries[id(r)] = (r.table, n, arr)
         return arr
 
-    def _picks_to_host(self, argmax: torch.Tensor, B: int):
-        """Start copying a step's argmax to the host (the graph overwrites ``argmax`` at the
+    def _picks_to_host(self, picks: torch.Tensor, B: int):
+        """Start copying a step's tokens to the host (the graph overwrites its argmax at the
         next step of its bucket); returns ``(buffer, event)`` for ``read_picks``."""
         k = self._picks.take()
         buf = self._picks.bufs[k][:B]
-        buf.copy_(argmax[:B], non_blocking=True)
+        buf.copy_(picks[:B], non_blocking=True)
         self._picks.record(k)
         return buf, self._picks.events[k]
 
     @staticmethod
     def read_picks(step: DecodeStep) -> list[int]:
-        """The step's argmax per row, once the GPU has produced it."""
+        """The step's token per row, once the GPU has produced it."""
         buf, ev = step.picks
         if ev is not None:
             ev.synchronize()

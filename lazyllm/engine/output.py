@@ -1,7 +1,8 @@
 """Output: turns a request's logits into tokens and text, and its end into a result.
 
-``OutputProcessor`` samples each new token, streams its text (``Detokenizer``), decides
-when a request is done (EOS, a stop string, its length or the model's context) and builds
+``OutputProcessor`` takes each new token (picked by the ``Sampler``), advances the request's
+token constraint past it, streams its text (``Detokenizer``), decides when a request is done
+(EOS, a stop string, a complete constraint, its length or the model's context) and builds
 the ``GenerationOutput`` / ``ScoreOutput`` or the error the caller receives on the
 request's event queue. It never touches pages: the engine retires a
 request (frees what it holds) before handing its result out.
@@ -12,10 +13,9 @@ import time
 
 import torch
 
-from ..errors import RequestCancelled
+from ..errors import LazyLLMError, RequestCancelled
 from ..types import GenerationOutput, ScoreOutput, Usage
 from .request import Request
-from .sampler import constrain_logits, sample_token
 
 __all__ = ["OutputProcessor"]
 
@@ -26,24 +26,20 @@ class OutputProcessor:
     def __init__(self, tokenizer, eos_ids: set[int], max_context: int, metrics: dict):
         self.tok, self.eos_ids, self.max_context, self.metrics = tokenizer, eos_ids, max_context, metrics
 
-    def emit(self, r: Request, logits: torch.Tensor, greedy_pick: int | None = None) -> bool:
-        """Append the request's next token (``greedy_pick`` when the device already took the
-        argmax, else sampled from ``logits``) and stream its text; True when the request is
-        done (``r.finish_reason`` set)."""
-        if r.constraint is not None:  # the grammar decides which tokens may be picked
-            logits, greedy_pick = constrain_logits(logits, r.constraint), None
-        tok = greedy_pick if greedy_pick is not None else sample_token(logits, r.params, r.gen)
+    def emit(self, r: Request, tok: int) -> bool:
+        """Append the request's next token and stream its text; True when the request is done
+        (``r.finish_reason`` set). Raises ``LazyLLMError`` when the request's constraint
+        rejects the token (the caller fails the request)."""
+        if r.constraint is not None and not r.constraint.accept(tok):
+            raise LazyLLMError(f"the token constraint rejected token {tok}, which its own mask allowed")
         if not r.generated and not r.first_token_time:
             # the first token exists once it is sampled (the forward before it may still have
             # been running on the GPU when the host got here); a recomputed request keeps its own
             r.first_token_time = time.perf_counter()
         r.generated.append(tok)
         is_eos = tok in self.eos_ids
-        complete = False  # a complete grammar ends the answer even without an end-of-sequence token
-        if r.constraint is not None:
-            if not r.constraint.accept(tok):
-                raise RuntimeError(f"the grammar rejected token {tok}, which its own mask allowed")
-            complete = r.constraint.is_terminated()
+        # a complete grammar ends the answer even without an end-of-sequence token
+        complete = r.constraint is not None and r.constraint.is_terminated()
         if r.streaming or r.params.stop:  # text is needed now: for the caller, or to stop
             delta = r.detok.add(tok) if not is_eos else r.detok.finish()
             if delta:

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ..types import SamplingParams
 from .prompt import Segment
@@ -22,6 +21,7 @@ from .prompt import Segment
 if TYPE_CHECKING:
     from ..cache.store import Entry
     from .detokenizer import Detokenizer
+    from .sampler import TokenConstraint
 
 
 @dataclass
@@ -100,7 +100,9 @@ class Request:
     score_ids: list | None = None
     streaming: bool = True  # emit text deltas as tokens come (False: decode the text once at the end)
     detok: Detokenizer | None = None
-    gen: torch.Generator | None = None
+    # the seed of its sampled tokens (``params.seed``, else drawn by the sampler at its first
+    # sampled token); each token's draw is a function of it and the token's index
+    seed: int | None = None
     # planned by the KV planner (reset by ``KVPlanner.unplan``)
     plan: PrefillPlan | None = None
     table: list[TableEntry] = field(default_factory=list)
@@ -125,7 +127,7 @@ class Request:
     solo: bool = False  # prefill alone (a batched prefill with it failed)
     # structured output: the grammar each token must follow (``sampler.TokenConstraint``), and
     # the API's record of what was asked (it parses the finished text; the engine ignores it)
-    constraint: Any = None
+    constraint: TokenConstraint | None = None
     structured: Any = None
 
     @property

@@ -1,51 +1,221 @@
-"""Token sampling: greedy, temperature, top-k and top-p."""
+"""Token picks for a batch of rows, on the logits' device: greedy, temperature, top-k, top-p,
+per-row seeds and per-row token masks, in one batched pass.
+
+Every row of a batch is picked by the same few tensor ops over ``(B, vocab)`` logits:
+
+* token masks (``TokenConstraint``): the constrained rows' bitmasks are filled on the host,
+  copied once and applied to those rows in one masked fill;
+* greedy rows take the argmax (of the masked logits where the row is constrained);
+* sampled rows divide by their temperature, drop what top-k and top-p leave out (as a logit
+  threshold per row, taken from that row's sorted logits, so a row's filter never depends on
+  another row), and draw by inverse CDF: the first token whose cumulative probability reaches
+  ``u * total``.
+
+The uniform ``u`` of a row is a hash of the request's seed and the index of the token being
+drawn (``row_uniform``), computed on the host: a seeded request draws the same tokens whatever
+else is in its batch, whether decode steps overlap or not, and after a preemption.
+"""
 from __future__ import annotations
 
-from typing import Protocol
+import random
+from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
-from ..types import SamplingParams
+from ..errors import LazyLLMError
+
+__all__ = ["TokenConstraint", "Sampler", "row_uniform", "bitmask_words", "apply_bitmask"]
 
 
-def sample_token(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    """Pick the next token from float32 ``logits`` of shape ``(vocab,)``."""
-    if p.greedy:
-        return int(torch.argmax(logits).item())
-    x = logits.float() / p.temperature
-    if p.top_k > 0 and p.top_k < x.numel():
-        kth = torch.topk(x, p.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_x, idx = torch.sort(x, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        cum = torch.cumsum(probs, dim=-1)
-        drop = cum - probs > p.top_p  # keep the smallest set whose mass reaches top_p
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        x = torch.full_like(x, float("-inf")).scatter(0, idx, sorted_x)
-    probs = torch.softmax(x, dim=-1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
-
-
+@runtime_checkable
 class TokenConstraint(Protocol):
-    """A request's grammar: which tokens may come next (one bitmask row), and its progress."""
+    """What the engine asks of a grammar (or any rule) that restricts a request's tokens.
+
+    The engine calls ``fill_bitmask`` before each of the request's picks, ``accept`` with the
+    token picked, then ``is_terminated``: once it is true the request finishes with
+    ``finish_reason == "stop"``."""
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write row ``row`` of an int32 ``(B, ceil(V / 32))`` CPU tensor: bit ``j`` of word
-        ``i`` set allows token ``32 * i + j``."""
+        """Write the allowed tokens into ``bitmask[row]``: ``bitmask`` is an int32 CPU tensor
+        ``(rows, ceil(vocab / 32))`` (vocab: the model's logits width), bit ``j`` of word
+        ``i`` allows token ``32 * i + j`` (xgrammar's and llguidance's layout). The row is
+        zeroed (nothing allowed) before the call."""
 
     def accept(self, token: int) -> bool:
-        """Advance past ``token``; False when the grammar rejects it."""
+        """Advance past ``token``; False when the token is not allowed."""
 
     def is_terminated(self) -> bool:
-        """The grammar is complete and admits nothing more: the request must stop."""
+        """True when the structure is complete: the request must stop."""
 
 
-def constrain_logits(logits: torch.Tensor, constraint: TokenConstraint) -> torch.Tensor:
-    """``logits`` ``(vocab,)`` with every token the constraint forbids at -inf (a copy)."""
-    V = logits.shape[-1]
-    words = torch.zeros((1, (V + 31) // 32), dtype=torch.int32)
-    constraint.fill_bitmask(words, 0)
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((words[0, :, None] >> shifts) & 1).bool().flatten()[:V]
-    return logits.float().masked_fill(~allowed.to(logits.device), float("-inf"))
+def bitmask_words(vocab: int) -> int:
+    """int32 words per row of a token bitmask over ``vocab`` tokens."""
+    return -(-vocab // 32)
+
+
+_M64 = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    # splitmix64's finalizer: a bijection of 64-bit ints whose outputs pass BigCrush
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def row_uniform(seed: int, counter: int) -> float:
+    """A uniform draw in ``(0, 1)`` (53 bits) for token ``counter`` of a request seeded with
+    ``seed``: a pure function of both, so the draw does not depend on the batch."""
+    z = _mix64(_mix64((seed * 0x9E3779B97F4A7C15) & _M64) ^ ((counter + 1) * 0xD1B54A32D192ED03 & _M64))
+    return ((z >> 11) + 0.5) * 2.0 ** -53
+
+
+def apply_bitmask(x: torch.Tensor, words: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(B, V)`` logits with the tokens that ``words`` ``(C, ceil(V / 32))`` int32 do not
+    allow set to ``-inf`` in rows ``rows`` ``(C,)`` (long); a new tensor, ``x`` is not
+    changed. Rows not listed are unchanged."""
+    V = x.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=x.device)
+    allowed = ((words[:, :, None] >> shifts) & 1).view(words.shape[0], -1)[:, :V].bool()
+    sub = x.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+    return x.index_copy(0, rows, sub)
+
+
+class _Turns:
+    """Two host buffers used in turn for asynchronous copies to the device (pinned on CUDA),
+    each with an event after its copy, so the host never rewrites a buffer a pending copy
+    reads. Grown when a batch needs more room."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.device, self.dtype, self.cuda = device, dtype, device.type == "cuda"
+        self.bufs = [torch.zeros(0, dtype=dtype) for _ in range(2)]
+        self.events = [torch.cuda.Event() for _ in range(2)] if self.cuda else [None, None]
+        self.turn = 0
+
+    def take(self, n: int) -> tuple[int, torch.Tensor]:
+        k = self.turn
+        self.turn ^= 1
+        if self.events[k] is not None:
+            self.events[k].synchronize()
+        if self.bufs[k].numel() < n:
+            self.bufs[k] = torch.zeros(max(n, 2 * self.bufs[k].numel()), dtype=self.dtype, pin_memory=self.cuda)
+        return k, self.bufs[k][:n]
+
+    def send(self, k: int, host: torch.Tensor) -> torch.Tensor:
+        dev = host.to(self.device, non_blocking=True)
+        if self.events[k] is not None:
+            self.events[k].record()
+        return dev
+
+
+class Sampler:
+    """Batched token picks (engine thread only).
+
+    ``pick(logits, rows)`` takes ``(B, V)`` logits on any device and one ``Request`` (or
+    ``None``: a row whose token is thrown away) per row, and returns the ``(B,)`` long picks
+    on the same device, without waiting for them: the host fills the constrained rows'
+    masks and the sampling parameters, sends them in two copies, and enqueues the ops.
+    Rows whose constraint failed (raised, or allowed no token) are picked as greedy and
+    listed in ``failed`` (request to error) until the next ``pick``."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._params = _Turns(device, torch.float64)
+        self._masks = _Turns(device, torch.int32)
+        self.failed: list[tuple] = []  # (request, error)
+
+    @staticmethod
+    def plain_greedy(rows: list) -> bool:
+        """True when every row is greedy and unconstrained: its argmax is its pick."""
+        return all(r is None or (r.params.greedy and r.constraint is None) for r in rows)
+
+    def pick(self, logits: torch.Tensor, rows: list) -> torch.Tensor:
+        """``(B,)`` long picks of ``logits`` ``(B, V)``, one per row of ``rows``; each live row
+        draws token number ``len(r.generated)`` of its request."""
+        self.failed = []
+        B, V = logits.shape
+        x = logits if logits.dtype == torch.float32 else logits.float()
+        cons = [(i, r) for i, r in enumerate(rows) if r is not None and r.constraint is not None]
+        if cons:
+            x = self._mask(x, cons, V)
+        failed = {id(r) for r, _ in self.failed}
+        live = [r is not None and not r.params.greedy and id(r) not in failed for r in rows]
+        greedy = x.argmax(dim=-1)
+        if not any(live):
+            return greedy
+        k, buf = self._params.take(5 * B)
+        h = buf.view(5, B).numpy()
+        # temperature, top-k, top-p, u, sampled; greedy rows get values that change nothing
+        h[0], h[1], h[2], h[3], h[4] = 1.0, V, 1.0, 0.5, 0.0
+        widths = []  # the filtering rows' top-k (V: top-p alone)
+        for i, r in enumerate(rows):
+            if not live[i]:
+                continue
+            p = r.params
+            if r.seed is None:  # drawn once per request, kept across its steps
+                r.seed = p.seed if p.seed is not None else random.getrandbits(64)
+            h[0, i] = p.temperature
+            if 0 < p.top_k < V:
+                h[1, i] = p.top_k
+            h[2, i] = p.top_p
+            h[3, i] = row_uniform(r.seed, len(r.generated))
+            h[4, i] = 1.0
+            if 0 < p.top_k < V or p.top_p < 1.0:
+                widths.append(p.top_k if 0 < p.top_k < V else V)
+        dev = self._params.send(k, buf).view(5, B)
+        sampled = _sample(x, dev[0].float(), dev[1].long(), dev[2].float(), dev[3], max(widths, default=0))
+        return torch.where(dev[4] > 0, sampled, greedy)
+
+    def _mask(self, x: torch.Tensor, cons: list, V: int) -> torch.Tensor:
+        """``x`` with the constrained rows' masks applied (one copy, one masked fill)."""
+        W = bitmask_words(V)
+        k, h = self._masks.take(len(cons) * W + len(cons))
+        words = h[:len(cons) * W].view(len(cons), W)
+        words.zero_()
+        for j, (_, r) in enumerate(cons):
+            try:
+                r.constraint.fill_bitmask(words, j)
+                if not words[j].any():
+                    raise LazyLLMError("the token constraint allows no token at this point")
+            except Exception as e:  # this request fails; the batch goes on
+                self.failed.append((r, e if isinstance(e, LazyLLMError) else
+                                    LazyLLMError(f"token constraint failed: {e!r}")))
+                words[j] = -1
+        h[len(cons) * W:] = torch.from_numpy(np.asarray([i for i, _ in cons], dtype=np.int32))
+        dev = self._masks.send(k, h)
+        return apply_bitmask(x, dev[:len(cons) * W].view(len(cons), W), dev[len(cons) * W:].long())
+
+
+def _sample(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+            u: torch.Tensor, width: int) -> torch.Tensor:
+    """Inverse-CDF draws ``(B,)`` from ``softmax(x / temperature)`` restricted to each row's
+    top-k tokens and then its top-p nucleus (the smallest set of most likely tokens whose mass
+    reaches ``top_p``; ties at the edge kept). ``x`` ``(B, V)`` float32 logits (``-inf``:
+    masked), ``temperature``, ``top_p`` ``(B,)`` float32, ``top_k`` ``(B,)`` long (``V``: off),
+    ``u`` ``(B,)`` float64 in ``(0, 1)``. ``width``: how many of each row's largest logits
+    the filters look at: 0 when no row filters, the largest top-k when every filtering row
+    has one, else ``V`` (a full sort). No host synchronisation.
+
+    Each row's result depends on its own values only, whatever ``width`` and the other rows:
+    the filters' threshold is one of its sorted logits, the masses are prefix sums normalised
+    by a prefix sum (no reduction whose order could change with the width), and the row's
+    maximum is exact."""
+    B, V = x.shape
+    z = x / temperature[:, None]
+    if width:
+        vals = (torch.topk(z, width, dim=-1) if width < V else torch.sort(z, dim=-1, descending=True)).values
+        k = top_k.clamp(max=width)
+        e = torch.exp(vals - vals[:, :1]).masked_fill_(torch.arange(width, device=x.device) >= k[:, None], 0.0)
+        cum = torch.cumsum(e, dim=-1)
+        total = cum.gather(1, (k - 1)[:, None])
+        # the nucleus: the tokens with less than top_p of the (top-k) mass before them
+        n_p = ((cum - e) <= top_p[:, None] * total).sum(dim=-1)
+        n = torch.where(top_p < 1.0, torch.minimum(n_p, k), k).clamp(min=1)
+        thr = vals.gather(1, (n - 1)[:, None])
+        thr = thr.masked_fill(((top_k >= V) & (top_p >= 1.0))[:, None], float("-inf"))
+        z = z.masked_fill(z < thr, float("-inf"))
+    cdf = torch.cumsum(torch.exp(z - z.max(dim=-1, keepdim=True).values), dim=-1, dtype=torch.float64)
+    # the first token whose cumulative mass reaches u * total (it has a mass > 0: u > 0)
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None].contiguous())[:, 0]
+    return pick.clamp(max=V - 1)

@@ -1,8 +1,8 @@
 """Overlapped decode (``LazyLLM(overlap_decode=...)``, ``Engine.async_decode``; by default on
-where decode runs from CUDA graphs, off on CPU): step n + 1 is launched with step n's argmax
+where decode runs from CUDA graphs, off on CPU): step n + 1 is launched with step n's picks
 as its input before the host reads step n. On CPU every op is
 synchronous, so these tests check the bookkeeping (token feedback by row, dropped tokens of
-requests that stop, length limits, preemption, sampling fallback) against the one-step-at-a-
+requests that stop, length limits, preemption, sampled rows) against the one-step-at-a-
 time engine, token for token."""
 from lazyllm import LazyLLM
 from tests.conftest import make_tiny
@@ -84,9 +84,9 @@ def test_lengths_eos_and_stop_strings(tokenizer):
 
 
 def test_sampled_requests_fall_back_and_streams_match(tokenizer):
-    """A sampled request in the batch turns the overlap off while it runs (its token is
-    drawn on the host), with the same tokens as one step at a time; streamed text and
-    cancelled streams behave as without overlap."""
+    """A sampled request in the batch overlaps like the greedy ones (its token is drawn on
+    the device from its seed and token index), with the same tokens as one step at a time;
+    streamed text and cancelled streams behave as without overlap."""
     model = make_tiny("llama", seed=8)
     sync, over = _pair(model, tokenizer)
     batch = [{"question": "q?", "chunks": DOCS[:3], "max_new_tokens": 10},
