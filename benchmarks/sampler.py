@@ -5,7 +5,9 @@ rows (the argmax the engine takes when no row samples), sampled rows (temperatur
 with top-k and top-p) and masked rows (a dense token bitmask per row, filled by a constraint
 that copies a precomputed mask, greedy and sampled); median milliseconds per step.
 
-    python benchmarks/sampler.py [--vocab 128256] [--reps 50]
+    python benchmarks/sampler.py [--vocab 49152,128256] [--threads 1] [--reps 50]
+
+(49152: the default model's vocabulary; 128256: Llama 3's.)
 
 GPU (``--engine``): the whole decode step of the engine at batch 32, Llama-3.1-8B shapes with
 random bf16 weights (as ``benchmarks/engine.py``), each request over the same cached chunks:
@@ -156,7 +158,8 @@ def engine_table(args) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--vocab", default="49152,128256", help="vocabulary sizes, comma-separated")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (a busy machine: 1 is steadier)")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--engine", action="store_true", help="the engine's decode step on a GPU (see the docstring)")
     ap.add_argument("--tokenizer", default=None)
@@ -171,14 +174,17 @@ def main():
     if args.engine:
         res = engine_table(args)
     else:
-        rows = cpu_table(args.vocab, args.reps)
-        res = {"device": "cpu", "threads": torch.get_num_threads(), "vocab": args.vocab, "rows": rows}
-        print(f"Sampler per step on CPU ({torch.get_num_threads()} threads), vocab {args.vocab}, "
-              f"{time.strftime('%Y-%m-%d')}")
-        print("| batch | " + " | ".join(dict.fromkeys(r["mode"] for r in rows)) + " |")
-        print("| ---: |" + " ---: |" * len(dict.fromkeys(r["mode"] for r in rows)))
-        for b in (1, 8, 32):
-            print(f"| {b} | " + " | ".join(f"{r['ms']:.2f} ms" for r in rows if r["batch"] == b) + " |")
+        torch.set_num_threads(args.threads)
+        res = {"device": "cpu", "threads": args.threads, "tables": {}}
+        for vocab in (int(v) for v in args.vocab.split(",")):
+            rows = cpu_table(vocab, args.reps)
+            res["tables"][vocab] = rows
+            modes = list(dict.fromkeys(r["mode"] for r in rows))
+            print(f"\nSampler per step on CPU ({args.threads} thread(s)), vocab {vocab}, {time.strftime('%Y-%m-%d')}")
+            print("| batch | " + " | ".join(modes) + " |")
+            print("| ---: |" + " ---: |" * len(modes))
+            for b in (1, 8, 32):
+                print(f"| {b} | " + " | ".join(f"{r['ms']:.2f} ms" for r in rows if r["batch"] == b) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
 

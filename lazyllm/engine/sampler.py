@@ -71,15 +71,30 @@ def row_uniform(seed: int, counter: int) -> float:
     return ((z >> 11) + 0.5) * 2.0 ** -53
 
 
-def apply_bitmask(x: torch.Tensor, words: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``x`` ``(B, V)`` logits with the tokens that ``words`` ``(C, ceil(V / 32))`` int32 do not
-    allow set to ``-inf`` in rows ``rows`` ``(C,)`` (long); a new tensor, ``x`` is not
-    changed. Rows not listed are unchanged."""
+_FORBIDDEN: dict = {}  # device -> (256, 8) bool: bit j of byte b is clear
+
+
+def _forbidden_bits(device: torch.device) -> torch.Tensor:
+    t = _FORBIDDEN.get(device)
+    if t is None:
+        b = torch.arange(256, dtype=torch.int32)
+        t = _FORBIDDEN[device] = (((b[:, None] >> torch.arange(8, dtype=torch.int32)) & 1) == 0).to(device)
+    return t
+
+
+def apply_bitmask(x: torch.Tensor, words: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Set to ``-inf``, in place, the logits of ``x`` ``(B, V)`` whose tokens the bitmask
+    ``words`` ``(C, ceil(V / 32))`` int32 does not allow, in rows ``rows`` ``(C,)`` (long;
+    ``None``: every row, ``C == B``); returns ``x``. Rows not listed are unchanged. The bits
+    are expanded through a byte table (one gather), so the mask costs about one pass over the
+    masked rows."""
     V = x.shape[-1]
-    shifts = torch.arange(32, dtype=torch.int32, device=x.device)
-    allowed = ((words[:, :, None] >> shifts) & 1).view(words.shape[0], -1)[:, :V].bool()
-    sub = x.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
-    return x.index_copy(0, rows, sub)
+    C = words.shape[0]
+    # little-endian words: byte k of word i holds the bits of tokens 32 i + 8 k .. + 7
+    forbidden = _forbidden_bits(x.device)[words.contiguous().view(torch.uint8).long()].view(C, -1)[:, :V]
+    if rows is None:
+        return x.masked_fill_(forbidden, float("-inf"))
+    return x.index_copy_(0, rows, x.index_select(0, rows).masked_fill_(forbidden, float("-inf")))
 
 
 class _Turns:
@@ -130,20 +145,21 @@ class Sampler:
         """True when every row is greedy and unconstrained: its argmax is its pick."""
         return all(r is None or (r.params.greedy and r.constraint is None) for r in rows)
 
+    @torch.inference_mode()  # the forward's logits are inference tensors, masked in place
     def pick(self, logits: torch.Tensor, rows: list) -> torch.Tensor:
         """``(B,)`` long picks of ``logits`` ``(B, V)``, one per row of ``rows``; each live row
-        draws token number ``len(r.generated)`` of its request."""
+        draws token number ``len(r.generated)`` of its request. The constrained rows of
+        ``logits`` (float32) are masked in place."""
         self.failed = []
         B, V = logits.shape
         x = logits if logits.dtype == torch.float32 else logits.float()
         cons = [(i, r) for i, r in enumerate(rows) if r is not None and r.constraint is not None]
-        if cons:
-            x = self._mask(x, cons, V)
+        if cons:  # in place: a step's logits are read by nothing after its pick
+            self._mask(x, cons, V)
         failed = {id(r) for r, _ in self.failed}
         live = [r is not None and not r.params.greedy and id(r) not in failed for r in rows]
-        greedy = x.argmax(dim=-1)
         if not any(live):
-            return greedy
+            return x.argmax(dim=-1)
         k, buf = self._params.take(5 * B)
         h = buf.view(5, B).numpy()
         # temperature, top-k, top-p, u, sampled; greedy rows get values that change nothing
@@ -165,10 +181,12 @@ class Sampler:
                 widths.append(p.top_k if 0 < p.top_k < V else V)
         dev = self._params.send(k, buf).view(5, B)
         sampled = _sample(x, dev[0].float(), dev[1].long(), dev[2].float(), dev[3], max(widths, default=0))
-        return torch.where(dev[4] > 0, sampled, greedy)
+        if all(live):
+            return sampled
+        return torch.where(dev[4] > 0, sampled, x.argmax(dim=-1))
 
-    def _mask(self, x: torch.Tensor, cons: list, V: int) -> torch.Tensor:
-        """``x`` with the constrained rows' masks applied (one copy, one masked fill)."""
+    def _mask(self, x: torch.Tensor, cons: list, V: int) -> None:
+        """Apply the constrained rows' masks to ``x`` in place (one copy, one masked fill)."""
         W = bitmask_words(V)
         k, h = self._masks.take(len(cons) * W + len(cons))
         words = h[:len(cons) * W].view(len(cons), W)
@@ -184,7 +202,8 @@ class Sampler:
                 words[j] = -1
         h[len(cons) * W:] = torch.from_numpy(np.asarray([i for i, _ in cons], dtype=np.int32))
         dev = self._masks.send(k, h)
-        return apply_bitmask(x, dev[:len(cons) * W].view(len(cons), W), dev[len(cons) * W:].long())
+        words = dev[:len(cons) * W].view(len(cons), W)
+        apply_bitmask(x, words, None if len(cons) == x.shape[0] else dev[len(cons) * W:].long())
 
 
 def _sample(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -198,9 +217,8 @@ def _sample(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top
     has one, else ``V`` (a full sort). No host synchronisation.
 
     Each row's result depends on its own values only, whatever ``width`` and the other rows:
-    the filters' threshold is one of its sorted logits, the masses are prefix sums normalised
-    by a prefix sum (no reduction whose order could change with the width), and the row's
-    maximum is exact."""
+    the filters' threshold is one of its sorted logits, and their masses are prefix sums
+    normalised by a prefix sum (no reduction whose order could change with the width)."""
     B, V = x.shape
     z = x / temperature[:, None]
     if width:
@@ -215,7 +233,7 @@ def _sample(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top
         thr = vals.gather(1, (n - 1)[:, None])
         thr = thr.masked_fill(((top_k >= V) & (top_p >= 1.0))[:, None], float("-inf"))
         z = z.masked_fill(z < thr, float("-inf"))
-    cdf = torch.cumsum(torch.exp(z - z.max(dim=-1, keepdim=True).values), dim=-1, dtype=torch.float64)
+    cdf = torch.cumsum(torch.softmax(z, dim=-1), dim=-1, dtype=torch.float64)
     # the first token whose cumulative mass reaches u * total (it has a mass > 0: u > 0)
     pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None].contiguous())[:, 0]
     return pick.clamp(max=V - 1)

@@ -148,25 +148,30 @@ def test_row_uniform_is_uniform_and_a_function_of_seed_and_index():
 
 
 @pytest.mark.parametrize("V", [1, 31, 32, 33, 100, 257])
-def test_apply_bitmask_matches_the_bit_layout(V):
-    """Bit j of word i allows token 32 i + j; unlisted rows are untouched; the input is not
-    changed."""
+@pytest.mark.parametrize("all_rows", [False, True])
+def test_apply_bitmask_matches_the_bit_layout(V, all_rows):
+    """Bit j of word i allows token 32 i + j (bit 31 included: negative words); rows not
+    listed are untouched; applied in place."""
     rng = np.random.default_rng(V)
-    B, W = 5, bitmask_words(V)
+    B, W = (3 if all_rows else 5), bitmask_words(V)
     allowed = rng.random((3, W * 32)) < 0.4
+    allowed[:, 31::32] = True  # bit 31 set in every word: negative int32 words
+    allowed[0, 5::32] = False
     words = np.zeros((3, W), dtype=np.int64)
     for j in range(32):
         words |= allowed[:, j::32].astype(np.int64) << j
     words = torch.from_numpy(words.astype(np.uint32).view(np.int32))
+    assert (words < 0).all()
     x = torch.from_numpy(rng.standard_normal((B, V)).astype(np.float32))
     before = x.clone()
-    rows = torch.tensor([4, 0, 2])
-    out = apply_bitmask(x, words, rows)
-    assert torch.equal(x, before)
+    rows = torch.tensor([0, 1, 2] if all_rows else [4, 0, 2])
+    out = apply_bitmask(x, words, None if all_rows else rows)
+    assert out is x
     ref = before.clone()
     for j, r in enumerate(rows.tolist()):
         ref[r, ~torch.from_numpy(allowed[j, :V])] = float("-inf")
-    assert torch.equal(out, ref)
+    assert torch.equal(x, ref)
+    assert torch.isinf(x).sum() == (~allowed[:, :V]).sum()
 
 
 class _AllowedSet:
