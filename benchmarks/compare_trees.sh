@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Old code against new code on one GPU, interleaved, in one call: the engine figures
 # (benchmarks/engine.py: warm TTFT, decode step at batch 1 and 64 over shared and over own
-# chunks) and the kernel table (benchmarks/kernels.py), each tree running its own scripts.
+# chunks, sampled decode at batch 32) and the kernel table (benchmarks/kernels.py). Both trees
+# run the new tree's engine.py (it reaches the engine through the public API and a few long-
+# standing engine attributes, so the two sides are measured by the same code); each tree runs
+# its own kernels.py (it calls the kernels' internals).
 #
 #   bash benchmarks/compare_trees.sh OLD_DIR NEW_DIR TOKENIZER_DIR [engine] [kernels] [rounds=N]
 #
@@ -30,6 +33,7 @@ for side in old new; do
   cp -R "$src/integrations" "/tmp/tree_$side/lazyllm/integrations"
   cp -R "$src/benchmarks" "/tmp/tree_$side/benchmarks"
 done
+cp "$NEW/benchmarks/engine.py" "$NEW/benchmarks/_common.py" /tmp/tree_old/benchmarks/
 run() {  # side, then the script and its arguments relative to that tree
   local side=$1; shift
   (cd "/tmp/tree_$side" && PYTHONPATH="/tmp/tree_$side" python3 "$@")
@@ -47,12 +51,13 @@ for w in $what; do
       python3 - "$OUT" "$rounds" <<'EOF'
 import json, statistics, sys
 out, rounds = sys.argv[1], int(sys.argv[2])
-keys = ["warm_ttft_ms", "cold_ttft_ms", "decode_b1_step_ms", "decode_b64_step_ms", "decode_b64_distinct_step_ms"]
+keys = ["warm_ttft_ms", "cold_ttft_ms", "decode_b1_step_ms", "decode_b64_step_ms", "decode_b64_distinct_step_ms",
+        "decode_b32_sampled_step_ms"]
 runs = {s: [json.load(open(f"{out}/engine_{s}_{i}.json")) for i in range(1, rounds + 1)] for s in ("old", "new")}
 print("| figure | old runs (ms) | new runs (ms) | new/old (medians) |")
 print("| --- | --- | --- | ---: |")
 for k in keys:
-    o, n = [r[k] for r in runs["old"]], [r[k] for r in runs["new"]]
+    o, n = [r.get(k, float("nan")) for r in runs["old"]], [r.get(k, float("nan")) for r in runs["new"]]
     print(f"| {k} | {', '.join(f'{x:.2f}' for x in o)} | {', '.join(f'{x:.2f}' for x in n)} | "
           f"{statistics.median(n) / statistics.median(o):.3f} |")
 EOF

@@ -35,9 +35,17 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [p for p in (ROOT, os.path.join(ROOT, "benchmarks")) if p not in sys.path]
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
-from engine import copy_bandwidth, llama31_8b_config, step_ms, text_of_tokens  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    copy_bandwidth,
+    llama31_8b_config,
+    load_tokenizer,
+    run_to_length,
+    step_ms,
+    text_of_tokens,
+)
 
 MODELS = ("llama", "qwen3", "gemma3")
 NAMES = {"llama": "Llama-3.1-8B", "qwen3": "Qwen3-8B", "gemma3": "Gemma-3-4B"}
@@ -123,7 +131,7 @@ def measure(family: str, tok, args) -> dict:
         llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=args.kv_gb << 30, device=device)
     finally:
         log.removeHandler(handler)
-    llm.engine.output.eos_ids = set()  # random weights: run every request to its length
+    run_to_length(llm)  # random weights: run every request to its length
     m = llm.model
     res.update(fused_kernels=m.fused is not None, graph_capturable=m.graph_capturable,
                windowed_layers=sum(w is not None for w in m.windows), warnings=handler.messages)
@@ -222,14 +230,8 @@ def main(argv=None) -> dict:
         args.chunks, args.chunk_tokens, args.question_tokens = 8, 510, 50  # + template: ~59 suffix tokens
         args.reps, args.batches = 10, (1, 32)
         args.kv_gb = args.kv_gb or 24
-    from transformers import AutoTokenizer
 
-    tok_dir = args.tokenizer
-    if tok_dir is None:
-        from lazyllm.model.loader import default_model_dir
-
-        tok_dir = str(default_model_dir())
-    tok = AutoTokenizer.from_pretrained(tok_dir)
+    tok = load_tokenizer(args.tokenizer)
     results: dict = {"date": time.strftime("%Y-%m-%d"), "dry_run": args.dry_run,
                      "device": "cpu" if args.dry_run else torch.cuda.get_device_name()}
     if not args.dry_run:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import json
 import sys
 import time
@@ -21,16 +20,11 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
+ROOT = str(Path(__file__).resolve().parents[1])
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
-
-def _load_kernels_bench():
-    """``benchmarks/kernels.py`` loaded by path, under a name that cannot shadow ``kernels``."""
-    spec = importlib.util.spec_from_file_location("_lazyllm_bench_kernels", HERE / "kernels.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from benchmarks._common import sibling  # noqa: E402
 
 
 def markdown(meta, rows, md_table) -> list[str]:
@@ -54,7 +48,7 @@ def main() -> None:
     args = ap.parse_args()
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
         sys.exit("gluon_prefill.py needs a Hopper GPU (sm_90)")
-    kb = _load_kernels_bench()
+    kb = sibling("kernels")
     ta = kb.ta
     gp = importlib.import_module(f"{ta.__name__}.gluon_prefill")
     triton_prefill = kb.TRITON_PREFILL

@@ -27,24 +27,27 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [p for p in (ROOT, os.path.join(ROOT, "benchmarks")) if p not in sys.path]
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
-from engine import llama31_8b_config, random_model, text_of_tokens  # noqa: E402
-
+from benchmarks._common import (  # noqa: E402
+    device_name,
+    llama31_8b_config,
+    load_tokenizer,
+    random_model,
+    run_to_length,
+    shrink_to_tiny,
+    text_of_tokens,
+)
 from lazyllm.model.llama import LlamaFamilyModel  # noqa: E402
 from lazyllm.model.packets import Packets, packet_model_id  # noqa: E402
 
 
 def _setup(args):
-    from transformers import AutoTokenizer
-
-    from lazyllm.model.loader import default_model_dir
-
-    tok = AutoTokenizer.from_pretrained(args.tokenizer or str(default_model_dir()))
+    tok = load_tokenizer(args.tokenizer)
     cfg = llama31_8b_config(args.layers)
     if args.tiny:
-        cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads = 64, 128, 4, 2
-        cfg.head_dim, cfg.vocab_size, cfg.num_hidden_layers = 16, len(tok), min(args.layers, 2)
+        shrink_to_tiny(cfg, len(tok))
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     model = random_model(cfg, device=args.device, dtype=dtype)
     g = torch.Generator().manual_seed(0)
@@ -64,7 +67,7 @@ def run_ttft(args, tok, model, packets) -> list[dict]:
     system = "You answer from the documents."
     for name, p in (("no packet", None), ("packet 4+4", packets), ("no packet (again)", None)):
         llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=(16 << 30) if cuda else (256 << 20), packets=p)
-        llm.engine.output.eos_ids = set()
+        run_to_length(llm)
         if chunks is None:
             chunks = [text_of_tokens(llm, args.chunk_tokens, seed=i) for i in range(args.chunks)]
             question = text_of_tokens(llm, 50, seed=99)
@@ -161,7 +164,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     tok, cfg, model, packets = _setup(args)
-    res = dict(device=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+    res = dict(device=device_name(args.device),
                layers=cfg.num_hidden_layers, tiny=args.tiny)
     if args.what == "ttft":
         res["rows"] = run_ttft(args, tok, model, packets)

@@ -25,10 +25,18 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [p for p in (ROOT, os.path.join(ROOT, "benchmarks")) if p not in sys.path]
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
-from engine import llama31_8b_config, random_model, text_of_tokens  # noqa: E402
-
+from benchmarks._common import (  # noqa: E402
+    device_name,
+    llama31_8b_config,
+    load_tokenizer,
+    random_model,
+    run_to_length,
+    shrink_to_tiny,
+    text_of_tokens,
+)
 from lazyllm.presets import PRESETS  # noqa: E402
 
 SETTINGS = {"default": {}, **{name: {"quality": name} for name in PRESETS},
@@ -47,31 +55,24 @@ def main(argv=None) -> dict:
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    from transformers import AutoTokenizer
 
     from lazyllm import LazyLLM
 
-    tok_dir = args.tokenizer
-    if tok_dir is None:
-        from lazyllm.model.loader import default_model_dir
-
-        tok_dir = str(default_model_dir())
-    tok = AutoTokenizer.from_pretrained(tok_dir)
+    tok = load_tokenizer(args.tokenizer)
     cfg = llama31_8b_config(args.layers)
     if args.tiny:
-        cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads = 64, 128, 4, 2
-        cfg.head_dim, cfg.vocab_size, cfg.num_hidden_layers = 16, len(tok), min(args.layers, 2)
+        shrink_to_tiny(cfg, len(tok))
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     model = random_model(cfg, device=args.device, dtype=dtype)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    results = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+    results = {"device": device_name(args.device),
                "date": time.strftime("%Y-%m-%d"), "layers": cfg.num_hidden_layers, "tiny": args.tiny, "rows": []}
     chunks = question = None
     for name in filter(None, args.settings.split(",")):
         kw = SETTINGS[name]
         llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=(16 << 30) if args.device.startswith("cuda")
                       else (256 << 20), **kw)
-        llm.engine.output.eos_ids = set()
+        run_to_length(llm)
         if chunks is None:
             chunks = [text_of_tokens(llm, args.chunk_tokens, seed=i) for i in range(args.chunks)]
             question = text_of_tokens(llm, 50, seed=99)

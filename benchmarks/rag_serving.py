@@ -58,28 +58,18 @@ import math
 import os
 import random
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
-# benchmarks/ is deliberately not put on sys.path: its kernels.py would shadow the name
-# ``kernels``, which transformers imports when present (the Hugging Face kernels hub), and
-# that module imports the Triton kernels at import time. Siblings are loaded by path.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
-
-def _sibling(name: str):
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"_lazyllm_bench_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    import sys
-
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from benchmarks._common import llama31_8b_config, random_model, run_to_length  # noqa: E402
 
 PRESETS = {
     "ci": dict(docs=12, doc_tokens=48, k=2, requests=6, output_tokens=3, budgets="0.6,1.0", rates="0",
@@ -311,7 +301,7 @@ class LazyRunner:
         self.llm = LazyLLM(model=hf, tokenizer=tok, reuse=system,
                            kv_cache_bytes=max(int(budget_frac * pool_bytes), 1 << 20), page_size=args.page_size,
                            kernel_options=KernelOptions(shared_decode=args.shared_decode))
-        self.llm.engine.output.eos_ids = set()  # every request runs to its length: same work for every system
+        run_to_length(self.llm)  # every request runs to its length: same work for every system
         self.page_bytes = pool_bytes / max(args.docs * args.doc_tokens, 1) * self.llm.page_size
 
     def one(self, r, docs):
@@ -631,8 +621,7 @@ def main(argv=None):
 
     t_start = time.perf_counter()
     if args.random_8b:
-        eng = _sibling("engine")
-        hf = eng.random_model(eng.llama31_8b_config(32))
+        hf = random_model(llama31_8b_config(32))
         tok = AutoTokenizer.from_pretrained(args.tokenizer or str(default_model_dir()))
         name = "random Llama-3.1-8B shapes, bf16"
     else:

@@ -41,25 +41,17 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import threading
 import time
 
-# siblings are loaded by path (see rag_serving.py on why benchmarks/ is not on sys.path)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
+from benchmarks._common import sibling  # noqa: E402
 
-def _sibling(name: str):
-    import importlib.util
-    import sys
-
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"_lazyllm_bench_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-rag = _sibling("rag_serving")
+rag = sibling("rag_serving")
 
 
 def make_requests(tok, args, alpha: float, stream: str, n: int) -> list:

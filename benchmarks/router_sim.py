@@ -71,21 +71,11 @@ import sys
 import time
 from collections import Counter, OrderedDict, deque
 
-# siblings are loaded by path (see rag_serving.py on why benchmarks/ is not on sys.path)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
-
-def _sibling(name: str):
-    import importlib.util
-
-    key = f"_lazyllm_bench_{name}"
-    if key in sys.modules:
-        return sys.modules[key]
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
-    spec = importlib.util.spec_from_file_location(key, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from benchmarks._common import sibling  # noqa: E402
 
 
 class WordTokenizer:
@@ -98,7 +88,7 @@ class WordTokenizer:
 def workload(args, alpha: float, stream: str, n: int, tok=None) -> list[list[int]]:
     """Document ids of ``n`` requests of ``ray_router.make_requests`` (``args.topic_size``
     selects the topic-clustered generator)."""
-    rr = _sibling("ray_router")
+    rr = sibling("ray_router")
     return [r.doc_ids for r in rr.make_requests(tok or WordTokenizer(), args, alpha, stream, n)]
 
 

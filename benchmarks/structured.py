@@ -20,8 +20,12 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from grammar_libs import NESTED  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks._common import llama31_8b_config, load_tokenizer, random_model, run_to_length  # noqa: E402
+from benchmarks.grammar_libs import NESTED  # noqa: E402
 
 
 def step_times(llm, batch: int, **kw) -> list[float]:
@@ -32,22 +36,14 @@ def step_times(llm, batch: int, **kw) -> list[float]:
 
 
 def build(args):
-    from transformers import AutoTokenizer
 
     from lazyllm import LazyLLM
 
     if args.model == "default":
         return LazyLLM(device=args.device, kv_cache_bytes=2 << 30)
-    from engine import llama31_8b_config, random_model
-
-    tok_dir = args.tokenizer
-    if tok_dir is None:
-        from lazyllm.model.loader import default_model_dir
-
-        tok_dir = str(default_model_dir())
     model = random_model(llama31_8b_config(args.layers), device=args.device)
-    llm = LazyLLM(model=model, tokenizer=AutoTokenizer.from_pretrained(tok_dir), kv_cache_bytes=32 << 30)
-    llm.engine.output.eos_ids = set()  # random weights: unconstrained rows run to their length
+    llm = LazyLLM(model=model, tokenizer=load_tokenizer(args.tokenizer), kv_cache_bytes=32 << 30)
+    run_to_length(llm)  # random weights: unconstrained rows run to their length
     return llm
 
 
