@@ -35,7 +35,9 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = str(Path(__file__).resolve().parents[1])
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
 
 class DenseMask:
@@ -99,21 +101,21 @@ def _submit(llm, question, chunks, n, constraint=None, **kw):
 
 
 def engine_table(args) -> dict:
-    from engine import llama31_8b_config, random_model, step_ms, text_of_tokens
-    from transformers import AutoTokenizer
-
+    from benchmarks._common import (
+        llama31_8b_config,
+        load_tokenizer,
+        random_model,
+        run_to_length,
+        step_ms,
+        text_of_tokens,
+    )
     from lazyllm import LazyLLM
 
-    tok_dir = args.tokenizer
-    if tok_dir is None:
-        from lazyllm.model.loader import default_model_dir
-
-        tok_dir = str(default_model_dir())
-    tok = AutoTokenizer.from_pretrained(tok_dir)
+    tok = load_tokenizer(args.tokenizer)
     cfg = llama31_8b_config(args.layers)
     model = random_model(cfg)
     llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=24 << 30, overlap_decode=args.overlap)
-    llm.engine.output.eos_ids = set()  # random weights: every request runs to its length
+    run_to_length(llm)  # random weights: every request runs to its length
     V = cfg.vocab_size
     factory = None
     if args.constraint:
