@@ -48,6 +48,11 @@ class TokenConstraint(Protocol):
     def is_terminated(self) -> bool:
         """True when the structure is complete: the request must stop."""
 
+    # Optional: a class may also define ``fill_bitmasks(items, bitmask)`` (a classmethod or
+    # staticmethod; ``items``: ``(constraint, row)`` pairs of that class) to fill many rows in
+    # one call, e.g. on several threads; the sampler then calls it once per step instead of
+    # each row's ``fill_bitmask``.
+
 
 def bitmask_words(vocab: int) -> int:
     """int32 words per row of a token bitmask over ``vocab`` tokens."""
@@ -191,12 +196,26 @@ class Sampler:
         k, h = self._masks.take(len(cons) * W + len(cons))
         words = h[:len(cons) * W].view(len(cons), W)
         words.zero_()
+        errors: dict[int, Exception] = {}
+        groups: dict[type, list] = {}  # constraint classes that fill many rows in one call
         for j, (_, r) in enumerate(cons):
+            if hasattr(type(r.constraint), "fill_bitmasks"):
+                groups.setdefault(type(r.constraint), []).append(j)
+                continue
             try:
                 r.constraint.fill_bitmask(words, j)
-                if not words[j].any():
-                    raise LazyLLMError("the token constraint allows no token at this point")
             except Exception as e:  # this request fails; the batch goes on
+                errors[j] = e
+        for cls, js in groups.items():
+            try:
+                cls.fill_bitmasks([(cons[j][1].constraint, j) for j in js], words)
+            except Exception as e:
+                errors.update((j, e) for j in js)
+        empty = (words == 0).all(dim=1).tolist()
+        for j, (_, r) in enumerate(cons):
+            e = errors.get(j) or (LazyLLMError("the token constraint allows no token at this point")
+                                  if empty[j] else None)
+            if e is not None:
                 self.failed.append((r, e if isinstance(e, LazyLLMError) else
                                     LazyLLMError(f"token constraint failed: {e!r}")))
                 words[j] = -1

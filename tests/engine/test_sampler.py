@@ -213,3 +213,22 @@ def test_a_constraint_that_allows_nothing_or_raises_fails_only_its_row():
     failed = {id(r): str(e) for r, e in sampler.failed}
     assert set(failed) == {id(rows[0]), id(rows[2])}
     assert "allows no token" in failed[id(rows[0])] and "grammar state lost" in failed[id(rows[2])]
+
+
+def test_a_class_that_fills_many_rows_at_once_is_called_once_per_pick():
+    class Batched(_AllowedSet):
+        calls = []
+
+        @classmethod
+        def fill_bitmasks(cls, items, bitmask):
+            cls.calls.append([row for _, row in items])
+            for c, row in items:
+                c.fill_bitmask(bitmask, row)
+
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(3))
+    rows = [_row(constraint=Batched([3, 4])), _row(), _row(constraint=_AllowedSet([50])),
+            _row(constraint=Batched([70, 99]))]
+    picks = Sampler(torch.device("cpu")).pick(logits.clone(), rows).tolist()
+    assert Batched.calls == [[0, 2]]  # the rows of the mask buffer (constrained rows only)
+    assert picks[0] == 3 + int(logits[0, 4] > logits[0, 3]) and picks[2] == 50
+    assert picks[3] == (99 if logits[3, 99] > logits[3, 70] else 70) and picks[1] == int(logits[1].argmax())
