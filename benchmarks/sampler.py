@@ -102,10 +102,12 @@ def _submit(llm, question, chunks, n, constraint=None, **kw):
 
 def engine_table(args) -> dict:
     from benchmarks._common import (
+        device_name,
         llama31_8b_config,
         load_tokenizer,
         random_model,
         run_to_length,
+        shrink_to_tiny,
         step_ms,
         text_of_tokens,
     )
@@ -113,8 +115,11 @@ def engine_table(args) -> dict:
 
     tok = load_tokenizer(args.tokenizer)
     cfg = llama31_8b_config(args.layers)
-    model = random_model(cfg)
-    llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=24 << 30, overlap_decode=args.overlap)
+    if args.tiny:  # a smoke run of the whole script (e.g. on CPU), not a measurement
+        cfg = shrink_to_tiny(cfg, len(tok))
+    model = random_model(cfg, device=args.device, dtype=torch.bfloat16 if args.device != "cpu" else torch.float32)
+    llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=(256 << 20) if args.tiny else 24 << 30,
+                  overlap_decode=args.overlap)
     run_to_length(llm)  # random weights: every request runs to its length
     V = cfg.vocab_size
     factory = None
@@ -131,7 +136,7 @@ def engine_table(args) -> dict:
         "sampled, dense mask": lambda i: (dict(temperature=0.8, top_p=0.95, seed=i), DenseMask(words[i]))}
     if factory is not None:
         cases[f"greedy, {args.constraint}"] = lambda i: ({}, factory(tok, V, i))
-    res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "batch": B,
+    res = {"device": device_name(args.device), "date": time.strftime("%Y-%m-%d"), "batch": B,
            "layers": args.layers, "overlap": llm.engine.async_decode, "steps": args.steps, "cases": {}}
     llm.generate_batch([{"question": f"w{b} {question}", "chunks": chunks} for b in range(4)], max_new_tokens=4)
     for rnd in range(args.rounds):
@@ -166,6 +171,8 @@ def main():
     ap.add_argument("--engine", action="store_true", help="the engine's decode step on a GPU (see the docstring)")
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="a tiny random model: a smoke run of --engine (CPU)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
