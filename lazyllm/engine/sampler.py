@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..errors import LazyLLMError
+from ..intmath import cdiv
 
 __all__ = ["TokenConstraint", "Sampler", "row_uniform", "bitmask_words", "apply_bitmask"]
 
@@ -56,7 +57,7 @@ class TokenConstraint(Protocol):
 
 def bitmask_words(vocab: int) -> int:
     """int32 words per row of a token bitmask over ``vocab`` tokens."""
-    return -(-vocab // 32)
+    return cdiv(vocab, 32)
 
 
 _M64 = (1 << 64) - 1
