@@ -12,11 +12,10 @@ PREFILL_CFG_HALVES = {128: (64, 64, 4, 2)}
 DECODE_CFG = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 4, 2)}
 # decode (one query per sequence) in the flat run loop, pages of at least the key tile:
 # (BLOCK_N, num_warps, num_stages). Two warps: more programs in flight per SM, which is
-# what a bandwidth-bound loop needs (H200, bf16, pages of 64: 0.95-1.00x cuDNN's dense
-# decode at batch 64-128, against 0.85-0.89x with four warps)
+# what a bandwidth-bound loop needs (faster than four at batch 64-128 over pages of 64)
 DECODE_CFG_RUNS = {128: (64, 2, 3)}
 # with DECODE_CFG_RUNS: key splits until about this many programs per SM, rounded down to
-# a power of two (batch 32: 2 splits at 0.91-0.97x cuDNN, 3 splits 0.79-0.85x, 4 0.86-0.96x)
+# a power of two (at batch 32, 2 splits were faster than 3 or 4)
 DECODE_RUNS_PROGRAMS_PER_SM = 4
 # the short path on rotary halves (``KernelOptions.short_halves``): (fewer programs than
 # SMs, at least one per SM); opt-in, as it was no clear win over the flat loop in the engine

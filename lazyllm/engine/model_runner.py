@@ -51,11 +51,9 @@ class ModelRunner:
     supports_shared = True  # shared-chunk decode (a runner that ships metadata elsewhere says no)
     SHARED_EXTEND = 4  # pages a row may grow by before its shared-chunk plan is made again
     # the shared-chunk path runs a step only where it saves at least this share of the step's
-    # page reads. Measured on H200 (benchmarks/shared_chunks.py, one layer): 5 of 100 Zipf
-    # documents per request saves 55% of the reads at batch 16 and was 1.1x slower than the
-    # per-request kernel (whose re-reads hit L2), 71% at batch 64 and was 1.4x faster, the same
-    # 8 documents for every request saves 91% and was 3.2-4.8x faster; a system prompt shared by
-    # requests over their own documents saves a few percent
+    # page reads: below it the per-request kernel's repeated reads hit L2 and it is the faster
+    # (the measured crossover: BENCHMARKS.md, "GPU: shared-chunk attention"); a system prompt
+    # shared by requests over their own documents saves a few percent
     SHARED_MIN_SAVED = 0.6
 
     def __init__(self, model, pool: PagePool, *, rerotate_copy, max_batch_tokens: int, max_batch_size: int,

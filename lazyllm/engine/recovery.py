@@ -134,7 +134,7 @@ class Recovery:
         mass = None
         graphs = getattr(self.runner, "prefill_graphs", None)
         if graphs is not None and graphs.accepts(S, len(table), 1):
-            # a question over cached chunks: one graph replay (eager, its host time is ~3x the GPU's)
+            # a question over cached chunks: one graph replay (eager, its launches cost more host time than GPU time)
             mass = graphs.run(ids, pos, slots, table, mass=True)
         if mass is None:
             ids_t, _, meta = self.runner.metadata(ids, pos, slots, [0, S], [table], S, [])

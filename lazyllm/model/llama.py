@@ -53,7 +53,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     tokens share the call. Here every GEMM has the same shape, ``(rows, in) x (in, out)``,
     so a row's result depends on that row alone: batch-invariant, and the same in prefill
     and decode. Costs one weight read per block (small next to the padding-free call for
-    decode batches, about 10% for long prefills on an H200).
+    decode batches, more for long prefills).
 
     ``x`` ``(n, in)``, ``weight`` ``(out, in)``; returns ``(n, out)`` in ``x.dtype``.
     """

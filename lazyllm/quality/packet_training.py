@@ -204,7 +204,7 @@ def train_packets(hf_model, tokenizer, cases: Sequence[TrainCase], *, k_header: 
     Returns the ``Packets`` and a log ``{"losses": [...], "steps", "seconds", ...}``. Training
     stops after ``steps`` optimizer steps of ``batch`` cases each, or at ``time_limit_s``.
     ``autocast``: run the student forward and backward under ``torch.autocast`` in this dtype
-    (``torch.bfloat16`` is about 1.4x faster on CPUs with AVX-512 BF16; the packet itself stays
+    (``torch.bfloat16`` is faster on CPUs with AVX-512 BF16; the packet itself stays
     float32).
     """
     from tqdm.auto import tqdm

@@ -1,6 +1,6 @@
 """Grammars compiled for one tokenizer, and the per-request token constraint built from them.
 
-The grammar library is llguidance (BENCHMARKS.md, "Grammar library"): a grammar is a string
+The grammar library is llguidance (BENCHMARKS.md, "CPU: structured output, grammar library"): a grammar is a string
 (JSON Schema, regex or Lark), compiled against the tokenizer's vocabulary into a matcher that
 gives, at each step, the set of tokens that keep the output inside the grammar as a bitmask.
 Compiling (building the lexer over the vocabulary) costs milliseconds; a compiled matcher is
@@ -60,7 +60,7 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer, vocab_size: int, cache_size: int = 256):
         self._hf_tok, self._vocab = tokenizer, int(vocab_size)
-        self._ll_tok = None  # built on first use: about 3 s for a 50k vocabulary
+        self._ll_tok = None  # built on first use: seconds for a large vocabulary (BENCHMARKS.md)
         self._cache: OrderedDict[str, object] = OrderedDict()
         self._lock = threading.Lock()
         self.cache_size = cache_size
