@@ -209,6 +209,17 @@ def usage_dict(out: GenerationOutput) -> dict[str, Any]:
 
 # -- a lazyllm server instead of an in-process engine -------------------------------------
 
+def engine_settings(llm: Any) -> dict[str, Any]:
+    """The engine options a served ``LazyLLM`` runs with (the ``/v1/models`` card and the
+    ``lazyllm_engine_info`` metric): the quality preset and the options it resolves to."""
+    out: dict[str, Any] = {"quality": getattr(llm, "quality", None)}
+    for name in ("reuse", "chunk_context", "recompute_first_tokens", "recompute_ratio", "recompute_selection",
+                 "context_temperature", "context_lse_scale"):
+        if hasattr(llm, name):
+            out[name] = getattr(llm, name)
+    return out
+
+
 class RemoteLazyLLM:
     """The part of ``LazyLLM`` the adapters call (``generate``, ``agenerate``, ``stream``,
     ``astream``, ``generate_batch``), served by a ``lazyllm serve`` server (or anything

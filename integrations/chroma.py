@@ -38,7 +38,12 @@ KV that ``ingest`` precomputes is exactly what later queries reuse, in either fr
 ``as_llama_index(col)`` is a ``VectorStoreIndex`` over an existing collection.
 (``ChromaRetriever`` is deprecated: use ``Chroma(...).as_retriever()``.)
 """
+# ruff: noqa: E402  (the extra is checked before its modules are imported)
 from __future__ import annotations
+
+from lazyllm.extras import require
+
+require("chroma", "chromadb")
 
 import hashlib
 from collections.abc import Sequence

@@ -1,5 +1,10 @@
 """A LangChain retriever over a chromadb collection (deprecated; needs langchain-core)."""
+# ruff: noqa: E402  (the extra is checked before its modules are imported)
 from __future__ import annotations
+
+from lazyllm.extras import require
+
+require("langchain", "langchain_core")
 
 import warnings
 from typing import Any

@@ -38,7 +38,12 @@ the sections back into chunks before generating. In string-prompt chains, use
 can sit anywhere in a ``PromptTemplate``; they are lifted out as chunks and the rest of
 the prompt becomes the question.
 """
+# ruff: noqa: E402  (the extra is checked before its modules are imported)
 from __future__ import annotations
+
+from lazyllm.extras import require
+
+require("langchain", "langchain_core")
 
 import base64
 import binascii

@@ -28,7 +28,12 @@ message becomes a chunk, and ``complete``/``chat`` accept ``chunks=[...]`` and
 ``system=...`` keyword arguments. Conversation history is folded into the question text
 as described in ``lazyllm.integrations._common``.
 """
+# ruff: noqa: E402  (the extra is checked before its modules are imported)
 from __future__ import annotations
+
+from lazyllm.extras import require
+
+require("llama-index", "llama_index.core")
 
 import asyncio
 from collections.abc import Sequence

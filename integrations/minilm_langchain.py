@@ -1,5 +1,10 @@
 """The bundled MiniLM embedding model as LangChain ``Embeddings`` (needs langchain-core)."""
+# ruff: noqa: E402  (the extra is checked before its modules are imported)
 from __future__ import annotations
+
+from lazyllm.extras import require
+
+require("langchain", "langchain_core")
 
 from langchain_core.embeddings import Embeddings
 

@@ -40,8 +40,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lazyllm import Chunk, InvalidRequestError
+from lazyllm.config import EngineConfig
+from lazyllm.extras import require
 from lazyllm.types import as_chunk
 
+from ._common import engine_settings
 from .routing import BloomFilter, ChunkKeyer, Decision, rank_replicas, rendezvous_owner, text_keys
 
 ROUTERS = ("documents", "default", "prefix")
@@ -325,7 +328,7 @@ class LazyLLMDeployment:
     def model_info(self) -> dict:
         """The ``/v1/models`` card's fields (``integrations.server.Backend.model_info``)."""
         return {"model_name": str(self.llm.model_name), "max_context": self.llm.model.spec.max_context,
-                "reuse": self.llm.reuse, "chunk_context": self.llm.chunk_context}
+                **engine_settings(self.llm)}
 
     def record_routing_stats(self) -> dict:
         return replica_stats(self.llm, self.report_limit)
@@ -341,6 +344,7 @@ def router_config(router: str = "documents", *, stats_period_s: float = 2.0, imb
     """The ``RequestRouterConfig`` of ``router``: ``"documents"`` (``DocumentAffinityRouter``),
     ``"default"`` (Ray's power of two choices) or ``"prefix"`` (Ray's
     ``PrefixCacheAffinityRouter``, with the same imbalance threshold)."""
+    require("ray", "ray.serve")
     from ray.serve.config import RequestRouterConfig
 
     if router not in ROUTERS:
@@ -368,11 +372,16 @@ def build_app(model: str | None = None, *, num_replicas: int | str | None = 2, n
 
     ``num_gpus`` / ``num_cpus`` go to ``ray_actor_options`` (one GPU per replica is the usual
     setting); ``autoscaling_config`` is passed to Ray as is (then ``num_replicas`` is
-    ignored); ``llm_kwargs`` (``reuse``, ``kv_cache_bytes``, ``device``...) go to ``LazyLLM``.
+    ignored); ``llm_kwargs`` (``quality``, ``reuse``, ``kv_cache_bytes``, ``device``: the fields
+    of ``lazyllm.config.EngineConfig``, the options ``lazyllm serve`` takes as flags) go to
+    ``LazyLLM`` and are validated here first.
     Run it with ``serve.run(build_app(...))``, which returns the handle to send
     ``ServeRequest``s to (``handle.generate.remote(req)``)."""
+    require("ray", "ray.serve")
     from ray import serve
 
+    if llm_factory is None:  # the replicas' options checked here, before any replica starts
+        EngineConfig.resolve(**llm_kwargs)
     opts = dict(ray_actor_options or {})
     opts.setdefault("num_gpus", num_gpus)
     if num_cpus is not None:

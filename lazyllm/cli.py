@@ -24,8 +24,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = args[0], args[1:]
     if command == "serve":
-        from lazyllm.integrations.server import main as serve
+        from lazyllm.extras import MissingExtraError
 
+        try:
+            from lazyllm.integrations.server import main as serve
+        except MissingExtraError as e:
+            print(f"lazyllm serve: {e}", file=sys.stderr)
+            return 2
         return serve(rest)
     if command == "adapt":
         return adapt_main(rest)

@@ -6,9 +6,9 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lazyllm.integrations.server import main as serve
+    from lazyllm.cli import main as cli
 
-    return serve(argv)
+    return cli(["serve", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

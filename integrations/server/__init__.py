@@ -39,7 +39,12 @@ thread to its caller (here, the local backend's worker threads); ``ray_serve.Ray
 from a Ray replica to the ingress; the app's ``_Relay`` from either (a ``GenerationStream``)
 to the HTTP response; ``_common.RemoteStream`` from the HTTP response to a Python client.
 """
+# ruff: noqa: E402  (the extra is checked before its modules are imported)
 from __future__ import annotations
+
+from lazyllm.extras import require
+
+require("server", "fastapi", "uvicorn", "prometheus_client")
 
 from .app import create_app
 from .backends import Backend, GenerationStream, LocalBackend, as_backend

@@ -10,6 +10,7 @@ from typing import Any, Protocol, runtime_checkable
 from lazyllm import Chunk, GenerationOutput, LazyLLM
 from lazyllm.stream import TextStream
 
+from .._common import engine_settings
 from .protocol import DEFAULT_MAX_CONCURRENCY
 
 
@@ -49,7 +50,8 @@ class Backend(Protocol):
       (the latest figures the backend holds; ``{}`` when it has none yet).
 
     Optional: ``engine_stats() -> dict`` (``requests``, ``failed``, ``cancelled``,
-    ``preemptions``), ``check_length(chars: int)`` (raises ``ContextLengthError`` when a
+    ``preemptions``), ``engine_settings() -> dict`` (the options served, for the
+    ``lazyllm_engine_info`` metric), ``check_length(chars: int)`` (raises ``ContextLengthError`` when a
     prompt of that many characters cannot fit, before anything is tokenized) and
     ``close()`` (called at the app's shutdown when the app made the backend). ``sampling``
     is ``parse_chat_request``'s: ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
@@ -98,6 +100,9 @@ class LocalBackend:
         info.update(engine_settings(self.llm))
         return info
 
+    def engine_settings(self) -> dict[str, Any]:
+        return engine_settings(self.llm)
+
     def cache_stats(self) -> dict[str, Any]:
         return self.llm.cache_stats()
 
@@ -106,17 +111,6 @@ class LocalBackend:
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
-
-
-def engine_settings(llm: LazyLLM) -> dict[str, Any]:
-    """The engine options a served ``LazyLLM`` runs with (the ``/v1/models`` card and the
-    ``lazyllm_engine_info`` metric): the quality preset and the options it resolves to."""
-    out: dict[str, Any] = {"quality": getattr(llm, "quality", None)}
-    for name in ("reuse", "chunk_context", "recompute_first_tokens", "recompute_ratio", "recompute_selection",
-                 "context_temperature", "context_lse_scale"):
-        if hasattr(llm, name):
-            out[name] = getattr(llm, name)
-    return out
 
 
 def _max_token_chars(tokenizer: Any) -> int:

@@ -1,13 +1,23 @@
-"""``lazyllm serve``: the command line of the OpenAI-compatible server."""
+"""``lazyllm serve``: the command line of the OpenAI-compatible server.
+
+The engine flags are built from ``lazyllm.config.EngineConfig``'s fields (their help and
+choices), so every option ``LazyLLM`` takes is a flag, described once. Every flag is
+checked before the model loads: types and ranges by argparse, the engine options together
+by ``EngineConfig.resolve``, and the model by its path (or, for a hub id, by whether it is
+cached or the hub answers), each failure a usage error.
+"""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import os
+from pathlib import Path
 from typing import Any
 
-from lazyllm import LazyLLM
+from lazyllm.config import EngineConfig
+from lazyllm.errors import InvalidRequestError, ModelLoadError
 
-from .app import create_app, log
 from .protocol import (
     DEFAULT_MAX_CONCURRENCY,
     DEFAULT_MAX_NEW_TOKENS_LIMIT,
@@ -15,58 +25,196 @@ from .protocol import (
     DEFAULT_MAX_TOKENS,
 )
 
+log = logging.getLogger("lazyllm.server")
+
+# EngineConfig fields that are no flag: Python objects (KernelOptions), or a flag of their own
+# (progress is --no-progress)
+_NOT_FLAGS = {"kernel_options", "progress"}
+# the options a quality preset sets: their default is the preset's
+_PRESET_SET = {"reuse", "chunk_context", "recompute_first_tokens", "recompute_ratio", "recompute_selection",
+               "context_temperature", "context_lse_scale"}
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 1 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 1-65535, got {v}")
+    return v
+
+
+def _number(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if v != v or v in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return v
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _on_off(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return text == "on"
+
+
+def _optional_str(text: str) -> str | None:
+    return None if text.lower() == "none" else text
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``EngineConfig`` field (``--recompute-ratio`` for ``recompute_ratio``),
+    with the field's help and choices; a flag not given is left out of the namespace, so a
+    preset (``--quality``) and the engine's defaults apply."""
+    group = parser.add_argument_group("engine options (LazyLLM's keyword arguments)")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in _NOT_FLAGS:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        choices = tuple(c for c in f.metadata.get("choices", ()) if c is not None) or None
+        kind = str(f.type)
+        default = "the preset's, else " if f.name in _PRESET_SET else ""
+        help_text += f" (default: {default}{f.default})"
+        kw: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)
+        if kind == "bool":
+            group.add_argument(flag, action="store_true", **kw)
+            continue
+        if kind == "bool | None":
+            kw.update(type=_on_off, metavar="{on,off}")
+        elif choices:
+            kw.update(choices=choices)
+        elif kind.startswith("int"):
+            kw.update(type=_integer)
+        elif kind.startswith("float"):
+            kw.update(type=_number)
+        elif f.name == "packets":
+            kw.update(type=_optional_str, metavar="{auto,none,PATH}")
+        group.add_argument(flag, **kw)
+    group.add_argument("--no-progress", dest="progress", action="store_false", default=True,
+                       help="no progress bars while the model downloads and loads")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The ``EngineConfig`` of the parsed flags (preset, then the flags given). Raises
+    ``InvalidRequestError`` naming every bad option."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)} - {"quality"}
+    explicit = {k: v for k, v in vars(args).items() if k in names}
+    return EngineConfig.resolve(getattr(args, "quality", None), **explicit)
+
 
 def build_parser(prog: str = "lazyllm serve") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Serve a LazyLLM over an OpenAI-compatible HTTP API.")
+    p = argparse.ArgumentParser(prog=prog, description="Serve a LazyLLM over an OpenAI-compatible HTTP API "
+                                "(docs/server.md).")
     p.add_argument("model", nargs="?", default=None,
                    help="transformers folder, .gguf file or hub id (default: the embedded default model)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None,
+    s = p.add_argument_group("server options")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=_port, default=8000, help="TCP port, 1-65535 (default 8000)")
+    s.add_argument("--api-key", default=None,
                    help="require Authorization: Bearer <key> on /v1 (default: the LAZYLLM_API_KEY variable)")
-    p.add_argument("--model-name", default=None, help="the id clients send as `model` (default: the model's)")
-    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
-    p.add_argument("--max-tokens-limit", type=int, default=DEFAULT_MAX_NEW_TOKENS_LIMIT,
-                   help="the most max_tokens a request may ask")
-    p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
-    p.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY)
-    p.add_argument("--reuse", default="lazy", choices=["lazy", "block", "prefix", "none"])
-    p.add_argument("--chunk-context", default="isolated", choices=["isolated", "prefix"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--kv-cache-bytes", type=int, default=None)
-    p.add_argument("--page-size", type=int, default=None)
-    p.add_argument("--kv-disk-dir", default=None, help="persistent chunk KV tier (survives restarts)")
-    p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument("--log-level", default="info")
-    p.add_argument("--no-access-log", action="store_true")
+    s.add_argument("--model-name", default=None,
+                   help="the id clients send as `model` (default: the model file's or folder's name, or the hub id)")
+    s.add_argument("--max-request-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"larger request bodies get 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
+    s.add_argument("--max-tokens-limit", type=_positive_int, default=DEFAULT_MAX_NEW_TOKENS_LIMIT,
+                   help=f"the most max_tokens a request may ask (default {DEFAULT_MAX_NEW_TOKENS_LIMIT})")
+    s.add_argument("--default-max-tokens", type=_positive_int, default=DEFAULT_MAX_TOKENS,
+                   help=f"max_tokens of a request that sets none (default {DEFAULT_MAX_TOKENS})")
+    s.add_argument("--max-concurrency", type=_positive_int, default=DEFAULT_MAX_CONCURRENCY,
+                   help=f"requests served at once; more get 429 (default {DEFAULT_MAX_CONCURRENCY})")
+    s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="log level (default info)")
+    s.add_argument("--no-access-log", action="store_true", help="do not log each request")
+    add_engine_flags(p)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``lazyllm serve [model] [--host 127.0.0.1] [--port 8000] [--api-key KEY] ...``"""
-    import os
+def model_id(model: str | None) -> str | None:
+    """The id a model is served under: a path's file stem (``model.gguf`` -> ``model``) or
+    folder name, a hub id as is; ``None`` for the default model (its own name)."""
+    if model is None:
+        return None
+    p = Path(model).expanduser()
+    if p.exists():
+        return p.stem if p.is_file() else p.resolve().name
+    return model
 
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:
+    """Every check that needs no model: the engine options, the model path, a hub id's
+    reachability. Exits with a usage error (status 2) on the first failure."""
+    from lazyllm.model.loader import check_source
+
+    try:
+        config = engine_config(args)
+    except InvalidRequestError as e:
+        parser.error(str(e))
+    try:
+        check_source(args.model)
+    except ModelLoadError as e:
+        parser.error(str(e))
+    return config
+
+
+def build_server(args: argparse.Namespace, config: EngineConfig):
+    """``(app, llm)`` for parsed and checked flags: the model loaded with ``config``."""
+    from lazyllm import LazyLLM
+
+    from .app import create_app
+
+    api_key = args.api_key or os.environ.get("LAZYLLM_API_KEY") or None
+    llm = LazyLLM(args.model, **config.as_kwargs())
+    try:
+        app = create_app(llm, api_key=api_key, model_name=args.model_name or model_id(args.model),
+                         max_request_bytes=args.max_request_bytes, max_new_tokens_limit=args.max_tokens_limit,
+                         default_max_tokens=args.default_max_tokens, max_concurrency=args.max_concurrency)
+    except BaseException:
+        llm.close()
+        raise
+    return app, llm
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``lazyllm serve [model] [--host 127.0.0.1] [--port 8000] [--quality balanced] ...``"""
     import uvicorn
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    config = check_args(parser, args)
     api_key = args.api_key or os.environ.get("LAZYLLM_API_KEY") or None
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("binding to %s without an API key: anyone who can reach it can use it", args.host)
-    kw: dict[str, Any] = dict(reuse=args.reuse, chunk_context=args.chunk_context, device=args.device,
-                              dtype=args.dtype, kv_cache_bytes=args.kv_cache_bytes, page_size=args.page_size,
-                              trust_remote_code=args.trust_remote_code)
-    if args.kv_disk_dir:
-        kw["kv_disk_dir"] = args.kv_disk_dir
-    llm = LazyLLM(args.model, **kw)
-    app = create_app(llm, api_key=api_key, model_name=args.model_name, max_request_bytes=args.max_request_bytes,
-                     max_new_tokens_limit=args.max_tokens_limit, default_max_tokens=args.default_max_tokens,
-                     max_concurrency=args.max_concurrency)
-    log.info("serving %s on http://%s:%d/v1", app.state.model_name, args.host, args.port)
+    app, llm = build_server(args, config)
+    log.info("serving %s (quality %s) on http://%s:%d/v1", app.state.model_name, config.quality, args.host,
+             args.port)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                     access_log=not args.no_access_log)
     finally:
         llm.close()
     return 0
+
+
+__all__ = ["add_engine_flags", "build_parser", "build_server", "check_args", "engine_config", "main", "model_id"]

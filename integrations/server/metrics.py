@@ -36,6 +36,13 @@ class _CacheCollector:
         for k, doc in self.GAUGES.items():
             if k in s:
                 yield GaugeMetricFamily(f"lazyllm_cache_{k}", doc, value=s[k])
+        settings = getattr(self.backend, "engine_settings", None)
+        if settings is not None:  # the options the engine runs with, as labels of a constant 1
+            values = {k: str(v) for k, v in settings().items()}
+            info = GaugeMetricFamily("lazyllm_engine_info", "the engine options served (quality preset...)",
+                                     labels=sorted(values))
+            info.add_metric([values[k] for k in sorted(values)], 1)
+            yield info
         engine_stats = getattr(self.backend, "engine_stats", None)
         engine_metrics = (engine_stats() if engine_stats is not None else None) or {}
         for k in ("requests", "failed", "cancelled", "preemptions"):

@@ -116,36 +116,21 @@ def load_hf(source: str | None, *, device: str, dtype: torch.dtype, trust_remote
     ``source`` is ``None`` (the default model), a folder with ``config.json``, a ``.gguf``
     file (or a folder holding one) or a hub id. Only a hub id touches the network.
     """
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _quiet()
     kw: dict = dict(dtype=dtype, trust_remote_code=trust_remote_code)
     tkw: dict = dict(trust_remote_code=trust_remote_code)
     if source is None:
-        path = default_model_dir(progress)
-        name = DEFAULT_MODEL_NAME
+        path, name = default_model_dir(progress), DEFAULT_MODEL_NAME
     else:
-        if not isinstance(source, (str, os.PathLike)):
-            raise ModelLoadError(f"model must be a path or hub id string, got {type(source).__name__}")
-        source = os.fspath(source)
-        name = source
-        p = Path(source).expanduser()
-        if p.exists():
-            if p.is_file():
-                if p.suffix != ".gguf":
-                    raise ModelLoadError(f"{p} is a file but not a .gguf model")
-                path = p  # converted below
-            elif (p / "config.json").exists():
-                path = p
-            else:
-                ggufs = sorted(p.glob("*.gguf"))
-                if len(ggufs) != 1:
-                    raise ModelLoadError(f"{p} has no config.json and not exactly one .gguf file")
-                path = ggufs[0]  # converted below
-        elif _looks_like_path(source):
-            raise ModelLoadError(f"model path {source!r} does not exist")
-        else:
-            path = source  # a hub id: the only case that may use the network
+        path, name = _resolve_source(source)
+        if isinstance(path, str):
+            check_hub(path)
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    if not progress:  # transformers draws its own weight-loading bar
+        transformers.utils.logging.disable_progress_bar()
     try:
         if isinstance(path, Path) and path.suffix == ".gguf":
             path = converted_gguf_dir(path)
@@ -153,9 +138,69 @@ def load_hf(source: str | None, *, device: str, dtype: torch.dtype, trust_remote
         model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise ModelLoadError(f"could not load model {name!r}: {e}") from e
+    finally:
+        if bars and not progress:
+            transformers.utils.logging.enable_progress_bar()
     model.to(device)
     model.eval()
     return model, tok, name
+
+
+def _resolve_source(source) -> tuple[Path | str, str]:
+    """``(path, name)`` of a model argument: a ``Path`` to a folder with ``config.json`` or
+    to a ``.gguf`` file, or the hub id itself (a ``str``). Raises ``ModelLoadError`` for a
+    path that does not exist or holds no model."""
+    if not isinstance(source, (str, os.PathLike)):
+        raise ModelLoadError(f"model must be a path or hub id string, got {type(source).__name__}")
+    source = os.fspath(source)
+    p = Path(source).expanduser()
+    if p.exists():
+        if p.is_file():
+            if p.suffix != ".gguf":
+                raise ModelLoadError(f"{p} is a file but not a .gguf model")
+            return p, source
+        if (p / "config.json").exists():
+            return p, source
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise ModelLoadError(f"{p} has no config.json and not exactly one .gguf file")
+        return ggufs[0], source
+    if _looks_like_path(source):
+        raise ModelLoadError(f"model path {source!r} does not exist")
+    return source, source  # a hub id: the only case that may use the network
+
+
+def check_hub(repo_id: str, timeout_s: float = 5.0) -> None:
+    """Fail fast for a hub id that cannot load: not in the local cache, and the hub
+    offline (``HF_HUB_OFFLINE``), unreachable within ``timeout_s`` or without that model.
+    (Left to transformers, an unreachable hub costs about a minute of retries.)"""
+    from huggingface_hub import HfApi, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise ModelLoadError(f"{repo_id!r} is not in the local cache and the hub is off (HF_HUB_OFFLINE)")
+    try:
+        HfApi().model_info(repo_id, timeout=timeout_s)
+    except GatedRepoError:
+        return  # exists; loading says whether this user may read it
+    except RepositoryNotFoundError:
+        raise ModelLoadError(f"no model {repo_id!r} on the hub (nor a local path of that name)") from None
+    except Exception as e:  # noqa: BLE001 - any network failure: unreachable
+        raise ModelLoadError(f"{repo_id!r} is not in the local cache and the hub did not answer within "
+                             f"{timeout_s:g} s ({type(e).__name__}); give a local path") from None
+
+
+def check_source(source) -> None:
+    """Check a model argument without loading it (``load_hf``'s checks): ``None`` (the
+    default model), an existing model path, or a hub id that is cached or on a reachable
+    hub. Raises ``ModelLoadError``."""
+    if source is None:
+        return
+    path, _ = _resolve_source(source)
+    if isinstance(path, str):
+        check_hub(path)
 
 
 def fingerprint(model) -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..api import LazyLLM
+from ..extras import require
 from ..presets import PRESETS
 from .cases import Case, _as_cases
 from .metrics import _METRICS, _meets, contains_answer, exact_match, kl_and_agreement, parse_target
@@ -106,6 +107,7 @@ class FidelityReport:
     def plot(self, ax=None, path: str | os.PathLike | None = None):
         """Top-1 agreement and same-answer rate against recomputed chunk tokens, one point
         per setting, the target's lines dashed. Returns the matplotlib figure."""
+        require("bench", "matplotlib")
         import matplotlib.pyplot as plt
 
         fig = None

@@ -1,0 +1,40 @@
+"""Optional dependencies: one message, naming the extra to install, when one is missing.
+
+The distribution is ``lazyattention`` (``lazyllm`` on the package index is an unrelated
+project), installed from a clone: ``pip install -e ".[server]"``.
+"""
+from __future__ import annotations
+
+import importlib
+
+# extra -> what it enables (for the message)
+EXTRAS = {
+    "server": "lazyllm serve, the OpenAI-compatible HTTP server",
+    "ray": "replicas on Ray Serve (lazyllm.integrations.ray_serve)",
+    "langchain": "the LangChain adapter (lazyllm.integrations.langchain)",
+    "llama-index": "the LlamaIndex adapter (lazyllm.integrations.llama_index)",
+    "chroma": "the chromadb helpers (lazyllm.integrations.chroma)",
+    "bench": "plots (matplotlib)",
+}
+
+
+class MissingExtraError(ImportError):
+    """An optional dependency is not installed; the message says which extra installs it."""
+
+
+def install_hint(extra: str) -> str:
+    return (f'pip install -e ".[{extra}]" from a clone of lazyllm (the distribution is named lazyattention; '
+            f'"pip install lazyllm" installs an unrelated project)')
+
+
+def require(extra: str, *modules: str) -> None:
+    """Import ``modules``; raise ``MissingExtraError`` naming ``extra`` when one is missing."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise MissingExtraError(f"{EXTRAS.get(extra, extra)} needs the {name!r} package: "
+                                    f"{install_hint(extra)}") from e
+
+
+__all__ = ["EXTRAS", "MissingExtraError", "install_hint", "require"]
