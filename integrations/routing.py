@@ -6,13 +6,13 @@ replica has reported), rendezvous ownership of cold chunks, and the ranking of r
 from __future__ import annotations
 
 import hashlib
-import math
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lazyllm import Chunk
+from lazyllm.intmath import next_pow2
 
 
 class BloomFilter:
@@ -34,7 +34,7 @@ class BloomFilter:
 
     @classmethod
     def for_keys(cls, keys: Sequence[bytes], bits_per_key: int = 16, hashes: int = 4) -> BloomFilter:
-        bits = max(1024, 1 << math.ceil(math.log2(max(1, len(keys)) * bits_per_key)))
+        bits = next_pow2(max(1, len(keys)) * bits_per_key, 1024)
         f = cls(bits, hashes)
         for k in keys:
             f.add(k)
