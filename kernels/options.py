@@ -6,15 +6,31 @@ The defaults are what the engine runs; every other value is for benchmarks and t
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["KernelOptions", "LOOPS"]
+__all__ = ["KernelOptions", "KeyLoop", "LOOPS"]
 
-# The key-tile loops of the prefill kernel (``prefill._paged_attn_fwd``), by the value of its
-# ``QROT`` constexpr: rotate every key tile, or rotate the query once per run of equal deltas
-# (a loop per run, one flat loop, one loop on the query's rotary halves).
-LOOPS = {"per_tile": 0, "per_run": 1, "flat_runs": 2, "halves": 3}
+
+class KeyLoop(enum.IntEnum):
+    """The key-tile loops of the prefill kernel (``prefill._paged_attn_fwd``); the value is
+    its ``QROT`` constexpr (the launcher passes ``int(loop)``)."""
+
+    PER_TILE = 0  # rotate every key tile (any page size)
+    PER_RUN = 1  # rotate the query once per run of equal deltas: an outer loop per run
+    FLAT_RUNS = 2  # the same as one flat loop over the key tiles
+    HALVES = 3  # one loop on the query's two rotary halves (fully rotary heads)
+
+    @property
+    def rotates_query(self) -> bool:
+        """The query-rotating loops, which need a key tile inside one page."""
+        return self is not KeyLoop.PER_TILE
+
+
+# ``KernelOptions.loop``'s names of the loops
+LOOPS = {"per_tile": KeyLoop.PER_TILE, "per_run": KeyLoop.PER_RUN, "flat_runs": KeyLoop.FLAT_RUNS,
+         "halves": KeyLoop.HALVES}
 _SHORT_HALVES = ("off", "auto", 64, 32)
 
 Loop = Literal["per_tile", "per_run", "flat_runs", "halves"]

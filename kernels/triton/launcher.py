@@ -16,7 +16,7 @@ import triton
 
 from lazyllm.intmath import next_pow2
 
-from ..options import LOOPS, KernelOptions
+from ..options import LOOPS, KernelOptions, KeyLoop
 from ._common import _LOG2E, _interpreting
 from .configs import DECODE_CFG as _DECODE_CFG
 from .configs import DECODE_CFG_HALVES as _DECODE_CFG_HALVES
@@ -71,14 +71,14 @@ def _num_sms(device: torch.device) -> int:
 class LaunchPlan:
     """Every launch choice of one ``paged_attention_triton`` call (no tensors).
 
-    ``qrot`` is the prefill kernel's ``QROT`` (``options.LOOPS``); ``decode_kernel``: the
+    ``loop`` is the prefill kernel's key-tile loop (``KeyLoop``); ``decode_kernel``: the
     per-page decode kernel runs instead; ``gluon``: the Gluon prefill serves the call (the
     Triton fields then describe the fallback); ``config``: the configuration asked for (or
     the batch-invariant one), kept for the key-rotating fallback; ``window``: a sliding
     window (never the Gluon prefill); ``ape``: APE-style context calibration (never the
     Gluon prefill; ``num_splits`` then counts the splits of each of the two key classes)."""
 
-    qrot: int
+    loop: KeyLoop
     decode_kernel: bool
     short: bool
     block_m: int
@@ -95,7 +95,7 @@ class LaunchPlan:
     packed_rot: bool
     gluon: bool
     gluon_key: tuple
-    qrot_key: tuple
+    loop_key: tuple
     config: tuple | None
     window: int = 0  # a sliding window (the kernels' WINDOW constexpr); 0: none
     ape: bool = False  # APE-style context calibration (the kernels' APE constexpr)
@@ -131,11 +131,11 @@ def plan_launch(q, k_cache, v_cache, block_table, inv_freq, batch: int, max_seql
     group = hq // hkv
     max_blocks = block_table.shape[1]
     config, num_splits = opts.config, opts.num_splits
-    qrot = None if opts.loop is None else LOOPS[opts.loop]
+    loop = None if opts.loop is None else LOOPS[opts.loop]
     if batch_invariant:
         bn = 64 if d <= 128 else 32
         config, num_splits = (64, bn, 4, 2), 1
-        qrot = 2 if page_size >= bn else 0
+        loop = KeyLoop.FLAT_RUNS if page_size >= bn else KeyLoop.PER_TILE
     rows = max_seqlen_q * group
     one_query = max_seqlen_q == 1 and not batch_invariant
     short = rows <= 64  # a few queries per sequence: small query tiles, no causal scan
@@ -151,25 +151,25 @@ def plan_launch(q, k_cache, v_cache, block_table, inv_freq, batch: int, max_seql
         short_cfg = _DECODE_CFG.get(d, _DECODE_CFG[256])
     dec_n = config[1] if config is not None else short_cfg[0]
     qkey = (d, k_cache.dtype, short, page_size, config)
-    if qrot is None:
+    if loop is None:
         halves = short_halves if short else (half16 and d in _PREFILL_CFG_HALVES)
         n_needed = dec_n if short else (config[1] if config is not None else _prefill_config(
             d, page_size, halves)[1])
-        qrot = (3 if halves else 1) if page_size >= n_needed else 0
-        qrot = qrot if qkey not in _QROT_FAILED else 0
-    if qrot == 3 and not halves_ok:
+        loop = (KeyLoop.HALVES if halves else KeyLoop.PER_RUN) if page_size >= n_needed else KeyLoop.PER_TILE
+        loop = loop if qkey not in _QROT_FAILED else KeyLoop.PER_TILE
+    if loop is KeyLoop.HALVES and not halves_ok:
         raise ValueError(f"loop='halves' needs a fully rotary head (rotary_dim {2 * half} != head_dim {d})")
-    if qrot == 1 and short:
+    if loop is KeyLoop.PER_RUN and short:
         # the flat loop made decode faster and its RoPE cost lower, while for prefill the
         # loop per run was faster (measured on H200)
-        qrot = 2
+        loop = KeyLoop.FLAT_RUNS
     # decode with pages smaller than the key tile: query rotated per page (_paged_decode_fwd);
     # with a tile inside one page the general kernel's run loop serves decode too
-    decode_kernel = one_query and not qrot
+    decode_kernel = one_query and not loop.rotates_query
     # decode in the flat run loop (pages of at least the key tile: the engine's CUDA case),
     # from about a quarter of the SMs' worth of (sequence, KV head) programs: below that the
     # call is latency-bound and four warps a program were faster (batch 1, H200)
-    runs_decode = (one_query and qrot == 2 and config is None and d in _DECODE_CFG_RUNS
+    runs_decode = (one_query and loop is KeyLoop.FLAT_RUNS and config is None and d in _DECODE_CFG_RUNS
                    and 4 * batch * hkv >= _num_sms(q.device))
     ppt = 1
     if decode_kernel:
@@ -187,12 +187,14 @@ def plan_launch(q, k_cache, v_cache, block_table, inv_freq, batch: int, max_seql
         if runs_decode:
             block_n, num_warps, num_stages = _DECODE_CFG_RUNS[d]
         else:
-            block_n, num_warps, num_stages = short_cfg if qrot == 3 else _DECODE_CFG.get(d, _DECODE_CFG[256])
+            cfg = short_cfg if loop is KeyLoop.HALVES else _DECODE_CFG.get(d, _DECODE_CFG[256])
+            block_n, num_warps, num_stages = cfg
     else:
-        block_m, block_n, num_warps, num_stages = _prefill_config(d, page_size if qrot else 0, qrot == 3)
+        block_m, block_n, num_warps, num_stages = _prefill_config(d, page_size if loop.rotates_query else 0,
+                                                                       loop is KeyLoop.HALVES)
     if _interpreting():
         num_stages = 1
-    if qrot and page_size < block_n:
+    if loop.rotates_query and page_size < block_n:
         raise ValueError(f"a query-rotating loop needs page_size >= BLOCK_N, got {page_size} < {block_n}")
     q_tiles = 1 if decode_kernel else triton.cdiv(rows, block_m)
     kv_tiles = triton.cdiv(max_blocks * page_size, block_n)
@@ -227,7 +229,7 @@ def plan_launch(q, k_cache, v_cache, block_table, inv_freq, batch: int, max_seql
     if forced and ape:
         raise ValueError("the Gluon prefill has no context calibration (prefill_kernel='gluon' with ctx_range=)")
     gluon = forced or (
-        opts.prefill_kernel is None and padding_finite and not short and qrot == 3 and opts.loop is None
+        opts.prefill_kernel is None and padding_finite and not short and loop is KeyLoop.HALVES and opts.loop is None
         and num_splits == 1 and config is None and not batch_invariant and not _interpreting()
         and max_blocks * page_size - max_seqlen_q // 2 >= _GLUON_MIN_KEYS
         and gkey not in _GLUON_FAILED and opts.gluon_prefill
@@ -236,15 +238,15 @@ def plan_launch(q, k_cache, v_cache, block_table, inv_freq, batch: int, max_seql
     coef_from_delta = opts.coef_from_delta
     if coef_from_delta is None:
         coef_from_delta = not _interpreting()
-    from_delta = bool(use_rope and qrot and coef_from_delta)
+    from_delta = bool(use_rope and loop.rotates_query and coef_from_delta)
     # with APE the rotary-halves loop jumps over key tiles, where a run ahead is not the next
-    lookahead = bool(from_delta and opts.coef_lookahead and not (ape and qrot == 3))
-    packed_rot = qrot == 3 and not _interpreting() and k_cache.dtype in (torch.float16, torch.bfloat16)
+    lookahead = bool(from_delta and opts.coef_lookahead and not (ape and loop is KeyLoop.HALVES))
+    packed_rot = loop is KeyLoop.HALVES and not _interpreting() and k_cache.dtype in (torch.float16, torch.bfloat16)
     return LaunchPlan(
-        qrot=qrot, decode_kernel=decode_kernel, short=short, block_m=block_m, block_n=block_n,
+        loop=loop, decode_kernel=decode_kernel, short=short, block_m=block_m, block_n=block_n,
         num_warps=num_warps, num_stages=num_stages, ppt=ppt, q_tiles=q_tiles, num_splits=num_splits,
         cs_per_page=opts.cs_per_page, prefetch=opts.prefetch, from_delta=from_delta, lookahead=lookahead,
-        packed_rot=packed_rot, gluon=gluon, gluon_key=gkey, qrot_key=qkey, config=config, window=int(window),
+        packed_rot=packed_rot, gluon=gluon, gluon_key=gkey, loop_key=qkey, config=config, window=int(window),
         ape=bool(ape),
     )
 
@@ -414,7 +416,7 @@ def _launch_triton(plan: LaunchPlan, args, max_seqlen_q, use_rope, rope, batch_i
     half = int(inv_freq.numel())
     pass_dim = d - 2 * half
     group = hq // hkv
-    qrot, num_splits = plan.qrot, plan.num_splits
+    loop, num_splits = plan.loop, plan.num_splits
     target = out if out.stride(-1) == 1 else torch.empty_like(q)
 
     rope_arg = rope
@@ -424,7 +426,7 @@ def _launch_triton(plan: LaunchPlan, args, max_seqlen_q, use_rope, rope, batch_i
             block_delta = block_delta.contiguous()
         if rope is None:
             rope = (inv_freq, inv_freq, delta_runs(block_delta))  # cos/sin never read
-    runs = inv_freq  # never read unless qrot
+    runs = inv_freq  # never read unless the loop rotates the query
     if use_rope:
         if rope is None:
             rope = rope_table(block_delta, inv_freq.to(q.device))
@@ -432,13 +434,13 @@ def _launch_triton(plan: LaunchPlan, args, max_seqlen_q, use_rope, rope, batch_i
         if not plan.from_delta and (cos.shape != (batch, max_blocks, half)
                                     or not (cos.is_contiguous() and sin.is_contiguous())):
             raise ValueError(f"rope table of shape {tuple(cos.shape)}, expected {(batch, max_blocks, half)} contiguous")
-        if qrot:
+        if loop.rotates_query:
             runs = rope[2] if len(rope) > 2 else delta_runs(block_delta)
             if runs.shape != (batch, max_blocks) or not runs.is_contiguous():
                 raise ValueError(f"runs table of shape {tuple(runs.shape)}, expected {(batch, max_blocks)} contiguous")
     else:
         cos = sin = inv_freq  # never read
-        if qrot in (1, 2):  # one run per row: no rotation at all
+        if loop in (KeyLoop.PER_RUN, KeyLoop.FLAT_RUNS):  # one run per row: no rotation at all
             runs = torch.full((1,), max_blocks, dtype=torch.int32, device=q.device).expand(batch, max_blocks)
             runs = runs.contiguous()
     n_parts = num_splits * (plan.ppt if plan.decode_kernel else 1)
@@ -483,20 +485,20 @@ def _launch_triton(plan: LaunchPlan, args, max_seqlen_q, use_rope, rope, batch_i
                 NUM_Q_HEADS=hq, G=group, HEAD_DIM=d, HALF=half, HALF_P=half_p,
                 PASS=pass_dim, PASS_P=pass_p, PAGE_SIZE=page_size,
                 BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_OUT=num_splits > 1,
-                SCAN=not plan.short or bool(qrot) or bool(plan.window), SCAN_BLOCK=256, USE_ROPE=use_rope,
+                SCAN=not plan.short or loop.rotates_query or bool(plan.window), SCAN_BLOCK=256, USE_ROPE=use_rope,
                 CS_PER_PAGE=plan.cs_per_page, DOT_PREC=dot_prec,
-                IDX64=idx64, NPG=max(1, block_n // page_size), PREFETCH=plan.prefetch, QROT=qrot,
+                IDX64=idx64, NPG=max(1, block_n // page_size), PREFETCH=plan.prefetch, QROT=int(loop),
                 PACKED_ROT=plan.packed_rot, FROM_DELTA=plan.from_delta, LOOKAHEAD=plan.lookahead,
                 APPROX=not _interpreting(),
                 num_warps=plan.num_warps, num_stages=plan.num_stages, **win, **ape,
             )
         except Exception as e:  # noqa: BLE001
-            if not qrot or _interpreting() or torch.cuda.is_current_stream_capturing():
+            if not loop.rotates_query or _interpreting() or torch.cuda.is_current_stream_capturing():
                 raise
             # A Triton compiler failure on this shape (seen for tiny head dims in float32):
             # remember it and serve the shape with the key-rotating loop, which computes
             # the same function.
-            _QROT_FAILED.add(plan.qrot_key)
+            _QROT_FAILED.add(plan.loop_key)
             warnings.warn(f"query-rotating attention kernel failed to compile for head_dim={d}, "
                           f"{k_cache.dtype}, pages of {page_size} ({type(e).__name__}); using the "
                           "key-rotating kernel for this shape", RuntimeWarning, stacklevel=3)

@@ -28,7 +28,7 @@ With pages of at least the key tile (the engine's default on CUDA: pages of 64) 
 tile has one delta, and the kernel rotates the *query* instead, ``R(-delta) q``, once per
 run of table entries with the same delta (a chunk's pages form one run; ``delta_runs``),
 so K goes from global memory to the tensor cores untouched, as in a RoPE-free kernel.
-The loops, by the constexpr ``QROT`` (``KernelOptions.loop`` names them):
+The loops, by the constexpr ``QROT`` (``int(options.KeyLoop)``; ``KernelOptions.loop`` names them):
 
 * ``0`` ``"per_tile"`` (``_attn_tiles``): the keys rotated in every tile (pages smaller
   than the key tile).

@@ -32,7 +32,7 @@ import torch
 from lazyllm.kernels.grouping import ITEM_FIELDS, MEMBER_FIELDS, PAGE_FIELDS, GroupPlan, GroupTensors
 
 from ..intmath import cdiv, next_pow2
-from ..model.llama import AttentionMetadata, SharedMeta
+from ..model.attention import AttentionMetadata, SharedMeta
 from .request import pack_tables
 
 _PAGE, _POS, _DELTA, _LEN = range(4)

@@ -22,7 +22,7 @@ from lazyllm.kernels.grouping import plan_groups
 
 from ..cache.store import PagePool
 from ..intmath import cdiv
-from ..model.llama import AttentionMetadata
+from ..model.attention import AttentionMetadata
 from .cuda_graphs import DecodeState, GraphRunner, PinnedTurns, PrefillGraphs, SharedPlanBuffers
 from .request import Job, Request, TableEntry, entry_table, pack_tables, slot_of
 from .sampler import Sampler
@@ -72,14 +72,12 @@ class ModelRunner:
         # no CUDA graphs where a layer's attention reads the batch layout on the host (the
         # torch reference backend)
         graphs = cuda_graphs and model.graph_capturable
-        opts = getattr(att, "options", None) or KernelOptions()
         self.shared = None
-        # shared-chunk decode where its kernel applies and was measured (head_dim up to 128 on
-        # H200); context calibration has no shared-chunk kernel: its steps take the per-request one
-        d, ps = spec.head_dim, pool.page_size
-        if (self.supports_shared and att.name == "triton" and opts.shared_decode and not att.batch_invariant
-                and not self.calibrated and ps >= 16 and 16 <= d <= 128 and not ps & (ps - 1) and not d & (d - 1)):
-            self.shared = SharedPlanBuffers(max_batch_size, max_entries, spec.num_heads, d, self.device,
+        # shared-chunk decode where the backend has it for this model and pool (its step plan
+        # then picks the grouped kernel for the steps this runner finds sharing pages)
+        if self.supports_shared and att.shared_decode(spec.head_dim, pool.page_size):
+            opts = att.options or KernelOptions()
+            self.shared = SharedPlanBuffers(max_batch_size, max_entries, spec.num_heads, spec.head_dim, self.device,
                                             members_per_item=opts.shared_members, pages_per_item=opts.shared_pages)
         self._shared_state: tuple | None = None  # (decode state version, item bucket, rows' covered columns)
         self._entries: dict[int, tuple] = {}  # request id -> (its table list, length, entries array)

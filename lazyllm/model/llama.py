@@ -19,22 +19,17 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from lazyllm.kernels.reference import (
-    apply_rope,
-    paged_attention_mass_ref,
-    paged_attention_ref,
-    rope_cos_sin,
-    write_kv_ref,
-)
+from lazyllm.kernels.reference import apply_rope, rope_cos_sin, write_kv_ref
 
 from ..errors import UnsupportedModelError
 from ..intmath import cdiv
-from .attention import AttentionBackend, TorchAttention
+from .attention import AttentionBackend, AttentionMetadata, SharedMeta, TorchAttention
+
+__all__ = ["AttentionMetadata", "SharedMeta", "LlamaFamilyModel", "ModelSpec"]  # the metadata: attention.py
 
 log = logging.getLogger("lazyllm")
 
@@ -76,40 +71,6 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 @dataclass
-class AttentionMetadata:
-    """Per-step attention inputs, built once by the engine and shared by every layer.
-
-    Shapes: ``positions`` / ``slot_mapping`` ``(total_tokens,)``; ``cu_seqlens_q``
-    ``(batch + 1,)``; ``block_*`` ``(batch, max_blocks)``. See ``lazyllm.kernels.reference``
-    for the meaning of each block field.
-    """
-
-    positions: torch.Tensor
-    cu_seqlens_q: torch.Tensor
-    slot_mapping: torch.Tensor
-    block_table: torch.Tensor
-    block_pos: torch.Tensor
-    block_delta: torch.Tensor
-    block_len: torch.Tensor
-    max_seqlen_q: int
-    shared: SharedMeta | None = None  # a decode step's shared-chunk plan, where one applies
-    # (batch, 2) int32: each sequence's document positions [start, end) for the backend's
-    # context calibration (``AttentionBackend.calibration``); None: no calibration this step
-    ctx_range: torch.Tensor | None = None
-
-
-@dataclass
-class SharedMeta:
-    """A decode step's shared-chunk attention plan (``lazyllm.kernels.grouping``) as the
-    Triton backend reads it: the plan's tensors, its query tile, the partial-state scratch."""
-
-    plan: Any
-    members_per_item: int
-    part_o: torch.Tensor
-    part_lse: torch.Tensor
-
-
-@dataclass
 class ModelSpec:
     model_type: str
     num_layers: int
@@ -140,44 +101,33 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * xf.to(x.dtype)
 
 
+def _check_supported(cfg) -> tuple[str, bool]:
+    """The config's model type and whether it is Gemma 3; raises ``UnsupportedModelError``
+    for what the forward does not implement."""
+    mt = getattr(cfg, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {mt!r} is not supported; lazyllm supports {', '.join(SUPPORTED_MODEL_TYPES)} "
+            "(Llama 2/3/3.1/3.2, SmolLM2, Mistral, Qwen2/2.5, Qwen3, Gemma 3 text models)"
+        )
+    gemma = mt == "gemma3_text"
+    act = getattr(cfg, "hidden_activation", None) if gemma else getattr(cfg, "hidden_act", "silu")
+    if act not in (("gelu_pytorch_tanh",) if gemma else ("silu", "swish")):
+        raise UnsupportedModelError(f"hidden activation {act!r} is not supported for {mt}")
+    if getattr(cfg, "use_bidirectional_attention", False) or getattr(cfg, "attn_logit_softcapping", None):
+        raise UnsupportedModelError("bidirectional attention and attention logit soft-capping are not supported")
+    return mt, gemma
+
+
 class LlamaFamilyModel:
     """Inference-only forward of a Llama-family causal LM over paged KV."""
 
     def __init__(self, hf_model, attention: AttentionBackend | None = None, fuse: bool | None = None,
                  fused_kernels: bool | None = None, batch_invariant: bool = False):
         cfg = hf_model.config
-        mt = getattr(cfg, "model_type", None)
-        if mt not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(
-                f"model_type {mt!r} is not supported; lazyllm supports {', '.join(SUPPORTED_MODEL_TYPES)} "
-                "(Llama 2/3/3.1/3.2, SmolLM2, Mistral, Qwen2/2.5, Qwen3, Gemma 3 text models)"
-            )
-        gemma = mt == "gemma3_text"
-        act = getattr(cfg, "hidden_activation", None) if gemma else getattr(cfg, "hidden_act", "silu")
-        if act not in (("gelu_pytorch_tanh",) if gemma else ("silu", "swish")):
-            raise UnsupportedModelError(f"hidden activation {act!r} is not supported for {mt}")
-        if getattr(cfg, "use_bidirectional_attention", False) or getattr(cfg, "attn_logit_softcapping", None):
-            raise UnsupportedModelError("bidirectional attention and attention logit soft-capping are not supported")
+        mt, gemma = _check_supported(cfg)
         base = hf_model.model
-        rot = base.rotary_emb
-        # RoPE per layer: an inv_freq vector and a cos/sin scale, read off the transformers
-        # rotary module (one per layer type for Gemma 3: local and global layers differ)
-        types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
-        self.inv_freqs, self.rope_scales, freq_of = [], [], {}
-        for t in types:
-            if t in freq_of:
-                continue
-            if hasattr(rot, f"{t}_inv_freq"):
-                inv, sc, rtype = (getattr(rot, f"{t}_inv_freq"), getattr(rot, f"{t}_attention_scaling", 1.0),
-                                  getattr(rot, "rope_type", {}).get(t, "default"))
-            else:
-                inv, sc = rot.inv_freq, getattr(rot, "attention_scaling", 1.0)
-                rtype = getattr(rot, "rope_type", "default")
-            if rtype == "dynamic":
-                raise UnsupportedModelError("dynamic NTK RoPE changes with sequence length and cannot be deferred")
-            freq_of[t] = len(self.inv_freqs)
-            self.inv_freqs.append(inv.detach().to(torch.float32).clone())
-            self.rope_scales.append(float(sc))
+        types, freq_of = self._read_rope(cfg, base.rotary_emb)
         window = getattr(cfg, "sliding_window", None)
         if mt == "mistral" and window and "layer_types" not in cfg.to_dict():
             types = ["sliding_attention"] * cfg.num_hidden_layers
@@ -208,10 +158,57 @@ class LlamaFamilyModel:
         self.embed = base.embed_tokens.weight
         self.final_norm = base.norm.weight
         self.lm_head = hf_model.lm_head.weight
-        self.layers = []
+        self.layers = self._layer_weights(base, gemma)
+        self.device = self.embed.device
+        self.dtype = self.embed.dtype
+        # batch_invariant: every projection in fixed-size row blocks (``linear_rows``), so a
+        # token's logits do not depend on what else shares its step
+        self.batch_invariant = bool(batch_invariant)
+        self._linear = linear_rows if self.batch_invariant else F.linear
+        self.inv_freqs = [f.to(self.device) for f in self.inv_freqs]
+        self.inv_freq = self.inv_freqs[self.freq_index[0]] if len(self.inv_freqs) == 1 else \
+            self.inv_freq.to(self.device)
+        # the attention backend: plan() once per forward and RoPE frequency (it chooses every
+        # layer's kernel), run() per layer
+        self.attention = attention or TorchAttention()
+        fallback = self.attention.window_fallback_layers(self.windows)
+        if fallback:
+            log.warning("%s: the %s attention backend has no sliding window; %d of %d layers run on the torch "
+                        "reference (a Python loop with host syncs, no CUDA graphs)", mt, self.attention.name,
+                        fallback, len(self.windows))
+        self.write_kv = write_kv_ref
+        self._setup_fusion(fuse, fused_kernels, mt)
+
+    def _read_rope(self, cfg, rot) -> tuple[list[str], dict[str, int]]:
+        """RoPE per layer: an inv_freq vector and a cos/sin scale, read off the transformers
+        rotary module ``rot`` (one per layer type for Gemma 3: local and global layers
+        differ) into ``inv_freqs`` / ``rope_scales``. Returns the layer types and each type's
+        index in them."""
+        types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
+        self.inv_freqs, self.rope_scales, freq_of = [], [], {}
+        for t in types:
+            if t in freq_of:
+                continue
+            if hasattr(rot, f"{t}_inv_freq"):
+                inv, sc, rtype = (getattr(rot, f"{t}_inv_freq"), getattr(rot, f"{t}_attention_scaling", 1.0),
+                                  getattr(rot, "rope_type", {}).get(t, "default"))
+            else:
+                inv, sc = rot.inv_freq, getattr(rot, "attention_scaling", 1.0)
+                rtype = getattr(rot, "rope_type", "default")
+            if rtype == "dynamic":
+                raise UnsupportedModelError("dynamic NTK RoPE changes with sequence length and cannot be deferred")
+            freq_of[t] = len(self.inv_freqs)
+            self.inv_freqs.append(inv.detach().to(torch.float32).clone())
+            self.rope_scales.append(float(sc))
+        return types, freq_of
+
+    def _layer_weights(self, base, gemma: bool) -> list[dict]:
+        """Each decoder layer's weights (the transformers tensors themselves, not copies), its
+        sliding window and its RoPE frequency index."""
+        layers = []
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
-            self.layers.append(
+            layers.append(
                 dict(
                     ln1=layer.input_layernorm.weight,
                     ln2=layer.post_attention_layernorm.weight,
@@ -225,29 +222,14 @@ class LlamaFamilyModel:
                     post_attn=layer.post_attention_layernorm.weight if gemma else None,
                     pre_ff=layer.pre_feedforward_layernorm.weight if gemma else None,
                     post_ff=layer.post_feedforward_layernorm.weight if gemma else None,
-                    window=self.windows[len(self.layers)], freq=self.freq_index[len(self.layers)],
+                    window=self.windows[len(layers)], freq=self.freq_index[len(layers)],
                 )
             )
-        self.device = self.embed.device
-        self.dtype = self.embed.dtype
-        # batch_invariant: every projection in fixed-size row blocks (``linear_rows``), so a
-        # token's logits do not depend on what else shares its step
-        self.batch_invariant = bool(batch_invariant)
-        self._linear = linear_rows if self.batch_invariant else F.linear
-        self.inv_freqs = [f.to(self.device) for f in self.inv_freqs]
-        self.inv_freq = self.inv_freqs[self.freq_index[0]] if len(self.inv_freqs) == 1 else \
-            self.inv_freq.to(self.device)
-        # the attention backend: plan() once per forward and RoPE frequency, run() per layer
-        self.attention = attention or TorchAttention()
-        # sliding-window layers run on the backend when it takes a window (the torch
-        # reference and the Triton kernels do), else on the torch reference
-        self._window_fallback = any(win is not None for win in self.windows) and \
-            not getattr(self.attention, "supports_window", False)
-        if self._window_fallback:
-            log.warning("%s: the %s attention backend has no sliding window; %d of %d layers run on the torch "
-                        "reference (a Python loop with host syncs, no CUDA graphs)", mt, self.attention.name,
-                        sum(win is not None for win in self.windows), len(self.windows))
-        self.write_kv = write_kv_ref
+        return layers
+
+    def _setup_fusion(self, fuse: bool | None, fused_kernels, mt: str) -> None:
+        """Fused q/k/v and gate/up projections (``fuse``; None: on CUDA) and the fused
+        per-layer kernels (``fused_kernels``)."""
         if fuse if fuse is not None else self.device.type == "cuda":
             self._fuse_projections()
         # Fused Triton elementwise kernels (kernels/fused.py: RMSNorm with the residual add,
@@ -321,28 +303,41 @@ class LlamaFamilyModel:
             return h + self._linear(F.silu(g) * u, w["wd"])
         return h + self._linear(F.silu(self._linear(x, w["wg"])) * self._linear(x, w["wu"]), w["wd"])
 
-    def _attn_args(self, q, meta: AttentionMetadata, k_cache, v_cache, li: int) -> tuple:
-        """Positional arguments of the paged attention (kernel or reference) for layer ``li``."""
-        return (q, meta.positions, meta.cu_seqlens_q, k_cache[li], v_cache[li], meta.block_table,
-                meta.block_pos, meta.block_delta, meta.block_len, self.inv_freqs[self.layers[li]["freq"]],
-                self.spec.sm_scale)
-
     @property
     def graph_capturable(self) -> bool:
         """Whether a forward can be captured in a CUDA graph: no layer runs the torch reference
         attention, which reads the batch layout on the host (the torch backend, and
         sliding-window layers on a backend without windows)."""
-        return self.attention.graph_capturable and not self._window_fallback
+        return self.attention.graph_capturable and not self.attention.window_fallback_layers(self.windows)
 
     def _attend(self, q, meta: AttentionMetadata, k_cache, v_cache, li: int, plans: list) -> torch.Tensor:
+        """Layer ``li``'s attention, on the kernel its step plan names (``plans``: one per RoPE
+        frequency)."""
         w = self.layers[li]
-        if w["window"] is None:
-            return self.attention.run(q, meta, k_cache[li], v_cache[li], self.inv_freqs[w["freq"]],
-                                      self.spec.sm_scale, plans[w["freq"]])
-        if self._window_fallback:  # a backend without windows: the torch reference
-            return paged_attention_ref(*self._attn_args(q, meta, k_cache, v_cache, li), window=w["window"])
-        return self.attention.run(q, meta, k_cache[li], v_cache[li], self.inv_freqs[w["freq"]],
-                                  self.spec.sm_scale, plans[w["freq"]], window=w["window"])
+        return self.attention.run(q, meta, k_cache[li], v_cache[li], self.inv_freqs[w["freq"]], self.spec.sm_scale,
+                                  plans[w["freq"]], window=w["window"])
+
+    def _layers(self, h, meta: AttentionMetadata, k_cache, v_cache, *, last: int | None = None,
+                mass: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The unfused layer loop: per layer q/k/v with RoPE, the K/V write, attention and the
+        rest of the layer, through layer ``last`` (``None``: all). Returns the hidden states
+        and, with ``mass``, the attention mass summed over the layers (``attention_mass``)."""
+        tables = [rope_cos_sin(meta.positions, f, sc) for f, sc in zip(self.inv_freqs, self.rope_scales)]
+        plans = [self.attention.plan(meta, f) for f in self.inv_freqs]
+        total = None
+        for li, w in enumerate(self.layers):
+            fi = w["freq"]
+            q, k, v = self._qkv(h, w, *tables[fi])
+            self.write_kv(k_cache[li], v_cache[li], meta.slot_mapping, k, v)
+            o = self._attend(q, meta, k_cache, v_cache, li, plans)
+            if mass:
+                m = self.attention.mass(q, meta, k_cache[li], v_cache[li], self.inv_freqs[fi], self.spec.sm_scale,
+                                        window=w["window"], plan=plans[fi])
+                total = m if total is None else total + m
+            h = self._finish_layer(h, o, w)
+            if li == last:
+                break
+        return h, total
 
     @torch.inference_mode()
     def probe_keys(self, input_ids: torch.Tensor, layer: int) -> torch.Tensor:
@@ -375,26 +370,10 @@ class LlamaFamilyModel:
         K/V at ``meta.slot_mapping``, and return the attention mass each table slot gets
         from them: softmax probabilities summed over layers, heads and queries,
         ``(batch, max_blocks, page_size)`` float32 (``paged_attention_mass_ref``): what
-        attention-guided recompute selection reads. Attention and mass run on the model's
-        backend (``AttentionBackend.mass``: the Triton kernel on the Triton backend), but for
-        sliding-window layers on a backend without windows (the torch reference)."""
-        h = self._embed(input_ids)
-        tables = [rope_cos_sin(meta.positions, f, sc) for f, sc in zip(self.inv_freqs, self.rope_scales)]
-        plans = [self.attention.plan(meta, f) for f in self.inv_freqs]
-        mass = None
-        for li, w in enumerate(self.layers):
-            fi = w["freq"]
-            q, k, v = self._qkv(h, w, *tables[fi])
-            self.write_kv(k_cache[li], v_cache[li], meta.slot_mapping, k, v)
-            o = self._attend(q, meta, k_cache, v_cache, li, plans)
-            if w["window"] is not None and self._window_fallback:
-                m = paged_attention_mass_ref(*self._attn_args(q, meta, k_cache, v_cache, li), window=w["window"])
-            else:
-                m = self.attention.mass(q, meta, k_cache[li], v_cache[li], self.inv_freqs[fi], self.spec.sm_scale,
-                                        window=w["window"], plan=plans[fi])
-            mass = m if mass is None else mass + m
-            h = self._finish_layer(h, o, w)
-        return mass
+        attention-guided recompute selection reads. Attention and mass run on the kernels the
+        backend's step plan names (``AttentionBackend.mass``: the Triton kernel on the Triton
+        backend)."""
+        return self._layers(self._embed(input_ids), meta, k_cache, v_cache, mass=True)[1]
 
     def set_packets(self, rows: torch.Tensor | None) -> None:
         """Packet embeddings (``lazyllm.model.packets``): ``(k, hidden)`` rows that the virtual
@@ -440,18 +419,13 @@ class LlamaFamilyModel:
         """
         s = self.spec
         h = self._embed(input_ids)
-        tables = [rope_cos_sin(meta.positions, f, sc) for f, sc in zip(self.inv_freqs, self.rope_scales)]
-        plans = [self.attention.plan(meta, f) for f in self.inv_freqs]
         if self.fused is not None and stop_after_layer is None:
+            tables = [rope_cos_sin(meta.positions, f, sc) for f, sc in zip(self.inv_freqs, self.rope_scales)]
+            plans = [self.attention.plan(meta, f) for f in self.inv_freqs]
             return self._forward_fused(h, meta, k_cache, v_cache, tables, plans, logits_index)
-        for li, w in enumerate(self.layers):
-            fi = w["freq"]
-            q, k, v = self._qkv(h, w, *tables[fi])
-            self.write_kv(k_cache[li], v_cache[li], meta.slot_mapping, k, v)
-            o = self._attend(q, meta, k_cache, v_cache, li, plans)
-            h = self._finish_layer(h, o, w)
-            if stop_after_layer is not None and li == stop_after_layer:
-                return h
+        h, _ = self._layers(h, meta, k_cache, v_cache, last=stop_after_layer)
+        if stop_after_layer in range(len(self.layers)):  # stopped there: its hidden states
+            return h
         if logits_index is not None:
             h = h[logits_index]
         h = self._norm(h, self.final_norm, s.rms_eps)

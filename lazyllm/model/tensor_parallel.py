@@ -24,10 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lazyllm.kernels.reference import rope_cos_sin
-
 from ..intmath import cdiv
-from .llama import AttentionMetadata, LlamaFamilyModel, _rms_norm
+from .attention import AttentionMetadata
+from .llama import LlamaFamilyModel, _rms_norm
 
 # NVLink multicast (NVLS) off in NCCL, PyTorch's symmetric memory and NVSHMEM: set in every
 # process that takes part, the library's own workers included.
@@ -226,13 +225,7 @@ class TensorParallelModel(LlamaFamilyModel):
 
     def _shard_forward(self, input_ids, meta, k_cache, v_cache, logits_index):
         s = self.spec
-        h = self._embed(input_ids)
-        tables = [rope_cos_sin(meta.positions, f, sc) for f, sc in zip(self.inv_freqs, self.rope_scales)]
-        plans = [self.attention.plan(meta, f) for f in self.inv_freqs]
-        for li, w in enumerate(self.layers):
-            q, k, v = self._qkv(h, w, *tables[w["freq"]])
-            self.write_kv(k_cache[li], v_cache[li], meta.slot_mapping, k, v)
-            h = self._finish_layer(h, self._attend(q, meta, k_cache, v_cache, li, plans), w)
+        h, _ = self._layers(self._embed(input_ids), meta, k_cache, v_cache)  # this rank's heads
         if logits_index is not None:
             h = h[logits_index]
         part = self._linear(self._norm(h, self.final_norm, s.rms_eps), self.lm_head).float().contiguous()
