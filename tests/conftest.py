@@ -19,26 +19,12 @@ FAMILIES = {
 
 
 def load_benchmark(name: str):
-    """``benchmarks/<name>.py`` as a module (by path: the benchmarks folder is not a
-    package, and its ``kernels.py`` would shadow a module of that name), registered in
-    ``sys.modules`` under ``lazyllm_<name>_benchmark`` (dataclasses look their module up while
-    the file runs); loaded once."""
-    import importlib.util
-    import sys
-    from pathlib import Path
+    """``benchmarks/<name>.py`` as a module, loaded by path once (``benchmarks._common.sibling``:
+    the benchmarks folder stays off ``sys.path``, where its ``kernels.py`` would shadow a
+    module of that name), so a test and a benchmark that loads its sibling share one copy."""
+    from benchmarks._common import sibling
 
-    key = f"lazyllm_{name}_benchmark"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).resolve().parents[1] / "benchmarks" /
-                                                      f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[key] = mod
-        try:
-            spec.loader.exec_module(mod)
-        except BaseException:
-            del sys.modules[key]
-            raise
-    return sys.modules[key]
+    return sibling(name)
 
 
 PAD_ENTRY = (0, 0, 0, 0)  # a padding table entry: length 0, naming page 0 (never written)
