@@ -8,40 +8,66 @@ import time
 from collections.abc import Sequence
 
 from ..api import LazyLLM
+from ..extras import MissingExtraError, require
 from ..presets import PRESETS
-from .report import DEFAULT_SETTINGS, FidelityReport, compare
+from .cases import load_cases
+from .metrics import parse_target
+from .report import DEFAULT_SETTINGS, FidelityReport, _settings, compare
 
 
-def main(argv: Sequence[str] | None = None) -> FidelityReport:
+def _parse_settings(text: str) -> list:
+    if "{" not in text:
+        return [s.strip() for s in text.split(",") if s.strip()]
+    settings = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        name, _, kw = part.partition("=")
+        settings.append((name.strip(), json.loads(kw)) if kw else (name.strip(), None))
+    return settings
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m lazyllm.quality",
                                  description="Fidelity of lazyllm's reuse settings to full attention on your cases.")
     ap.add_argument("cases", help="JSONL: question, documents, optional system and reference")
     ap.add_argument("--model", default=None, help="model folder / .gguf / hub id (default: the embedded model)")
-    ap.add_argument("--device", default="auto")
+    ap.add_argument("--device", default="auto", help="'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1'...")
     ap.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
                     help=f"comma-separated: 'default' and presets {tuple(PRESETS)}, or name=JSON kwargs "
                          "separated by ';' (e.g. 'r30={\"quality\":\"balanced\",\"recompute_ratio\":0.3}')")
-    ap.add_argument("--target", default=None, help="e.g. top1>=0.97,kl<=0.01,same>=0.9 (the default)")
-    ap.add_argument("--answer-tokens", type=int, default=16)
-    ap.add_argument("--same-answer-tokens", type=int, default=8)
-    ap.add_argument("--ttft-cases", type=int, default=8)
+    ap.add_argument("--target", default=None,
+                    help="what a setting must reach, e.g. top1>=0.97,kl<=0.01,same>=0.9 (the default); fractions "
+                         "in [0, 1] ('=' works too: each metric's direction is its own)")
+    ap.add_argument("--answer-tokens", type=int, default=16, help="length of the answers compared (tokens)")
+    ap.add_argument("--same-answer-tokens", type=int, default=8,
+                    help="leading tokens that must agree for 'same answer'")
+    ap.add_argument("--ttft-cases", type=int, default=8, help="cases timed per setting")
     ap.add_argument("--system", default=None, help="system prompt for cases without one")
     ap.add_argument("--markdown", default=None, help="write the table here")
     ap.add_argument("--json", default=None, help="write the full report here")
-    ap.add_argument("--plot", default=None, help="write the plot here (PNG)")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--plot", default=None, help="write the plot here (PNG; needs matplotlib, the bench extra)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> FidelityReport:
+    ap = build_parser()
     a = ap.parse_args(argv)
-    if "{" in a.settings:
-        settings = []
-        for part in filter(None, (p.strip() for p in a.settings.split(";"))):
-            name, _, kw = part.partition("=")
-            settings.append((name.strip(), json.loads(kw)) if kw else (name.strip(), None))
-    else:
-        settings = [s.strip() for s in a.settings.split(",") if s.strip()]
+    # everything that can be wrong with the arguments is found before the model loads
+    try:
+        if a.plot:
+            require("bench", "matplotlib")
+        cases = load_cases(a.cases)
+        if not cases:
+            raise ValueError(f"{a.cases}: no cases")
+        settings = _parse_settings(a.settings)
+        _settings(settings)
+        target = parse_target(a.target)
+    except (OSError, ValueError, TypeError, MissingExtraError) as e:
+        ap.error(str(e))
     t0 = time.perf_counter()
     llm = LazyLLM(a.model, device=a.device, reuse="none", kv_cache_bytes=256 << 20, progress=not a.no_progress)
     try:
-        report = compare(llm, a.cases, settings, a.target, system=a.system, answer_tokens=a.answer_tokens,
+        report = compare(llm, cases, settings, target, system=a.system, answer_tokens=a.answer_tokens,
                          same_answer_tokens=a.same_answer_tokens, ttft_cases=a.ttft_cases,
                          progress=not a.no_progress)
     finally:
@@ -57,4 +83,3 @@ def main(argv: Sequence[str] | None = None) -> FidelityReport:
     if a.plot:
         report.plot(path=a.plot)
     return report
-

@@ -13,6 +13,8 @@ DEFAULT_TARGET: dict[str, float] = {"top1": 0.97, "kl": 0.01, "same_answer": 0.9
 # metrics a target may name; True: higher is better
 _METRICS = {"top1": True, "kl": False, "same_answer": True, "exact_match": True, "contains": True,
             "recomputed": False, "ttft_ms": False}
+# the metrics that are fractions in [0, 1]
+_FRACTIONS = ("top1", "same_answer", "exact_match", "contains", "recomputed")
 _ALIASES = {"same": "same_answer", "em": "exact_match", "exact": "exact_match", "top-1": "top1",
             "agreement": "top1", "recompute": "recomputed", "ttft": "ttft_ms"}
 
@@ -53,7 +55,8 @@ def contains_answer(answer: str, reference: str) -> bool:
 def parse_target(target: str | Mapping[str, float] | None) -> dict[str, float]:
     """``{"top1": 0.97, "kl": 0.01}`` or ``"top1>=0.97,kl<=0.01,same>=0.9"`` (``=`` works
     too: the direction is the metric's own). Names: top1, kl, same_answer (same), exact_match
-    (em), recomputed, ttft_ms."""
+    (em), recomputed, ttft_ms. Raises ``ValueError`` for a target no setting can meet (a
+    fraction outside [0, 1], ``top1=97`` for 97%, a negative KL)."""
     if target is None:
         return dict(DEFAULT_TARGET)
     if isinstance(target, str):
@@ -69,7 +72,13 @@ def parse_target(target: str | Mapping[str, float] | None) -> dict[str, float]:
         k = _ALIASES.get(k, k)
         if k not in _METRICS:
             raise ValueError(f"unknown target metric {k!r}; one of {sorted(_METRICS)}")
-        out[k] = float(v)
+        v = float(v)
+        if k in _FRACTIONS and not 0.0 <= v <= 1.0:
+            hint = f" (a fraction: {v / 100:g} for {v:g}%)" if 1.0 < v <= 100.0 else ""
+            raise ValueError(f"target {k}={v:g} can never be met: {k} is in [0, 1]{hint}")
+        if v < 0 or v != v:
+            raise ValueError(f"target {k}={v:g} can never be met: {k} is >= 0")
+        out[k] = v
     return out
 
 

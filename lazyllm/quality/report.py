@@ -20,6 +20,9 @@ from .metrics import _METRICS, _meets, contains_answer, exact_match, kl_and_agre
 # the candidates compared when the caller names none: the default and the presets
 DEFAULT_SETTINGS: tuple[str, ...] = ("default", "fast", "balanced", "exact")
 REFERENCE_NAME = "full attention"
+# what recommend() answers when no setting meets the target: full attention's answers, as a
+# preset LazyLLM(quality=...) takes
+FALLBACK = "exact"
 _FULL = {"reuse": "none"}
 
 
@@ -56,13 +59,17 @@ class FidelityReport:
                 return r
         raise KeyError(name)
 
+    def __str__(self) -> str:
+        return self.to_markdown()
+
     def recommend(self, target: str | Mapping[str, float] | None = None) -> str:
         """The cheapest setting (fewest chunk tokens recomputed, then lowest TTFT) that meets
-        ``target`` (default: the report's); full attention when none does."""
+        ``target`` (default: the report's); ``"exact"`` (the preset that gives full
+        attention's answers, ``LazyLLM(quality="exact")``) when no reusing setting does."""
         t = self.target if target is None else parse_target(target)
-        ok = [r for r in self.rows if all(_meets(r, t).values())]
+        ok = [r for r in self.rows if r["setting"] != REFERENCE_NAME and all(_meets(r, t).values())]
         if not ok:
-            return REFERENCE_NAME
+            return FALLBACK
         ok.sort(key=lambda r: (r["recomputed"], r["ttft_ms"] if r["ttft_ms"] is not None else math.inf))
         return ok[0]["setting"]
 
@@ -90,16 +97,22 @@ class FidelityReport:
             same = f"{pct(r['same_answer'])} ({r['same_answer_n']}/{r['cases']})"
             meets = "yes" if r["meets_target"] else "no (" + ", ".join(
                 k for k, v in _meets(r, t).items() if not v) + ")"
+            n_ref = r.get("references") or 0
+            em = "-" if not n_ref else f"{pct(r['exact_match'])} ({round(r['exact_match'] * n_ref)}/{n_ref})"
+            cont = "-" if not n_ref else f"{pct(r.get('contains'))} ({round(r['contains'] * n_ref)}/{n_ref})"
             lines.append(f"| {r['setting']} | {pct(r['top1'])} | {r['kl']:.4f} | {same} | "
-                         f"{pct(r['exact_match'])} | {pct(r.get('contains'))} | {pct(r['recomputed'])} | {ttft} "
-                         f"| {meets} |")
+                         f"{em} | {cont} | {pct(r['recomputed'])} | {ttft} | {meets} |")
         tgt = ", ".join(f"{k} {'>=' if _METRICS[k] else '<='} {v:g}" for k, v in t.items())
         rec = self.recommend()
+        refs = max((r.get("references") or 0 for r in self.rows), default=0)
         return "\n".join(lines) + (
             f"\n\n{self.n_cases} cases, {self.model}; teacher-forced on full attention's greedy answer "
-            f"({self.answer_tokens} tokens at most); same answer: first {self.same_answer_tokens} tokens. "
+            f"({self.answer_tokens} tokens at most); same answer: first {self.same_answer_tokens} tokens; "
+            f"exact match and contains answer over the {refs} cases with a reference. "
             f"Target: {tgt}. Recommended: **{rec}**"
-            + (" (no reusable setting meets the target)" if rec == REFERENCE_NAME else "") + ".")
+            + (" (no setting that reuses chunk KV meets the target: full attention's answers, "
+               "quality=\"exact\")" if not any(r["setting"] == rec and r["meets_target"] for r in self.rows)
+               else "") + ".")
 
     def _repr_markdown_(self) -> str:
         return self.to_markdown()
@@ -234,6 +247,7 @@ def _measure(llm: LazyLLM, name: str, kwargs: dict, cases: list[Case], refs: lis
     row = dict(setting=name, kwargs=kwargs, cases=len(cases), tokens=len(kls), top1=sum(agrees) / len(agrees),
                kl=sum(kls) / len(kls), kl_max=max(kls), same_answer=n_same / len(cases), same_answer_n=n_same,
                exact_match=(sum(em) / len(em)) if em else None, contains=(sum(cont) / len(cont)) if cont else None,
+               references=len(em),
                recomputed=recomputed / chunk_total if chunk_total else 0.0,
                recomputed_tokens_per_case=recomputed / len(cases),
                ttft_ms=statistics.median(ttft) * 1e3 if ttft else None,
@@ -305,6 +319,7 @@ def compare(llm_or_model: Any = None, cases: Any = None, settings: Any = None, t
             for key in ("exact_match", "contains"):
                 vals = [pc[key] for pc in ref_cases if pc[key] is not None]
                 ref_row[key] = sum(vals) / len(vals) if vals else None
+            ref_row["references"] = sum(c.reference is not None for c in cs)
         refs = [dict(ids=pc["ids"], logits=pc["logits"], chunk_tokens=pc["chunk_tokens"]) for pc in ref_cases]
         rows.append(ref_row)
         per_case += ref_cases

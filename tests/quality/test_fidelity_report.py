@@ -6,6 +6,7 @@ import pytest
 
 from lazyllm import LazyLLM
 from lazyllm import quality as q
+from lazyllm.config import EngineConfig
 
 CASES = Path(__file__).parents[1] / "data" / "quality_cases.jsonl"
 
@@ -51,8 +52,10 @@ def test_report_outputs(report, tmp_path):
 
 
 def test_recommend_picks_the_cheapest_setting_that_meets_the_target(report):
-    # full attention always meets any agreement target: it is the fallback
-    assert report.recommend("top1>=1.01") == q.REFERENCE_NAME
+    # no setting that reuses chunk KV matches full attention exactly: the fallback is the
+    # preset that does, a name LazyLLM(quality=...) takes
+    assert report.recommend("kl<=0") == "exact"
+    EngineConfig.resolve(quality=report.recommend("kl<=0"))
     # without a quality target the cheapest (nothing recomputed, then fastest) wins
     assert report.recommend({"kl": 100.0}) in ("default", "fast")
     rows = [dict(setting="a", top1=0.99, kl=0.001, recomputed=0.3, ttft_ms=5.0),

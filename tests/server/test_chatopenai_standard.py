@@ -1,0 +1,143 @@
+"""LangChain's standard integration suite (langchain-tests) on ``ChatOpenAI`` pointed at
+``lazyllm serve``'s app, with the client settings docs/server.md gives: ``base_url``,
+``api_key``, ``model`` (the served id), ``stream_usage=True`` and documents in
+``extra_body``. The embedded default model on CPU, few new tokens.
+
+Switched off, because the server does not have them: tool calling, structured output,
+JSON mode, image/audio/PDF/video inputs, Anthropic-style inputs, and switching the model
+per call (one model is served).
+"""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("langchain_openai")
+
+from conftest import loopback_server  # noqa: E402
+from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage  # noqa: E402
+from langchain_openai import ChatOpenAI  # noqa: E402
+from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa: E402
+
+from lazyllm import LazyLLM  # noqa: E402
+from lazyllm.integrations.server import create_app  # noqa: E402
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.asyncio,
+    pytest.mark.filterwarnings("ignore:The test <Function .*> is marked with '@pytest.mark.asyncio'"),
+]
+
+KEY = "standard-suite"
+MODEL = "smollm2"
+DOCS = [
+    "The Amazon is the largest rainforest on Earth and spans nine countries.",
+    "The Sahara is the largest hot desert and covers much of North Africa.",
+    "Antarctica is the coldest continent; its ice sheet holds most of Earth's fresh water.",
+]
+_SERVER: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def served(default_llm_parts):
+    model, tok = default_llm_parts
+    llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=64 << 20)
+    app = create_app(llm, api_key=KEY, model_name=MODEL, max_new_tokens_limit=256)
+    try:
+        with loopback_server(app) as url:
+            _SERVER["url"] = url + "/v1"
+            yield url
+    finally:
+        _SERVER.pop("url", None)
+        llm.close()
+
+
+class TestChatOpenAIAgainstLazyLLMServer(ChatModelIntegrationTests):
+    @property
+    def chat_model_class(self) -> type[ChatOpenAI]:
+        return ChatOpenAI
+
+    @property
+    def chat_model_params(self) -> dict:
+        # an async client of its own per model: langchain-openai shares a default one across
+        # instances, whose connections outlive each test's event loop
+        return {"model": MODEL, "base_url": _SERVER["url"], "api_key": KEY, "max_tokens": 12,
+                "stream_usage": True, "temperature": 0, "max_retries": 0, "timeout": 120,
+                "http_async_client": httpx.AsyncClient(timeout=120)}
+
+    @property
+    def has_tool_calling(self) -> bool:
+        return False
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return False
+
+    @property
+    def has_structured_output(self) -> bool:
+        return False
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return False
+
+    @property
+    def supports_image_inputs(self) -> bool:
+        return False
+
+    @property
+    def supports_image_urls(self) -> bool:
+        return False
+
+    @property
+    def supports_pdf_inputs(self) -> bool:
+        return False
+
+    @property
+    def supports_audio_inputs(self) -> bool:
+        return False
+
+    @property
+    def supports_video_inputs(self) -> bool:
+        return False
+
+    @property
+    def supports_anthropic_inputs(self) -> bool:
+        return False
+
+    @property
+    def supports_image_tool_message(self) -> bool:
+        return False
+
+    @property
+    def supports_pdf_tool_message(self) -> bool:
+        return False
+
+    @property
+    def supports_model_override(self) -> bool:
+        return False
+
+    @property
+    def returns_usage_metadata(self) -> bool:
+        return True
+
+    @property
+    def supported_usage_metadata_details(self) -> dict:
+        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
+
+    def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
+        """The same documents twice, in another order the second time (``extra_body``): the
+        second request reads their KV from the server's chunk store."""
+        model = ChatOpenAI(**self.chat_model_params)
+        model.invoke([HumanMessage("Which is the largest desert?")], extra_body={"documents": DOCS})
+        msgs = [HumanMessage("Which continent is coldest?")]
+        if stream:
+            full: AIMessageChunk | None = None
+            for chunk in model.stream(msgs, extra_body={"documents": DOCS[::-1]}):
+                full = chunk if full is None else full + chunk
+            msg = full
+        else:
+            msg = model.invoke(msgs, extra_body={"documents": DOCS[::-1]})
+        assert msg.usage_metadata["input_token_details"]["cache_read"] > 0
+        return msg
