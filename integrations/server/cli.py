@@ -91,11 +91,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         if f.name in _NOT_FLAGS:
             continue
         flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
+        help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
         choices = tuple(c for c in f.metadata.get("choices", ()) if c is not None) or None
         kind = str(f.type)
         default = "the preset's, else " if f.name in _PRESET_SET else ""
-        help_text += f" (default: {default}{f.default})"
+        if "default" not in help_text:  # some helps say their own default
+            shown = "none" if f.default is None else f.default
+            help_text += f" (default: {default}{shown})".replace("%", "%%")
         kw: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)
         if kind == "bool":
             group.add_argument(flag, action="store_true", **kw)

@@ -38,6 +38,9 @@ def test_every_engine_option_is_a_flag_and_every_flag_has_help():
             assert f.name in dests, f.name
     for a in parser._actions:
         assert a.help and len(a.help) > 10, a.option_strings
+    text = parser.format_help()  # what --help prints
+    for a in parser._actions:
+        assert all(o in text for o in a.option_strings), a.option_strings
 
 
 @pytest.mark.parametrize("argv,needle", [
