@@ -1,8 +1,10 @@
 """Decode steps without per-step host work that grows with context length.
 
-``DecodeState`` keeps the page tables of the running requests on the device, one row per
-request: a request's row is written once when it starts decoding, and each step changes
-exactly one entry per request (its last page's length, or a new page). Rows stay compact
+``DecodeState`` keeps a copy of the running requests' page tables on the device, one row per
+request: a request's row is copied from its ``Allocation`` once when it starts decoding, and
+each step copies exactly one entry per request (its last page's length, or a new page). It
+decides nothing in them: ``row_update`` checks that the table was not rebuilt since the copy
+(its ``epoch``) and copies its last entry. Rows stay compact
 (``0..B-1``), so a step's metadata is a view of the first ``B`` rows and the first ``W``
 columns.
 
@@ -119,14 +121,17 @@ class DecodeState:
         self._host = PinnedTurns(n, device)
         self._dev = torch.zeros(n, dtype=torch.long, device=device)
         self.rows: list = []  # requests, in row order
+        self._epochs: list[int] = []  # per row, the epoch of the request's table copied there
         self.version = 0  # changes whenever a row is attached, freed or moved
 
-    def attach(self, r, table) -> None:
-        """Give request ``r`` the next row and write its whole table there (once)."""
+    def attach(self, r) -> None:
+        """Give request ``r`` the next row and copy its whole table there (once)."""
+        table = r.alloc.table
         if len(table) > self.max_entries:
             raise ValueError("page table wider than the decode state")
         row = len(self.rows)
         self.rows.append(r)
+        self._epochs.append(r.alloc.epoch)
         r.row = row
         self.version += 1
         host = torch.from_numpy(pack_tables([table], self.max_entries)[:, 0]).to(torch.int32)
@@ -146,10 +151,22 @@ class DecodeState:
                 self.ctx[i].copy_(self.ctx[last])
             moved = self.rows[last]
             self.rows[i] = moved
+            self._epochs[i] = self._epochs[last]
             moved.row = i
         self.rows.pop()
+        self._epochs.pop()
         r.row = None
         self.version += 1
+
+    def row_update(self, r) -> tuple[int, int, int, int, int, int]:
+        """The update of ``r``'s row for this step, ``(row, col, page, pos, delta, len)``: its
+        table's last entry, the only one that changed since the last step (a slot more, or
+        a new page). Raises if the table was rebuilt since its row was copied."""
+        alloc = r.alloc
+        if alloc.epoch != self._epochs[r.row]:
+            raise RuntimeError("a decoding request's page table was rebuilt; its device copy is stale")
+        e = alloc.last
+        return (r.row, alloc.width - 1, e.page, e.pos, e.delta, e.length)
 
     def stage(self, updates: list[tuple[int, int, int, int, int, int]], ids, pos, slots, pad_to: int,
               scratch_slot: int, src=None) -> None:

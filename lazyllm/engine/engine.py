@@ -281,8 +281,8 @@ class Engine:
         logits = self.runner.run_jobs([r.plan.job for r in own]) if own else []
         gen = [(r, lg[-1]) for r, lg in zip(own, logits) if not (r.logit_rows > 1 or r.score_only)]
         # every generating request's first token, in one batched pick
-        firsts = dict(zip((id(r) for r, _ in gen), self.runner.first_picks(*zip(*gen)))) if gen else {}
-        failed = {id(r): e for r, e in self.runner.sampler.failed} if gen else {}
+        firsts = dict(zip((r.id for r, _ in gen), self.runner.first_picks(*zip(*gen)))) if gen else {}
+        failed = {r.id: e for r, e in self.runner.sampler.failed} if gen else {}
         for r, lg in zip(own, logits):
             self.planner.after_prefill(r)
             r.plan = None  # consumed
@@ -292,12 +292,12 @@ class Engine:
                 self.output.done_score(r, result)
                 continue
             r.preempted = False
-            if id(r) in failed:
-                self._finish(r, error=failed[id(r)])
+            if r.id in failed:
+                self._finish(r, error=failed[r.id])
                 continue
-            self._emit(r, firsts[id(r)])
+            self._emit(r, firsts[r.id])
             if r.finish_reason is None and r in self.scheduler.running:
-                self.decode_state.attach(r, r.table)
+                self.decode_state.attach(r)
 
     # -- decode ----------------------------------------------------------------------
     def _decode(self) -> None:
@@ -319,11 +319,11 @@ class Engine:
             self._read_step(inflight)
             inflight = self._inflight = None
         # requests whose latest token is still in the unread step: row -> its row there
-        pending = {} if inflight is None else {id(r): i for i, r in enumerate(inflight.reqs)}
+        pending = {} if inflight is None else {r.id: i for i, r in enumerate(inflight.reqs)}
         # of those, the ones that reach their length or context limit with that token: they
         # ride along in this step as dead rows (no page, K/V to the scratch slot, dropped)
         limit = self.model.spec.max_context
-        dead = {id(r) for r in self.decode_state.rows if id(r) in pending and (
+        dead = {r.id for r in self.decode_state.rows if r.id in pending and (
             len(r.generated) + 1 >= r.params.max_new_tokens or r.next_pos + 1 >= limit)}
         # pages first: a request whose last page is full needs a new one; if the pool is
         # exhausted, the most recently started requests are preempted

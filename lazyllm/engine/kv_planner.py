@@ -16,6 +16,11 @@ reuse mode holds that mode's behaviour:
 Work for entries that several requests of one admission round need is gathered once per
 key (``pending_prefixes`` then ``pending_chunks``: a chunk encoded after the prefix needs
 the prefix's KV first) and run by the engine's prefill.
+
+A request's pages and page table live in its ``Allocation`` (``page_table.py``), the one object that edits
+table entries: the policies build the table, the scheduler asks it for a new page
+(``append_page``) and for the slot of the next decoded token (``advance``), recovery asks
+it for private copies (``privatize``), and the decode state's device mirror only copies it.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from ..cache.disk_tier import DiskTier
 from ..cache.store import ChunkStore, Entry, chunk_key
 from ..config import CHUNK_CACHING_MODES, REUSE_MODES
 from ..intmath import cdiv
+from .page_table import Allocation
 from .request import ChunkSpan, Job, PrefillPlan, Request, TableEntry, entry_table
 
 
@@ -56,6 +62,8 @@ class KVPlanner:
     def plan(self, r: Request) -> bool:
         """Reserve everything request ``r`` needs; on failure undo and return False."""
         decode_pages = cdiv(r.params.max_new_tokens + 1, self.page_size)
+        if r.alloc is None:
+            r.alloc = Allocation(self.store)
         r.lookups = []
         ok = self.policy.plan(self, r, decode_pages)
         if not ok:
@@ -72,18 +80,16 @@ class KVPlanner:
         """Give back what planning reserved and forget what it counted, so the request can
         be planned again from scratch (the caller detaches it from decoding first)."""
         self.release(r)
-        r.table, r.plan = [], None
+        r.plan = None
         r.cached_tokens = r.cached_chunk_tokens = r.computed_tokens = r.recomputed_tokens = 0
 
     def release(self, r: Request) -> None:
         """Unpin what ``r`` reads, drop reservations nobody else waits for, free its pages."""
-        for e in r.pinned:
-            if self.store.release(e):
-                self.pending_prefixes.pop(e.key, None)
-                self.pending_chunks.pop(e.key, None)
-        r.pinned = []
-        self.pool.free(r.private_pages)
-        r.private_pages = []
+        if r.alloc is None:
+            return
+        for e in r.alloc.release():
+            self.pending_prefixes.pop(e.key, None)
+            self.pending_chunks.pop(e.key, None)
 
     def prefill_cost(self, r: Request) -> int:
         """Tokens admitting ``r`` would prefill now (cached segments cost nothing)."""
@@ -105,13 +111,6 @@ class KVPlanner:
         return self.policy.caches_chunks
 
     # -- shared steps of the policies ----------------------------------------------------
-    def alloc_private(self, r: Request, n_pages: int) -> list[int] | None:
-        """``n_pages`` pages owned by ``r`` alone (freed when it ends)."""
-        pages = self.store.alloc_pages(n_pages)
-        if pages is not None:
-            r.private_pages.extend(pages)
-        return pages
-
     def own_table(self, pages: list[int], pos: int, n: int) -> list[TableEntry]:
         return entry_table(pages, n, pos, 0, self.page_size)
 
@@ -135,13 +134,13 @@ class KVPlanner:
         the pool cannot hold it."""
         e = self.store.acquire(key, pending_ok=True)
         if e is not None:
-            r.pinned.append(e)
+            r.alloc.hold(e)
             r.lookups.append((True, n))
             return e, False  # ready, or computed once in this round for whoever created it
         e = self.store.create(key, n, stored_pos, kind)
         if e is None:
             return None, False
-        r.pinned.append(e)
+        r.alloc.hold(e)
         if self.disk is not None and self.disk.load(e):
             self.store.mark_ready(e)
             r.lookups.append((True, n))
@@ -225,26 +224,27 @@ class LazyPolicy(ReusePolicy):
             return True
         # the suffix in private pages
         S = len(suffix.ids)
-        own = planner.alloc_private(r, cdiv(S, ps))
+        own = r.alloc.take_private(cdiv(S, ps))
         if own is None:
             return False
         plan = PrefillPlan(spans=spans, own=own, suffix_ids=list(suffix.ids), suffix_pos=pos)
-        table = self.place(planner, r, table, plan)
-        if table is None or not planner.has_decode_room(decode_pages):
+        r.alloc.set_table(table)
+        if not self.place(r, plan) or not planner.has_decode_room(decode_pages):
             return False
+        table = list(r.alloc.table)
         r.ctx_range = (spans[0].start, pos) if spans else None
         plan.job = Job(suffix.ids, pos, own, list(table), logit_rows=r.logit_rows, ctx=r.ctx_range)
         plan.context = table
         r.plan = plan
         r.computed_tokens += S
-        r.table = table + planner.own_table(own, pos, S)
+        r.alloc.extend_table(planner.own_table(own, pos, S))
         r.next_pos = pos + S
         return True
 
-    def place(self, planner: KVPlanner, r: Request, table: list[TableEntry],
-              plan: PrefillPlan) -> list[TableEntry] | None:
-        """The cached part of the request's table as its attention reads it."""
-        return table
+    def place(self, r: Request, plan: PrefillPlan) -> bool:
+        """Make the cached part of the request's table (``r.alloc``) what its attention
+        reads; False when the pool cannot hold it."""
+        return True
 
 
 class BlockPolicy(LazyPolicy):
@@ -252,52 +252,48 @@ class BlockPolicy(LazyPolicy):
 
     name = "block"
 
-    def place(self, planner: KVPlanner, r: Request, table: list[TableEntry],
-              plan: PrefillPlan) -> list[TableEntry] | None:
-        shifted = [e for e in table if e.delta != 0]
-        dst = planner.alloc_private(r, len(shifted))
-        if dst is None:
-            return None
-        it = iter(dst)
-        out = []
-        for e in table:
-            if e.delta != 0:
-                d = next(it)
-                plan.copies.append((e.page, d, e.delta))
-                out.append(TableEntry(d, e.pos, 0, e.length))
-            else:
-                out.append(e)
-        return out
+    def place(self, r: Request, plan: PrefillPlan) -> bool:
+        copies = r.alloc.privatize([c for c, e in enumerate(r.alloc.table) if e.delta != 0])
+        if copies is None:
+            return False
+        plan.copies += copies
+        return True
 
 
-class NonePolicy(ReusePolicy):
-    """Full attention over the whole prompt, nothing reused."""
-
-    name = "none"
+class FullPromptPolicy(ReusePolicy):
+    """Full attention: the request computes its whole prompt, less what ``reuse_prefix``
+    finds cached (the base of ``NonePolicy`` and ``PrefixPolicy``)."""
 
     def reuse_prefix(self, planner: KVPlanner, r: Request, ids: list[int]):
         """``(table of reused pages, tokens reused, chain keys)``."""
-        return [], 0, []
+        raise NotImplementedError
 
     def plan(self, planner: KVPlanner, r: Request, decode_pages: int) -> bool:
         ids = r.prompt_ids
         N = len(ids)
         table, m, keys = self.reuse_prefix(planner, r, ids)
         rest = ids[m:]
-        if self.name == "prefix":
-            r.lookups.append((False, len(rest)))
-        own = planner.alloc_private(r, cdiv(len(rest), planner.page_size))
+        own = r.alloc.take_private(cdiv(len(rest), planner.page_size))
         if own is None or not planner.has_decode_room(decode_pages):
             return False
         r.plan = PrefillPlan(job=Job(rest, m, own, list(table), logit_rows=r.logit_rows),
                              chain=(keys, m // planner.page_size))
         r.computed_tokens = len(rest)
-        r.table = table + planner.own_table(own, m, len(rest))
+        r.alloc.set_table(table + planner.own_table(own, m, len(rest)))
         r.next_pos = N
         return True
 
 
-class PrefixPolicy(NonePolicy):
+class NonePolicy(FullPromptPolicy):
+    """Full attention over the whole prompt, nothing reused."""
+
+    name = "none"
+
+    def reuse_prefix(self, planner: KVPlanner, r: Request, ids: list[int]):
+        return [], 0, []
+
+
+class PrefixPolicy(FullPromptPolicy):
     """Full attention reusing the full pages of an identical token prefix (as vLLM)."""
 
     name = "prefix"
@@ -317,11 +313,12 @@ class PrefixPolicy(NonePolicy):
             e = planner.store.acquire(keys[m])
             if e is None:
                 break
-            r.pinned.append(e)
+            r.alloc.hold(e)
             table.append(TableEntry(e.pages[0], m * ps, 0, ps))
             m += 1
         if m:
             r.lookups.append((True, m * ps))
+        r.lookups.append((False, N - m * ps))
         r.cached_tokens = m * ps
         return table, m * ps, keys
 
@@ -329,12 +326,11 @@ class PrefixPolicy(NonePolicy):
         """Hand the request's full prompt pages to the store, for later identical prefixes."""
         keys, m = r.plan.chain
         ps = planner.page_size
+        table = r.alloc.table
         for j in range(m, len(keys)):
-            page = r.table[j].page
-            if keys[j] in planner.store or page not in r.private_pages:
+            if keys[j] in planner.store or not r.alloc.owns(table[j].page):
                 continue
-            r.private_pages.remove(page)
-            r.pinned.append(planner.store.adopt(keys[j], [page], ps, j * ps, "page"))
+            r.alloc.publish(j, keys[j], j * ps)
 
 
 _POLICIES = {p.name: p for p in (LazyPolicy, BlockPolicy, PrefixPolicy, NonePolicy)}

@@ -80,7 +80,7 @@ class ModelRunner:
             self.shared = SharedPlanBuffers(max_batch_size, max_entries, spec.num_heads, spec.head_dim, self.device,
                                             members_per_item=opts.shared_members, pages_per_item=opts.shared_pages)
         self._shared_state: tuple | None = None  # (decode state version, item bucket, rows' covered columns)
-        self._entries: dict[int, tuple] = {}  # request id -> (its table list, length, entries array)
+        self._arrays: dict[int, tuple] = {}  # request id -> (its table's epoch, width, entries array)
         self.graphs = GraphRunner(model, self.decode_state, pool.k, pool.v, enabled=graphs, shared=self.shared)
         self.prefill_graphs = PrefillGraphs(model, pool.k, pool.v, max_entries, self.device,
                                             pool.scratch_page * pool.page_size, enabled=graphs,
@@ -189,7 +189,7 @@ class ModelRunner:
     # -- decode --------------------------------------------------------------------------
     def launch_decode(self, reqs: list[Request], pending: dict[int, int], dead: set[int]) -> DecodeStep:
         """Stage and launch one decode step's forward for ``reqs`` (the decode state's rows,
-        each with room for its next token in its last page); ``pick`` then chooses its
+        each with its next token's slot claimed in its last page); ``pick`` then chooses its
         tokens. ``pending``: requests (by ``id``) whose latest token is still in the unread
         step in flight, to the row it has there: their input is that step's pick on the
         device. ``dead``: requests that ride along with no page (their K/V to the scratch
@@ -200,20 +200,17 @@ class ModelRunner:
         W = 0
         scratch = self.pool.scratch_page * ps
         for r in reqs:
-            last = r.table[-1]
-            col = len(r.table) - 1
-            if id(r) in dead:
+            if r.id in dead:
                 slots.append(scratch)
                 updates.append((state.max_batch, 0, 0, 0, 0, 0))  # the dump row
             else:
-                slots.append(last.page * ps + last.length)
-                last.length += 1
-                updates.append((r.row, col, last.page, last.pos, last.delta, last.length))
-            i = pending.get(id(r), -1)
+                slots.append(r.alloc.last_slot)
+                updates.append(state.row_update(r))
+            i = pending.get(r.id, -1)
             src.append(i)  # its token: step n's pick of that row, still on the device
             ids.append(r.generated[-1] if i < 0 else 0)
             pos.append(r.next_pos + (i >= 0))
-            W = max(W, len(r.table))
+            W = max(W, r.alloc.width)
         B = len(reqs)
         t_step = time.perf_counter()
         Bp, Wp = self.graphs.batch_bucket(B), self.graphs.width_bucket(W)
@@ -235,7 +232,7 @@ class ModelRunner:
         the GPU still runs this step's forward. Returns the requests whose constraint failed
         (to be finished with the error; their token is dropped)."""
         B = len(step.reqs)
-        rows = [None if id(r) in step.dead or r.row is None or r.finish_reason is not None else r
+        rows = [None if r.id in step.dead or r.row is None or r.finish_reason is not None else r
                 for r in step.reqs]
         picks = step.argmax
         if not self.sampler.plain_greedy(rows):
@@ -259,11 +256,11 @@ class ModelRunner:
         is kept while the rows stay the same and no row outgrows the columns it covers."""
         st = self.decode_state
         cur = self._shared_state
-        if cur is not None and cur[0] == st.version and all(len(r.table) <= cur[2][r.row] for r in reqs):
+        if cur is not None and cur[0] == st.version and all(r.alloc.width <= cur[2][r.row] for r in reqs):
             return cur[1]
-        live = {id(r) for r in st.rows}
-        for k in [k for k in self._entries if k not in live]:
-            del self._entries[k]
+        live = {r.id for r in st.rows}
+        for k in [k for k in self._arrays if k not in live]:
+            del self._arrays[k]
         tables = [self._table_array(r) for r in st.rows]
         plan = plan_groups(tables, members_per_item=self.shared.members_per_item,
                            pages_per_item=self.shared.pages_per_item, extend=self.SHARED_EXTEND,
@@ -279,18 +276,19 @@ class ModelRunner:
         return bucket
 
     def _table_array(self, r: Request) -> np.ndarray:
-        """``r.table`` as an ``(entries, 4)`` array (page, pos, delta, len), kept per request
-        and extended as its table grows while decoding (entries are appended, never replaced;
-        a new table list, after preemption, is read whole)."""
-        n = len(r.table)
-        got = self._entries.get(id(r))
-        if got is not None and got[0] is r.table and got[1] == n:
+        """``r``'s table as an ``(entries, 4)`` array (page, pos, delta, len), kept per request
+        and extended as its table grows while decoding (within one ``Allocation.epoch``
+        entries are only appended; a table of a new epoch, after preemption, is read whole)."""
+        alloc = r.alloc
+        n = alloc.width
+        got = self._arrays.get(r.id)
+        if got is not None and got[0] == alloc.epoch and got[1] == n:
             return got[2]
-        fresh = got is None or got[0] is not r.table or got[1] > n
+        fresh = got is None or got[0] != alloc.epoch or got[1] > n
         start = 0 if fresh else got[1]
-        new = pack_tables([r.table[start:]], n - start)[:, 0].T
+        new = pack_tables([alloc.entries(start)], n - start)[:, 0].T
         arr = new if fresh else np.concatenate([got[2], new])
-        self._entries[id(r)] = (r.table, n, arr)
+        self._arrays[r.id] = (alloc.epoch, n, arr)
         return arr
 
     def _picks_to_host(self, picks: torch.Tensor, B: int):

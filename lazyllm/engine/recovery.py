@@ -23,7 +23,7 @@ from ..config import selection as scorer_of
 from ..intmath import cdiv
 from .kv_planner import KVPlanner
 from .model_runner import ModelRunner
-from .request import ChunkSpan, Job, Request, TableEntry, slot_of
+from .request import ChunkSpan, Job, Request, slot_of
 
 
 def __getattr__(name: str):
@@ -80,18 +80,14 @@ class Recovery:
                 ci, i = flat[j]
                 sel[ci].add(i)
         ps = self.pool.page_size
-        copies = list(plan.copies)
-        table = list(plan.context)
-        for s, chosen in zip(spans, sel):
-            for j in sorted({i // ps for i in chosen}):
-                e = table[s.first_entry + j]
-                if e.page not in r.private_pages:  # a shared page: this request's private copy
-                    dst = self.planner.alloc_private(r, 1)
-                    if dst is None:
-                        self.metrics["recovery_skipped"] += 1
-                        return
-                    copies.append((e.page, dst[0], e.delta))
-                    table[s.first_entry + j] = TableEntry(dst[0], e.pos, 0, e.length)
+        alloc = r.alloc
+        # the pages holding chosen tokens that are shared: this request's private copies
+        cols = [s.first_entry + j for s, chosen in zip(spans, sel) for j in sorted({i // ps for i in chosen})]
+        copies = alloc.privatize([c for c in cols if not alloc.owns(alloc.table[c].page)])
+        if copies is None:
+            self.metrics["recovery_skipped"] += 1
+            return
+        table = list(alloc.table[:len(plan.context)])
         ids, positions, slots = [], [], []
         for s, chosen in zip(spans, sel):
             for i in sorted(chosen):
@@ -107,11 +103,9 @@ class Recovery:
         ids += plan.suffix_ids
         positions += range(plan.suffix_pos, plan.suffix_pos + S)
         slots += [slot_of(plan.own, i, ps) for i in range(S)]
-        plan.copies = copies
-        own_table = self.planner.own_table(plan.own, plan.suffix_pos, S)
-        plan.job = Job(ids, plan.suffix_pos, [], table + own_table, logit_rows=r.logit_rows,
+        plan.copies = plan.copies + copies
+        plan.job = Job(ids, plan.suffix_pos, [], list(alloc.table), logit_rows=r.logit_rows,
                        positions=positions, slots=slots, ctx=r.ctx_range)
-        r.table = table + own_table
 
     def question_attention(self, r: Request) -> torch.Tensor:
         """Per chunk token (in chunk order), the attention mass the question's queries give

@@ -2,11 +2,13 @@
 
 A request's page table lists ``TableEntry`` rows: a page, the logical position of its first
 slot in the request, the rotation (delta) the attention kernel applies to its stored keys,
-and how many of its slots are valid. ``pack_tables`` turns tables into the four int planes
+and how many of its slots are valid. Entries are frozen: a request's table changes only
+through its ``page_table.Allocation``. ``pack_tables`` turns tables into the four int planes
 (page, pos, delta, len) the kernels read, in one place for prefill, decode and graphs.
 """
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -16,23 +18,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..types import SamplingParams
+from .page_table import Allocation, TableEntry
 from .prompt import Segment
 
 if TYPE_CHECKING:
-    from ..cache.store import Entry
     from .detokenizer import Detokenizer
     from .sampler import TokenConstraint
 
-
-@dataclass
-class TableEntry:
-    page: int
-    pos: int  # position of slot 0 in the request's frame
-    delta: int  # rotation added to stored keys
-    length: int  # valid slots
-
-    def astuple(self) -> tuple[int, int, int, int]:
-        return (self.page, self.pos, self.delta, self.length)
+_request_ids = itertools.count(1)
 
 
 @dataclass
@@ -85,7 +78,7 @@ class PrefillPlan:
     chain: tuple[list[bytes], int] | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # one request is one object: compared and hashed by identity
 class Request:
     segments: list[Segment]
     params: SamplingParams
@@ -103,11 +96,10 @@ class Request:
     # the seed of its sampled tokens (``params.seed``, else drawn by the sampler at its first
     # sampled token); each token's draw is a function of it and the token's index
     seed: int | None = None
+    id: int = field(default_factory=_request_ids.__next__)  # unique in the process, never reused
     # planned by the KV planner (reset by ``KVPlanner.unplan``)
     plan: PrefillPlan | None = None
-    table: list[TableEntry] = field(default_factory=list)
-    private_pages: list[int] = field(default_factory=list)
-    pinned: list[Entry] = field(default_factory=list)
+    alloc: Allocation | None = None  # its pages and page table (made by the planner)
     keys: tuple | None = None  # (prefix key, chunk keys), see KVPlanner.segment_keys
     lookups: list = field(default_factory=list)  # (hit, tokens) of the plan being made
     cached_tokens: int = 0

@@ -162,8 +162,8 @@ class Sampler:
         cons = [(i, r) for i, r in enumerate(rows) if r is not None and r.constraint is not None]
         if cons:  # in place: a step's logits are read by nothing after its pick
             self._mask(x, cons, V)
-        failed = {id(r) for r, _ in self.failed}
-        live = [r is not None and not r.params.greedy and id(r) not in failed for r in rows]
+        failed = {r.id for r, _ in self.failed}
+        live = [r is not None and not r.params.greedy and r.id not in failed for r in rows]
         if not any(live):
             return x.argmax(dim=-1)
         k, buf = self._params.take(5 * B)

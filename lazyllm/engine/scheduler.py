@@ -3,7 +3,8 @@
 Each step the scheduler admits waiting requests in arrival order while the step's prefill
 token budget and the batch size allow, planning each one's pages through the ``KVPlanner``
 (a request the pool cannot hold yet waits; one it can never hold fails). While requests
-decode it gives each a new page when its last one fills up, preempting the most recently
+decode it gives each a new page when its last one fills up and claims the slot of its next
+token (both through the request's ``Allocation``), preempting the most recently
 started requests when the pool is exhausted (they are queued again and recomputed later,
 their generated tokens prefilled as part of their suffix).
 """
@@ -15,7 +16,7 @@ from ..errors import CacheCapacityError, LazyLLMError
 from .cuda_graphs import DecodeState
 from .kv_planner import KVPlanner
 from .prompt import Segment
-from .request import Request, TableEntry
+from .request import Request
 
 
 class Scheduler:
@@ -102,22 +103,22 @@ class Scheduler:
         self.metrics["preemptions"] += 1
 
     def grow_decode_pages(self, pending: dict[int, int], dead: set[int]) -> None:
-        """Give every decoding request room for its next token: a new page when its last
-        one is full (or shared), preempting the most recently started requests when the pool
-        is exhausted. ``pending``/``dead`` as in ``ModelRunner.launch_decode``."""
-        ps = self.pool.page_size
+        """Give every decoding request room for its next token and claim that token's slot
+        (``Allocation.advance``): a new page when its last one is full (or shared),
+        preempting the most recently started requests when the pool is exhausted.
+        ``pending``/``dead`` as in ``ModelRunner.launch_decode``: a dead row gets nothing."""
         for r in list(self.decode_state.rows):
-            if r.row is None or id(r) in dead:
+            if r.row is None or r.id in dead:
                 continue
-            last = r.table[-1]
-            if last.length < ps and last.page in r.private_pages:
-                continue
-            while True:
-                pages = self.planner.alloc_private(r, 1)
-                if pages is not None:
-                    r.table.append(TableEntry(pages[0], r.next_pos + (id(r) in pending), 0, 0))
+            alloc = r.alloc
+            while not alloc.has_room():
+                # the new page starts at the token being decoded now (one later when the
+                # latest token is still in the unread step in flight)
+                if alloc.append_page(r.next_pos + (r.id in pending)):
                     break
                 victim = self.decode_state.rows[-1]
                 self.preempt(victim)
                 if victim is r:
                     break
+            if r.row is not None:
+                alloc.advance()

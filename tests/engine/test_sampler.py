@@ -3,6 +3,7 @@ sampled rows follow softmax(logits / T) restricted to top-k and top-p (chi-squar
 the probabilities computed here independently), a row's draws depend only on its seed and
 token index (not on its neighbours), and token bitmasks remove exactly the tokens they
 clear."""
+import itertools
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,9 +19,12 @@ CHI2_9999 = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74, 6: 27.86, 7: 29.8
              10: 35.56, 11: 37.37}
 
 
+_ids = itertools.count()  # rows are told apart by their request id
+
+
 def _row(seed=None, generated=0, constraint=None, **params):
     return SimpleNamespace(params=SamplingParams(**params), seed=seed, generated=[0] * generated,
-                           constraint=constraint)
+                           constraint=constraint, id=next(_ids))
 
 
 def _expected(logits: np.ndarray, temperature: float, top_k: int, top_p: float, allowed=None) -> np.ndarray:
