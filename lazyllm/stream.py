@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import Executor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .types import GenerationOutput
 
@@ -22,18 +22,16 @@ class TextStream:
     submitted when iteration starts. Stopping early (``break``, ``close()``, task
     cancellation) cancels the request; ``close()`` returns once the engine has released
     the request's pages. It is the stream across the boundary between the engine thread and
-    its caller (a thread, or an event loop through ``executor``).
+    its caller: a thread waits on the request's queue; under ``async for`` the engine thread
+    wakes the event loop directly, so no thread is held per request.
     """
 
     # how long close() waits for the engine to retire a cancelled request (it does so at
     # its next step; only a wedged engine takes longer)
     CLOSE_TIMEOUT_S = 30.0
 
-    def __init__(self, engine: Engine, req: Request, executor: Executor | None = None):
+    def __init__(self, engine: Engine, req: Request):
         self._engine, self._req = engine, req
-        # the threads that wait for the engine's events under ``async for`` (None: the event
-        # loop's default executor); a server passes a pool sized to its concurrency limit
-        self.executor = executor
         self._sync: Iterator[str] | None = None
         self._submitted = self._over = False
         self.output: GenerationOutput | None = None
@@ -71,23 +69,21 @@ class TextStream:
             self._sync = self._iterate()
         return next(self._sync)
 
-    def _events(self) -> list[tuple[str, Any]]:
-        """The next event (blocking), with every event already queued after it, up to the
-        last one: a waiting thread wakes once per batch of tokens, not once per token."""
-        events = [self._req.events.get()]
-        while events[-1][0] == "delta":
-            try:
-                events.append(self._req.events.get_nowait())
-            except queue.Empty:
-                break
-        return events
-
     async def __aiter__(self) -> AsyncIterator[str]:
-        loop = asyncio.get_running_loop()
+        # the engine thread wakes the event loop itself (no thread waits for the events):
+        # the request's queue is replaced, before submission, by one that signals the loop
+        events = _LoopQueue(asyncio.get_running_loop())
+        self._req.events = events
         self._submit()
         try:
             while True:
-                for event in await loop.run_in_executor(self.executor, self._events):
+                await events.ready.wait()
+                events.ready.clear()
+                while True:
+                    try:
+                        event = events.get_nowait()
+                    except queue.Empty:
+                        break
                     if (delta := self._take(*event)) is None:
                         return
                     yield delta
@@ -115,3 +111,19 @@ class TextStream:
             except queue.Empty:
                 pass
             self._over = True
+
+
+class _LoopQueue(queue.Queue):
+    """The event queue of a request iterated with ``async for``: each event the engine
+    thread puts also sets ``ready`` on the event loop (thread-safe), which the iterator
+    awaits before draining every event queued so far."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        super().__init__()
+        self._loop = loop
+        self.ready = asyncio.Event()
+
+    def _put(self, item) -> None:  # under the queue's lock, from Queue.put
+        super()._put(item)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
+            self._loop.call_soon_threadsafe(self.ready.set)

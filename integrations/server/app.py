@@ -333,18 +333,17 @@ def create_app(llm: LazyLLM | Backend, *, api_key: str | None = None, model_name
     ``max_request_bytes``: larger bodies get 413. ``max_new_tokens_limit``: the most
     ``max_tokens`` a request may ask (more: 400); ``default_max_tokens`` when it asks
     none. ``default_temperature``: when the request sets none (0: greedy, as in process).
-    ``max_concurrency``: requests served at once (with a ``LazyLLM``, each holds a worker
-    thread while its engine request runs); more get 429 with ``Retry-After``.
+    ``max_concurrency``: requests served at once; more get 429 with ``Retry-After``.
 
     Body parsing, validation and tokenization run on worker threads, never on the event
     loop, so ``/health`` and other requests are answered while a large body is processed;
     a non-streaming request whose client disconnects is cancelled like a stream.
 
     ``app.state``: ``backend``, ``llm`` (the ``LazyLLM``, or None for another backend),
-    ``model_name``, ``metrics`` (``ServerMetrics``), ``executor`` (the local backend's pool).
+    ``model_name``, ``metrics`` (``ServerMetrics``).
     """
     _check_limits(max_request_bytes, max_new_tokens_limit, default_max_tokens, max_concurrency, api_key)
-    backend = as_backend(llm, max_workers=max_concurrency)
+    backend = as_backend(llm)
     owns_backend = backend is not llm
     srv = _Server(backend, served=model_name or str(backend.model_name), api_key=api_key,
                   max_request_bytes=max_request_bytes, max_concurrency=max_concurrency,
@@ -362,7 +361,6 @@ def create_app(llm: LazyLLM | Backend, *, api_key: str | None = None, model_name
                   docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.backend, app.state.model_name, app.state.metrics = backend, srv.served, srv.metrics
     app.state.llm = getattr(backend, "llm", None)
-    app.state.executor = getattr(backend, "executor", None)
     _routes(app, srv)
     return app
 

@@ -4,14 +4,12 @@ other backend: Ray Serve replicas behind a deployment handle."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, runtime_checkable
 
 from lazyllm import Chunk, GenerationOutput, LazyLLM
 from lazyllm.stream import TextStream
 
 from .._common import engine_settings
-from .protocol import DEFAULT_MAX_CONCURRENCY
 
 
 class GenerationStream(Protocol):
@@ -69,20 +67,16 @@ class Backend(Protocol):
 
 class LocalBackend:
     """The ``Backend`` of one ``LazyLLM`` in this process. Its streams are the engine's own
-    ``TextStream``s; while a request runs, one thread of this backend's pool
-    (``max_workers``) waits for its events. ``close()`` stops the pool (the ``LazyLLM``
-    stays open: its owner closes it)."""
+    ``TextStream``s, whose events wake the event loop from the engine thread (no thread is
+    held per request). The ``LazyLLM`` stays open: its owner closes it."""
 
-    def __init__(self, llm: LazyLLM, *, max_workers: int = DEFAULT_MAX_CONCURRENCY):
+    def __init__(self, llm: LazyLLM):
         self.llm = llm
         self.model_name = str(llm.model_name)
-        self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="lazyllm-server")
         self._max_token_chars = _max_token_chars(llm.tokenizer)
 
     def stream(self, question: str, chunks: list[Chunk], system: str | None, **sampling: Any) -> TextStream:
-        stream = self.llm.stream(question, chunks, system, **sampling)
-        stream.executor = self.executor
-        return stream
+        return self.llm.stream(question, chunks, system, **sampling)
 
     def check_length(self, chars: int) -> None:
         """Refuse a prompt of ``chars`` characters that cannot fit the context, from a lower
@@ -108,9 +102,6 @@ class LocalBackend:
 
     def engine_stats(self) -> dict[str, Any]:
         return dict(getattr(getattr(self.llm, "engine", None), "metrics", None) or {})
-
-    def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
 
 
 def _max_token_chars(tokenizer: Any) -> int:

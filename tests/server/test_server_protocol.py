@@ -168,6 +168,9 @@ def test_health_answers_while_a_near_limit_body_is_refused(server, http):
     th = threading.Thread(target=probe)
     th.start()
     try:
+        while not waits:  # the probe is running before the body is sent
+            assert th.is_alive()
+            time.sleep(0.01)
         t = time.perf_counter()
         r = http.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
         took = time.perf_counter() - t
