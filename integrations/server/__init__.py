@@ -24,8 +24,10 @@ adapters read them (``integrations._common.request_from_messages``).
 Safe by default: ``main`` binds to 127.0.0.1; an API key, when set, is required as
 ``Authorization: Bearer <key>`` on ``/v1``; request bodies and ``max_tokens`` are capped;
 bad input gets OpenAI's error body (``{"error": {"message", "type", "param", "code"}}``)
-with status 400, 401, 404, 413 or 429; a streaming client that disconnects cancels its
-request (``GenerationStream.cancel``) and its pages are released.
+with status 400, 401, 404, 413 or 429 (with ``Retry-After``), every status counted in the
+metrics; a client that disconnects, streaming or not, cancels its request
+(``GenerationStream.cancel``) and its pages are released. Parsing, validation and
+tokenization run on worker threads, off the event loop. docs/server.md is the user's guide.
 
 Modules: ``protocol`` (OpenAI's request and response bodies as pydantic models and pure
 functions: ``validate_body`` (bytes -> ``ChatCompletionRequest``), ``parse_chat_request``
@@ -35,7 +37,7 @@ functions: ``validate_body`` (bytes -> ``ChatCompletionRequest``), ``parse_chat_
 (``create_app``) and ``cli`` (``lazyllm serve``).
 
 Streams, one per boundary: ``lazyllm.TextStream`` carries a request's deltas from the engine
-thread to its caller (here, the local backend's worker threads); ``ray_serve.RayStream``
+thread to its caller (here, the event loop, woken by the engine thread); ``ray_serve.RayStream``
 from a Ray replica to the ingress; the app's ``_Relay`` from either (a ``GenerationStream``)
 to the HTTP response; ``_common.RemoteStream`` from the HTTP response to a Python client.
 """

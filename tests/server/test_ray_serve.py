@@ -496,3 +496,15 @@ def test_load_slack_passes_over_a_busy_holder_but_keeps_affinity_among_the_other
     # a warm request never is passed over (ownership matters more than a queue there)
     d = rank_replicas([(a, 100), (b, 100)], holds, q, load_slack=1, allow_fallback=False)
     assert d.ranks[0] == ["r0"]
+
+
+def test_build_app_checks_the_replicas_options_before_deploying():
+    """The deployment takes ``LazyLLM``'s options (``EngineConfig``, the flags of ``lazyllm
+    serve``): a bad one fails in the driver, before Ray starts anything."""
+    pytest.importorskip("ray.serve", reason="Ray Serve is the optional `ray` extra")
+    from lazyllm import InvalidRequestError
+    from lazyllm.integrations.ray_serve import build_app
+
+    for bad in ({"page_size": 3}, {"quality": "best"}, {"reuse": "prefix", "kv_disk_dir": "/tmp/kv"}):
+        with pytest.raises(InvalidRequestError):
+            build_app(**bad)
