@@ -47,9 +47,6 @@ require("langchain", "langchain_core")
 
 import base64
 import binascii
-import html
-import json
-import re
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -95,12 +92,22 @@ from ._common import (
     device_from_hf,
     engine_kwargs_from_hf,
     hf_generate_kwargs,
-    join_system,
     request_from_messages,
     usage_dict,
 )
 from .chroma_langchain import ChromaRetriever
+from .langchain_tools import (
+    CallHold,
+    ai_message,
+    bind_tools,
+    last_chunk_message,
+    pop_structured,
+    to_openai_messages,
+    uses_tools,
+    with_structured_output,
+)
 from .minilm_langchain import BundledMiniLMEmbeddings
+from .tagged import decode_prompt, encode_prompt, format_chunk
 
 PROVIDER = "lazyllm"
 
@@ -236,58 +243,10 @@ def _message_parts(m: BaseMessage) -> tuple[str, str, list[Chunk]]:
 
 # -- requests <-> tagged strings (for the string LLM) ------------------------------
 
-_TAG = re.compile(r'<lazyllm-(system|document)((?:\s+[a-z_]+="[^"]*")*)>\n(.*?)\n</lazyllm-\1>\n?', re.S)
-_ATTR = re.compile(r'([a-z_]+)="([^"]*)"')
-
-
-def _section(kind: str, text: str, attrs: dict[str, str] | None = None) -> str:
-    close = f"\n</lazyllm-{kind}>"
-    if close in f"\n{text}\n":
-        raise InvalidRequestError(f"text contains the reserved tag </lazyllm-{kind}>")
-    a = "".join(f' {k}="{html.escape(v, quote=True)}"' for k, v in (attrs or {}).items())
-    return f"<lazyllm-{kind}{a}>\n{text}{close}\n"
-
-
-def format_chunk(chunk: Chunk) -> str:
-    attrs = {}
-    if chunk.id is not None:
-        attrs["id"] = chunk.id
-    if chunk.metadata:
-        attrs["metadata"] = json.dumps(chunk.metadata, default=str, sort_keys=True)
-    return _section("document", chunk.text, attrs)
-
-
 def format_documents(docs: Sequence[Document | str], *, title_key: str | None = None) -> str:
     """Retrieved documents as tagged sections for a string prompt: ``LazyLLMText``
     lifts them out as chunks. Use it where a string chain would use ``format_docs``."""
     return "".join(format_chunk(block_to_chunk(document_block(d, title_key=title_key))) for d in docs)
-
-
-def encode_prompt(req: RagRequest) -> str:
-    """The string form of a request: a tagged system section, tagged document sections,
-    then the question. ``decode_prompt`` inverts it exactly."""
-    head = _section("system", req.system) if req.system else ""
-    return head + "".join(format_chunk(c) for c in req.chunks) + req.question
-
-
-def decode_prompt(prompt: str) -> RagRequest:
-    """Tagged sections of ``prompt`` become ``system`` and chunks (in order); the rest,
-    with runs of blank lines squeezed, is the question."""
-    system_parts, chunks = [], []
-
-    def take(m: re.Match) -> str:
-        kind, attrs, text = m.group(1), dict(_ATTR.findall(m.group(2))), m.group(3)
-        attrs = {k: html.unescape(v) for k, v in attrs.items()}
-        if kind == "system":
-            system_parts.append(text)
-        else:
-            meta = json.loads(attrs["metadata"]) if "metadata" in attrs else {}
-            chunks.append(Chunk(text, id=attrs.get("id"), metadata=meta))
-        return ""
-
-    rest = _TAG.sub(take, prompt)
-    rest = re.sub(r"\n{3,}", "\n\n", rest).strip()
-    return RagRequest(rest, chunks, join_system(system_parts))
 
 
 # -- shared engine parameters --------------------------------------------------------
@@ -432,6 +391,7 @@ def _usage_metadata(out: GenerationOutput) -> UsageMetadata:
 def _response_metadata(model_name: str, out: GenerationOutput) -> dict[str, Any]:
     return {"model_name": model_name, "model_provider": PROVIDER, "finish_reason": out.finish_reason,
             "ttft_s": out.ttft_s, "total_s": out.total_s, "cached_tokens": out.usage.cached_tokens,
+            "cached_chunk_tokens": out.usage.cached_chunk_tokens,
             "chunk_ids": list(out.chunk_ids)}
 
 
@@ -452,11 +412,34 @@ class ChatLazyLLM(_EngineParams, BaseChatModel):
 
     ``usage_metadata``: ``input_tokens``, ``output_tokens``, ``total_tokens`` and
     ``input_token_details.cache_read`` (prompt tokens whose KV was reused).
-    ``response_metadata``: ``model_name``, ``finish_reason`` (``stop``/``length``),
-    ``ttft_s``, ``total_s``, ``cached_tokens``, ``chunk_ids``. Per-call options:
-    ``stop``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
-    ``timeout``. No tool calling, structured output or images.
+    ``response_metadata``: ``model_name``, ``finish_reason`` (``stop``/``length``/
+    ``tool_calls``), ``ttft_s``, ``total_s``, ``cached_tokens``, ``chunk_ids``. Per-call
+    options: ``stop``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
+    ``timeout``. Tools: ``bind_tools`` (functions, Pydantic classes, ``@tool``s, dicts;
+    ``tool_choice`` "auto" / "any" / "required" / "none" / a name), ``AIMessage.tool_calls``,
+    ``ToolMessage`` results, streamed ``tool_call_chunks``; ``with_structured_output``
+    (``json_schema``, ``function_calling``, ``json_mode``; ``include_raw``), all held to a
+    grammar (``lazyllm.integrations.langchain_tools``). No images.
     """
+
+    def bind_tools(self, tools: Sequence[Any], *, tool_choice: Any = None, **kwargs: Any):
+        return bind_tools(self, tools, tool_choice, **kwargs)
+
+    def with_structured_output(self, schema: Any = None, *, method: str = "json_schema", include_raw: bool = False,
+                               **kwargs: Any):
+        return with_structured_output(self, schema, method=method, include_raw=include_raw, **kwargs)
+
+    def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]):
+        """``(RagRequest, options)`` of a call: with tools or a response format, the
+        conversation goes as real turns (``messages=``) with its documents as chunks."""
+        extra = pop_structured(kwargs)
+        options = self._sampling(stop, kwargs)
+        if not extra and not uses_tools(messages):
+            return messages_to_request(messages), options
+        if isinstance(self.llm, RemoteLazyLLM):
+            raise InvalidRequestError("tools and response_format need an in-process engine, not base_url")
+        options.update(extra, messages=to_openai_messages(messages, _message_parts))
+        return RagRequest(None), options
 
     @property
     def _llm_type(self) -> str:
@@ -470,52 +453,56 @@ class ChatLazyLLM(_EngineParams, BaseChatModel):
         return self._ls_params("chat", stop, kwargs)
 
     def _result(self, out: GenerationOutput) -> ChatResult:
-        msg = AIMessage(content=out.text, usage_metadata=_usage_metadata(out),
-                        response_metadata=_response_metadata(self.model_name, out))
+        msg = ai_message(out, usage_metadata=_usage_metadata(out),
+                         response_metadata=_response_metadata(self.model_name, out))
         gen = ChatGeneration(message=msg, generation_info={"finish_reason": out.finish_reason})
         return ChatResult(generations=[gen], llm_output={"model_name": self.model_name, "token_usage": usage_dict(out)})
 
-    def _last_chunk(self, out: GenerationOutput) -> ChatGenerationChunk:
-        msg = AIMessageChunk(content="", usage_metadata=_usage_metadata(out), chunk_position="last",
-                             response_metadata=_response_metadata(self.model_name, out))
+    def _last_chunk(self, out: GenerationOutput, hold: CallHold) -> ChatGenerationChunk:
+        msg = last_chunk_message(out, hold, usage_metadata=_usage_metadata(out),
+                                 response_metadata=_response_metadata(self.model_name, out))
         return ChatGenerationChunk(message=msg, generation_info={"finish_reason": out.finish_reason})
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         if self.streaming:
             return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
-        req = messages_to_request(messages)
-        out = self.llm.generate(req.question, req.chunks, req.system, **self._sampling(stop, kwargs))
-        return self._result(out)
+        req, options = self._request(messages, stop, kwargs)
+        return self._result(self.llm.generate(req.question, req.chunks, req.system, **options))
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         if self.streaming:
             return await agenerate_from_stream(self._astream(messages, stop, run_manager, **kwargs))
-        req = messages_to_request(messages)
-        out = await self.llm.agenerate(req.question, req.chunks, req.system, **self._sampling(stop, kwargs))
-        return self._result(out)
+        req, options = self._request(messages, stop, kwargs)
+        return self._result(await self.llm.agenerate(req.question, req.chunks, req.system, **options))
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        stream = GenerationStream(self.llm, messages_to_request(messages), **self._sampling(stop, kwargs))
+        req, options = self._request(messages, stop, kwargs)
+        stream, hold = GenerationStream(self.llm, req, **options), CallHold("tools" in options)
         for delta in stream:
+            if not (delta := hold.feed(delta)):
+                continue
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
             if run_manager:
                 run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
-        yield self._last_chunk(stream.output)
+        yield self._last_chunk(stream.output, hold)
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        stream = GenerationStream(self.llm, messages_to_request(messages), **self._sampling(stop, kwargs))
+        req, options = self._request(messages, stop, kwargs)
+        stream, hold = GenerationStream(self.llm, req, **options), CallHold("tools" in options)
         async for delta in stream:
+            if not (delta := hold.feed(delta)):
+                continue
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
             if run_manager:
                 await run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
-        yield self._last_chunk(stream.output)
+        yield self._last_chunk(stream.output, hold)
 
 
 # -- the string LLM ----------------------------------------------------------------

@@ -394,6 +394,10 @@ class LazyLLM:
         elif messages is not None or (structured is not None and structured.tools):
             segs = self._conversation(question, chunks, system, messages, structured)
         else:
+            instruction = structured.instruction if structured is not None else None
+            if instruction:
+                system = f"{system.strip()}\n\n{instruction}" if isinstance(system, str) and system.strip() \
+                    else instruction
             segs = self.prompts.build(question, chunks, system)
         n = sum(len(s.ids) for s in segs)
         check_fits(n, params, self.model.spec.max_context)
@@ -431,7 +435,8 @@ class LazyLLM:
         if question is not None:
             check_text(question, "question")
             msgs.append({"role": "user", "content": question})
-        return build_conversation(self.prompts, msgs, chunks, system, structured.tools if structured else [])
+        return build_conversation(self.prompts, msgs, chunks, system, structured.tools if structured else [],
+                                  structured.instruction if structured else None)
 
     @staticmethod
     def _wait(req: Request) -> GenerationOutput:

@@ -15,12 +15,12 @@ from typing import Any
 
 from ..types import GenerationOutput
 from .chat import FALLBACK_TOOL_PROMPT, build_conversation
-from .formats import ResponseFormat, normalize_response_format
+from .formats import ResponseFormat, format_instruction, normalize_response_format
 from .grammar import GrammarCompiler, GrammarConstraint
 from .tools import Tool, normalize_tool_choice, normalize_tools, parse_tool_calls, tool_grammar
 
 __all__ = ["GrammarCompiler", "GrammarConstraint", "StructuredRequest", "prepare", "build_conversation",
-           "normalize_response_format", "normalize_tools", "FALLBACK_TOOL_PROMPT", "Tool"]
+           "normalize_response_format", "normalize_tools", "format_instruction", "FALLBACK_TOOL_PROMPT", "Tool"]
 
 
 @dataclass
@@ -32,6 +32,12 @@ class StructuredRequest:
     choice: str = "auto"
     fmt: ResponseFormat | None = None
     grammar: str | None = None
+
+    @property
+    def instruction(self) -> str | None:
+        """What the prompt says about the answer's format (None: nothing); with tools, the
+        tool section says it."""
+        return None if self.tools and self.choice != "none" else format_instruction(self.fmt)
 
     def finalize(self, out: GenerationOutput) -> GenerationOutput:
         """Fill ``out.tool_calls`` (finish_reason ``"tool_calls"``) or ``out.parsed`` from the

@@ -107,10 +107,22 @@ def _normalize(messages: list, native: bool) -> tuple[list[dict], int | None, li
     return out, at, chunks
 
 
+def _add_system(msgs: list[dict], text: str, at: int | None, first: bool = False) -> int | None:
+    """Put ``text`` into the leading system message (made if absent; before its content when
+    ``first``); returns ``at`` shifted when a message was inserted."""
+    if msgs and msgs[0]["role"] == "system":
+        old = msgs[0]["content"]
+        msgs[0] = {"role": "system", "content": f"{text}\n\n{old}" if first else f"{old}\n\n{text}"}
+        return at
+    msgs.insert(0, {"role": "system", "content": text})
+    return None if at is None else at + 1
+
+
 def build_conversation(prompts: PromptBuilder, messages: list, chunks: list[Chunk], system: str | None,
-                       tools: list[Tool]) -> list[Segment]:
-    """Segments of ``messages`` (plus a leading ``system`` when given) with ``chunks`` at the
-    first user message (or the documents a message carries in ``"chunks"``)."""
+                       tools: list[Tool], instruction: str | None = None) -> list[Segment]:
+    """Segments of ``messages`` (plus ``system`` and ``instruction``, e.g. the answer's
+    format, in the leading system message) with ``chunks`` at the first user message (or the
+    documents a message carries in ``"chunks"``)."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of message dicts")
     tok = prompts.tok
@@ -123,16 +135,12 @@ def build_conversation(prompts: PromptBuilder, messages: list, chunks: list[Chun
     chunks = own or chunks
     if system:
         _check_text(system, "system")
-        msgs.insert(0, {"role": "system", "content": system})
-        at = None if at is None else at + 1
+        at = _add_system(msgs, system, at, first=True)
     if tools and not native:
         listing = "\n".join(json.dumps(t.to_openai()["function"]) for t in tools)
-        section = FALLBACK_TOOL_PROMPT.format(tools=listing)
-        if msgs[0]["role"] == "system":
-            msgs[0] = {"role": "system", "content": msgs[0]["content"] + "\n\n" + section}
-        else:
-            msgs.insert(0, {"role": "system", "content": section})
-            at = None if at is None else at + 1
+        at = _add_system(msgs, FALLBACK_TOOL_PROMPT.format(tools=listing), at)
+    if instruction:
+        at = _add_system(msgs, instruction, at)
     if at is None:
         at = next((k for k, m in enumerate(msgs) if m["role"] == "user"), None)
         if at is None:

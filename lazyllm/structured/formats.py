@@ -15,7 +15,7 @@ from typing import Any
 from ..errors import InvalidRequestError
 from ..types import Grammar, Regex
 
-__all__ = ["ResponseFormat", "normalize_response_format", "JSON_STYLE"]
+__all__ = ["ResponseFormat", "normalize_response_format", "format_instruction", "JSON_STYLE"]
 
 # JSON as models write it (", " and ": "), one fixed spelling: free whitespace lets a small
 # model pad forever, and fixed separators keep the output short
@@ -123,6 +123,16 @@ def _text_format(kind: str, spec: Regex | Grammar) -> ResponseFormat:
     except Exception as e:  # the converter raises its own error types for bad GBNF
         raise InvalidRequestError(f"invalid grammar: {e}") from None
     return ResponseFormat("grammar", llguidance.grammar_from("lark", lark), None, str)
+
+
+def format_instruction(fmt: ResponseFormat | None) -> str | None:
+    """The sentence the prompt gains for a JSON format: the grammar holds the output to the
+    schema, but a model that reads the schema also fills it sensibly (and ends its strings)."""
+    if fmt is None or fmt.schema is None:
+        return None
+    if fmt.kind == "json_object":
+        return "Answer with a JSON object."
+    return "Answer with a JSON object that follows this JSON Schema:\n" + json.dumps(fmt.schema, ensure_ascii=False)
 
 
 def normalize_response_format(rf: Any) -> ResponseFormat | None:

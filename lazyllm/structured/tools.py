@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import InvalidRequestError
 from ..types import ToolCall
-from .formats import JSON_STYLE, ResponseFormat
+from .formats import JSON_STYLE, ResponseFormat, closed
 
 __all__ = ["Tool", "normalize_tools", "normalize_tool_choice", "tool_grammar", "parse_tool_calls", "CALL_OPEN",
            "CALL_CLOSE"]
@@ -105,7 +105,9 @@ def normalize_tool_choice(choice: Any, tools: list[Tool]) -> str:
 def call_schema(tools: list[Tool]) -> dict:
     """JSON Schema of one call: ``{"name": <const>, "arguments": <that tool's parameters>}``
     for any of ``tools``."""
-    alts = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+    # arguments closed to the listed parameters (as OpenAI's strict mode does): a tool's
+    # function would reject or drop an invented one
+    alts = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": closed(t.parameters)},
              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     schema = alts[0] if len(alts) == 1 else {"anyOf": alts}
     return {**schema, "x-guidance": JSON_STYLE}

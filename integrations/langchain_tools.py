@@ -1,0 +1,184 @@
+"""Tool calling and structured output for ``ChatLazyLLM``: LangChain messages as OpenAI-shaped
+messages for ``LazyLLM.generate(messages=...)``, tool calls back as ``AIMessage.tool_calls``
+(streamed as ``tool_call_chunks``), ``bind_tools`` and ``with_structured_output``.
+
+Documents in the conversation (``text-plain`` blocks, or a tool's ``artifact`` that is a list
+of ``Document``s, e.g. from a retriever tool with ``response_format="content_and_artifact"``)
+travel as chunks: the first message that carries documents keeps them as the request's chunks
+(their KV is reused at every later step of an agent); documents of later messages are written
+into that message's text (a request has one run of chunks).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from operator import itemgetter
+from typing import Any
+
+from langchain_core.documents import Document
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ToolMessage
+from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticToolsParser
+from langchain_core.output_parsers.pydantic import PydanticOutputParser
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from pydantic import BaseModel
+
+from lazyllm import Chunk, GenerationOutput, InvalidRequestError
+
+STRUCTURED_KWARGS = ("tools", "tool_choice", "response_format", "parallel_tool_calls")
+CALL_OPEN = "<tool_call>"
+
+Parts = Callable[[BaseMessage], tuple[str, str, list[Chunk]]]
+
+
+def pop_structured(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Take the tool / format options out of a call's keyword arguments."""
+    return {k: kwargs.pop(k) for k in STRUCTURED_KWARGS if k in kwargs}
+
+
+def uses_tools(messages: Sequence[BaseMessage]) -> bool:
+    """Whether the conversation has tool calls or results (then it needs real turns)."""
+    return any(isinstance(m, ToolMessage) or (isinstance(m, AIMessage) and m.tool_calls) for m in messages)
+
+
+def _artifact_chunks(m: BaseMessage) -> list[Chunk]:
+    art = getattr(m, "artifact", None)
+    if isinstance(art, (list, tuple)) and art and all(isinstance(d, Document) for d in art):
+        return [Chunk(d.page_content, id=None if d.id is None else str(d.id), metadata=dict(d.metadata)) for d in art]
+    return []
+
+
+def to_openai_messages(messages: Iterable[BaseMessage], parts: Parts) -> list[dict]:
+    """OpenAI-shaped message dicts of a LangChain conversation (``parts`` gives a message's
+    role, text and document chunks); the first message with documents carries them as
+    ``"chunks"``, system messages join into one leading system message."""
+    out, system, carried = [], [], False
+    for m in messages:
+        role, text, chunks = parts(m)
+        chunks = chunks + _artifact_chunks(m)
+        if role == "system":
+            system.append(text)
+            continue
+        d: dict[str, Any] = {"role": role, "content": text}
+        if chunks and not carried:
+            d["chunks"], carried = chunks, True
+        elif chunks:  # a request has one run of chunks: later documents go inline
+            d["content"] = "\n\n".join([c.text for c in chunks] + ([text] if text else []))
+        if isinstance(m, AIMessage) and m.tool_calls:
+            d["tool_calls"] = [{"id": c.get("id") or "", "type": "function",
+                                "function": {"name": c["name"], "arguments": c.get("args") or {}}}
+                               for c in m.tool_calls]
+        if isinstance(m, ToolMessage):
+            d["tool_call_id"] = m.tool_call_id
+            if getattr(m, "status", "success") == "error":
+                d["content"] = f"Error: {d['content']}"
+        elif role not in ("user", "assistant"):
+            raise InvalidRequestError(f"unsupported message role {role!r} in a tool conversation")
+        out.append(d)
+    if system:
+        out.insert(0, {"role": "system", "content": "\n\n".join(s for s in system if s)})
+    return out
+
+
+def lc_tool_calls(out: GenerationOutput) -> list[dict]:
+    return [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"} for c in out.tool_calls]
+
+
+def ai_message(out: GenerationOutput, **meta: Any) -> AIMessage:
+    """The ``AIMessage`` of a result: text content, or empty content and ``tool_calls``."""
+    calls = lc_tool_calls(out)
+    return AIMessage(content="" if calls else out.text, tool_calls=calls, **meta)
+
+
+def tool_call_chunks(out: GenerationOutput) -> list[dict]:
+    return [{"name": c.name, "args": json.dumps(c.arguments, ensure_ascii=False), "id": c.id, "index": i,
+             "type": "tool_call_chunk"} for i, c in enumerate(out.tool_calls)]
+
+
+class CallHold:
+    """Holds back streamed text while it may still be the start of a tool call: text that
+    turns out not to be a call is released; a call comes out at the end as tool_call_chunks."""
+
+    def __init__(self, active: bool):
+        self.active, self.held, self.released = active, "", not active
+
+    def feed(self, delta: str) -> str:
+        if self.released:
+            return delta
+        self.held += delta
+        if CALL_OPEN.startswith(self.held) or self.held.startswith(CALL_OPEN):
+            return ""
+        self.released, text, self.held = True, self.held, ""
+        return text
+
+    def last(self, out: GenerationOutput) -> tuple[str, list[dict]]:
+        """Text still held, and the tool call chunks, at the end of the stream."""
+        if out.tool_calls:
+            return "", tool_call_chunks(out)
+        return self.held, []
+
+
+def last_chunk_message(out: GenerationOutput, hold: CallHold, **meta: Any) -> AIMessageChunk:
+    text, chunks = hold.last(out)
+    return AIMessageChunk(content=text, tool_call_chunks=chunks, chunk_position="last", **meta)
+
+
+def tool_choice_arg(tool_choice: Any, tools: list[dict]) -> Any:
+    """LangChain's ``tool_choice`` spellings as lazyllm's."""
+    if tool_choice is None or tool_choice is False:
+        return None
+    if tool_choice is True or tool_choice == "any":
+        return "required"
+    if isinstance(tool_choice, dict) and "name" in tool_choice and "function" not in tool_choice:
+        return tool_choice["name"]
+    return tool_choice
+
+
+def bind_tools(model: Runnable, tools: Sequence[Any], tool_choice: Any = None, **kwargs: Any) -> Runnable:
+    """``model.bind`` of OpenAI-shaped tools (from functions, Pydantic classes, ``@tool``s,
+    dicts) and the choice."""
+    formatted = [convert_to_openai_tool(t) for t in tools]
+    choice = tool_choice_arg(tool_choice, formatted)
+    if choice is not None:
+        kwargs["tool_choice"] = choice
+    kwargs.pop("strict", None)  # a grammar holds every call to its schema anyway
+    return model.bind(tools=formatted, **kwargs)
+
+
+def _is_pydantic(schema: Any) -> bool:
+    return isinstance(schema, type) and issubclass(schema, BaseModel)
+
+
+def with_structured_output(model: Any, schema: Any, *, method: str = "json_schema", include_raw: bool = False,
+                           **kwargs: Any) -> Runnable:
+    """``BaseChatModel.with_structured_output`` on grammar-constrained decoding.
+
+    ``method``: ``"json_schema"`` (the answer is held to the schema), ``"function_calling"``
+    (a forced call of a tool whose parameters are the schema) or ``"json_mode"`` (any JSON
+    object; the prompt has to ask for the keys)."""
+    kwargs.pop("strict", None)
+    if kwargs:
+        raise InvalidRequestError(f"unsupported with_structured_output arguments: {sorted(kwargs)}")
+    if schema is None and method != "json_mode":
+        raise InvalidRequestError(f"method={method!r} needs a schema")
+    fmt = {"kwargs": {"method": method}, "schema": convert_to_json_schema(schema) if schema is not None else None}
+    if method == "function_calling":
+        tool = convert_to_openai_tool(schema)
+        name = tool["function"]["name"]
+        llm = bind_tools(model, [schema], tool_choice=name, ls_structured_output_format=fmt)
+        parser: Runnable = (PydanticToolsParser(tools=[schema], first_tool_only=True) if _is_pydantic(schema)
+                            else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
+    elif method in ("json_schema", "json_mode"):
+        if method == "json_schema":
+            rf = schema if _is_pydantic(schema) else convert_to_json_schema(schema)
+        else:
+            rf = {"type": "json_object"}
+        llm = model.bind(response_format=rf, ls_structured_output_format=fmt)
+        parser = PydanticOutputParser(pydantic_object=schema) if _is_pydantic(schema) else JsonOutputParser()
+    else:
+        raise InvalidRequestError(f"method must be json_schema, function_calling or json_mode, got {method!r}")
+    if not include_raw:
+        return llm | parser
+    parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+    failed = RunnablePassthrough.assign(parsed=lambda _: None)
+    return RunnableMap(raw=llm) | parsed.with_fallbacks([failed], exception_key="parsing_error")

@@ -1,0 +1,139 @@
+"""``ChatLazyLLM`` tool calling and structured output: ``bind_tools`` from every tool shape,
+``tool_choice``, ``ToolMessage`` round trips, streamed ``tool_call_chunks``,
+``with_structured_output`` (three methods, ``include_raw``), and an agent loop over a
+retriever tool whose documents travel as chunks and are reused at the next step. On a tiny
+random model: whatever it writes, the grammar keeps calls and answers valid."""
+import json
+from typing import Literal
+
+import jsonschema
+import pytest
+from langchain_core.documents import Document
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+from langchain_core.tools import tool
+from pydantic import BaseModel, Field
+
+from lazyllm import LazyLLM
+from lazyllm.integrations.langchain import ChatLazyLLM, documents_to_messages
+from tests.conftest import make_tiny
+
+DOCS = [Document("Paris is the capital of France and has 2.1 million inhabitants.", id="d1"),
+        Document("Berlin is the capital of Germany and has 3.7 million inhabitants.", id="d2")]
+
+
+@tool
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers."""
+    return a * b
+
+
+@tool(response_format="content_and_artifact")
+def retrieve(query: Literal["capitals", "population"]) -> tuple[str, list[Document]]:
+    """Search the document store."""
+    return "\n\n".join(d.page_content for d in DOCS), DOCS
+
+
+class Person(BaseModel):
+    """A person."""
+
+    name: str = Field(max_length=10)
+    age: int = Field(ge=0, le=120)
+
+
+def get_time(city: Literal["Paris", "Berlin"], utc: bool) -> str:
+    """The time in a city."""
+    return "12:00"
+
+
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "Weather of a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def chat(tokenizer):
+    llm = LazyLLM(model=make_tiny("llama", seed=5), tokenizer=tokenizer, kv_cache_bytes=32 << 20)
+    yield ChatLazyLLM(llm=llm, max_tokens=80)
+    llm.close()
+
+
+def _args_valid(call, schema):
+    assert call["id"] and call["type"] == "tool_call"
+    jsonschema.validate(call["args"], schema)
+
+
+@pytest.mark.parametrize("shape", ["tool", "function", "pydantic", "dict"])
+def test_bind_tools_every_shape_forced(chat, shape):
+    t = {"tool": multiply, "function": get_time, "pydantic": Person, "dict": WEATHER}[shape]
+    from langchain_core.utils.function_calling import convert_to_openai_tool
+
+    spec = convert_to_openai_tool(t)["function"]
+    msg = chat.bind_tools([t], tool_choice="any").invoke("go")
+    assert msg.response_metadata["finish_reason"] == "tool_calls" and msg.content == ""
+    assert [c["name"] for c in msg.tool_calls] == [spec["name"]]
+    _args_valid(msg.tool_calls[0], spec["parameters"])
+
+
+def test_tool_choice_by_name_and_stream_chunks(chat):
+    bound = chat.bind_tools([multiply, WEATHER], tool_choice="weather")
+    full = None
+    for chunk in bound.stream("weather?"):
+        full = chunk if full is None else full + chunk
+    assert isinstance(full, AIMessage) and full.content == ""
+    assert [c["name"] for c in full.tool_calls] == ["weather"]
+    [tc] = full.tool_call_chunks
+    assert json.loads(tc["args"]) == full.tool_calls[0]["args"] and tc["id"] == full.tool_calls[0]["id"]
+
+
+def test_tool_message_round_trip(chat):
+    bound = chat.bind_tools([multiply], tool_choice="any")
+    first = bound.invoke([HumanMessage("3 times 4?")])
+    call = first.tool_calls[0]
+    result = multiply.invoke(call)
+    assert isinstance(result, ToolMessage) and result.tool_call_id == call["id"]
+    second = chat.bind_tools([multiply], tool_choice="none").invoke([HumanMessage("3 times 4?"), first, result])
+    assert second.tool_calls == [] and isinstance(second.content, str)
+    with pytest.raises(ValueError, match="unknown tool_call_id"):
+        chat.invoke([HumanMessage("3 times 4?"), ToolMessage("12", tool_call_id="call_nobody")])
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])
+def test_with_structured_output(chat, method):
+    if method == "json_mode":  # any JSON object: only include_raw shows what came back
+        out = chat.with_structured_output(None, method=method, include_raw=True).invoke("json")
+        raw = out["raw"]
+        if raw.response_metadata["finish_reason"] == "stop":
+            assert isinstance(out["parsed"], dict) and out["parsing_error"] is None
+        return
+    p = chat.with_structured_output(Person, method=method).invoke("who?")
+    assert isinstance(p, Person)
+    d = chat.with_structured_output(Person.model_json_schema(), method=method, include_raw=True).invoke("who?")
+    assert d["parsing_error"] is None and isinstance(d["raw"], AIMessage)
+    jsonschema.validate(d["parsed"], Person.model_json_schema())
+
+
+def test_agent_loop_over_retriever_reuses_chunks(chat):
+    """retrieve -> multiply -> answer: the documents come back as the retriever's artifact,
+    travel as chunks, and the step after the one that computed them reads them from cache."""
+    bound = {c: chat.bind_tools([retrieve, multiply], tool_choice=c) for c in ("retrieve", "multiply", "none")}
+    msgs = [HumanMessage("How many inhabitants do Paris and Berlin have together, times two?")]
+    steps = []
+    for choice in ("retrieve", "multiply", "none"):
+        ai = bound[choice].invoke(msgs)
+        steps.append(ai.response_metadata)
+        msgs.append(ai)
+        for call in ai.tool_calls:
+            msgs.append({"retrieve": retrieve, "multiply": multiply}[call["name"]].invoke(call))
+    assert steps[0]["chunk_ids"] == []
+    assert steps[1]["chunk_ids"] == ["d1", "d2"] and steps[1]["cached_chunk_tokens"] == 0
+    assert steps[2]["chunk_ids"] == ["d1", "d2"] and steps[2]["cached_chunk_tokens"] > 0
+    assert steps[2]["cached_tokens"] > steps[1]["cached_tokens"]
+
+
+def test_documents_in_conversation_reused_at_second_step(chat):
+    bound = chat.bind_tools([multiply], tool_choice="any")
+    msgs = documents_to_messages(DOCS, "Paris inhabitants times two?")
+    first = bound.invoke(msgs)
+    msgs += [first, multiply.invoke(first.tool_calls[0])]
+    second = chat.bind_tools([multiply], tool_choice="none").invoke(msgs)
+    assert second.response_metadata["cached_chunk_tokens"] > 0
+    assert second.usage_metadata["input_token_details"]["cache_read"] > 0
