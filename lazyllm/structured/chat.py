@@ -107,6 +107,13 @@ def _normalize(messages: list, native: bool) -> tuple[list[dict], int | None, li
     return out, at, chunks
 
 
+def _render_plain(msgs: list[dict], bos: str) -> str:
+    """A conversation for a model without a chat template (a base model): one paragraph per
+    turn, ``Role: text``, ending with ``Assistant:``."""
+    turns = [f"{m['role'].capitalize()}: {m['content']}" for m in msgs]
+    return bos + "\n\n".join(turns) + "\n\nAssistant:"
+
+
 def _add_system(msgs: list[dict], text: str, at: int | None, first: bool = False) -> int | None:
     """Put ``text`` into the leading system message (made if absent; before its content when
     ``first``); returns ``at`` shifted when a message was inserted."""
@@ -126,8 +133,6 @@ def build_conversation(prompts: PromptBuilder, messages: list, chunks: list[Chun
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of message dicts")
     tok = prompts.tok
-    if not getattr(tok, "chat_template", None):
-        raise InvalidRequestError("messages need a model with a chat template")
     native = bool(tools) and _template_takes_tools(tok)
     msgs, at, own = _normalize(list(messages), native)
     if own and chunks:
@@ -150,10 +155,13 @@ def build_conversation(prompts: PromptBuilder, messages: list, chunks: list[Chun
     for i, c in enumerate(chunks):
         _check_text(c.text, f"chunks[{i}].text")
     kw: dict[str, Any] = {"tools": [t.to_openai() for t in tools]} if native else {}
-    try:
-        rendered = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kw)
-    except Exception as e:  # templates raise their own errors for conversations they refuse
-        raise InvalidRequestError(f"the model's chat template refused the messages: {e}") from None
+    if not getattr(tok, "chat_template", None):
+        rendered = _render_plain(msgs, tok.bos_token or "")
+    else:
+        try:
+            rendered = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kw)
+        except Exception as e:  # templates raise their own errors for conversations they refuse
+            raise InvalidRequestError(f"the model's chat template refused the messages: {e}") from None
     pre, post = rendered.split(_MARK)
     segs = [Segment("prefix", prompts.encode(pre))]
     segs += [Segment("chunk", prompts.encode(prompts.chunk_text(c)), c) for c in chunks]
