@@ -59,6 +59,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--recompute", default="0.05,0.1")
     ap.add_argument("--eval-only", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-report", action="store_true", help="skip the fidelity report (losses only)")
     ap.add_argument("--cases-cache", default=None, help="a file keeping the teacher's cases between runs")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -92,6 +93,11 @@ def main(argv=None) -> dict:
                    heldout_synthetic_loss_other_mask=mean_loss(full.hf_model, held, packets.rows, a.k_header,
                                                                not qsh))
         print(json.dumps({k: v for k, v in res.items() if k != "losses"}, default=str), flush=True)
+    if a.no_report:
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1, default=str)
+        return res
     rec = [float(x) for x in a.recompute.split(",") if x]
     report = compare(full, a.eval, settings=eval_settings(path, rec), progress=True)
     res["report"] = [{k: v for k, v in r.items() if k not in ("kwargs",)} for r in report.rows]

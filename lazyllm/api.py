@@ -153,7 +153,8 @@ class LazyLLM:
         model and chunk context when there is one (the default model's), in the modes that
         cache chunks; ``None``: none. A packet of another model raises ``InvalidRequestError``;
         so does one with ``reuse`` ``"prefix"``/``"none"`` (full attention has no chunks to
-        carry it), ``quality="block-ft"`` or ``tensor_parallel``.
+        carry it), ``quality="block-ft"`` or ``tensor_parallel``. The packet's tokens appear in
+        ``prompt_segments`` as virtual ids at and past the embedding table's size (not text).
     """
 
     def __init__(

@@ -190,3 +190,26 @@ def test_auto_packets_off_for_models_without_a_shipped_packet(tiny, tokenizer):
     assert llm.packets is None and llm.fingerprint == llm.model_fingerprint
     llm.close()
 
+
+
+@pytest.mark.slow
+def test_default_model_uses_its_shipped_packet(default_llm_parts):
+    """``LazyLLM()``'s default packet: the shipped file for the default model, used in the
+    chunk-caching modes with isolated chunks, not in full attention or under another chunk
+    context; ``packets=None`` turns it off."""
+    from lazyllm.model.packets import SHIPPED_DIR, shipped_packets
+
+    model, tok = default_llm_parts
+    files = sorted(SHIPPED_DIR.glob("*.safetensors"))
+    assert files, "no packet shipped for the default model"
+    llm = _llm(model, tok)
+    p = shipped_packets(llm.model, "isolated")
+    assert p is not None and llm.packets is not None and llm.packets.digest == p.digest
+    assert llm.fingerprint != llm.model_fingerprint
+    out = llm.generate("How tall is the Eiffel Tower?", chunks=DOCS[:2], max_new_tokens=4)
+    assert out.usage.prompt_tokens > 0
+    llm.close()
+    for kw in ({"packets": None}, {"quality": "exact"}, {"chunk_context": "prefix"}):
+        other = _llm(model, tok, **kw)
+        assert other.packets is None, kw
+        other.close()
