@@ -18,6 +18,21 @@ from ..errors import InvalidRequestError
 __all__ = ["GrammarCompiler", "GrammarConstraint"]
 
 
+_EXECUTOR = None
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def _executor():
+    """llguidance's thread pool for batched mask fills (one per process, made on first use)."""
+    global _EXECUTOR
+    with _EXECUTOR_LOCK:
+        if _EXECUTOR is None:
+            import llguidance
+
+            _EXECUTOR = llguidance.LLExecutor()
+        return _EXECUTOR
+
+
 class GrammarConstraint:
     """One request's grammar state; the engine's ``TokenConstraint`` (``engine/sampler.py``).
 
@@ -35,6 +50,14 @@ class GrammarConstraint:
         from llguidance.torch import fill_next_token_bitmask
 
         fill_next_token_bitmask(self._m, bitmask, row)
+
+    @staticmethod
+    def fill_bitmasks(items: list[tuple[GrammarConstraint, int]], bitmask: torch.Tensor) -> None:
+        """Fill the rows of many constraints in one call, on llguidance's worker threads
+        (``items``: ``(constraint, row)`` pairs)."""
+        from llguidance.torch import fill_next_token_bitmask_par
+
+        fill_next_token_bitmask_par(_executor(), [(c._m, row) for c, row in items], bitmask)
 
     def accept(self, token: int) -> bool:
         return bool(self._m.consume_token(int(token)))

@@ -190,3 +190,24 @@ def test_compiled_grammar_cached_per_schema(llm):
                                            "required": ["k"], "additionalProperties": False})
     assert llm._grammars.stats["compiled"] == before["compiled"] + 1
     assert llm._grammars.stats["hits"] >= before["hits"] + 2
+
+
+def test_batched_mask_fill_equals_row_by_row(llm):
+    """``GrammarConstraint.fill_bitmasks`` (llguidance's threads, what the sampler calls for a
+    batch) writes the same rows as one ``fill_bitmask`` per row."""
+    import torch
+
+    from lazyllm.engine.sampler import bitmask_words
+    from lazyllm.structured import GrammarConstraint, normalize_response_format
+
+    grammars = [normalize_response_format(f).grammar for f in (SCHEMA, ["yes", "no"], lazyllm.Regex("[0-9]{3}"))]
+    cons = [llm._grammars.constraint(g) for g in grammars]
+    for c, prefix in zip(cons, ('{"name": "', "y", "1")):
+        for t in llm.tokenizer(prefix, add_special_tokens=False)["input_ids"]:
+            assert c.accept(t)
+    words = bitmask_words(llm.model.spec.vocab_size)
+    one, many = torch.zeros((3, words), dtype=torch.int32), torch.zeros((3, words), dtype=torch.int32)
+    for i, c in enumerate(cons):
+        c.fill_bitmask(one, i)
+    GrammarConstraint.fill_bitmasks([(c, i) for i, c in enumerate(cons)], many)
+    assert torch.equal(one, many) and all(one[i].any() for i in range(3))
