@@ -597,8 +597,8 @@ class LazyLLM:
                 self.engine.submit(req)
                 self._wait(req)
                 chunk_tokens = sum(len(s.ids) for s in req.segments if s.kind == "chunk")
-                cached += req.cached_chunk_tokens
-                computed += chunk_tokens - req.cached_chunk_tokens
+                cached += req.plan.cached_chunk_tokens
+                computed += chunk_tokens - req.plan.cached_chunk_tokens
                 bar.update(len(part))
         return {"chunks": len(chunks), "computed_tokens": computed, "cached_tokens": cached}
 

@@ -132,16 +132,16 @@ class DecodeState:
         row = len(self.rows)
         self.rows.append(r)
         self._epochs.append(r.alloc.epoch)
-        r.row = row
+        r.state.row = row
         self.version += 1
         host = torch.from_numpy(pack_tables([table], self.max_entries)[:, 0]).to(torch.int32)
         self.tables[:, row].copy_(host.to(self.device, non_blocking=False))
         if self.ctx is not None:
-            self.ctx[row].copy_(torch.tensor(r.ctx_range or (0, 0), dtype=torch.int32).to(self.device))
+            self.ctx[row].copy_(torch.tensor(r.plan.ctx_range or (0, 0), dtype=torch.int32).to(self.device))
 
     def detach(self, r) -> None:
         """Free ``r``'s row, moving the last row into it to keep rows compact."""
-        i = getattr(r, "row", None)
+        i = r.state.row
         if i is None:
             return
         last = len(self.rows) - 1
@@ -152,21 +152,20 @@ class DecodeState:
             moved = self.rows[last]
             self.rows[i] = moved
             self._epochs[i] = self._epochs[last]
-            moved.row = i
+            moved.state.row = i
         self.rows.pop()
         self._epochs.pop()
-        r.row = None
+        r.state.row = None
         self.version += 1
 
     def row_update(self, r) -> tuple[int, int, int, int, int, int]:
         """The update of ``r``'s row for this step, ``(row, col, page, pos, delta, len)``: its
         table's last entry, the only one that changed since the last step (a slot more, or
         a new page). Raises if the table was rebuilt since its row was copied."""
-        alloc = r.alloc
-        if alloc.epoch != self._epochs[r.row]:
+        alloc, row = r.alloc, r.state.row
+        if alloc.epoch != self._epochs[row]:
             raise RuntimeError("a decoding request's page table was rebuilt; its device copy is stale")
-        e = alloc.last
-        return (r.row, alloc.width - 1, e.page, e.pos, e.delta, e.length)
+        return (row, *alloc.tail())
 
     def stage(self, updates: list[tuple[int, int, int, int, int, int]], ids, pos, slots, pad_to: int,
               scratch_slot: int, src=None) -> None:

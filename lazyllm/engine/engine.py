@@ -222,7 +222,7 @@ class Engine:
                 if self.device.type == "cuda" and isinstance(e, torch.cuda.OutOfMemoryError):
                     torch.cuda.empty_cache()
                 for r in admitted:
-                    if r.row is not None or r.finish_reason is not None or r not in self.scheduler.running:
+                    if r.state.row is not None or r.state.finish_reason is not None or r not in self.scheduler.running:
                         continue  # already prefilled and decoding, or finished
                     if len(admitted) > 1:
                         self.scheduler.requeue(r, solo=True)  # retry alone: a bad request fails only itself
@@ -248,9 +248,10 @@ class Engine:
         for r in list(self.scheduler.waiting) + list(self.scheduler.running):
             if r.deadline is not None and now > r.deadline and not r.cancelled.is_set():
                 r.cancelled.set()
-                r.finish_reason = "timeout"
+                r.state.finish_reason = "timeout"
             if r.cancelled.is_set():
-                self._finish(r, error=RequestCancelled("timed out" if r.finish_reason == "timeout" else "cancelled"))
+                timed_out = r.state.finish_reason == "timeout"
+                self._finish(r, error=RequestCancelled("timed out" if timed_out else "cancelled"))
 
     # -- prefill ---------------------------------------------------------------------
     def _prefill(self, reqs: list[Request]) -> None:
@@ -273,9 +274,9 @@ class Engine:
                 self.runner.copy_pages(r.plan.copies)
         for r in reqs:
             if r.warm_only:
-                r.first_token_time = time.perf_counter()
+                r.state.first_token_time = time.perf_counter()
                 r.detok = r.detok or Detokenizer(self.output.tok, ())
-                r.finish_reason = "warm"
+                r.state.finish_reason = "warm"
                 self._finish(r)
         own = [r for r in reqs if not r.warm_only]
         logits = self.runner.run_jobs([r.plan.job for r in own]) if own else []
@@ -285,18 +286,18 @@ class Engine:
         failed = {r.id: e for r, e in self.runner.sampler.failed} if gen else {}
         for r, lg in zip(own, logits):
             self.planner.after_prefill(r)
-            r.plan = None  # consumed
+            r.plan.prefilled()
             if r.logit_rows > 1 or r.score_only:
                 result = self.output.score(r, lg)
                 self.scheduler.retire(r)
                 self.output.done_score(r, result)
                 continue
-            r.preempted = False
+            r.state.preempted = False
             if r.id in failed:
                 self._finish(r, error=failed[r.id])
                 continue
             self._emit(r, firsts[r.id])
-            if r.finish_reason is None and r in self.scheduler.running:
+            if r.state.finish_reason is None and r in self.scheduler.running:
                 self.decode_state.attach(r)
 
     # -- decode ----------------------------------------------------------------------
@@ -324,7 +325,7 @@ class Engine:
         # ride along in this step as dead rows (no page, K/V to the scratch slot, dropped)
         limit = self.model.spec.max_context
         dead = {r.id for r in self.decode_state.rows if r.id in pending and (
-            len(r.generated) + 1 >= r.params.max_new_tokens or r.next_pos + 1 >= limit)}
+            len(r.state.generated) + 1 >= r.params.max_new_tokens or r.state.next_pos + 1 >= limit)}
         # pages first: a request whose last page is full needs a new one; if the pool is
         # exhausted, the most recently started requests are preempted
         self.scheduler.grow_decode_pages(pending, dead)
@@ -359,9 +360,9 @@ class Engine:
             self.decode_step_log.append((B, now - step.t_launch))
         self._last_read = (now, B)
         for r, tok in zip(step.reqs, picks):
-            if r.row is None:
+            if r.state.row is None:
                 continue  # finished, cancelled or preempted after the step was launched
-            r.next_pos += 1
+            r.state.next_pos += 1
             self._emit(r, tok)
 
     # -- output ----------------------------------------------------------------------

@@ -57,23 +57,24 @@ class KVPlanner:
         # prefill work gathered while admitting one round: key -> pending entry
         self.pending_prefixes: dict[bytes, PendingEntry] = {}
         self.pending_chunks: dict[bytes, PendingEntry] = {}
+        self.lookups: list[tuple[bool, int]] = []  # (hit, tokens) of the plan being made
 
     # -- planning ---------------------------------------------------------------------
     def plan(self, r: Request) -> bool:
         """Reserve everything request ``r`` needs; on failure undo and return False."""
         decode_pages = cdiv(r.params.max_new_tokens + 1, self.page_size)
-        if r.alloc is None:
-            r.alloc = Allocation(self.store)
-        r.lookups = []
+        self.allocation(r)
+        r.plan = PrefillPlan()
+        self.lookups = []
         ok = self.policy.plan(self, r, decode_pages)
         if not ok:
             self.unplan(r)
         else:
             # a request waiting for pages is planned again every step: its lookups count
             # once, when it is admitted, or cache_stats' hit rate would count the waiting
-            for hit, n in r.lookups:
+            for hit, n in self.lookups:
                 self.store.record(hit, n)
-        r.lookups = []
+        self.lookups = []
         return ok
 
     def unplan(self, r: Request) -> None:
@@ -81,7 +82,6 @@ class KVPlanner:
         be planned again from scratch (the caller detaches it from decoding first)."""
         self.release(r)
         r.plan = None
-        r.cached_tokens = r.cached_chunk_tokens = r.computed_tokens = r.recomputed_tokens = 0
 
     def release(self, r: Request) -> None:
         """Unpin what ``r`` reads, drop reservations nobody else waits for, free its pages."""
@@ -111,6 +111,12 @@ class KVPlanner:
         return self.policy.caches_chunks
 
     # -- shared steps of the policies ----------------------------------------------------
+    def allocation(self, r: Request) -> Allocation:
+        """The request's allocation, made on first use (it lives as long as the request)."""
+        if r.alloc is None:
+            r.alloc = Allocation(self.store)
+        return r.alloc
+
     def own_table(self, pages: list[int], pos: int, n: int) -> list[TableEntry]:
         return entry_table(pages, n, pos, 0, self.page_size)
 
@@ -119,15 +125,15 @@ class KVPlanner:
 
     def segment_keys(self, r: Request) -> tuple[bytes, list[bytes]]:
         """Cache keys of the request's prefix and chunks (computed once per request)."""
-        if r.keys is None or r.keys[0] is None:
-            prefix = r.segments[0]
+        if self.allocation(r).keys is None:
+            prefix = r.prefill_segments[0]
             pkey = chunk_key(self.fingerprint, f"prefix-segment:{self.chunk_context}", prefix.ids)
             if self.chunk_context == "prefix":
-                ck = [chunk_key(self.fingerprint, "prefix", c.ids, pkey) for c in r.segments[1:-1]]
+                ck = [chunk_key(self.fingerprint, "prefix", c.ids, pkey) for c in r.prefill_segments[1:-1]]
             else:
-                ck = [chunk_key(self.fingerprint, "isolated", c.ids) for c in r.segments[1:-1]]
-            r.keys = (pkey, ck)
-        return r.keys
+                ck = [chunk_key(self.fingerprint, "isolated", c.ids) for c in r.prefill_segments[1:-1]]
+            r.alloc.keys = (pkey, ck)
+        return r.alloc.keys
 
     def lookup_or_create(self, r: Request, key: bytes, n: int, stored_pos: int, kind: str):
         """Pinned entry for ``key`` and whether ``r`` must compute it; ``(None, False)`` when
@@ -135,7 +141,7 @@ class KVPlanner:
         e = self.store.acquire(key, pending_ok=True)
         if e is not None:
             r.alloc.hold(e)
-            r.lookups.append((True, n))
+            self.lookups.append((True, n))
             return e, False  # ready, or computed once in this round for whoever created it
         e = self.store.create(key, n, stored_pos, kind)
         if e is None:
@@ -143,11 +149,11 @@ class KVPlanner:
         r.alloc.hold(e)
         if self.disk is not None and self.disk.load(e):
             self.store.mark_ready(e)
-            r.lookups.append((True, n))
+            self.lookups.append((True, n))
             self.metrics["disk_hits"] = self.metrics.get("disk_hits", 0) + 1
             return e, False
-        r.computed_tokens += n
-        r.lookups.append((False, n))
+        r.plan.computed_tokens += n
+        self.lookups.append((False, n))
         return e, True
 
 
@@ -175,7 +181,7 @@ class LazyPolicy(ReusePolicy):
 
     def prefill_cost(self, planner: KVPlanner, r: Request) -> int:
         pkey, ck = planner.segment_keys(r)
-        segs = r.segments
+        segs = r.prefill_segments
         cost = len(segs[-1].ids)
         for key, seg in zip([pkey] + ck, segs[:-1]):
             if key not in planner.store:
@@ -184,7 +190,7 @@ class LazyPolicy(ReusePolicy):
 
     def plan(self, planner: KVPlanner, r: Request, decode_pages: int) -> bool:
         ps = planner.page_size
-        segs = r.segments
+        segs = r.prefill_segments
         prefix, chunks, suffix = segs[0], segs[1:-1], segs[-1]
         P = len(prefix.ids)
         table: list[TableEntry] = []
@@ -196,7 +202,7 @@ class LazyPolicy(ReusePolicy):
         if need:
             planner.pending_prefixes[pkey] = PendingEntry(pe, Job(prefix.ids, 0, pe.pages, []))
         else:
-            r.cached_tokens += P
+            r.plan.cached_tokens += P
         prefix_entries = entry_table(pe.pages, pe.num_tokens, 0, 0, ps)
         table += prefix_entries
         # chunks, each encoded alone (isolated) or after the prefix
@@ -213,32 +219,31 @@ class LazyPolicy(ReusePolicy):
                 ctx = prefix_entries if after_prefix else []
                 planner.pending_chunks[key] = PendingEntry(ce, Job(c.ids, stored, ce.pages, ctx))
             else:
-                r.cached_tokens += n
-                r.cached_chunk_tokens += n
+                r.plan.cached_tokens += n
+                r.plan.cached_chunk_tokens += n
             entries = entry_table(ce.pages, ce.num_tokens, pos, pos - stored, ps)
             spans.append(ChunkSpan(pos, c.ids, len(table), need, entries))
             table += entries
             pos += n
         if r.warm_only:
-            r.plan = PrefillPlan()
             return True
         # the suffix in private pages
         S = len(suffix.ids)
         own = r.alloc.take_private(cdiv(S, ps))
         if own is None:
             return False
-        plan = PrefillPlan(spans=spans, own=own, suffix_ids=list(suffix.ids), suffix_pos=pos)
+        plan = r.plan
+        plan.spans, plan.own, plan.suffix_ids, plan.suffix_pos = spans, own, list(suffix.ids), pos
         r.alloc.set_table(table)
         if not self.place(r, plan) or not planner.has_decode_room(decode_pages):
             return False
         table = list(r.alloc.table)
-        r.ctx_range = (spans[0].start, pos) if spans else None
-        plan.job = Job(suffix.ids, pos, own, list(table), logit_rows=r.logit_rows, ctx=r.ctx_range)
+        plan.ctx_range = (spans[0].start, pos) if spans else None
+        plan.job = Job(suffix.ids, pos, own, list(table), logit_rows=r.logit_rows, ctx=plan.ctx_range)
         plan.context = table
-        r.plan = plan
-        r.computed_tokens += S
+        plan.computed_tokens += S
         r.alloc.extend_table(planner.own_table(own, pos, S))
-        r.next_pos = pos + S
+        r.state.next_pos = pos + S
         return True
 
     def place(self, r: Request, plan: PrefillPlan) -> bool:
@@ -276,11 +281,11 @@ class FullPromptPolicy(ReusePolicy):
         own = r.alloc.take_private(cdiv(len(rest), planner.page_size))
         if own is None or not planner.has_decode_room(decode_pages):
             return False
-        r.plan = PrefillPlan(job=Job(rest, m, own, list(table), logit_rows=r.logit_rows),
-                             chain=(keys, m // planner.page_size))
-        r.computed_tokens = len(rest)
+        r.plan.job = Job(rest, m, own, list(table), logit_rows=r.logit_rows)
+        r.plan.chain = (keys, m // planner.page_size)
+        r.plan.computed_tokens = len(rest)
         r.alloc.set_table(table + planner.own_table(own, m, len(rest)))
-        r.next_pos = N
+        r.state.next_pos = N
         return True
 
 
@@ -317,9 +322,9 @@ class PrefixPolicy(FullPromptPolicy):
             table.append(TableEntry(e.pages[0], m * ps, 0, ps))
             m += 1
         if m:
-            r.lookups.append((True, m * ps))
-        r.lookups.append((False, N - m * ps))
-        r.cached_tokens = m * ps
+            planner.lookups.append((True, m * ps))
+        planner.lookups.append((False, N - m * ps))
+        r.plan.cached_tokens = m * ps
         return table, m * ps, keys
 
     def after_prefill(self, planner: KVPlanner, r: Request) -> None:

@@ -203,14 +203,16 @@ class ModelRunner:
             if r.id in dead:
                 slots.append(scratch)
                 updates.append((state.max_batch, 0, 0, 0, 0, 0))  # the dump row
+                W = max(W, r.alloc.width)
             else:
-                slots.append(r.alloc.last_slot)
-                updates.append(state.row_update(r))
+                u = state.row_update(r)  # (row, col, page, pos, delta, len): the slot just claimed
+                updates.append(u)
+                slots.append(u[2] * ps + u[5] - 1)
+                W = max(W, u[1] + 1)
             i = pending.get(r.id, -1)
             src.append(i)  # its token: step n's pick of that row, still on the device
-            ids.append(r.generated[-1] if i < 0 else 0)
-            pos.append(r.next_pos + (i >= 0))
-            W = max(W, r.alloc.width)
+            ids.append(r.state.generated[-1] if i < 0 else 0)
+            pos.append(r.state.next_pos + (i >= 0))
         B = len(reqs)
         t_step = time.perf_counter()
         Bp, Wp = self.graphs.batch_bucket(B), self.graphs.width_bucket(W)
@@ -232,7 +234,7 @@ class ModelRunner:
         the GPU still runs this step's forward. Returns the requests whose constraint failed
         (to be finished with the error; their token is dropped)."""
         B = len(step.reqs)
-        rows = [None if r.id in step.dead or r.row is None or r.finish_reason is not None else r
+        rows = [None if r.id in step.dead or r.state.row is None or r.state.finish_reason is not None else r
                 for r in step.reqs]
         picks = step.argmax
         if not self.sampler.plain_greedy(rows):
@@ -256,7 +258,7 @@ class ModelRunner:
         is kept while the rows stay the same and no row outgrows the columns it covers."""
         st = self.decode_state
         cur = self._shared_state
-        if cur is not None and cur[0] == st.version and all(r.alloc.width <= cur[2][r.row] for r in reqs):
+        if cur is not None and cur[0] == st.version and all(r.alloc.width <= cur[2][r.state.row] for r in reqs):
             return cur[1]
         live = {r.id for r in st.rows}
         for k in [k for k in self._arrays if k not in live]:

@@ -28,15 +28,15 @@ class OutputProcessor:
 
     def emit(self, r: Request, tok: int) -> bool:
         """Append the request's next token and stream its text; True when the request is done
-        (``r.finish_reason`` set). Raises ``LazyLLMError`` when the request's constraint
+        (``r.state.finish_reason`` set). Raises ``LazyLLMError`` when the request's constraint
         rejects the token (the caller fails the request)."""
         if r.constraint is not None and not r.constraint.accept(tok):
             raise LazyLLMError(f"the token constraint rejected token {tok}, which its own mask allowed")
-        if not r.generated and not r.first_token_time:
+        if not r.state.generated and not r.state.first_token_time:
             # the first token exists once it is sampled (the forward before it may still have
             # been running on the GPU when the host got here); a recomputed request keeps its own
-            r.first_token_time = time.perf_counter()
-        r.generated.append(tok)
+            r.state.first_token_time = time.perf_counter()
+        r.state.generated.append(tok)
         is_eos = tok in self.eos_ids
         # a complete grammar ends the answer even without an end-of-sequence token
         complete = r.constraint is not None and r.constraint.is_terminated()
@@ -45,12 +45,12 @@ class OutputProcessor:
             if delta:
                 r.events.put(("delta", delta))
         if is_eos or complete or r.detok.stopped:
-            r.finish_reason = "stop"
-        elif len(r.generated) >= r.params.max_new_tokens or r.next_pos >= self.max_context:
-            r.finish_reason = "length"
-        if r.finish_reason:
+            r.state.finish_reason = "stop"
+        elif len(r.state.generated) >= r.params.max_new_tokens or r.state.next_pos >= self.max_context:
+            r.state.finish_reason = "length"
+        if r.state.finish_reason:
             if not (r.streaming or r.params.stop):  # detokenize once, at the end
-                for t in (r.generated[:-1] if is_eos else r.generated):
+                for t in (r.state.generated[:-1] if is_eos else r.state.generated):
                     r.detok.ids.append(t)
                 r.detok.text = self.tok.decode(r.detok.ids, skip_special_tokens=True)
             tail = r.detok.finish()
@@ -71,14 +71,14 @@ class OutputProcessor:
         segs = r.orig_segments or r.segments
         r.events.put(("done", GenerationOutput(
             text=r.detok.text,
-            token_ids=list(r.generated),
+            token_ids=list(r.state.generated),
             prompt_segments=[(s.kind, list(s.ids)) for s in segs],
-            usage=Usage(prompt_tokens=sum(len(s.ids) for s in segs), cached_tokens=r.cached_tokens,
-                        completion_tokens=len(r.generated), cached_chunk_tokens=r.cached_chunk_tokens),
-            finish_reason=r.finish_reason or "stop",
-            ttft_s=r.first_token_time - r.submit_time,
+            usage=Usage(prompt_tokens=sum(len(s.ids) for s in segs), cached_tokens=r.plan.cached_tokens,
+                        completion_tokens=len(r.state.generated), cached_chunk_tokens=r.plan.cached_chunk_tokens),
+            finish_reason=r.state.finish_reason or "stop",
+            ttft_s=r.state.first_token_time - r.submit_time,
             total_s=now - r.submit_time,
-            queue_s=r.admit_time - r.submit_time,
+            queue_s=r.state.admit_time - r.submit_time,
             chunk_ids=[s.chunk.id for s in r.segments if s.kind == "chunk"],
         )))
 
@@ -89,16 +89,16 @@ class OutputProcessor:
         logp = torch.log_softmax(logits.float(), dim=-1)
         idx = torch.tensor(cont, device=logp.device)
         token_logp = logp.gather(1, idx[:, None])[:, 0]
-        r.first_token_time = time.perf_counter()
+        r.state.first_token_time = time.perf_counter()
         segs = r.orig_segments or r.segments
         return ScoreOutput(
             token_ids=list(cont), logprobs=token_logp.tolist(),
             logits=logits.float().cpu() if r.return_logits else None,
             prompt_segments=[(sg.kind, list(sg.ids)) for sg in segs],
-            usage=Usage(prompt_tokens=sum(len(sg.ids) for sg in segs), cached_tokens=r.cached_tokens,
-                        completion_tokens=0, cached_chunk_tokens=r.cached_chunk_tokens),
-            prefilled_tokens=r.computed_tokens,
-            ttft_s=r.first_token_time - r.submit_time)
+            usage=Usage(prompt_tokens=sum(len(sg.ids) for sg in segs), cached_tokens=r.plan.cached_tokens,
+                        completion_tokens=0, cached_chunk_tokens=r.plan.cached_chunk_tokens),
+            prefilled_tokens=r.plan.computed_tokens,
+            ttft_s=r.state.first_token_time - r.submit_time)
 
     def done_score(self, r: Request, result: ScoreOutput) -> None:
         self.metrics["requests"] += 1

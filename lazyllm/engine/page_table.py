@@ -10,13 +10,14 @@ by the scheduler through ``append_page`` and ``advance``, and only copied by eve
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..cache.store import ChunkStore, Entry
 
 
-@dataclass(frozen=True)
-class TableEntry:
+class TableEntry(NamedTuple):
+    """One row of a page table (immutable: a tuple, cheap to make once per decode step)."""
+
     page: int
     pos: int  # position of slot 0 in the request's frame
     delta: int  # rotation added to stored keys
@@ -24,6 +25,9 @@ class TableEntry:
 
     def astuple(self) -> tuple[int, int, int, int]:
         return (self.page, self.pos, self.delta, self.length)
+
+
+_new_tuple = tuple.__new__
 
 
 class Allocation:
@@ -48,6 +52,7 @@ class Allocation:
         self._pinned: list[Entry] = []  # cached entries it reads (unpinned on release)
         self.epoch = 0
         self.version = 0
+        self.keys: tuple | None = None  # the planner's memo: (prefix key, chunk keys), see segment_keys
 
     # -- reading ------------------------------------------------------------------------
     @property
@@ -67,11 +72,10 @@ class Allocation:
     def last(self) -> TableEntry:
         return self._table[-1]
 
-    @property
-    def last_slot(self) -> int:
-        """Pool slot of the last valid token of the table (the one ``advance`` claimed)."""
-        e = self._table[-1]
-        return e.page * self._ps + e.length - 1
+    def tail(self) -> tuple[int, int, int, int, int]:
+        """``(col, page, pos, delta, len)`` of the last entry: what a decode step changed."""
+        t = self._table
+        return (len(t) - 1, *t[-1])
 
     def owns(self, page: int) -> bool:
         return page in self._private
@@ -83,11 +87,6 @@ class Allocation:
     @property
     def pinned(self) -> tuple[Entry, ...]:
         return tuple(self._pinned)
-
-    def has_room(self) -> bool:
-        """Whether the next token fits the last page: it is this request's and not full."""
-        e = self._table[-1]
-        return e.length < self._ps and e.page in self._private
 
     # -- planning (KVPlanner and its policies) -------------------------------------------------
     def hold(self, e: Entry) -> None:
@@ -148,14 +147,16 @@ class Allocation:
         self.version += 1
         return True
 
-    def advance(self) -> int:
-        """Claim the next slot of the last page for a new token; returns its pool slot."""
-        e = self._table[-1]
-        if e.length >= self._ps:
-            raise RuntimeError("advance past the end of the last page (append_page first)")
-        self._table[-1] = TableEntry(e.page, e.pos, e.delta, e.length + 1)
+    def advance(self) -> bool:
+        """Claim the next slot of the last page for a new token; False (nothing changed)
+        when there is none: the page is full, or not this request's (``append_page`` first)."""
+        page, pos, delta, n = self._table[-1]
+        if n >= self._ps or page not in self._private:
+            return False
+        # once per decoded token: tuple.__new__ skips the named tuple's Python-level __new__
+        self._table[-1] = _new_tuple(TableEntry, (page, pos, delta, n + 1))
         self.version += 1
-        return e.page * self._ps + e.length
+        return True
 
     # -- the end -------------------------------------------------------------------------------
     def release(self) -> list[Entry]:

@@ -94,18 +94,18 @@ class Recovery:
                 ids.append(s.ids[i])
                 positions.append(s.start + i)
                 slots.append(table[s.first_entry + i // ps].page * ps + i % ps)
-            r.recomputed_tokens += len(chosen)
+            r.plan.recomputed_tokens += len(chosen)
             if not s.computed_now:  # these tokens were counted as reused: they are not
-                r.cached_tokens -= len(chosen)
-                r.cached_chunk_tokens -= len(chosen)
-        r.computed_tokens += len(ids)
+                r.plan.cached_tokens -= len(chosen)
+                r.plan.cached_chunk_tokens -= len(chosen)
+        r.plan.computed_tokens += len(ids)
         S = len(plan.suffix_ids)
         ids += plan.suffix_ids
         positions += range(plan.suffix_pos, plan.suffix_pos + S)
         slots += [slot_of(plan.own, i, ps) for i in range(S)]
         plan.copies = plan.copies + copies
         plan.job = Job(ids, plan.suffix_pos, [], list(alloc.table), logit_rows=r.logit_rows,
-                       positions=positions, slots=slots, ctx=r.ctx_range)
+                       positions=positions, slots=slots, ctx=r.plan.ctx_range)
 
     def question_attention(self, r: Request) -> torch.Tensor:
         """Per chunk token (in chunk order), the attention mass the question's queries give

@@ -60,13 +60,15 @@ class ChunkSpan:
 
 @dataclass
 class PrefillPlan:
-    """What a reuse policy decided for one request, consumed by its prefill.
+    """What the KV planner decided for one request (``Request.plan``).
 
     ``job``: the request's own forward (suffix, or the whole prompt in full-attention modes).
     ``copies``: ``(src page, dst page, delta)`` re-rotated private copies to make first.
     ``spans``, ``context``, ``own``: the chunk layout, the cached table before the suffix
     and the suffix's pages, for quality recovery. ``chain``: identical-prefix page keys and
-    how many were reused, for handing the prompt's full pages to the store afterwards."""
+    how many were reused, for handing the prompt's full pages to the store afterwards.
+    These are consumed by the prefill (``prefilled`` drops them); the token counts stay for
+    the request's usage. A new plan (after preemption) counts from zero."""
 
     job: Job | None = None
     copies: list[tuple[int, int, int]] = field(default_factory=list)
@@ -76,10 +78,41 @@ class PrefillPlan:
     suffix_ids: list[int] = field(default_factory=list)
     suffix_pos: int = 0
     chain: tuple[list[bytes], int] | None = None
+    ctx_range: tuple[int, int] | None = None  # its documents' positions [start, end), if any
+    cached_tokens: int = 0  # prompt tokens read from the cache
+    cached_chunk_tokens: int = 0  # of those, chunk tokens
+    computed_tokens: int = 0  # tokens this request runs through the model in prefill
+    recomputed_tokens: int = 0  # chunk tokens recomputed with full context
+
+    def prefilled(self) -> None:
+        """The prefill ran: drop what only it needed, keep the counts."""
+        self.job, self.copies, self.spans, self.context, self.chain = None, [], [], [], None
+
+
+@dataclass
+class RequestState:
+    """Where the engine is with a request: scheduling and decoding (engine thread only)."""
+
+    next_pos: int = 0  # logical position of the next token to decode
+    generated: list[int] = field(default_factory=list)
+    admit_time: float = 0.0
+    first_token_time: float = 0.0
+    finish_reason: str | None = None
+    row: int | None = None  # row in the decode state while decoding
+    preempted: bool = False
+    solo: bool = False  # prefill alone (a batched prefill with it failed)
+    # what to prefill when readmitted after preemption: the submitted segments with the
+    # generated tokens appended to the suffix (None: the submitted segments)
+    resumed: list[Segment] | None = None
 
 
 @dataclass(eq=False)  # one request is one object: compared and hashed by identity
 class Request:
+    """A request as the caller submitted it (and reads its events from), with two parts the
+    engine fills: ``plan``, what the KV planner decided (with ``alloc``, its pages and page
+    table, which only the planner's ``Allocation`` edits), and ``state``, the scheduling and
+    decoding state."""
+
     segments: list[Segment]
     params: SamplingParams
     events: queue.Queue
@@ -96,40 +129,30 @@ class Request:
     # the seed of its sampled tokens (``params.seed``, else drawn by the sampler at its first
     # sampled token); each token's draw is a function of it and the token's index
     seed: int | None = None
-    id: int = field(default_factory=_request_ids.__next__)  # unique in the process, never reused
-    # planned by the KV planner (reset by ``KVPlanner.unplan``)
-    plan: PrefillPlan | None = None
-    alloc: Allocation | None = None  # its pages and page table (made by the planner)
-    keys: tuple | None = None  # (prefix key, chunk keys), see KVPlanner.segment_keys
-    lookups: list = field(default_factory=list)  # (hit, tokens) of the plan being made
-    cached_tokens: int = 0
-    cached_chunk_tokens: int = 0
-    computed_tokens: int = 0  # tokens this request ran through the model in prefill
-    recomputed_tokens: int = 0  # chunk tokens recomputed with full context
-    # scheduling and decoding state
-    next_pos: int = 0
-    generated: list[int] = field(default_factory=list)
-    admit_time: float = 0.0
-    first_token_time: float = 0.0
-    finish_reason: str | None = None
-    row: int | None = None  # row in the decode state while decoding
-    ctx_range: tuple[int, int] | None = None  # its documents' positions [start, end), if any
-    orig_segments: list | None = None  # the segments as submitted, if preemption changed them
-    preempted: bool = False
-    solo: bool = False  # prefill alone (a batched prefill with it failed)
     # structured output: the grammar each token must follow (``sampler.TokenConstraint``), and
     # the API's record of what was asked (it parses the finished text; the engine ignores it)
     constraint: TokenConstraint | None = None
     structured: Any = None
+    # the prompt as results report it, where it differs from ``segments`` (a scoring request
+    # prefills its continuation too)
+    orig_segments: list | None = None
+    id: int = field(default_factory=_request_ids.__next__)  # unique in the process, never reused
+    plan: PrefillPlan | None = None  # set by ``KVPlanner.plan``, reset by ``unplan``
+    alloc: Allocation | None = None  # made by the planner on the first plan
+    state: RequestState = field(default_factory=RequestState)
+
+    @property
+    def prefill_segments(self) -> list[Segment]:
+        """The segments to prefill: as submitted, or resumed after preemption."""
+        return self.state.resumed or self.segments
 
     @property
     def prompt_ids(self) -> list[int]:
-        return [t for s in self.segments for t in s.ids]
+        return [t for s in self.prefill_segments for t in s.ids]
 
     @property
     def num_prompt_tokens(self) -> int:
-        return sum(len(s.ids) for s in self.segments)
-
+        return sum(len(s.ids) for s in self.prefill_segments)
 
 
 def slot_of(pages: list[int], i: int, page_size: int) -> int:

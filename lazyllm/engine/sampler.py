@@ -154,7 +154,7 @@ class Sampler:
     @torch.inference_mode()  # the forward's logits are inference tensors, masked in place
     def pick(self, logits: torch.Tensor, rows: list) -> torch.Tensor:
         """``(B,)`` long picks of ``logits`` ``(B, V)``, one per row of ``rows``; each live row
-        draws token number ``len(r.generated)`` of its request. The constrained rows of
+        draws token number ``len(r.state.generated)`` of its request. The constrained rows of
         ``logits`` (float32) are masked in place."""
         self.failed = []
         B, V = logits.shape
@@ -181,7 +181,7 @@ class Sampler:
             if 0 < p.top_k < V:
                 h[1, i] = p.top_k
             h[2, i] = p.top_p
-            h[3, i] = row_uniform(r.seed, len(r.generated))
+            h[3, i] = row_uniform(r.seed, len(r.state.generated))
             h[4, i] = 1.0
             if 0 < p.top_k < V or p.top_p < 1.0:
                 widths.append(p.top_k if 0 < p.top_k < V else V)

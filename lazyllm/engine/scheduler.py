@@ -43,7 +43,7 @@ class Scheduler:
                 break
             if len(self.running) >= self.max_batch_size:
                 break
-            if r.solo and admitted:
+            if r.state.solo and admitted:
                 break
             try:
                 ok = self.planner.plan(r)
@@ -64,9 +64,9 @@ class Scheduler:
             self.running.append(r)
             admitted.append(r)
             budget -= cost
-            if r.solo:
+            if r.state.solo:
                 break
-            r.admit_time = time.perf_counter()
+            r.state.admit_time = time.perf_counter()
         return admitted, failed
 
     def retire(self, r: Request) -> None:
@@ -87,7 +87,7 @@ class Scheduler:
             self.running.remove(r)
         self.waiting.insert(0, r)
         if solo:
-            r.solo = True
+            r.state.solo = True
             self.metrics["prefill_retries"] += 1
 
     def preempt(self, r: Request) -> None:
@@ -95,11 +95,9 @@ class Scheduler:
         generated tokens are prefilled as part of its suffix (same semantics: they attend
         to everything before them), and decoding continues where it stopped."""
         self.requeue(r)
-        if r.orig_segments is None:
-            r.orig_segments = list(r.segments)
-        base = r.orig_segments
-        r.segments = base[:-1] + [Segment("suffix", base[-1].ids + r.generated)]
-        r.preempted = True
+        base = r.segments
+        r.state.resumed = base[:-1] + [Segment("suffix", base[-1].ids + r.state.generated)]
+        r.state.preempted = True
         self.metrics["preemptions"] += 1
 
     def grow_decode_pages(self, pending: dict[int, int], dead: set[int]) -> None:
@@ -107,18 +105,18 @@ class Scheduler:
         (``Allocation.advance``): a new page when its last one is full (or shared),
         preempting the most recently started requests when the pool is exhausted.
         ``pending``/``dead`` as in ``ModelRunner.launch_decode``: a dead row gets nothing."""
-        for r in list(self.decode_state.rows):
-            if r.row is None or r.id in dead:
+        rows = self.decode_state.rows
+        for r in list(rows):
+            state = r.state
+            if state.row is None or r.id in dead:
                 continue
             alloc = r.alloc
-            while not alloc.has_room():
-                # the new page starts at the token being decoded now (one later when the
-                # latest token is still in the unread step in flight)
-                if alloc.append_page(r.next_pos + (r.id in pending)):
-                    break
-                victim = self.decode_state.rows[-1]
+            while not alloc.advance():
+                # a new page, starting at the token being decoded now (one later when the
+                # latest token is still in the unread step in flight); the loop claims its slot
+                if alloc.append_page(state.next_pos + (r.id in pending)):
+                    continue
+                victim = rows[-1]
                 self.preempt(victim)
                 if victim is r:
                     break
-            if r.row is not None:
-                alloc.advance()

@@ -1,7 +1,6 @@
 """The KV planner's policies (lazy, block, prefix, none) and the allocation that owns a
 request's page table, on a CPU page pool with no model."""
 import ast
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -40,7 +39,7 @@ def test_every_policy_lays_out_the_whole_prompt(reuse):
     r = make_request(P, [A, B], [40, 41], max_new_tokens=3)
     assert planner.plan(r)
     n = r.num_prompt_tokens
-    assert _covers(r.alloc.table, n) and r.next_pos == n
+    assert _covers(r.alloc.table, n) and r.state.next_pos == n
     assert r.plan.job.logit_rows == 1
     # the request's own job ends at the prompt's last token
     assert r.plan.job.start_pos + len(r.plan.job.ids) == n
@@ -50,12 +49,12 @@ def test_lazy_references_cached_chunks_in_place_with_a_delta():
     planner = _planner("lazy")
     first = make_request(P, [A, B], [40], max_new_tokens=2)
     assert planner.plan(first)
-    assert first.computed_tokens == len(P) + len(A) + len(B) + 1
+    assert first.plan.computed_tokens == len(P) + len(A) + len(B) + 1
     _finish_prefill(planner, first)
     second = make_request(P, [B, A], [41], max_new_tokens=2)  # same chunks, other order
     assert planner.prefill_cost(second) == 1  # only the suffix
     assert planner.plan(second)
-    assert second.cached_tokens == len(P) + len(A) + len(B) and second.plan.copies == []
+    assert second.plan.cached_tokens == len(P) + len(A) + len(B) and second.plan.copies == []
     shared = {e.page for e in first.alloc.table} & {e.page for e in second.alloc.table}
     assert len(shared) == 2 + 3 + 2  # the prefix's, A's and B's pages: no copy
     # B now sits first (after the prefix), A after it: each entry's delta moves the chunk
@@ -87,18 +86,18 @@ def test_block_copies_every_shifted_chunk_page_and_only_those():
 def test_prefix_reuses_full_pages_of_an_identical_prefix_only():
     planner = _planner("prefix")
     first = make_request(P, [A, B], [40, 41])
-    assert planner.plan(first) and first.cached_tokens == 0
+    assert planner.plan(first) and first.plan.cached_tokens == 0
     _finish_prefill(planner, first)
     n_full = first.num_prompt_tokens // PS
     assert len(first.alloc.pinned) == n_full  # its full pages were handed to the store
     same_start = make_request(P, [A, B], [42, 43])  # differs only in its last page
     assert planner.plan(same_start)
-    assert same_start.cached_tokens == (first.num_prompt_tokens - 2) // PS * PS
-    assert same_start.plan.job.start_pos == same_start.cached_tokens
+    assert same_start.plan.cached_tokens == (first.num_prompt_tokens - 2) // PS * PS
+    assert same_start.plan.job.start_pos == same_start.plan.cached_tokens
     assert _covers(same_start.alloc.table, same_start.num_prompt_tokens)
     reordered = make_request(P, [B, A], [40, 41])  # the same chunks in another order
     assert planner.plan(reordered)
-    assert reordered.cached_tokens == len(P) // PS * PS  # only the prefix's one full page
+    assert reordered.plan.cached_tokens == len(P) // PS * PS  # only the prefix's one full page
 
 
 def test_none_reuses_and_caches_nothing():
@@ -106,7 +105,7 @@ def test_none_reuses_and_caches_nothing():
     for _ in range(2):
         r = make_request(P, [A, B], [40])
         assert planner.plan(r)
-        assert r.cached_tokens == 0 and r.computed_tokens == r.num_prompt_tokens
+        assert r.plan.cached_tokens == 0 and r.plan.computed_tokens == r.num_prompt_tokens
         _finish_prefill(planner, r)
         assert r.alloc.pinned == () and len(planner.store.entries) == 0
 
@@ -123,7 +122,7 @@ def test_a_request_the_pool_cannot_hold_takes_nothing(reuse):
     assert not planner.plan(r)
     assert planner.pool.num_free + planner.store.evictable_pages() == free
     assert r.alloc.table == () and r.alloc.pinned == () and r.alloc.private_pages == ()
-    assert r.plan is None and r.cached_tokens == 0
+    assert r.plan is None
 
 
 @pytest.mark.parametrize("reuse", ["lazy", "block", "prefix", "none"])
@@ -153,16 +152,18 @@ def test_allocation_grows_only_through_append_page_and_advance():
     store = make_store(8, PS)
     alloc = Allocation(store)
     alloc.set_table([TableEntry(0, 0, 0, 3)])
-    epoch = alloc.epoch
-    assert not alloc.has_room()  # page 0 is not its own
+    epoch, version = alloc.epoch, alloc.version
+    assert not alloc.advance()  # page 0 is not its own
+    assert alloc.table == (TableEntry(0, 0, 0, 3),) and alloc.version == version
     assert alloc.append_page(3)
-    assert alloc.has_room() and alloc.last.length == 0 and alloc.last.pos == 3
-    slots = [alloc.advance() for _ in range(PS)]
-    page = alloc.last.page
-    assert slots == [page * PS + i for i in range(PS)] and alloc.last_slot == slots[-1]
-    assert not alloc.has_room()
-    with pytest.raises(RuntimeError):
-        alloc.advance()  # no slot past the page
+    assert alloc.last.length == 0 and alloc.last.pos == 3 and alloc.owns(alloc.last.page)
+    lengths = []
+    for _ in range(PS):
+        assert alloc.advance()
+        lengths.append(alloc.tail()[4])
+    assert lengths == list(range(1, PS + 1)) and alloc.tail()[:4] == (1, alloc.last.page, 3, 0)
+    assert not alloc.advance()  # no slot past the page
+    assert alloc.last.length == PS
     assert alloc.epoch == epoch  # grown at its end only: a mirror copies the last entry
     alloc.release()
     assert alloc.epoch != epoch and alloc.table == () and store.pool.num_free == 8
@@ -193,7 +194,7 @@ def test_privatize_is_all_or_nothing():
 def test_table_entries_cannot_be_edited_in_place():
     alloc = Allocation(make_store(4, PS))
     alloc.set_table([TableEntry(0, 0, 0, 1)])
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):
         alloc.table[0].length = 2
     with pytest.raises((TypeError, AttributeError)):
         alloc.table.append(TableEntry(1, 1, 0, 1))

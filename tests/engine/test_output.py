@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from lazyllm.engine.output import OutputProcessor
+from lazyllm.engine.request import PrefillPlan
 from lazyllm.errors import LazyLLMError, RequestCancelled
 from tests.engine.fakes import EOS, VOCAB, FakeTokenizer, make_request
 
@@ -23,10 +24,10 @@ def _events(r):
 def test_greedy_tokens_stream_as_text_until_the_length_limit():
     op = _out()
     r = make_request([2], [], [3], max_new_tokens=3)
-    r.next_pos = 2
+    r.state.next_pos = 2
     done = [op.emit(r, t) for t in (7, 8, 9)]
-    assert done == [False, False, True] and r.finish_reason == "length"
-    assert r.generated == [7, 8, 9] and r.first_token_time > 0
+    assert done == [False, False, True] and r.state.finish_reason == "length"
+    assert r.state.generated == [7, 8, 9] and r.state.first_token_time > 0
     assert "".join(v for k, v in _events(r) if k == "delta") == "<7><8><9>"
 
 
@@ -51,7 +52,7 @@ def test_a_complete_grammar_stops_the_request():
     op = _out()
     r = make_request([2], [], [3], max_new_tokens=9)
     r.constraint = _Grammar({7, 8}, 2)
-    assert [op.emit(r, t) for t in (7, 8)] == [False, True] and r.finish_reason == "stop"
+    assert [op.emit(r, t) for t in (7, 8)] == [False, True] and r.state.finish_reason == "stop"
     assert r.constraint.seen == 2
 
 
@@ -61,7 +62,7 @@ def test_a_token_the_constraint_rejects_is_an_error():
     r.constraint = _Grammar({7}, 5)
     with pytest.raises(LazyLLMError):
         op.emit(r, 8)
-    assert r.generated == []
+    assert r.state.generated == []
 
 
 def test_eos_stops_and_is_not_text():
@@ -69,7 +70,7 @@ def test_eos_stops_and_is_not_text():
     r = make_request([2], [], [3], max_new_tokens=5)
     assert not op.emit(r, 7)
     assert op.emit(r, EOS)
-    assert r.finish_reason == "stop" and r.generated == [7, EOS]
+    assert r.state.finish_reason == "stop" and r.state.generated == [7, EOS]
     assert "".join(v for k, v in _events(r) if k == "delta") == "<7>"
 
 
@@ -77,15 +78,15 @@ def test_a_stop_string_ends_the_request_and_is_cut_from_the_text():
     op = _out()
     r = make_request([2], [], [3], max_new_tokens=9, stop=("<9>",))
     ends = [op.emit(r, t) for t in (7, 8, 9)]
-    assert ends == [False, False, True] and r.finish_reason == "stop"
+    assert ends == [False, False, True] and r.state.finish_reason == "stop"
     assert r.detok.text == "<7><8>"
 
 
 def test_the_model_context_ends_a_request():
     op = _out(max_context=10)
     r = make_request([2], [], [3], max_new_tokens=50)
-    r.next_pos = 10
-    assert op.emit(r, 7) and r.finish_reason == "length"
+    r.state.next_pos = 10
+    assert op.emit(r, 7) and r.state.finish_reason == "length"
 
 
 def test_a_non_streaming_request_gets_its_text_once_at_the_end():
@@ -101,7 +102,7 @@ def test_a_non_streaming_request_gets_its_text_once_at_the_end():
 def test_done_hands_out_the_result_with_usage():
     op = _out()
     r = make_request([2, 2], [[5, 6, 7]], [3], max_new_tokens=2)
-    r.cached_tokens, r.cached_chunk_tokens = 5, 3
+    r.plan = PrefillPlan(cached_tokens=5, cached_chunk_tokens=3)
     for t in (7, 8):
         op.emit(r, t)
     _events(r)
@@ -127,9 +128,10 @@ def test_score_gives_the_log_probabilities_of_the_continuation():
     op = _out()
     r = make_request([2], [], [3, 4], max_new_tokens=1)
     r.score_ids = [4, 9]
+    r.plan = PrefillPlan(computed_tokens=3)
     logits = torch.randn(2, VOCAB)
     res = op.score(r, logits)
     want = torch.log_softmax(logits, -1)[[0, 1], [4, 9]]
     assert res.token_ids == [4, 9]
     assert torch.allclose(torch.tensor(res.logprobs), want)
-    assert res.logits is None
+    assert res.logits is None and res.prefilled_tokens == 3

@@ -23,8 +23,8 @@ _ids = itertools.count()  # rows are told apart by their request id
 
 
 def _row(seed=None, generated=0, constraint=None, **params):
-    return SimpleNamespace(params=SamplingParams(**params), seed=seed, generated=[0] * generated,
-                           constraint=constraint, id=next(_ids))
+    return SimpleNamespace(params=SamplingParams(**params), seed=seed, constraint=constraint, id=next(_ids),
+                           state=SimpleNamespace(generated=[0] * generated))
 
 
 def _expected(logits: np.ndarray, temperature: float, top_k: int, top_p: float, allowed=None) -> np.ndarray:
@@ -84,7 +84,7 @@ def test_sampled_rows_follow_the_filtered_softmax(cfg):
     counts = np.zeros(V, dtype=np.int64)
     for t in range(steps):
         for r in rows:
-            r.generated = [0] * t
+            r.state.generated = [0] * t
         picks = sampler.pick(logits, rows).numpy()
         counts += np.bincount(picks, minlength=V)
     p = _expected(LOGITS, cfg.get("temperature", 1.0), cfg.get("top_k", 0), cfg.get("top_p", 1.0), allowed)

@@ -24,10 +24,16 @@ def _req(n_prompt, max_new_tokens=4):
     return make_request([2] * (n_prompt - 1), [], [3], max_new_tokens=max_new_tokens)
 
 
+def _last_slot(r):
+    """Pool slot of the request's last claimed token."""
+    _, page, _, _, n = r.alloc.tail()
+    return page * PS + n - 1
+
+
 def _start_decoding(s, reqs):
     """What the engine does after a prefill: each request decodes from its own row."""
     for r in reqs:
-        r.generated.append(5)
+        r.state.generated.append(5)
         s.decode_state.attach(r)
 
 
@@ -37,7 +43,7 @@ def test_admits_in_order_up_to_the_token_budget():
     s.waiting.extend(reqs)
     admitted, failed = s.admit()
     assert admitted == reqs[:2] and failed == [] and s.waiting == reqs[2:]
-    assert s.running == reqs[:2] and all(r.admit_time > 0 for r in admitted)
+    assert s.running == reqs[:2] and all(r.state.admit_time > 0 for r in admitted)
     admitted, _ = s.admit()
     assert admitted == reqs[2:]
 
@@ -81,7 +87,7 @@ def test_a_request_no_pool_can_hold_fails_clearly():
 def test_a_solo_request_is_admitted_alone():
     s = _scheduler()
     a, b, c = _req(4), _req(4), _req(4)
-    b.solo = True
+    b.state.solo = True
     s.waiting.extend([a, b, c])
     assert s.admit()[0] == [a]  # b waits: it runs alone
     assert s.admit()[0] == [b]
@@ -98,8 +104,8 @@ def test_decode_claims_one_slot_per_step_and_a_new_page_when_full():
     for _ in range(4):
         s.grow_decode_pages({}, set())
         widths.append(r.alloc.width)
-        slots.append(r.alloc.last_slot)
-        r.next_pos += 1
+        slots.append(_last_slot(r))
+        r.state.next_pos += 1
     assert widths == [2, 2, 3, 3]
     own = r.alloc.table[1].page
     new = r.alloc.table[2]
@@ -114,7 +120,7 @@ def test_a_dead_row_gets_no_slot_and_a_pending_one_starts_its_page_a_token_later
     s.admit()
     _start_decoding(s, [a, b])
     s.grow_decode_pages({a.id: 0, b.id: 1}, {b.id})
-    assert a.alloc.width == 3 and a.alloc.last.pos == a.next_pos + 1 and a.alloc.last.length == 1
+    assert a.alloc.width == 3 and a.alloc.last.pos == a.state.next_pos + 1 and a.alloc.last.length == 1
     assert b.alloc.width == 2  # dead: it rides along with no page
 
 
@@ -126,10 +132,10 @@ def test_an_exhausted_pool_preempts_the_most_recently_started():
     _start_decoding(s, reqs)
     s.grow_decode_pages({}, set())  # 6 pages held, 2 free: the third request is preempted
     assert s.metrics["preemptions"] == 1
-    assert reqs[2].preempted and s.waiting == [reqs[2]] and reqs[2].row is None
+    assert reqs[2].state.preempted and s.waiting == [reqs[2]] and reqs[2].state.row is None
     assert reqs[2].alloc.table == () and reqs[2].alloc.private_pages == ()
     # its generated token is prefilled with its suffix when it comes back
-    assert reqs[2].segments[-1].ids == [3, 5] and reqs[2].orig_segments[-1].ids == [3]
+    assert reqs[2].prefill_segments[-1].ids == [3, 5] and reqs[2].segments[-1].ids == [3]
     assert [r.alloc.width for r in reqs[:2]] == [3, 3]
 
 
@@ -140,8 +146,8 @@ def test_the_last_row_that_cannot_grow_preempts_itself():
     assert s.admit()[0] == [a, b]
     _start_decoding(s, [a, b])
     s.grow_decode_pages({}, set())  # a takes the last free page; b, the last row, gives way
-    assert a.alloc.width == 3 and a.alloc.last.length == 1 and not a.preempted
-    assert b.preempted and b.row is None and s.waiting == [b] and s.decode_state.rows == [a]
+    assert a.alloc.width == 3 and a.alloc.last.length == 1 and not a.state.preempted
+    assert b.state.preempted and b.state.row is None and s.waiting == [b] and s.decode_state.rows == [a]
 
 
 @pytest.mark.parametrize("steps", [1, 5, 11])
@@ -160,14 +166,14 @@ def test_the_device_mirror_follows_the_allocation(steps):
         s.grow_decode_pages({}, set())
         live = list(st.rows)
         updates = [st.row_update(r) for r in live]
-        st.stage(updates, [5] * len(live), [r.next_pos for r in live], [r.alloc.last_slot for r in live],
+        st.stage(updates, [5] * len(live), [r.state.next_pos for r in live], [_last_slot(r) for r in live],
                  len(live), 0)
         st.load(len(live))
         for r in live:
-            r.next_pos += 1
+            r.state.next_pos += 1
             w = r.alloc.width
             want = pack_tables([r.alloc.table], w)[:, 0]
-            assert st.tables[:, r.row, :w].tolist() == want.tolist()
+            assert st.tables[:, r.state.row, :w].tolist() == want.tolist()
 
 
 def test_the_mirror_refuses_a_table_rebuilt_behind_its_back():

@@ -67,7 +67,7 @@ def test_device_sampler_follows_the_filtered_softmax():
         counts = np.zeros(len(LOGITS), dtype=np.int64)
         for t in range(steps):
             for r in rows:
-                r.generated = [0] * t
+                r.state.generated = [0] * t
             counts += np.bincount(sampler.pick(logits, rows).cpu().numpy(), minlength=len(LOGITS))
         p = _expected(LOGITS, cfg["temperature"], cfg.get("top_k", 0), cfg.get("top_p", 1.0),
                       allowed if mask else None)
