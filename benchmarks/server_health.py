@@ -35,9 +35,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str | None, port: int, streams: int) -> subprocess.Popen:
+def start_server(model: str | None, port: int, streams: int, device: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "lazyllm.serve", *([model] if model else []), "--port", str(port),
-           "--device", "cpu", "--no-progress", "--no-access-log", "--log-level", "warning", "--model-name", "m",
+           "--device", device, "--no-progress", "--no-access-log", "--log-level", "warning", "--model-name", "m",
            "--max-concurrency", str(max(streams * 2, 8))]
     proc = subprocess.Popen(cmd, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     deadline = time.monotonic() + 300
@@ -116,11 +116,12 @@ async def run(url: str, streams: int, max_tokens: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model path or hub id (default: the embedded default model)")
+    ap.add_argument("--device", default="cpu", help="the server's device (default cpu; 'cuda' on a GPU machine)")
     ap.add_argument("--streams", type=int, default=32, help="concurrent streaming requests")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per streamed answer")
     a = ap.parse_args()
     port = free_port()
-    proc = start_server(a.model, port, a.streams)
+    proc = start_server(a.model, port, a.streams, a.device)
     try:
         asyncio.run(run(f"http://127.0.0.1:{port}", a.streams, a.max_tokens))
     finally:
