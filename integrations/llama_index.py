@@ -65,7 +65,7 @@ from llama_index.core.callbacks import CallbackManager
 from llama_index.core.callbacks.schema import CBEventType, EventPayload
 from llama_index.core.instrumentation.events.synthesis import SynthesizeEndEvent, SynthesizeStartEvent
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.response_synthesizers.base import BaseSynthesizer
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
 from llama_index.core.types import RESPONSE_TEXT_TYPE
@@ -86,6 +86,7 @@ from ._common import (
     sampling_kwargs,
     usage_dict,
 )
+from .llama_index_tools import TOOL_KWARGS, chat_message, openai_messages, prepare_chat_with_tools, tool_selections
 from .minilm import DIM, MODEL_NAME, embed
 
 dispatcher = instrument.get_dispatcher(__name__)
@@ -133,7 +134,7 @@ def _message_parts(m: ChatMessage) -> tuple[str, str, list[Chunk]]:
     return role, "\n".join(texts), chunks
 
 
-class LlamaIndexLLM(CustomLLM):
+class LlamaIndexLLM(FunctionCallingLLM):
     """LlamaIndex LLM over an in-process ``LazyLLM``. Argument names follow
     ``HuggingFaceLLM`` (``model_name``, ``context_window``, ``max_new_tokens``,
     ``generate_kwargs``, ``device_map``, ``model_kwargs``, ``system_prompt``), so
@@ -161,6 +162,9 @@ class LlamaIndexLLM(CustomLLM):
     is_chat_model: bool = Field(default=True, description="Use chat() (the model's chat template).")
     reuse: str = "lazy"
     chunk_context: str = "isolated"
+    tool_choice: str | None = Field(default=None, description=(
+        "tool_choice when tools are given and the caller does not require a call: None is 'auto'; "
+        "'required' makes every step of an agent call a tool"))
 
     _engine: LazyLLM = PrivateAttr()
 
@@ -207,7 +211,7 @@ class LlamaIndexLLM(CustomLLM):
     @property
     def metadata(self) -> LLMMetadata:
         return LLMMetadata(context_window=self.context_window, num_output=self.max_new_tokens,
-                           is_chat_model=self.is_chat_model, is_function_calling_model=False,
+                           is_chat_model=self.is_chat_model, is_function_calling_model=True,
                            model_name=self.model_name)
 
     # -- helpers -------------------------------------------------------------------
@@ -224,9 +228,39 @@ class LlamaIndexLLM(CustomLLM):
         system = join_system([p for p in (self.system_prompt, system) if p])
         return RagRequest(prompt, chunks, system), self._sampling(kwargs)
 
+    # -- tools (FunctionCallingLLM): chat_with_tools, structured_predict, FunctionAgent --
+    def _prepare_chat_with_tools(self, tools, user_msg=None, chat_history=None, verbose=False,
+                                 allow_parallel_tool_calls=False, tool_required=False, **kwargs: Any) -> dict:
+        kwargs.setdefault("tool_choice", "required" if tool_required else (self.tool_choice or "auto"))
+        return prepare_chat_with_tools(tools, user_msg, chat_history, allow_parallel_tool_calls, **kwargs)
+
+    def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
+                                     **kwargs: Any) -> list:
+        return tool_selections(response, error_on_no_tool_call)
+
+    def structured_predict(self, output_cls: type, prompt: Any, llm_kwargs: dict | None = None, **prompt_args: Any):
+        """An ``output_cls`` instance from the answer held to its JSON Schema (also what
+        ``as_structured_llm`` calls)."""
+        messages = prompt.format_messages(llm=self, **prompt_args)
+        resp = self.chat(messages, response_format=output_cls, **(llm_kwargs or {}))
+        return output_cls.model_validate_json(resp.message.content)
+
+    async def astructured_predict(self, output_cls: type, prompt: Any, llm_kwargs: dict | None = None,
+                                  **prompt_args: Any):
+        messages = prompt.format_messages(llm=self, **prompt_args)
+        resp = await self.achat(messages, response_format=output_cls, **(llm_kwargs or {}))
+        return output_cls.model_validate_json(resp.message.content)
+
     def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict) -> tuple[RagRequest, dict]:
         extra = list(kwargs.pop("chunks", None) or [])
         system = kwargs.pop("system", None)
+        tools = {k: kwargs.pop(k) for k in TOOL_KWARGS if k in kwargs}
+        if tools or any(m.role == MessageRole.TOOL for m in messages):
+            if isinstance(self._engine, RemoteLazyLLM):
+                raise InvalidRequestError("tools need an in-process engine, not base_url")
+            sys_text = join_system([p for p in (self.system_prompt, system) if p])
+            tools["messages"] = openai_messages(messages, sys_text)
+            return RagRequest(None, extra), {**self._sampling(kwargs), **tools}
         req = chat_to_request(messages, join_system([p for p in (self.system_prompt, system) if p]))
         req.chunks = extra + req.chunks
         return req, self._sampling(kwargs)
@@ -237,8 +271,7 @@ class LlamaIndexLLM(CustomLLM):
 
     @staticmethod
     def _chat(out: GenerationOutput) -> ChatResponse:
-        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=out.text), raw=out,
-                            additional_kwargs=usage_dict(out))
+        return ChatResponse(message=chat_message(out), raw=out, additional_kwargs=usage_dict(out))
 
     def _generate(self, req: RagRequest, sampling: dict) -> GenerationOutput:
         return self._engine.generate(req.question, req.chunks, req.system, **sampling)
@@ -301,8 +334,9 @@ class LlamaIndexLLM(CustomLLM):
             for delta in stream:
                 text += delta
                 yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
-            yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta="",
-                               raw=stream.output, additional_kwargs=usage_dict(stream.output))
+            out = stream.output  # its calls, if any, in the last message
+            msg = chat_message(out) if out.tool_calls else ChatMessage(role=MessageRole.ASSISTANT, content=text)
+            yield ChatResponse(message=msg, delta="", raw=out, additional_kwargs=usage_dict(out))
 
         return gen()
 
@@ -320,8 +354,9 @@ class LlamaIndexLLM(CustomLLM):
             async for delta in stream:
                 text += delta
                 yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
-            yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta="",
-                               raw=stream.output, additional_kwargs=usage_dict(stream.output))
+            out = stream.output  # its calls, if any, in the last message
+            msg = chat_message(out) if out.tool_calls else ChatMessage(role=MessageRole.ASSISTANT, content=text)
+            yield ChatResponse(message=msg, delta="", raw=out, additional_kwargs=usage_dict(out))
 
         return gen()
 

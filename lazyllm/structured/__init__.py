@@ -43,9 +43,12 @@ class StructuredRequest:
         """Fill ``out.tool_calls`` (finish_reason ``"tool_calls"``) or ``out.parsed`` from the
         finished request's text."""
         if self.tools and self.choice != "none":
-            calls = parse_tool_calls(out.text, self.tools)
-            if calls and out.finish_reason != "length":
-                out.tool_calls, out.finish_reason = calls, "tool_calls"
+            # the complete calls; cut short by length, the finish reason stays "length" (the
+            # last, partial call is dropped)
+            out.tool_calls = parse_tool_calls(out.text, self.tools)
+            if out.tool_calls:
+                if out.finish_reason != "length":
+                    out.finish_reason = "tool_calls"
                 return out
         if self.fmt is not None and out.finish_reason == "stop":
             try:
