@@ -6,7 +6,7 @@ constrained (a nested JSON Schema per row) against unconstrained, and the schema
 
 Each batch is ``--batch`` requests started together, greedy; the figure is the median decode
 step time over the steps that ran all ``--batch`` rows (``Engine.decode_step_log``), divided by
-the batch. ``--model 8b`` builds random bf16 weights (benchmarks/engine.py) and runs every
+the batch. ``--model 8b`` builds random bf16 weights (benchmarks/_common.py) and runs every
 unconstrained request to its length; the tokenizer is the default model's (carry it with
 ``benchmarks/engine.py --save-tokenizer tok``).
 """
