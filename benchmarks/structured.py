@@ -4,7 +4,8 @@ constrained (a nested JSON Schema per row) against unconstrained, and the schema
     python benchmarks/structured.py --device cpu                       # the default model
     python benchmarks/structured.py --device cuda --model 8b --tokenizer tok   # Llama-3.1-8B shapes
 
-Each batch is ``--batch`` requests started together, greedy; the figure is the median decode
+Each batch is ``--batch`` requests started together, greedy, with the same prompt (the
+schema in the system prompt, as ``response_format`` puts it); the figure is the median decode
 step time over the steps that ran all ``--batch`` rows (``Engine.decode_step_log``), divided by
 the batch. ``--model 8b`` builds random bf16 weights (benchmarks/_common.py) and runs every
 unconstrained request to its length; the tokenizer is the default model's (carry it with
@@ -29,6 +30,12 @@ from benchmarks.grammar_libs import NESTED  # noqa: E402
 
 
 def step_times(llm, batch: int, **kw) -> list[float]:
+    """Decode step times at ``batch`` rows; the unconstrained run gets the same system prompt
+    that a JSON ``response_format`` adds (its schema), so both attend over the same prompt."""
+    from lazyllm.structured import format_instruction, normalize_response_format
+
+    if "response_format" not in kw:
+        kw["system"] = format_instruction(normalize_response_format(NESTED))
     llm.engine.decode_step_log.clear()
     outs = llm.generate_batch([f"Customer record number {i} as JSON." for i in range(batch)], **kw)
     steps = [dt for b, dt in llm.engine.decode_step_log if b == batch]
