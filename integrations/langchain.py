@@ -50,10 +50,7 @@ import binascii
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-from langchain_core.callbacks import (
-    AsyncCallbackManagerForLLMRun,
-    CallbackManagerForLLMRun,
-)
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel, BaseLLM, LangSmithParams
 from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
@@ -598,6 +595,6 @@ class LazyLLMText(_EngineParams, BaseLLM):
 
 __all__ = [
     "ChatLazyLLM", "LazyLLMText", "BundledMiniLMEmbeddings", "ChromaRetriever", "documents_to_messages",
-    "document_block", "to_chunks",
-    "chunk_prompt", "format_documents", "messages_to_request", "encode_prompt", "decode_prompt", "block_to_chunk",
+    "document_block", "to_chunks", "chunk_prompt", "format_documents", "messages_to_request", "encode_prompt",
+    "decode_prompt", "block_to_chunk",
 ]

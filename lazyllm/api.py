@@ -7,7 +7,7 @@ import contextlib
 import os
 import queue
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,26 +24,14 @@ from .engine.request import Request
 from .errors import InvalidRequestError
 from .model.attention import make_backend
 from .model.llama import LlamaFamilyModel
-from .model.loader import fingerprint, load_hf
+from .model.loader import eos_token_ids, fingerprint, load_hf
+from .model.packets import resolve_packets
 from .stream import TextStream
-from .types import Chunk, GenerationOutput, SamplingParams, ScoreOutput, as_chunk
-
-MAX_CHUNKS = 4096
+from .types import Chunk, GenerationOutput, SamplingParams, ScoreOutput, as_chunk, as_chunks
 
 
 def _from_config(name: str) -> property:
     return property(lambda self: getattr(self.config, name), doc=f"``config.{name}``")
-
-
-def _eos_ids(hf, tok) -> set[int]:
-    """The token ids that end a request: the generation config's and the tokenizer's."""
-    eos = set()
-    for src in (getattr(getattr(hf, "generation_config", None), "eos_token_id", None), tok.eos_token_id):
-        if isinstance(src, int):
-            eos.add(src)
-        elif isinstance(src, (list, tuple)):
-            eos.update(int(x) for x in src)
-    return eos
 
 
 _LIVE_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -241,7 +229,9 @@ class LazyLLM:
         else:
             self.model = LlamaFamilyModel(hf, attention=backend, batch_invariant=config.batch_invariant)
         self.model_fingerprint = fingerprint(self.model)
-        self.packets = self._setup_packets(config.packets)
+        c = config  # "auto" picks the shipped packet only where chunks are cached for it
+        auto = c.reuse in CHUNK_CACHING_MODES and c.quality != "block-ft" and c.tensor_parallel == 1
+        self.packets = resolve_packets(c.packets, self.model, self.chunk_context, auto=auto)
         # cache keys and the disk tier separate packet versions: a packet changes every chunk's KV
         self.fingerprint = self.model_fingerprint + (f":packets:{self.packets.digest}" if self.packets else "")
         kv_cache_bytes = self._make_store(page_size, config.kv_cache_bytes)
@@ -250,7 +240,7 @@ class LazyLLM:
             from .engine.prompt_blockft import BlockFTPromptBuilder
 
             self.prompts = BlockFTPromptBuilder(tok)
-        self.eos_token_ids = _eos_ids(hf, tok)
+        self.eos_token_ids = eos_token_ids(hf, tok)
         self.config = config.replace(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
                                      attention_backend=backend.name, page_size=page_size,
                                      kv_cache_bytes=kv_cache_bytes)
@@ -301,23 +291,6 @@ class LazyLLM:
         self.store = ChunkStore(pool)
         return kv_cache_bytes
 
-    def _setup_packets(self, packets):
-        """The ``Packets`` this engine places around chunks (``None``: none), checked against
-        the model (``EngineConfig`` checked them against the other options), and installed in
-        the model's embedding lookup."""
-        from .model.packets import as_packets, check_packets_for, shipped_packets
-
-        if isinstance(packets, str) and packets == "auto":
-            c = self.config
-            auto = c.reuse in CHUNK_CACHING_MODES and c.quality != "block-ft" and c.tensor_parallel == 1
-            p = shipped_packets(self.model, self.chunk_context) if auto else None
-        else:
-            p = as_packets(packets)
-            if p is not None:
-                check_packets_for(p, self.model)
-        self.model.set_packets(p.rows if p is not None else None)
-        return p
-
     def _start_tensor_parallel(self, hf, source, backend, attention_backend, kernel_options):
         """Check ``tensor_parallel`` against the model and the GPUs, start the workers and
         return rank 0's shard (the workers are stopped again if that fails)."""
@@ -366,21 +339,7 @@ class LazyLLM:
     def _request(self, question, chunks, system, *, max_new_tokens=64, temperature=0.0, top_p=1.0, top_k=0,
                  seed=None, stop=None, timeout=None, warm_only=False, response_format=None, tools=None,
                  tool_choice=None, messages=None, parallel_tool_calls=False) -> Request:
-        if chunks is None:
-            chunks = []
-        if isinstance(chunks, (str, Chunk)):
-            raise InvalidRequestError("chunks must be a list of str or Chunk, not a single one")
-        if not isinstance(chunks, Iterable):
-            raise InvalidRequestError(f"chunks must be a list, got {type(chunks).__name__}")
-        chunks = [as_chunk(c, i) for i, c in enumerate(chunks)]
-        if len(chunks) > MAX_CHUNKS:
-            raise InvalidRequestError(f"{len(chunks)} chunks; at most {MAX_CHUNKS} per request")
-        seen: dict[str, str] = {}
-        for c in chunks:
-            if c.id is not None:
-                if c.id in seen and seen[c.id] != c.text:
-                    raise InvalidRequestError(f"two chunks have id {c.id!r} but different text")
-                seen[c.id] = c.text
+        chunks = as_chunks(chunks)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, seed=seed, stop=() if stop is None else stop)
         if params.max_new_tokens > self.model.spec.max_context:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,30 @@ def as_chunk(x: Any, index: int) -> Chunk:
     raise InvalidRequestError(
         f"chunks[{index}] must be a str or lazyllm.Chunk, got {type(x).__name__}"
     )
+
+
+MAX_CHUNKS = 4096
+
+
+def as_chunks(chunks: Any) -> list[Chunk]:
+    """A request's ``chunks`` argument as a list of ``Chunk`` (``None``: none): a list of
+    ``str`` / ``Chunk``, at most ``MAX_CHUNKS``, where two chunks with one id carry one text."""
+    if chunks is None:
+        return []
+    if isinstance(chunks, (str, Chunk)):
+        raise InvalidRequestError("chunks must be a list of str or Chunk, not a single one")
+    if not isinstance(chunks, Iterable):
+        raise InvalidRequestError(f"chunks must be a list, got {type(chunks).__name__}")
+    chunks = [as_chunk(c, i) for i, c in enumerate(chunks)]
+    if len(chunks) > MAX_CHUNKS:
+        raise InvalidRequestError(f"{len(chunks)} chunks; at most {MAX_CHUNKS} per request")
+    seen: dict[str, str] = {}
+    for c in chunks:
+        if c.id is not None:
+            if c.id in seen and seen[c.id] != c.text:
+                raise InvalidRequestError(f"two chunks have id {c.id!r} but different text")
+            seen[c.id] = c.text
+    return chunks
 
 
 @dataclass(frozen=True)

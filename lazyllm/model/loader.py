@@ -224,3 +224,14 @@ def fingerprint(model) -> str:
             sample = t.detach().flatten()[:65536].to("cpu", torch.float32).contiguous()
             h.update(sample.numpy().tobytes())
     return h.hexdigest()
+
+
+def eos_token_ids(hf, tok) -> set[int]:
+    """The token ids that end a request: the generation config's and the tokenizer's."""
+    eos = set()
+    for src in (getattr(getattr(hf, "generation_config", None), "eos_token_id", None), tok.eos_token_id):
+        if isinstance(src, int):
+            eos.add(src)
+        elif isinstance(src, (list, tuple)):
+            eos.update(int(x) for x in src)
+    return eos

@@ -199,3 +199,18 @@ def check_packets_for(p: Packets, model) -> None:
 
 __all__ = ["Packets", "load_packets", "packet_model_id", "as_packets", "check_packets_for", "shipped_packets",
            "FORMAT", "VERSION", "SHIPPED_DIR"]
+
+
+def resolve_packets(packets, model, chunk_context: str, *, auto: bool) -> Packets | None:
+    """The ``Packets`` an engine places around chunks (``None``: none), checked against the
+    model (``EngineConfig`` checked them against the other options) and installed in the
+    model's embedding lookup. ``packets="auto"`` takes the packet shipped for this model and
+    chunk context where ``auto`` allows it (the modes that cache chunk KV)."""
+    if isinstance(packets, str) and packets == "auto":
+        p = shipped_packets(model, chunk_context) if auto else None
+    else:
+        p = as_packets(packets)
+        if p is not None:
+            check_packets_for(p, model)
+    model.set_packets(p.rows if p is not None else None)
+    return p
