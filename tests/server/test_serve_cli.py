@@ -130,27 +130,32 @@ def test_missing_ray_and_matplotlib_name_their_extras(monkeypatch):
         FidelityReport(rows=[], target={}).plot()
 
 
-def test_quality_balanced_is_served_with_the_in_process_tokens(tmp_path, tokenizer):
-    """``lazyllm serve <folder> --quality balanced``: the preset in /v1/models and
-    /metrics, and the same answer as ``LazyLLM(<folder>, quality="balanced")``."""
+@pytest.mark.parametrize("preset", ["fast", "balanced", "exact"])
+def test_each_quality_preset_is_served_with_the_in_process_tokens(preset, tmp_path, tokenizer):
+    """``lazyllm serve <folder> --quality <preset>``: the preset in /v1/models and
+    /metrics, its options as in process, and the same answer as
+    ``LazyLLM(<folder>, quality=<preset>)``."""
     import httpx
 
     folder = tmp_path / "tiny-llama"
     make_tiny("llama").save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     parser = build_parser()
-    args = parser.parse_args([str(folder), "--quality", "balanced", "--device", "cpu", "--no-progress",
+    args = parser.parse_args([str(folder), "--quality", preset, "--device", "cpu", "--no-progress",
                               "--kv-cache-bytes", str(16 << 20)])
     app, llm = build_server(args, check_args(parser, args))
     docs = [f"Document {i}: " + " ".join(f"fact{i}x{j}" for j in range(40)) for i in range(3)]
-    ref_llm = LazyLLM(str(folder), quality="balanced", device="cpu", kv_cache_bytes=16 << 20, progress=False)
+    ref_llm = LazyLLM(str(folder), quality=preset, device="cpu", kv_cache_bytes=16 << 20, progress=False)
     try:
-        assert llm.quality == "balanced" and llm.recompute_ratio == ref_llm.recompute_ratio > 0
+        opts = ("reuse", "chunk_context", "recompute_first_tokens", "recompute_ratio", "recompute_selection")
+        assert llm.quality == preset
+        assert [getattr(llm.config, o) for o in opts] == [getattr(ref_llm.config, o) for o in opts]
+        assert (llm.recompute_ratio > 0) == (preset == "balanced")
         with loopback_server(app) as url, httpx.Client(base_url=url, timeout=60) as http:
             card = http.get("/v1/models").json()["data"][0]
-            assert card["id"] == "tiny-llama" and card["quality"] == "balanced"
+            assert card["id"] == "tiny-llama" and card["quality"] == preset
             assert card["recompute_ratio"] == ref_llm.recompute_ratio
-            assert 'quality="balanced"' in http.get("/metrics").text
+            assert f'quality="{preset}"' in http.get("/metrics").text
             for q in ("Which facts?", "Name the second document."):
                 ref_llm.warm(docs)  # cached chunks, as the server's after its first request
                 ref = ref_llm.generate(q, docs[::-1], max_new_tokens=12)
@@ -163,7 +168,7 @@ def test_quality_balanced_is_served_with_the_in_process_tokens(tmp_path, tokeniz
                     assert body["choices"][0]["message"]["content"] == ref.text
                     assert body["usage"]["completion_tokens"] == ref.usage.completion_tokens
             # a request may name the server's preset, not another
-            ok = http.post("/v1/chat/completions", json={"model": "tiny-llama", "quality": "balanced",
+            ok = http.post("/v1/chat/completions", json={"model": "tiny-llama", "quality": preset,
                                                          "messages": [{"role": "user", "content": "Hi?"}]})
             assert ok.status_code == 200, ok.text
     finally:
