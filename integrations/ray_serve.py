@@ -62,7 +62,7 @@ class ServeRequest:
     in order, between the system prompt and the question) is what Ray's
     ``PrefixCacheAffinityRouter`` matches on, so the baseline routes the same object."""
 
-    question: str
+    question: str | None  # None: the conversation is in sampling["messages"]
     chunks: list[Chunk] = field(default_factory=list)
     system: str | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
@@ -74,7 +74,7 @@ class ServeRequest:
 
     @property
     def prompt(self) -> str:
-        return "\n\n".join([self.system or ""] + [c.text for c in self.chunks] + [self.question])
+        return "\n\n".join([self.system or ""] + [c.text for c in self.chunks] + [self.question or ""])
 
 
 @dataclass
@@ -473,7 +473,7 @@ class RayBackend:
     def _request(question, chunks, system, sampling) -> ServeRequest:
         return ServeRequest(question, chunks, system, {k: v for k, v in sampling.items() if v is not None})
 
-    def stream(self, question: str, chunks, system: str | None, **sampling) -> RayStream:
+    def stream(self, question: str | None, chunks, system: str | None, **sampling) -> RayStream:
         return RayStream(self.handle, self._request(question, chunks, system, sampling))
 
     async def model_info(self) -> dict:

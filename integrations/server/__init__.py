@@ -57,6 +57,7 @@ from .protocol import (
     ChatCompletionRequest,
     ChatRequest,
     DocumentIn,
+    ToolCallDeltas,
     completion_response,
     documents_to_chunks,
     error_body,
@@ -71,7 +72,7 @@ from .protocol import (
 
 __all__ = [
     "create_app", "main", "build_parser", "Backend", "GenerationStream", "LocalBackend", "as_backend",
-    "ChatCompletionRequest", "ChatRequest", "DocumentIn", "APIError",
+    "ChatCompletionRequest", "ChatRequest", "DocumentIn", "APIError", "ToolCallDeltas",
     "validate_body", "parse_chat_request", "documents_to_chunks", "completion_response", "stream_chunk",
     "usage_json", "sse", "error_body", "error_from_exception", "new_request_id", "ServerMetrics",
 ]

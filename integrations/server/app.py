@@ -30,7 +30,9 @@ from .protocol import (
     DEFAULT_MAX_TOKENS,
     APIError,
     ChatCompletionRequest,
+    ToolCallDeltas,
     completion_response,
+    emits_tool_calls,
     error_from_exception,
     new_request_id,
     parse_chat_request,
@@ -217,7 +219,9 @@ class _Server:
         check_length = getattr(self.backend, "check_length", None)
         try:
             if check_length is not None:  # a lower bound of the token count, before tokenizing
-                check_length(len(req.question) + len(req.system or "") + sum(len(c.text) for c in req.chunks))
+                texts = [m["content"] for m in req.sampling.get("messages") or ()]
+                check_length(len(req.question or "") + len(req.system or "") + sum(map(len, texts))
+                             + sum(len(c.text) for c in req.chunks))
             # a backend that validates here raises bad input before anything is sent
             return body, self.backend.stream(req.question, req.chunks, req.system, **req.sampling)
         except Exception as e:
@@ -242,7 +246,8 @@ class _Server:
                 return Response(status_code=499)
             return _json_response(completion_response(out, model=self.served, request_id=rid, created=created))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(self.events(request, stream, rid, created, include_usage),
+        calls = ToolCallDeltas() if emits_tool_calls(body) else None
+        return StreamingResponse(self.events(request, stream, rid, created, include_usage, calls),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -285,9 +290,10 @@ class _Server:
             self.leave(request, status)
 
     async def events(self, request: Request, stream: GenerationStream, rid: str, created: int,
-                     include_usage: bool) -> AsyncIterator[bytes]:
+                     include_usage: bool, calls: ToolCallDeltas | None = None) -> AsyncIterator[bytes]:
         """The server-sent events of a streaming request. Counted in flight, and submitted,
-        once the response starts: one never started submits nothing."""
+        once the response starts: one never started submits nothing. With ``calls``, the
+        text is read as tool calls where it is calls (``delta.tool_calls``)."""
         self.enter()
         relay = _Relay(stream)
         status, outcome, served = "499", None, self.served
@@ -296,7 +302,12 @@ class _Server:
             async for batch in relay.batches():
                 data = []
                 for kind, val in batch:
-                    if kind == "delta":
+                    if kind == "delta" and calls is not None:
+                        content, items = calls.feed(val)
+                        if content is not None or items:
+                            data.append(sse(stream_chunk(rid, created, served, content=content,
+                                                         tool_calls=items or None)))
+                    elif kind == "delta":
                         data.append(sse(stream_chunk(rid, created, served, content=val)))
                     elif kind == "done":
                         self.metrics.observe(val)

@@ -53,7 +53,9 @@ class Backend(Protocol):
     prompt of that many characters cannot fit, before anything is tokenized) and
     ``close()`` (called at the app's shutdown when the app made the backend). ``sampling``
     is ``parse_chat_request``'s: ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
-    ``seed``, ``stop``."""
+    ``seed``, ``stop``, and where the request sets them ``response_format``, ``tools``,
+    ``tool_choice``, ``parallel_tool_calls`` and ``messages`` (then ``question`` is None):
+    ``LazyLLM.generate``'s arguments. The stream's ``output`` carries ``tool_calls``."""
 
     model_name: str
 

@@ -6,6 +6,7 @@ feature adds is one more model field, validated with the rest), its translation 
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any, Literal, NamedTuple
@@ -14,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lazyllm import Chunk, GenerationOutput
 from lazyllm.errors import CacheCapacityError, ContextLengthError, InvalidRequestError, RequestCancelled
+from lazyllm.structured.tools import CALL_CLOSE, CALL_OPEN, new_call_id
 
 from .._common import request_from_messages
 
@@ -96,8 +98,8 @@ class ChatCompletionRequest(BaseModel):
     """The body of ``POST /v1/chat/completions``: OpenAI's fields, ``top_k`` (as vLLM),
     ``documents`` (the chunks) and ``quality`` (the server's preset, see ``create_app``).
     As OpenAI, an unknown field is refused with 400 ("Unrecognized request argument"), and
-    so are known features lazyllm does not have (tools, ``n`` > 1, logprobs, penalties,
-    audio, non-text response formats), rather than silently ignored. Fields that do not
+    so are known features lazyllm does not have (legacy ``functions``, ``n`` > 1, logprobs,
+    penalties, audio), rather than silently ignored. Fields that do not
     change the answer (``user``, ``metadata``, ``store``...) are accepted.
 
     A feature adds its fields here (validated with the rest, strict types) and reads them in
@@ -189,9 +191,10 @@ def validate_body(raw: bytes | str) -> ChatCompletionRequest:
 
 class ChatRequest(NamedTuple):
     """What one chat completion asks of the engine: ``llm.generate(question, chunks,
-    system, **sampling)``."""
+    system, **sampling)``. With tools or a tool round trip in the conversation,
+    ``question`` is None and ``sampling["messages"]`` carries the conversation."""
 
-    question: str
+    question: str | None
     chunks: list[Chunk]
     system: str | None
     sampling: dict[str, Any]
@@ -203,16 +206,17 @@ def _unsupported(body: ChatCompletionRequest) -> None:
 
     if body.n not in (None, 1):
         no("n", "more than one choice")
-    if body.tools or body.functions:
-        no("tools" if body.tools else "functions", "tool calling")
+    if body.functions or body.function_call is not None:
+        no("functions" if body.functions else "function_call", "the legacy function-calling fields (use tools)")
     if body.logprobs or body.top_logprobs:
         no("logprobs", "returning log-probabilities")
     if body.presence_penalty or body.frequency_penalty:
         no("presence_penalty" if body.presence_penalty else "frequency_penalty", "a repetition penalty")
     if body.logit_bias:
         no("logit_bias", "a logit bias")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        no("response_format", f"response_format {body.response_format.get('type')!r}")
+    rf = body.response_format
+    if rf is not None and rf.get("type") not in ("text", "json_object", "json_schema"):
+        no("response_format", f"response_format type {rf.get('type')!r} (text, json_object, json_schema are)")
     if body.modalities not in (None, ["text"]) or body.audio:
         no("modalities" if body.modalities not in (None, ["text"]) else "audio", "audio output")
     for name in ("prediction", "web_search_options", "reasoning_effort", "verbosity"):
@@ -232,6 +236,63 @@ def _content_text(m: ChatMessageIn, i: int) -> str:
                                 f"got type {kind!r} (send documents in `documents`)", param=param)
         texts.append(part["text"])
     return "".join(texts)
+
+
+def _needs_conversation(body: ChatCompletionRequest) -> bool:
+    """Tools, or a conversation with tool calls or results, go to the engine as messages (the
+    calls and results are rendered in the model's tool format, not folded into a question)."""
+    return bool(body.tools) or any(m.role in ("tool", "function") or (m.model_extra or {}).get("tool_calls")
+                                   for m in body.messages)
+
+
+def conversation_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as ``LazyLLM.generate(messages=...)`` takes them: ``developer`` is
+    ``system``; assistant ``tool_calls`` and tool ``tool_call_id`` kept."""
+    out = []
+    for i, m in enumerate(body.messages):
+        if m.role == "function":
+            raise APIError(400, f"messages[{i}]: role 'function' is the legacy format; send role 'tool' with "
+                                "tool_call_id", param=f"messages[{i}].role")
+        extra = m.model_extra or {}
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                               "content": _content_text(m, i)}
+        calls = extra.get("tool_calls")
+        if calls is not None:
+            if m.role != "assistant" or not isinstance(calls, list):
+                raise APIError(400, f"messages[{i}].tool_calls: a list, on an assistant message",
+                               param=f"messages[{i}].tool_calls")
+            msg["tool_calls"] = calls
+        if m.role == "tool":
+            if not isinstance(extra.get("tool_call_id"), str):
+                raise APIError(400, f"messages[{i}].tool_call_id: a tool message needs the id of the call it "
+                                    "answers", param=f"messages[{i}].tool_call_id")
+            msg["tool_call_id"] = extra["tool_call_id"]
+        out.append(msg)
+    return out
+
+
+def _structured_args(body: ChatCompletionRequest, messages: list[dict] | None) -> dict[str, Any]:
+    """The engine's structured-output arguments of a request (only those it sets). The
+    engine validates them (schemas compiled, tool names checked) when the request is built,
+    so bad ones are a 400 before anything runs."""
+    out: dict[str, Any] = {}
+    if messages is not None:
+        out["messages"] = messages
+    if body.response_format is not None and body.response_format.get("type") != "text":
+        out["response_format"] = body.response_format
+    if body.tools:
+        out["tools"] = body.tools
+        # one call per answer unless the client asks for several: OpenAI's default is parallel,
+        # but a small model allowed several tends to repeat its call
+        out["parallel_tool_calls"] = bool(body.parallel_tool_calls)
+    if body.tool_choice is not None:
+        out["tool_choice"] = body.tool_choice
+    return out
+
+
+def emits_tool_calls(body: ChatCompletionRequest) -> bool:
+    """Whether the answer may be tool calls (then a stream's text is read as calls)."""
+    return bool(body.tools) and body.tool_choice != "none"
 
 
 def documents_to_chunks(documents: list[str | DocumentIn | dict] | None) -> list[Chunk]:
@@ -255,7 +316,11 @@ def parse_chat_request(body: ChatCompletionRequest | dict | bytes | str, *,
 
     ``system``/``developer`` messages join into the system prompt; the last ``user``
     message with text is the question and the other turns are folded into it as a
-    transcript (``integrations._common``); ``documents`` become the chunks. ``max_tokens``
+    transcript (``integrations._common``); ``documents`` become the chunks. With ``tools``,
+    or assistant ``tool_calls`` / ``tool`` messages in the conversation, the messages go to
+    the engine as they are (``sampling["messages"]``, question None) and the documents attach
+    to the first user message. ``response_format``, ``tools``, ``tool_choice`` and
+    ``parallel_tool_calls`` join ``sampling`` (the engine's arguments). ``max_tokens``
     (or ``max_completion_tokens``) defaults to ``min(default_max_tokens,
     max_new_tokens_limit)`` and may not exceed the limit; ``temperature`` defaults to
     ``default_temperature`` (greedy). Raises ``APIError(400)`` for anything malformed.
@@ -270,14 +335,19 @@ def parse_chat_request(body: ChatCompletionRequest | dict | bytes | str, *,
             param = _param(tuple(err["loc"]))
             raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
     _unsupported(body)
-    turns = []
-    for i, m in enumerate(body.messages):
-        role = "system" if m.role == "developer" else "tool" if m.role == "function" else m.role
-        turns.append((role, _content_text(m, i), []))
-    try:
-        req = request_from_messages(turns)
-    except InvalidRequestError as e:
-        raise APIError(400, str(e), param="messages") from None
+    if _needs_conversation(body):
+        question, own_chunks, system = None, [], None  # all in the messages
+        messages = conversation_messages(body)
+    else:
+        turns = []
+        for i, m in enumerate(body.messages):
+            role = "system" if m.role == "developer" else "tool" if m.role == "function" else m.role
+            turns.append((role, _content_text(m, i), []))
+        try:
+            req = request_from_messages(turns)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param="messages") from None
+        question, own_chunks, system, messages = req.question, req.chunks, req.system, None
     try:
         chunks = documents_to_chunks(body.documents)
     except InvalidRequestError as e:
@@ -300,7 +370,8 @@ def parse_chat_request(body: ChatCompletionRequest | dict | bytes | str, *,
         "seed": body.seed,
         "stop": stop or None,
     }
-    return ChatRequest(req.question, chunks + req.chunks, req.system, sampling)
+    sampling.update(_structured_args(body, messages))
+    return ChatRequest(question, chunks + own_chunks, system, sampling)
 
 
 # -- the response bodies -----------------------------------------------------------------
@@ -318,6 +389,13 @@ def _timings(out: GenerationOutput) -> dict[str, Any]:
             "cached_chunk_tokens": out.usage.cached_chunk_tokens, "chunk_ids": list(out.chunk_ids)}
 
 
+def _message(out: GenerationOutput) -> dict[str, Any]:
+    """The assistant message: its calls (content null: the text was only calls) or text."""
+    if out.tool_calls:
+        return {"role": "assistant", "content": None, "tool_calls": [c.to_openai() for c in out.tool_calls]}
+    return {"role": "assistant", "content": out.text}
+
+
 def completion_response(out: GenerationOutput, *, model: str, request_id: str | None = None,
                         created: int | None = None) -> dict[str, Any]:
     """OpenAI's ``chat.completion`` object for one result; a ``lazyllm`` field adds TTFT,
@@ -327,8 +405,7 @@ def completion_response(out: GenerationOutput, *, model: str, request_id: str | 
         "object": "chat.completion",
         "created": int(time.time()) if created is None else created,
         "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                     "logprobs": None, "finish_reason": out.finish_reason}],
+        "choices": [{"index": 0, "message": _message(out), "logprobs": None, "finish_reason": out.finish_reason}],
         "usage": usage_json(out),
         "system_fingerprint": None,
         "lazyllm": _timings(out),
@@ -337,8 +414,10 @@ def completion_response(out: GenerationOutput, *, model: str, request_id: str | 
 
 def stream_chunk(request_id: str, created: int, model: str, *, content: str | None = None,
                  role: str | None = None, finish_reason: str | None = None,
-                 usage: dict[str, Any] | None = None, out: GenerationOutput | None = None) -> dict[str, Any]:
-    """One ``chat.completion.chunk``: a delta (``role`` and/or ``content``), the closing
+                 usage: dict[str, Any] | None = None, out: GenerationOutput | None = None,
+                 tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One ``chat.completion.chunk``: a delta (``role``, ``content`` and/or ``tool_calls``
+    items from ``ToolCallDeltas``), the closing
     delta (``finish_reason``), or, with ``usage``, the final usage chunk (no choices; with
     ``out``, a ``lazyllm`` field adds TTFT, queue time and chunk ids)."""
     obj: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -354,8 +433,84 @@ def stream_chunk(request_id: str, created: int, model: str, *, content: str | No
         delta["role"] = role
     if content is not None:
         delta["content"] = content
+    if tool_calls is not None:
+        delta["tool_calls"] = tool_calls
     obj["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
     return obj
+
+
+_CALL_HEAD = re.compile(r'\{"name": "([A-Za-z0-9_.-]+)", "arguments": ')
+_CALL_END = "}" + CALL_CLOSE
+
+
+class ToolCallDeltas:
+    """Reads a streamed answer that may be tool calls into OpenAI's deltas, as the text comes.
+
+    The grammar fixes how calls are written (``<tool_call>{"name": "f", "arguments": {...}}
+    </tool_call>``, one a line; ``lazyllm.structured.tools``) and that a text answer never
+    starts with ``<``, so the first character tells text from calls. Each call gives a delta
+    ``{"index", "id", "type": "function", "function": {"name", "arguments": ""}}`` once its
+    name is complete, then ``{"index", "function": {"arguments": fragment}}`` deltas whose
+    fragments join to the arguments' JSON. ``feed`` returns ``(content, tool_call_items)``."""
+
+    def __init__(self):
+        self.mode: str | None = None  # "text" or "calls", from the first character
+        self.buf, self.index, self.in_call, self.named = "", 0, False, False
+        self.sent = ""  # the current call's arguments sent so far
+
+    def feed(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        self.buf += text
+        if self.mode is None and self.buf:
+            self.mode = "calls" if self.buf.startswith("<") else "text"
+        if self.mode != "calls":
+            content, self.buf = self.buf or None, ""
+            return content, []
+        items: list[dict[str, Any]] = []
+        while self._step(items):
+            pass
+        return None, items
+
+    def _step(self, items: list[dict[str, Any]]) -> bool:
+        """Consume what the buffer holds of the current call; True when more may follow."""
+        if not self.in_call:
+            self.buf = self.buf.lstrip("\n")
+            if not self.buf.startswith(CALL_OPEN):
+                return False  # a call's opening not complete yet
+            self.buf, self.in_call, self.named = self.buf[len(CALL_OPEN):], True, False
+        if not self.named:
+            m = _CALL_HEAD.match(self.buf)
+            if m is None:
+                return False
+            items.append({"index": self.index, "id": new_call_id(), "type": "function",
+                          "function": {"name": m.group(1), "arguments": ""}})
+            self.buf, self.named, self.sent = self.buf[m.end():], True, ""
+        end = self._args_end()
+        if end is None:
+            # hold back what may be the start of the call's closing "}</tool_call>"
+            hold = next((k for k in range(min(len(_CALL_END), len(self.buf)), 0, -1)
+                         if self.buf.endswith(_CALL_END[:k])), 0)
+            self._args(items, self.buf[:len(self.buf) - hold])
+            self.buf = self.buf[len(self.buf) - hold:]
+            return False
+        self._args(items, self.buf[:end])
+        self.buf, self.in_call, self.index = self.buf[end + len(_CALL_END):], False, self.index + 1
+        return True
+
+    def _args_end(self) -> int | None:
+        """Where the arguments object ends (the closing may also occur inside a string)."""
+        at = self.buf.find(_CALL_END)
+        while at >= 0:
+            try:
+                json.loads(self.sent + self.buf[:at])
+                return at
+            except ValueError:
+                at = self.buf.find(_CALL_END, at + 1)
+        return None
+
+    def _args(self, items: list[dict[str, Any]], fragment: str) -> None:
+        if fragment:
+            self.sent += fragment
+            items.append({"index": self.index, "function": {"arguments": fragment}})
 
 
 def sse(obj: Any) -> bytes:

@@ -263,12 +263,12 @@ BAD = [
     ({"documents": [{"text": "x", "metadata": 3}]}, "documents[0].metadata"),
     ({"documents": [{"text": "x", "extra": 1}]}, "documents[0].extra"),
     ({"documents": [{"text": "a", "id": "same"}, {"text": "b", "id": "same"}]}, None),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"functions": [{"name": "f"}]}, "functions"),
     ({"logprobs": True}, "logprobs"),
     ({"presence_penalty": 1.0}, "presence_penalty"),
     ({"frequency_penalty": 3.0}, "frequency_penalty"),
     ({"logit_bias": {"5": 1}}, "logit_bias"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "grammar"}}, "response_format"),
     ({"user": 5}, "user"),
 ]
 
