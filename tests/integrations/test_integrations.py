@@ -120,7 +120,11 @@ def make_engine(default_llm_parts):
 
 
 def _chunk_tokens(engine: LazyLLM, text: str) -> int:
-    return len(engine.prompts.encode(engine.prompts.chunk_text(Chunk(text))))
+    """Tokens whose KV a chunk computes: its text's and, with a learned packet (the default
+    model ships one), the packet's header and trailer."""
+    p = engine.packets
+    extra = p.k_header + p.k_trailer if p is not None else 0
+    return len(engine.prompts.encode(engine.prompts.chunk_text(Chunk(text)))) + extra
 
 
 def _ids(collection, q):
