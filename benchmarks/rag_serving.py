@@ -298,7 +298,10 @@ class LazyRunner:
         from lazyllm.kernels import KernelOptions
 
         self.system, self.args, self.budget = system, args, budget_frac
-        self.llm = LazyLLM(model=hf, tokenizer=tok, reuse=system,
+        # packets=None: the budgets are fractions of the corpus's own tokens and the systems are
+        # compared as they reuse KV; a learned packet (shipped for the default model) would add
+        # its tokens to every chunk of lazy and block only
+        self.llm = LazyLLM(model=hf, tokenizer=tok, reuse=system, packets=None,
                            kv_cache_bytes=max(int(budget_frac * pool_bytes), 1 << 20), page_size=args.page_size,
                            kernel_options=KernelOptions(shared_decode=args.shared_decode))
         run_to_length(self.llm)  # every request runs to its length: same work for every system
