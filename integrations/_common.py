@@ -198,6 +198,7 @@ def usage_dict(out: GenerationOutput) -> dict[str, Any]:
     return {
         "prompt_tokens": out.usage.prompt_tokens,
         "cached_tokens": out.usage.cached_tokens,
+        "cached_chunk_tokens": out.usage.cached_chunk_tokens,
         "completion_tokens": out.usage.completion_tokens,
         "total_tokens": out.usage.total_tokens,
         "finish_reason": out.finish_reason,

@@ -1,4 +1,4 @@
-"""LlamaIndex adapter: ``LlamaIndexLLM`` (a ``CustomLLM``), ``ChunkSynthesizer`` (a
+"""LlamaIndex adapter: ``LlamaIndexLLM`` (a ``FunctionCallingLLM``), ``ChunkSynthesizer`` (a
 response synthesizer that hands each retrieved node to the engine as its own chunk) and
 ``BundledMiniLMEmbedding`` (the bundled offline embedding model).
 
@@ -22,6 +22,12 @@ document text exactly as stored, so the same document shares KV with LangChain c
 and with ``lazyllm.integrations.chroma.ingest(..., llm=...)`` warm-ups. Pass
 ``metadata_mode=MetadataMode.LLM`` to show LlamaIndex's metadata header to the model
 (and warm with ``ChunkSynthesizer.warm(nodes)``, which uses the same conversion).
+
+With ``output_cls=`` (a Pydantic model) the synthesizer's answers are held to its schema
+and come back validated in a ``PydanticResponse``. For agents, ``ChunkRetrieverTool`` is a
+retriever tool whose nodes reach the engine as chunks (``FunctionAgent`` over
+``LlamaIndexLLM``: tool calls, ``structured_predict`` and ``as_structured_llm`` are held to
+their schemas by the grammar).
 
 ``LlamaIndexLLM.chat`` takes documents too: a ``DocumentBlock`` with text data in any
 message becomes a chunk, and ``complete``/``chat`` accept ``chunks=[...]`` and
@@ -49,7 +55,6 @@ from llama_index.core.base.llms.types import (
     CompletionResponse,
     CompletionResponseAsyncGen,
     CompletionResponseGen,
-    DocumentBlock,
     LLMMetadata,
     MessageRole,
     TextBlock,
@@ -57,10 +62,11 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.base.response.schema import (
     RESPONSE_TYPE,
     AsyncStreamingResponse,
+    PydanticResponse,
     Response,
     StreamingResponse,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.callbacks.schema import CBEventType, EventPayload
 from llama_index.core.instrumentation.events.synthesis import SynthesizeEndEvent, SynthesizeStartEvent
@@ -86,7 +92,15 @@ from ._common import (
     sampling_kwargs,
     usage_dict,
 )
-from .llama_index_tools import TOOL_KWARGS, chat_message, openai_messages, prepare_chat_with_tools, tool_selections
+from .llama_index_tools import (
+    TOOL_KWARGS,
+    ChunkRetrieverTool,
+    block_chunk,
+    chat_message,
+    openai_messages,
+    prepare_chat_with_tools,
+    tool_selections,
+)
 from .minilm import DIM, MODEL_NAME, embed
 
 dispatcher = instrument.get_dispatcher(__name__)
@@ -96,25 +110,10 @@ _ROLES = {MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system", Message
           MessageRole.TOOL: "tool", MessageRole.FUNCTION: "tool"}
 
 
-_UNTITLED = "input_document"  # the title DocumentBlock fills in when none is given
-
-
-def _document_block_chunk(block: DocumentBlock) -> Chunk:
-    if block.document_mimetype not in (None, "text/plain", "text/markdown"):
-        raise InvalidRequestError(f"lazyllm reads text documents only, not {block.document_mimetype}")
-    try:
-        text = block.resolve_document().read().decode("utf-8")
-    except UnicodeDecodeError:
-        raise InvalidRequestError("a DocumentBlock's data is not UTF-8 text") from None
-    title = block.title if block.title != _UNTITLED else None
-    meta = {"title": title} if title else {}
-    return Chunk(f"{title}\n\n{text}" if title else text, metadata=meta)
-
-
 def chat_to_request(messages: Sequence[ChatMessage], system_prompt: str | None = None) -> RagRequest:
     """Split LlamaIndex chat messages into ``(question, chunks, system)``: system and
     developer messages (after ``system_prompt``) form ``system``; text ``DocumentBlock``s
-    become chunks; the last user message with text is the question; other turns are
+    and ``CitableBlock``s become chunks; the last user message with text is the question; other turns are
     folded into the question text."""
     return request_from_messages(map(_message_parts, messages), [system_prompt] if system_prompt else [])
 
@@ -126,8 +125,8 @@ def _message_parts(m: ChatMessage) -> tuple[str, str, list[Chunk]]:
     for b in m.blocks:
         if isinstance(b, TextBlock):
             texts.append(b.text)
-        elif isinstance(b, DocumentBlock):
-            chunks.append(_document_block_chunk(b))
+        elif (c := block_chunk(b)) is not None:
+            chunks.append(c)
         elif not (role == "assistant" and getattr(b, "block_type", None) in ("thinking", "tool_call")):
             raise InvalidRequestError(
                 f"lazyllm takes text and text document blocks; got {getattr(b, 'block_type', type(b).__name__)!r}")
@@ -223,10 +222,14 @@ class LlamaIndexLLM(FunctionCallingLLM):
     def _completion_request(self, prompt: str, formatted: bool, kwargs: dict) -> tuple[RagRequest, dict]:
         chunks = list(kwargs.pop("chunks", None) or [])
         system = kwargs.pop("system", None)
+        fmt = kwargs.pop("response_format", None)  # the answer held to it; parsed in raw.parsed
         if not formatted:
             prompt = self.completion_to_prompt(prompt)
         system = join_system([p for p in (self.system_prompt, system) if p])
-        return RagRequest(prompt, chunks, system), self._sampling(kwargs)
+        sampling = self._sampling(kwargs)
+        if fmt is not None:
+            sampling["response_format"] = fmt
+        return RagRequest(prompt, chunks, system), sampling
 
     # -- tools (FunctionCallingLLM): chat_with_tools, structured_predict, FunctionAgent --
     def _prepare_chat_with_tools(self, tools, user_msg=None, chat_history=None, verbose=False,
@@ -371,15 +374,26 @@ class ChunkSynthesizer(BaseSynthesizer):
     (``max_new_tokens``, ``temperature``...). With ``streaming=True`` queries return a
     ``StreamingResponse``. ``response.metadata["lazyllm"]`` holds the usage (for a
     streaming response, once the stream is exhausted).
+
+    ``output_cls`` (a Pydantic model): the answer is held to its JSON Schema and queries
+    return a ``PydanticResponse`` whose ``response`` is the validated instance (None when
+    ``max_new_tokens`` cut it off; ``metadata["lazyllm"]["finish_reason"]`` is then
+    ``"length"``). Pass it here: ``as_query_engine(output_cls=...)`` only hands it to the
+    synthesizer it builds itself, which packs the documents into the prompt text.
     """
 
     def __init__(self, llm: LlamaIndexLLM, *, streaming: bool = False, system: str | None = None,
-                 metadata_mode: MetadataMode = MetadataMode.NONE,
+                 metadata_mode: MetadataMode = MetadataMode.NONE, output_cls: type[BaseModel] | None = None,
                  callback_manager: CallbackManager | None = None, **generate_kwargs: Any):
         if not isinstance(llm, LlamaIndexLLM):
             raise InvalidRequestError(
                 f"ChunkSynthesizer needs a lazyllm LlamaIndexLLM, got {type(llm).__name__}")
+        if output_cls is not None and streaming:
+            raise InvalidRequestError("ChunkSynthesizer: output_cls answers are not streamed; pass streaming=False")
+        if output_cls is not None and not (isinstance(output_cls, type) and issubclass(output_cls, BaseModel)):
+            raise InvalidRequestError(f"output_cls must be a Pydantic model class, got {output_cls!r}")
         super().__init__(llm=llm, callback_manager=callback_manager, streaming=streaming)
+        self._output_cls = output_cls
         self._system = system
         self._metadata_mode = metadata_mode
         self._generate_kwargs = dict(generate_kwargs)
@@ -403,6 +417,8 @@ class ChunkSynthesizer(BaseSynthesizer):
 
     def _kwargs(self, chunks: list[Chunk], extra: dict) -> dict:
         kw = {**self._generate_kwargs, **extra, "chunks": chunks}
+        if self._output_cls is not None:
+            kw["response_format"] = self._output_cls
         if self._system is not None:
             kw["system"] = self._system
         return kw
@@ -425,7 +441,7 @@ class ChunkSynthesizer(BaseSynthesizer):
 
     def _empty(self, query) -> RESPONSE_TYPE:
         resp = (StreamingResponse(response_gen=self._empty_response_generator()) if self._streaming
-                else Response(self._empty_response))
+                else PydanticResponse(None) if self._output_cls is not None else Response(self._empty_response))
         dispatcher.event(SynthesizeEndEvent(query=query, response=resp))
         return resp
 
@@ -438,6 +454,12 @@ class ChunkSynthesizer(BaseSynthesizer):
         meta: dict[str, Any] = self._get_metadata_for_response([n.node for n in source_nodes]) or {}
         kw = self._kwargs([self.node_to_chunk(n.node) for n in nodes], response_kwargs)
         return query, source_nodes, meta, kw
+
+    def _answer(self, r: CompletionResponse, source_nodes: list[NodeWithScore], meta: dict) -> RESPONSE_TYPE:
+        meta["lazyllm"] = dict(r.additional_kwargs)
+        if self._output_cls is not None:
+            return PydanticResponse(r.raw.parsed, source_nodes=source_nodes, metadata=meta)
+        return Response(r.text, source_nodes=source_nodes, metadata=meta)
 
     def synthesize(self, query: Any, nodes: list[NodeWithScore],
                    additional_source_nodes: Sequence[NodeWithScore] | None = None,
@@ -462,8 +484,7 @@ class ChunkSynthesizer(BaseSynthesizer):
                                                             metadata=meta)
             else:
                 r = self._llm.complete(query.query_str, **kw)
-                meta["lazyllm"] = dict(r.additional_kwargs)
-                response = Response(r.text, source_nodes=source_nodes, metadata=meta)
+                response = self._answer(r, source_nodes, meta)
             event.on_end(payload={EventPayload.RESPONSE: response})
         dispatcher.event(SynthesizeEndEvent(query=query, response=response))
         return response
@@ -495,8 +516,7 @@ class ChunkSynthesizer(BaseSynthesizer):
                                                                  metadata=meta)
             else:
                 r = await self._llm.acomplete(query.query_str, **kw)
-                meta["lazyllm"] = dict(r.additional_kwargs)
-                response = Response(r.text, source_nodes=source_nodes, metadata=meta)
+                response = self._answer(r, source_nodes, meta)
             event.on_end(payload={EventPayload.RESPONSE: response})
         dispatcher.event(SynthesizeEndEvent(query=query, response=response))
         return response
@@ -532,4 +552,5 @@ class BundledMiniLMEmbedding(BaseEmbedding):
 MiniLMEmbedding = BundledMiniLMEmbedding  # the earlier name
 
 
-__all__ = ["LlamaIndexLLM", "ChunkSynthesizer", "BundledMiniLMEmbedding", "MiniLMEmbedding", "chat_to_request"]
+__all__ = ["LlamaIndexLLM", "ChunkSynthesizer", "ChunkRetrieverTool", "BundledMiniLMEmbedding", "MiniLMEmbedding",
+           "chat_to_request"]

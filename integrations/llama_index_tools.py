@@ -1,18 +1,91 @@
 """Tool calling for ``LlamaIndexLLM`` (a LlamaIndex ``FunctionCallingLLM``): the chat with
 tools as OpenAI-shaped messages for ``LazyLLM.generate(messages=...)``, calls back as
 ``ToolSelection``s. Calls live in the assistant message's ``additional_kwargs["tool_calls"]``
-(OpenAI's shape), results in ``tool`` messages with ``additional_kwargs["tool_call_id"]``."""
+(OpenAI's shape), results in ``tool`` messages with ``additional_kwargs["tool_call_id"]``.
+
+Documents in the conversation travel as chunks: a text ``DocumentBlock`` or a
+``CitableBlock`` (what ``ChunkRetrieverTool`` returns, one per retrieved node) in any message.
+The first message that carries documents keeps them as the request's chunks, so their KV is
+reused at every later step of an agent; documents of later messages are written into that
+message's text (a request has one run of chunks).
+"""
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
-from llama_index.core.base.llms.types import ChatMessage, ChatResponse, MessageRole
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    CitableBlock,
+    DocumentBlock,
+    MessageRole,
+    TextBlock,
+)
 from llama_index.core.llms.llm import ToolSelection
+from llama_index.core.schema import MetadataMode, NodeWithScore
+from llama_index.core.tools import RetrieverTool, ToolOutput
 
-from lazyllm import GenerationOutput, InvalidRequestError
+from lazyllm import Chunk, GenerationOutput, InvalidRequestError
 
 TOOL_KWARGS = ("tools", "tool_choice", "parallel_tool_calls", "response_format")
+
+_UNTITLED = "input_document"  # the title DocumentBlock fills in when none is given
+
+
+def block_chunk(block: Any) -> Chunk | None:
+    """The chunk of a document block (a text ``DocumentBlock``, or a ``CitableBlock``
+    whose ``source`` becomes the chunk id); None for any other block."""
+    if isinstance(block, CitableBlock):
+        if not all(isinstance(b, TextBlock) for b in block.content):
+            raise InvalidRequestError("lazyllm reads CitableBlocks of text only")
+        text = "\n".join(b.text for b in block.content)
+        return Chunk(text, id=block.source or None, metadata={"title": block.title})
+    if not isinstance(block, DocumentBlock):
+        return None
+    if block.document_mimetype not in (None, "text/plain", "text/markdown"):
+        raise InvalidRequestError(f"lazyllm reads text documents only, not {block.document_mimetype}")
+    try:
+        text = block.resolve_document().read().decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequestError("a DocumentBlock's data is not UTF-8 text") from None
+    title = block.title if block.title != _UNTITLED else None
+    meta = {"title": title} if title else {}
+    return Chunk(f"{title}\n\n{text}" if title else text, metadata=meta)
+
+
+class ChunkRetrieverTool(RetrieverTool):
+    """A ``RetrieverTool`` whose result is one ``CitableBlock`` per retrieved node (node id as
+    ``source``, node content as text) instead of one string of all of them, so that an agent
+    on ``LlamaIndexLLM`` hands the nodes to the engine as chunks: their KV is computed once
+    and read from the cache at the agent's later steps (and shared with ``ChunkSynthesizer``
+    queries over the same nodes, which convert them the same way).
+
+    >>> tool = ChunkRetrieverTool.from_defaults(index.as_retriever(), name="search",
+    ...                                         description="Search the documents.")
+    >>> FunctionAgent(tools=[tool], llm=LlamaIndexLLM())
+
+    ``metadata_mode``: the node content the model reads, as for ``ChunkSynthesizer``.
+    """
+
+    def __init__(self, retriever: Any, metadata: Any, node_postprocessors: list | None = None,
+                 metadata_mode: MetadataMode = MetadataMode.NONE):
+        super().__init__(retriever=retriever, metadata=metadata, node_postprocessors=node_postprocessors)
+        self._metadata_mode = metadata_mode
+
+    def _as_blocks(self, out: ToolOutput) -> ToolOutput:
+        nodes: list[NodeWithScore] = list(out.raw_output or [])
+        blocks = [CitableBlock(title=str(n.node.metadata.get("title") or n.node.node_id), source=n.node.node_id,
+                               content=n.node.get_content(metadata_mode=self._metadata_mode)) for n in nodes]
+        return ToolOutput(tool_name=out.tool_name, blocks=blocks or [TextBlock(text="No documents found.")],
+                          raw_input=out.raw_input, raw_output=nodes)
+
+    def call(self, *args: Any, **kwargs: Any) -> ToolOutput:
+        return self._as_blocks(super().call(*args, **kwargs))
+
+    async def acall(self, *args: Any, **kwargs: Any) -> ToolOutput:
+        return self._as_blocks(await super().acall(*args, **kwargs))
 
 
 def prepare_chat_with_tools(tools: Sequence[Any], user_msg: Any = None, chat_history: list | None = None,
@@ -26,13 +99,29 @@ def prepare_chat_with_tools(tools: Sequence[Any], user_msg: Any = None, chat_his
     return {"messages": messages, "tools": specs or None, "parallel_tool_calls": allow_parallel_tool_calls, **kwargs}
 
 
+def _text_and_chunks(m: ChatMessage) -> tuple[str, list[Chunk]]:
+    texts, chunks = [], []
+    for b in m.blocks:
+        if isinstance(b, TextBlock):
+            texts.append(b.text)
+        elif (c := block_chunk(b)) is not None:
+            chunks.append(c)
+    return "\n".join(texts), chunks
+
+
 def openai_messages(messages: Sequence[ChatMessage], system: str | None) -> list[dict]:
-    """OpenAI-shaped dicts of a LlamaIndex chat (text content)."""
+    """OpenAI-shaped dicts of a LlamaIndex chat: text content, and the documents of the first
+    message that has any as its ``"chunks"`` (later documents inline)."""
     out = [{"role": "system", "content": system}] if system else []
+    carried = False
     for m in messages:
         role = m.role.value if isinstance(m.role, MessageRole) else str(m.role)
-        d: dict[str, Any] = {"role": {"model": "assistant", "chatbot": "assistant"}.get(role, role),
-                             "content": m.content or ""}
+        text, chunks = _text_and_chunks(m)
+        d: dict[str, Any] = {"role": {"model": "assistant", "chatbot": "assistant"}.get(role, role), "content": text}
+        if chunks and not carried:
+            d["chunks"], carried = chunks, True
+        elif chunks:  # a request has one run of chunks
+            d["content"] = "\n\n".join([c.text for c in chunks] + ([text] if text else []))
         if d["role"] == "tool":
             d["tool_call_id"] = m.additional_kwargs.get("tool_call_id")
         if m.additional_kwargs.get("tool_calls"):
@@ -53,8 +142,6 @@ def chat_message(out: GenerationOutput) -> ChatMessage:
 
 def tool_selections(response: ChatResponse, error_on_no_tool_call: bool = True) -> list[ToolSelection]:
     """``FunctionCallingLLM.get_tool_calls_from_response``."""
-    import json
-
     calls = response.message.additional_kwargs.get("tool_calls") or []
     if not calls and error_on_no_tool_call:
         raise ValueError(f"expected at least one tool call, got {len(calls)}")

@@ -1,19 +1,29 @@
 """``LlamaIndexLLM`` as a ``FunctionCallingLLM``: ``chat_with_tools`` (forced and by name),
-``get_tool_calls_from_response``, tool results back as messages, ``structured_predict``, and a
-``FunctionAgent`` run, on a tiny random model held to the tools' grammar."""
+``get_tool_calls_from_response``, tool results back as messages, ``structured_predict``, a
+``FunctionAgent`` run over a retriever tool whose nodes travel as chunks and are reused at the
+next step, and query engines with an output class, on a tiny random model held to the
+grammar: whatever it writes, calls and answers are valid."""
 import asyncio
 import contextlib
 from typing import Literal
 
 import jsonschema
 import pytest
-from llama_index.core.base.llms.types import ChatMessage, MessageRole
+from llama_index.core import Document, VectorStoreIndex
+from llama_index.core.agent.workflow import AgentOutput, FunctionAgent, ToolCallResult
+from llama_index.core.base.llms.types import ChatMessage, CitableBlock, DocumentBlock, MessageRole
+from llama_index.core.base.response.schema import PydanticResponse
 from llama_index.core.prompts import PromptTemplate
-from llama_index.core.tools import FunctionTool
+from llama_index.core.tools import FunctionTool, ToolMetadata
 from pydantic import BaseModel, Field
 
 from lazyllm import LazyLLM
-from lazyllm.integrations.llama_index import LlamaIndexLLM
+from lazyllm.integrations.llama_index import (
+    BundledMiniLMEmbedding,
+    ChunkRetrieverTool,
+    ChunkSynthesizer,
+    LlamaIndexLLM,
+)
 from tests.conftest import make_tiny
 
 
@@ -25,6 +35,24 @@ def lookup(city: Literal["Paris", "Berlin"], year: Literal[2020, 2024]) -> str:
 class Person(BaseModel):
     name: str = Field(max_length=8)
     age: int = Field(ge=0, le=120)
+
+
+class City(BaseModel):
+    name: str = Field(max_length=10)
+    population_millions: int = Field(ge=0, le=40)
+
+
+class SearchArgs(BaseModel):
+    input: Literal["capitals", "population"]  # short calls: a random model writes any allowed value
+
+
+DOCS = [Document(text="Paris is the capital of France and has 2.1 million inhabitants.", id_="d1"),
+        Document(text="Berlin is the capital of Germany and has 3.7 million inhabitants.", id_="d2")]
+
+
+@pytest.fixture(scope="module")
+def index():
+    return VectorStoreIndex.from_documents(DOCS, embed_model=BundledMiniLMEmbedding())
 
 
 @pytest.fixture(scope="module")
@@ -56,27 +84,124 @@ def test_structured_predict(li):
     assert isinstance(p, Person)
 
 
-def test_function_agent_run(li):
-    from llama_index.core.agent.workflow import FunctionAgent
-
-    forced = LlamaIndexLLM(llm=li.lazyllm, max_new_tokens=60, tool_choice="required")  # a tiny model does not plan
-    agent = FunctionAgent(tools=[FunctionTool.from_defaults(fn=lookup)], llm=forced, system_prompt="Use the tools.")
-
+def _agent_run(agent, question: str, max_iterations: int):
+    """Run ``agent``; its tool call results and the raw ``GenerationOutput`` of each LLM step."""
     async def run():
-        handler = agent.run("Paris population in 2024?", max_iterations=3)
-        calls = []
-        from llama_index.core.agent.workflow import ToolCallResult
-
+        handler = agent.run(question, max_iterations=max_iterations)
+        calls, steps = [], []
         async for ev in handler.stream_events():
             if isinstance(ev, ToolCallResult):
                 calls.append(ev)
+            elif isinstance(ev, AgentOutput):
+                steps.append(ev.raw)
         # forced to call, the agent calls until max_iterations, which it reports as an error
         with contextlib.suppress(Exception):
             await handler
-        return calls
+        return calls, steps
 
-    calls = asyncio.run(run())
+    return asyncio.run(run())
+
+
+@pytest.fixture
+def fresh(tokenizer):
+    """An LLM over an engine of its own: an empty chunk cache."""
+    llm = LazyLLM(model=make_tiny("llama", seed=5), tokenizer=tokenizer, kv_cache_bytes=32 << 20)
+    yield LlamaIndexLLM(llm=llm, max_new_tokens=60)
+    llm.close()
+
+
+def _search_tool(index) -> ChunkRetrieverTool:
+    return ChunkRetrieverTool(index.as_retriever(similarity_top_k=2), ToolMetadata(
+        name="search", description="Search the documents.", fn_schema=SearchArgs))
+
+
+def test_function_agent_run(li):
+    forced = LlamaIndexLLM(llm=li.lazyllm, max_new_tokens=60, tool_choice="required")  # a tiny model does not plan
+    agent = FunctionAgent(tools=[FunctionTool.from_defaults(fn=lookup)], llm=forced, system_prompt="Use the tools.")
+    calls, _ = _agent_run(agent, "Paris population in 2024?", 3)
     assert calls and calls[0].tool_name == "lookup" and calls[0].tool_output.content == "2.1 million"
+
+
+def test_function_agent_over_retriever_reuses_chunks(fresh, index):
+    """search -> search -> search (forced): the nodes come back as one CitableBlock each,
+    travel as chunks from the step after the retrieval on, and the step after that reads
+    their KV from the cache."""
+    forced = LlamaIndexLLM(llm=fresh.lazyllm, max_new_tokens=60, tool_choice="required")
+    agent = FunctionAgent(tools=[_search_tool(index)], llm=forced, system_prompt="Use the tools.")
+    calls, steps = _agent_run(agent, "How many inhabitants do Paris and Berlin have together?", 3)
+    assert [c.tool_name for c in calls[:2]] == ["search", "search"]
+    blocks = calls[0].tool_output.blocks
+    nodes = [n.node for n in calls[0].tool_output.raw_output]
+    assert {n.ref_doc_id for n in nodes} == {"d1", "d2"}
+    assert all(isinstance(b, CitableBlock) for b in blocks) and [b.source for b in blocks] == [n.node_id for n in nodes]
+    assert len(steps) == 3
+    ids = [b.source for b in blocks]
+    assert steps[0].chunk_ids == []
+    assert steps[1].chunk_ids == ids and steps[1].usage.cached_chunk_tokens == 0
+    assert steps[2].chunk_ids == ids and steps[2].usage.cached_chunk_tokens > 0
+    assert steps[2].usage.cached_tokens > steps[1].usage.cached_tokens
+
+
+def test_agent_reads_the_nodes_a_query_engine_cached(fresh, index):
+    """Nodes a ChunkSynthesizer query computed are read from the cache at the agent's first
+    step that carries them (the step after the retrieval): same text, any position."""
+    engine = index.as_query_engine(llm=fresh, similarity_top_k=2, response_synthesizer=ChunkSynthesizer(fresh))
+    assert engine.query("Which city is the capital of France?").metadata["lazyllm"]["cached_chunk_tokens"] == 0
+    forced = LlamaIndexLLM(llm=fresh.lazyllm, max_new_tokens=60, tool_choice="required")
+    agent = FunctionAgent(tools=[_search_tool(index)], llm=forced, system_prompt="Use the tools.")
+    _, steps = _agent_run(agent, "How many inhabitants do Paris and Berlin have together?", 2)
+    assert len(steps) == 2 and len(steps[1].chunk_ids) == 2
+    assert steps[1].usage.cached_chunk_tokens > 0
+
+
+def test_documents_in_chat_with_tools_are_chunks(fresh):
+    """A DocumentBlock in the user message is the request's chunk run; a document in a later
+    message is written into its text (a request has one run of chunks)."""
+    li = fresh
+    tool = FunctionTool.from_defaults(fn=lookup)
+    doc = DocumentBlock(data=b"Paris has 2.1 million inhabitants.", title="paris")
+    user = ChatMessage(role=MessageRole.USER, blocks=[doc, *ChatMessage(content="Paris population?").blocks])
+    first = li.chat_with_tools([tool], chat_history=[user], tool_required=True)
+    assert len(first.raw.chunk_ids) == 1 and first.raw.usage.cached_chunk_tokens == 0
+    [sel] = li.get_tool_calls_from_response(first)
+    later = ChatMessage(role=MessageRole.TOOL, blocks=[CitableBlock(title="b", source="b", content="Berlin 3.7M")],
+                        additional_kwargs={"tool_call_id": sel.tool_id})
+    second = li.chat_with_tools([tool], chat_history=[user, first.message, later], tool_choice="none")
+    assert second.raw.chunk_ids == first.raw.chunk_ids and second.raw.usage.cached_chunk_tokens > 0
+    assert second.additional_kwargs["cached_chunk_tokens"] == second.raw.usage.cached_chunk_tokens
+
+
+def test_query_engine_output_cls_over_chunks(fresh, index):
+    """A query engine with an output class whose documents travel as chunks: a validated
+    City, the nodes as the request's chunks, their KV reused by the next query."""
+    li = fresh
+    engine = index.as_query_engine(llm=li, similarity_top_k=2,
+                                   response_synthesizer=ChunkSynthesizer(li, output_cls=City))
+    first = engine.query("Which city is the capital of France?")
+    second = engine.query("Which city is the capital of Germany?")
+    for r in (first, second):
+        assert isinstance(r, PydanticResponse) and isinstance(r.response, City)
+        City.model_validate(r.response.model_dump())
+        meta = r.metadata["lazyllm"]
+        assert meta["finish_reason"] == "stop"
+        assert meta["chunk_ids"] == [n.node.node_id for n in r.source_nodes]
+        assert sorted(n.node.ref_doc_id for n in r.source_nodes) == ["d1", "d2"]
+    assert first.metadata["lazyllm"]["cached_chunk_tokens"] == 0
+    assert second.metadata["lazyllm"]["cached_chunk_tokens"] > 0
+
+
+def test_query_engine_output_cls_stock_synthesizer(li, index):
+    """``as_query_engine(output_cls=...)`` with LlamaIndex's own synthesizer (documents in the
+    prompt text) goes through ``structured_predict``: a validated instance too."""
+    r = index.as_query_engine(llm=li, output_cls=City, similarity_top_k=2).query("Capital of France?")
+    assert isinstance(r, PydanticResponse) and isinstance(r.response, City)
+
+
+def test_chunk_synthesizer_output_cls_bad_input(li):
+    with pytest.raises(ValueError, match="Pydantic model"):
+        ChunkSynthesizer(li, output_cls=dict)
+    with pytest.raises(ValueError, match="not streamed"):
+        ChunkSynthesizer(li, output_cls=City, streaming=True)
 
 
 def test_as_structured_llm(li):
