@@ -15,13 +15,13 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("langchain_openai")
 
-from conftest import loopback_server  # noqa: E402
 from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage  # noqa: E402
 from langchain_openai import ChatOpenAI  # noqa: E402
 from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa: E402
 
 from lazyllm import LazyLLM  # noqa: E402
 from lazyllm.integrations.server import create_app  # noqa: E402
+from tests.conftest import loopback_server  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,

@@ -209,8 +209,9 @@ def test_two_replicas_a_request_goes_where_its_documents_are():
     serve = pytest.importorskip("ray.serve", reason="Ray Serve is the optional `ray` extra")
     from lazyllm.integrations.ray_serve import ServeRequest, build_http_app, warm
 
-    here = os.path.dirname(os.path.abspath(__file__))  # this module (the factory) and conftest
-    path = os.pathsep.join(p for p in (here, os.path.dirname(here), os.environ.get("PYTHONPATH")) if p)
+    here = os.path.dirname(os.path.abspath(__file__))  # this module (the factory) and tests/conftest
+    # tests/ first: ``conftest`` is tests/conftest.py there, not this folder's fixtures
+    path = os.pathsep.join(p for p in (os.path.dirname(here), here, os.environ.get("PYTHONPATH")) if p)
     t0 = time.perf_counter()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}})
@@ -442,8 +443,9 @@ def test_ray_http_front_end_has_models_and_metrics():
 
     from lazyllm.integrations.ray_serve import build_http_app
 
-    here = os.path.dirname(os.path.abspath(__file__))  # this module (the factory) and conftest
-    path = os.pathsep.join(p for p in (here, os.path.dirname(here), os.environ.get("PYTHONPATH")) if p)
+    here = os.path.dirname(os.path.abspath(__file__))  # this module (the factory) and tests/conftest
+    # tests/ first: ``conftest`` is tests/conftest.py there, not this folder's fixtures
+    path = os.pathsep.join(p for p in (os.path.dirname(here), here, os.environ.get("PYTHONPATH")) if p)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}})
     try:

@@ -11,11 +11,10 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from conftest import loopback_server, make_tiny  # noqa: E402
-
 from lazyllm import LazyLLM  # noqa: E402
 from lazyllm.config import EngineConfig  # noqa: E402
 from lazyllm.integrations.server.cli import build_parser, build_server, check_args, model_id  # noqa: E402
+from tests.conftest import loopback_server, make_tiny  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -13,9 +13,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from conftest import loopback_server, make_tiny  # noqa: E402
-
-from lazyllm import Chunk, LazyLLM  # noqa: E402
+from lazyllm import Chunk  # noqa: E402
 from lazyllm.integrations.server import (  # noqa: E402
     APIError,
     ChatRequest,
@@ -24,9 +22,8 @@ from lazyllm.integrations.server import (  # noqa: E402
     parse_chat_request,
     validate_body,
 )
+from tests.server.conftest import KEY, MODEL  # noqa: E402
 
-KEY = "test-key"
-MODEL = "tiny"
 LIMIT = 64
 DOCS = [f"Document {i}: the {w} sits next to the {v} in room {i * 7}." for i, (w, v) in enumerate(
     zip(["lamp", "chair", "table", "clock", "vase", "piano", "rug", "mirror"],
@@ -36,24 +33,8 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
-def llm(tokenizer):
-    llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=32 << 20)
-    yield llm
-    llm.close()
-
-
-@pytest.fixture(scope="module")
-def server(llm):
-    app = create_app(llm, api_key=KEY, model_name=MODEL, max_request_bytes=256 << 10, max_new_tokens_limit=LIMIT,
-                     default_max_tokens=8)
-    with loopback_server(app) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as c:
-        yield c
+def app_options():
+    return dict(max_request_bytes=256 << 10, max_new_tokens_limit=LIMIT, default_max_tokens=8)
 
 
 def _idle(llm) -> bool:

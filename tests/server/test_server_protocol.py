@@ -13,36 +13,18 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from conftest import loopback_server, make_tiny  # noqa: E402
-
-from lazyllm import GenerationOutput, LazyLLM, Usage  # noqa: E402
+from lazyllm import GenerationOutput, Usage  # noqa: E402
 from lazyllm.integrations.server import create_app  # noqa: E402
-
-KEY = "k"
-MODEL = "tiny"
+from tests.conftest import loopback_server  # noqa: E402
+from tests.server.conftest import KEY, MODEL  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(scope="module")
-def llm(tokenizer):
-    llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=32 << 20)
-    yield llm
-    llm.close()
-
-
-@pytest.fixture(scope="module")
-def server(llm):
+def app_options():
     # the default body limit (8 MiB), so a near-limit body is a real one
-    app = create_app(llm, api_key=KEY, model_name=MODEL, max_new_tokens_limit=2000, default_max_tokens=4)
-    with loopback_server(app) as url:
-        yield url
-
-
-@pytest.fixture()
-def http(server):
-    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
-        yield c
+    return dict(max_new_tokens_limit=2000, default_max_tokens=4)
 
 
 def _body(**kw):

@@ -4,8 +4,6 @@ the answer to the request's tools and schema, so calls and JSON must parse and v
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 
@@ -15,14 +13,9 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from conftest import loopback_server, make_tiny  # noqa: E402
+from lazyllm.integrations.server import ToolCallDeltas  # noqa: E402
+from tests.server.conftest import KEY, MODEL  # noqa: E402
 
-from lazyllm import LazyLLM  # noqa: E402
-from lazyllm.integrations.server import ToolCallDeltas, create_app  # noqa: E402
-
-KEY = "test-key"
-MODEL = "tiny"
 pytestmark = pytest.mark.timeout(300)
 
 WEATHER = {"type": "object", "properties": {
@@ -43,17 +36,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
 
 
 @pytest.fixture(scope="module")
-def llm(tokenizer):
-    llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=32 << 20)
-    yield llm
-    llm.close()
-
-
-@pytest.fixture(scope="module")
-def server(llm):
-    app = create_app(llm, api_key=KEY, model_name=MODEL, max_new_tokens_limit=256, default_max_tokens=160)
-    with loopback_server(app) as url:
-        yield url
+def app_options():
+    return dict(max_new_tokens_limit=256, default_max_tokens=160)
 
 
 @pytest.fixture(scope="module")
