@@ -350,13 +350,19 @@ class PrefillGraphs:
 
     A warm RAG request prefills only its question (tens of tokens) over cached chunks;
     launched eagerly, that forward is ~300 kernels and its host time dwarfs the GPU time.
+    A recompute pass (the question plus the chunk tokens recovery chose, hundreds of tokens
+    at scattered positions) is host-bound too when eager: each layer's launches take longer
+    on the host than its kernels on the GPU.
     Graphs are captured per (token bucket, table width bucket) on first use: powers of two
-    from 16 tokens, widths as for decode. Padded tokens sit past ``cu_seqlens_q`` (no query
-    row reads or is read by them) and write their K/V into the scratch page; only the last
-    real token's logits are computed."""
+    from 16 to 256 tokens, then steps of ``STEP`` (padding stays under a fifth), widths as
+    for decode. Padded tokens sit past ``cu_seqlens_q`` (no query row reads or is read by
+    them) and write their K/V into the scratch page; only the last real token's logits are
+    computed."""
+
+    STEP = 128  # token bucket step above 256
 
     def __init__(self, model, k_cache, v_cache, max_entries: int, device: torch.device, scratch_slot: int,
-                 enabled: bool, max_tokens: int = 256, ctx_ranges: bool = False):
+                 enabled: bool, max_tokens: int = 1024, ctx_ranges: bool = False):
         self.model, self.k, self.v = model, k_cache, v_cache
         self.enabled = enabled and device.type == "cuda"
         self.max_tokens, self.max_entries, self.scratch_slot = max_tokens, max_entries, scratch_slot
@@ -376,6 +382,15 @@ class PrefillGraphs:
         return self.enabled and 0 < n_tokens <= self.max_tokens and logit_rows == 1 and \
             0 < n_entries <= self.max_entries
 
+    def token_bucket(self, n: int) -> int:
+        """The padded token count of a prefill of ``n`` tokens (its graph's size)."""
+        return next_pow2(n, 16) if n <= 256 else min(cdiv(n, self.STEP) * self.STEP, self.max_tokens)
+
+    def token_buckets(self) -> list[int]:
+        """Every token bucket ``run`` may capture, smallest first."""
+        small = [t for t in (16, 32, 64, 128, 256) if t <= self.max_tokens]
+        return small + list(range(256 + self.STEP, self.max_tokens + 1, self.STEP))
+
     def _width(self, W: int) -> int:
         # powers of two: each new bucket costs a capture (two forwards and the capture, a
         # stall for the request that meets it), while padding entries cost the prefill kernel
@@ -392,7 +407,7 @@ class PrefillGraphs:
         bucket as for the forward. ``None`` if the graph could not be captured (graphs are
         then switched off)."""
         n, W = len(ids), len(table)
-        T = next_pow2(n, 16)
+        T = self.token_bucket(n)
         Wb = self._width(W)
         pad = T - n
         tab = pack_tables([table], Wb)[:, 0]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from lazyllm.kernels.reference import rotate_by_delta
@@ -114,11 +115,7 @@ class Recovery:
         go to its own pages and are overwritten by the real pass."""
         plan = r.plan
         spans: list[ChunkSpan] = plan.spans
-        probe = list(plan.context[:spans[0].first_entry])  # the prefix (never shifted, never copied)
-        offsets = []
-        for s in spans:  # the shared chunk pages with their rotations
-            offsets.append(len(probe))
-            probe += s.entries
+        probe, offsets = self._cached_table(r)
         S, pos0 = len(plan.suffix_ids), plan.suffix_pos
         ps = self.pool.page_size
         slots = [slot_of(plan.own, i, ps) for i in range(S)]
@@ -138,6 +135,18 @@ class Recovery:
         idx = torch.cat([off * ps + torch.arange(len(s.ids)) for off, s in zip(offsets, spans)])
         return mass[idx.to(mass.device)].float()
 
+    @staticmethod
+    def _cached_table(r: Request) -> tuple[list, list[int]]:
+        """The request's cached prefix and chunk entries as they are (nothing recomputed or
+        copied yet), and each chunk's first entry in that table."""
+        spans: list[ChunkSpan] = r.plan.spans
+        table = list(r.plan.context[:spans[0].first_entry])  # the prefix (never shifted, never copied)
+        offsets = []
+        for s in spans:  # the shared chunk pages with their rotations
+            offsets.append(len(table))
+            table += s.entries
+        return table, offsets
+
     def two_stage(self, r: Request, n_pick: int, exclude: torch.Tensor | None = None) -> torch.Tensor:
         """Query-aware two-stage choice (ProphetKV-style): the question's attention over the
         cached KV shortlists ``2 * n_pick`` chunk tokens; among them, those whose cached keys
@@ -149,27 +158,49 @@ class Recovery:
             mass = mass.masked_fill(exclude.to(mass.device), float("-inf"))
         n_cand = min(int(torch.isfinite(mass).sum()), 2 * n_pick)
         cand = torch.topk(mass, n_cand).indices
-        dev = self.key_deviation(r).to(mass.device)
+        dev = self.key_deviation(r, only=cand).to(mass.device)
         m, d = mass[cand], dev[cand]
         score = torch.full_like(mass, float("-inf"))
         score[cand] = (m / m.max().clamp_min(1e-30)) * (d / d.max().clamp_min(1e-30))
         return score
 
-    def key_deviation(self, r: Request) -> torch.Tensor:
+    def key_deviation(self, r: Request, only: torch.Tensor | None = None) -> torch.Tensor:
         """Per chunk token (in chunk order), the distance between its cached keys at layer
-        ``probe_layer`` and the keys full attention gives it there."""
+        ``probe_layer`` and the keys full attention gives it there. ``only``: the indices
+        (chunk order) of the tokens wanted; the others get 0.
+
+        At layer 1 (the default probe) the full-attention keys come from the wanted tokens
+        alone run through layer 0 over the cached layer-0 K/V, which are full attention's
+        (``probe_keys_paged``); deeper probes run the whole prompt head densely."""
         spans: list[ChunkSpan] = r.plan.spans
         layer = self.probe_layer
-        n_head = spans[-1].start + len(spans[-1].ids)  # prefix + chunks: the suffix is not needed
-        dev = self.pool.k.device
-        ids = torch.tensor(r.prompt_ids[:n_head], dtype=torch.long, device=dev)
-        full = self.model.probe_keys(ids, layer)
         pages, slot_idx, deltas, rows = self.chunk_token_slots(r)
-        cached = self.pool.k[layer][pages, slot_idx]
+        idx = only if only is not None else torch.arange(len(rows), device=rows.device)
+        idx = idx.to(rows.device).sort().values  # by position: the prefill kernels' query order
+        if layer == 1 and hasattr(self.model, "probe_keys_paged"):
+            full = self._probe_paged(r, rows[idx].tolist(), layer)
+        else:
+            n_head = spans[-1].start + len(spans[-1].ids)  # prefix + chunks: the suffix is not needed
+            ids = torch.tensor(r.prompt_ids[:n_head], dtype=torch.long, device=self.pool.k.device)
+            full = self.model.probe_keys(ids, layer)[rows[idx]]
+        cached = self.pool.k[layer][pages[idx], slot_idx[idx]]
         inv = self.model.inv_freqs[self.model.freq_index[layer]]
-        cached = rotate_by_delta(cached, deltas, inv)
-        diff = full[rows].float() - cached.float()
-        return diff.pow(2).sum(dim=(-1, -2)).sqrt()
+        cached = rotate_by_delta(cached, deltas[idx], inv)
+        out = torch.zeros(len(rows), device=cached.device)
+        out[idx] = (full.float() - cached.float()).pow(2).sum(dim=(-1, -2)).sqrt()
+        return out
+
+    def _probe_paged(self, r: Request, positions: list[int], layer: int) -> torch.Tensor:
+        """Keys of ``layer`` under full attention for the prompt tokens at ``positions``,
+        from the cached K/V below it (``model.probe_keys_paged``); their own K/V go to the
+        scratch slot."""
+        table, _ = self._cached_table(r)
+        n = len(positions)
+        prompt = r.prompt_ids  # built on each access: read once
+        ids = [prompt[p] for p in positions]
+        slots = [self.pool.scratch_page * self.pool.page_size] * n
+        ids_t, _, meta = self.runner.metadata(ids, positions, slots, [0, n], [table], n, [])
+        return self.model.probe_keys_paged(ids_t, meta, self.pool.k, self.pool.v, layer)
 
     def chunk_token_slots(self, r: Request) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Where each chunk token of ``r`` (in chunk order, as the selections score them) is
@@ -177,15 +208,15 @@ class Recovery:
         prompt; ``(chunk tokens,)`` int64 each, on the pool's device."""
         ps = self.pool.page_size
         pages, slots, deltas, rows = [], [], [], []
-        for s in r.plan.spans:
+        for s in r.plan.spans:  # numpy on the host, one copy to the device
             n = len(s.ids)
             ent = s.entries[:cdiv(n, ps)]
-            pages.append(torch.tensor([e.page for e in ent]).repeat_interleave(ps)[:n])
-            deltas.append(torch.tensor([e.delta for e in ent]).repeat_interleave(ps)[:n])
-            slots.append(torch.arange(n) % ps)
-            rows.append(torch.arange(s.start, s.start + n))
-        dev = self.pool.k.device
-        return tuple(torch.cat(t).to(device=dev, dtype=torch.long) for t in (pages, slots, deltas, rows))
+            pages.append(np.repeat(np.fromiter((e.page for e in ent), np.int64, len(ent)), ps)[:n])
+            deltas.append(np.repeat(np.fromiter((e.delta for e in ent), np.int64, len(ent)), ps)[:n])
+            slots.append(np.arange(n, dtype=np.int64) % ps)
+            rows.append(np.arange(s.start, s.start + n, dtype=np.int64))
+        host = torch.from_numpy(np.stack([np.concatenate(t) for t in (pages, slots, deltas, rows)]))
+        return tuple(host.to(self.pool.k.device, non_blocking=False).unbind(0))
 
 
 # The engine's selections (``recompute_selection``); ``lazyllm.config.register_selection`` adds more.

@@ -364,6 +364,21 @@ class LlamaFamilyModel:
         return self._qkv(h, w, *tables[w["freq"]])[1]
 
     @torch.inference_mode()
+    def probe_keys_paged(self, input_ids: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, layer: int) -> torch.Tensor:
+        """``probe_keys`` for some tokens of a sequence whose K/V below ``layer`` are in the
+        pool: the layers below ``layer`` run on ``input_ids`` alone (at ``meta.positions``)
+        over the cached K/V that ``meta``'s table lists, causal by position, writing their
+        own K/V at ``meta.slot_mapping`` (a scratch slot); returns their keys of ``layer``,
+        ``(n, num_kv_heads, head_dim)`` rotated at their positions. Equal to ``probe_keys``'s
+        rows where the cached K/V of the layers below are full attention's: for ``layer``
+        1, always (layer 0's K/V depend on the token and its position only)."""
+        h, _ = self._layers(self._embed(input_ids), meta, k_cache, v_cache, last=layer - 1)
+        w = self.layers[layer]
+        cos, sin = rope_cos_sin(meta.positions, self.inv_freqs[w["freq"]], self.rope_scales[w["freq"]])
+        return self._qkv(h, w, cos, sin)[1]
+
+    @torch.inference_mode()
     def attention_mass(self, input_ids: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
                        v_cache: torch.Tensor) -> torch.Tensor:
         """Run new tokens (a question) through every layer like ``forward``, writing their
@@ -373,7 +388,12 @@ class LlamaFamilyModel:
         attention-guided recompute selection reads. Attention and mass run on the kernels the
         backend's step plan names (``AttentionBackend.mass``: the Triton kernel on the Triton
         backend)."""
-        return self._layers(self._embed(input_ids), meta, k_cache, v_cache, mass=True)[1]
+        h = self._embed(input_ids)
+        if self.fused is not None:  # the forward's own kernels, with the mass pass beside each attention
+            tables = [rope_cos_sin(meta.positions, f, sc) for f, sc in zip(self.inv_freqs, self.rope_scales)]
+            plans = [self.attention.plan(meta, f) for f in self.inv_freqs]
+            return self._forward_fused(h, meta, k_cache, v_cache, tables, plans, None, mass=True)
+        return self._layers(h, meta, k_cache, v_cache, mass=True)[1]
 
     def set_packets(self, rows: torch.Tensor | None) -> None:
         """Packet embeddings (``lazyllm.model.packets``): ``(k, hidden)`` rows that the virtual
@@ -431,7 +451,7 @@ class LlamaFamilyModel:
         h = self._norm(h, self.final_norm, s.rms_eps)
         return self._linear(h, self.lm_head).float()
 
-    def _forward_fused(self, h, meta, k_cache, v_cache, tables, plans, logits_index):
+    def _forward_fused(self, h, meta, k_cache, v_cache, tables, plans, logits_index, mass: bool = False):
         """``forward`` with the fused kernels: per layer one RMSNorm (+ residual add), the
         QKV GEMM, one RoPE + K/V write (with the per-head q/k norms of Qwen3 and Gemma 3),
         attention, the output GEMM, one add + RMSNorm, the gate/up GEMM, one SiLU (Gemma:
@@ -439,13 +459,14 @@ class LlamaFamilyModel:
         norm). Gemma's sandwich norms (after attention, after the MLP) are fused into the
         add + RMSNorm that follows them. For a single token (decode at batch 1) the
         projections are split-K GEMVs whose partial sums the next fused kernel adds up
-        (``gemv_parts``), unless ``batch_invariant``."""
+        (``gemv_parts``), unless ``batch_invariant``. ``mass``: return ``attention_mass``'s
+        sum over layers instead of logits (the last layer's MLP and the head are skipped)."""
         s, fk = self.spec, self.fused
         n = h.shape[0]
         proj = self._linear if self.batch_invariant else functools.partial(fk.linear_or_parts, linear=self._linear)
         gemma = s.gemma
         g = dict(gemma=True) if gemma else {}
-        pending = post_ff = None
+        pending = post_ff = total = None
         for li, w in enumerate(self.layers):
             fi = w["freq"]
             if pending is None:
@@ -459,6 +480,12 @@ class LlamaFamilyModel:
             q = fk.rope_qkv_write(qkv, *tables[fi], k_cache[li], v_cache[li], meta.slot_mapping,
                                   s.num_heads, s.num_kv_heads, **qk)
             o = self._attend(q, meta, k_cache, v_cache, li, plans)
+            if mass:
+                m = self.attention.mass(q, meta, k_cache[li], v_cache[li], self.inv_freqs[fi], s.sm_scale,
+                                        window=w["window"], plan=plans[fi])
+                total = m if total is None else total + m
+                if li == len(self.layers) - 1:
+                    return total
             y = proj(o.reshape(n, -1), w["wo"], w["bo"])
             if gemma:  # h + post_attn(y), then pre_ff: one kernel
                 h, x = fk.add_rms_norm(h, y, w["pre_ff"], s.rms_eps, gemma=True, y_weight=w["post_attn"])

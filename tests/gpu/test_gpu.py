@@ -279,6 +279,90 @@ def test_fused_families_match_plain_forward(family, dtype):
         torch.testing.assert_close(kv[1][1], kv[0][1], atol=0.05, rtol=0.02)
 
 
+def test_recompute_pass_over_256_tokens_runs_from_a_graph_as_eager(tiny_cuda, tokenizer):
+    """A recompute pass of hundreds of tokens at scattered positions (the question plus the
+    chosen chunk tokens) replays a prefill graph of a bucket above 256 and answers as the
+    eager forward does."""
+    long_docs = [d * 6 for d in DOCS[:4]]
+    llm = LazyLLM(model=tiny_cuda, tokenizer=tokenizer, chunk_context="prefix", recompute_first_tokens=10_000,
+                  kv_cache_bytes=256 << 20, attention_backend="triton")
+    graphs = llm.engine.runner.prefill_graphs
+    llm.warm(long_docs, system="Be brief.")
+    out = llm.generate("Which was completed in 1889?", chunks=long_docs[::-1], system="Be brief.", max_new_tokens=6)
+    assert out.usage.prompt_tokens - out.usage.cached_tokens > 256
+    assert any(256 < k[0] for k in graphs.graphs), sorted(graphs.graphs)
+    graphs.enabled = False
+    eager = llm.generate("Which was completed in 1889?", chunks=long_docs[::-1], system="Be brief.",
+                         max_new_tokens=6)
+    assert eager.token_ids == out.token_ids
+    llm.close()
+
+
+def test_layer1_key_deviation_from_cached_layer0_equals_dense_probe_on_triton(tiny_cuda, tokenizer):
+    """Two-stage selection's key deviation for its shortlist only, from the cached layer-0
+    K/V through the Triton prefill kernel, equals the dense probe over the whole prompt."""
+    llm = LazyLLM(model=tiny_cuda, tokenizer=tokenizer, chunk_context="prefix", recompute_ratio=0.2,
+                  recompute_selection="two-stage", kv_cache_bytes=256 << 20, attention_backend="triton")
+    rec, seen = llm.engine.recovery, []
+    real = rec.key_deviation
+
+    def both(r, only=None):
+        paged = real(r, only=only)
+        kept = type(rec.model).__dict__["probe_keys_paged"]
+        del type(rec.model).probe_keys_paged
+        try:
+            dense = real(r, only=only)
+        finally:
+            type(rec.model).probe_keys_paged = kept
+        torch.testing.assert_close(paged, dense, rtol=2e-3, atol=2e-3 * float(dense.abs().max()))
+        seen.append(int((dense > 0).sum()))
+        return paged
+
+    rec.key_deviation = both
+    docs = DOCS[:4]
+    llm.warm(docs, system="Be brief.")
+    llm.generate("Which was completed in 1889?", chunks=docs[::-1], system="Be brief.", max_new_tokens=2)
+    assert seen and seen[0] > 0
+    llm.close()
+
+
+def test_fused_attention_mass_equals_unfused_layers(tiny_cuda, tokenizer, monkeypatch):
+    """The question's mass pass runs on the forward's fused kernels; it gives the mass of
+    the unfused layer loop (``_layers(mass=True)``)."""
+    from lazyllm.engine.recovery import Recovery
+
+    seen = []
+    orig = Recovery.question_attention
+
+    def both(self, r):
+        graphs, model = self.runner.prefill_graphs, self.model
+        graphs.enabled = False
+        try:
+            fused = orig(self, r).clone()
+            kept, model.fused = model.fused, None
+            try:
+                plain = orig(self, r)
+            finally:
+                model.fused = kept
+        finally:
+            graphs.enabled = True
+        assert kept is not None, "the model runs without the fused kernels: nothing compared"
+        torch.testing.assert_close(fused, plain, rtol=2e-2, atol=2e-2 * float(plain.abs().max()))
+        seen.append(fused.numel())
+        return fused
+
+    monkeypatch.setattr(Recovery, "question_attention", both)
+    llm = LazyLLM(model=tiny_cuda, tokenizer=tokenizer, chunk_context="prefix", recompute_ratio=0.2,
+                  recompute_selection="attention", kv_cache_bytes=256 << 20, attention_backend="triton")
+    docs = DOCS[:4]
+    llm.warm(docs, system="Be brief.")
+    # one token: no decode graph is captured after the unfused pass (on CUDA the model never
+    # runs unfused; the comparison only needs the question's pass)
+    llm.generate("Which was completed in 1889?", chunks=docs[::-1], system="Be brief.", max_new_tokens=1)
+    assert seen
+    llm.close()
+
+
 @pytest.mark.parametrize("selection", ["attention", "two-stage"])
 def test_question_attention_pass_from_cuda_graph_equals_eager(tiny_cuda, tokenizer, selection, monkeypatch):
     """Attention-guided recompute selection runs the question's first pass (the attention

@@ -181,6 +181,41 @@ def test_key_deviation_is_zero_for_the_first_isolated_chunk_only(model, tokenize
     llm.close()
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_layer1_key_deviation_from_cached_layer0_equals_dense_probe(tokenizer, family):
+    """The layer-1 probe runs only the wanted chunk tokens through layer 0 over the cached
+    layer-0 K/V (exact: they depend on token and position only); it gives the deviations of
+    the dense probe, which runs the whole prompt head, for every token and for a subset."""
+    llm = LazyLLM(model=make_tiny(family, seed=5), tokenizer=tokenizer, chunk_context="prefix",
+                  recompute_ratio=0.1, kv_cache_bytes=32 << 20)
+    rec, seen = llm.engine.recovery, []
+    real = rec.key_deviation
+
+    def both(r, only=None):
+        paged = real(r, only=only)
+        sub = torch.arange(paged.numel())[1::3]
+        paged_sub = real(r, only=sub[torch.randperm(len(sub))])  # any order of indices
+        kept = type(rec.model).__dict__["probe_keys_paged"]
+        del type(rec.model).probe_keys_paged  # the dense path (deeper probes, models without it)
+        try:
+            dense = real(r, only=only)
+        finally:
+            type(rec.model).probe_keys_paged = kept
+        torch.testing.assert_close(paged, dense, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(paged_sub[sub], dense[sub], rtol=1e-4, atol=1e-4)
+        others = torch.ones(paged.numel(), dtype=torch.bool)
+        others[sub] = False
+        assert not paged_sub[others].any()  # the tokens not asked for: 0
+        seen.append(float(dense.max()))
+        return paged
+
+    rec.key_deviation = both
+    llm.warm(DOCS[:3])
+    llm.generate("q?", chunks=DOCS[2::-1], max_new_tokens=1)
+    assert seen and seen[0] > 1e-2  # chunks away from home deviate: the comparison had something to compare
+    llm.close()
+
+
 def test_quality_presets_set_options_and_explicit_options_win(model, tokenizer):
     from lazyllm.errors import InvalidRequestError
     from lazyllm.presets import PRESETS
