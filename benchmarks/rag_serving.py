@@ -301,7 +301,9 @@ class LazyRunner:
         # packets=None: the budgets are fractions of the corpus's own tokens and the systems are
         # compared as they reuse KV; a learned packet (shipped for the default model) would add
         # its tokens to every chunk of lazy and block only
-        self.llm = LazyLLM(model=hf, tokenizer=tok, reuse=system, packets=None,
+        # `balanced`: lazy reuse with the balanced fidelity preset (selective recompute)
+        kw = dict(quality="balanced") if system == "balanced" else dict(reuse=system)
+        self.llm = LazyLLM(model=hf, tokenizer=tok, packets=None, **kw,
                            kv_cache_bytes=max(int(budget_frac * pool_bytes), 1 << 20), page_size=args.page_size,
                            kernel_options=KernelOptions(shared_decode=args.shared_decode))
         run_to_length(self.llm)  # every request runs to its length: same work for every system
@@ -316,7 +318,7 @@ class LazyRunner:
         except LazyLLMError as e:  # e.g. a budget too small for this system: reported, not fatal
             return dict(error=str(e))
         segs = out.prompt_segments
-        if self.system in ("lazy", "block"):
+        if self.system in ("lazy", "block", "balanced"):
             cached_chunk = out.usage.cached_chunk_tokens
         else:
             cached_chunk = cached_chunk_tokens_of_prefix(segs, out.usage.cached_tokens)
@@ -594,7 +596,9 @@ def main(argv=None):
     ap.add_argument("--concurrency", type=int, default=8, help="clients of the closed loop")
     ap.add_argument("--budgets", default="0.2,0.33,1.0",
                     help="KV budget as a fraction of the document pool's KV; per alpha: '2.1=0.2,0.33;0=0.33'")
-    ap.add_argument("--systems", default="lazy,block,prefix,none,hf")
+    ap.add_argument("--systems", default="lazy,block,prefix,none,hf",
+                    help="comma-separated: lazy, block, prefix, none (the engine's reuse modes), balanced "
+                         "(lazy with quality='balanced'), hf (transformers generate)")
     ap.add_argument("--warm-requests", type=int, default=None, help="warm-up requests per alpha (2 x concurrency)")
     ap.add_argument("--warm-concurrency", type=int, default=None, help="(default: --concurrency)")
     ap.add_argument("--cold", action="store_true", help="clear the cache before each measured point")
