@@ -264,6 +264,20 @@ def finish_rate(done: list[float], fallback: float) -> float:
     return var / cov if cov > 0 else fallback
 
 
+def engine_profile(m0: dict, m: dict, wall: float) -> dict:
+    """Where a point's time went, from the engine's counters before (``m0``) and after
+    (``m``): the engine thread's seconds in prefill and in decode steps as shares of the
+    wall time, decode steps and their mean batch, the share of steps served by shared-chunk
+    decode, and how many shared plans were built (a plan is rebuilt when the rows change)."""
+    d = {k: m.get(k, 0) - m0.get(k, 0) for k in ("prefill_s", "decode_s", "decode_steps", "decode_tokens",
+                                                 "shared_decode_steps", "shared_plans", "prefill_tokens")}
+    steps = max(d["decode_steps"], 1)
+    return dict(prefill_share=d["prefill_s"] / wall, decode_share=d["decode_s"] / wall,
+                decode_steps=d["decode_steps"], mean_batch=d["decode_tokens"] / steps,
+                ms_per_step=1e3 * d["decode_s"] / steps, shared_step_share=d["shared_decode_steps"] / steps,
+                shared_plans=d["shared_plans"], prefill_ms_per_1k_tokens=1e6 * d["prefill_s"] / max(d["prefill_tokens"], 1))
+
+
 def summarize_point(system, budget, rate, alpha, res, wall, extra) -> dict:
     failed = [x for x, _ in res if "error" in x]
     ok = [(x, t) for x, t in res if "error" not in x]
@@ -351,6 +365,9 @@ class LazyRunner:
                      # cache_stats' rate over segment lookups (the prefix included), as earlier runs
                      # reported it (then inflated: each re-planning of a waiting request counted)
                      store_lookup_hit_rate=(c.hits - c0["hits"]) / max(lookups, 1))
+        extra["profile"] = engine_profile(m0, m, wall)
+        print(f"  {self.system} alpha={alpha:g} rate={rate:g}: " +
+              ", ".join(f"{k} {v:.3g}" for k, v in extra["profile"].items()), flush=True)
         return summarize_point(self.system, self.budget, rate, alpha, res, wall, extra)
 
     def close(self):

@@ -103,6 +103,7 @@ class Engine:
                         "decode_tokens": 0, "peak_pages": 0,
                         "copied_pages": 0,  # pages copied re-rotated (block copies, recovery)
                         "overlapped_steps": 0,
+                        "prefill_s": 0.0, "decode_s": 0.0,  # engine-thread seconds in prefill and decode steps
                         "shared_decode_steps": 0,  # decode steps that read shared pages once (grouped)
                         "shared_plans": 0}  # decode batches found sharing pages (a plan made when the rows changed)
         self.disk = disk  # optional DiskKVStore: chunk KV that survives restarts
@@ -214,6 +215,7 @@ class Engine:
         for r, e in failed:
             self._finish(r, error=e)
         self._note_peak_pages()
+        t0 = time.perf_counter()
         if admitted:
             try:
                 self._prefill(admitted)
@@ -228,6 +230,7 @@ class Engine:
                         self.scheduler.requeue(r, solo=True)  # retry alone: a bad request fails only itself
                     else:
                         self._finish(r, error=e)
+        t1 = time.perf_counter()
         decoding = list(self.decode_state.rows)
         if decoding:
             try:
@@ -237,6 +240,11 @@ class Engine:
                 for r in decoding:
                     self._finish(r, error=e)
         self._note_peak_pages()
+        # where the engine thread's time goes (a prefill waits for its first tokens; a decode
+        # step, with overlap, for the step before it)
+        m, t2 = self.metrics, time.perf_counter()
+        m["prefill_s"] += t1 - t0 if admitted else 0.0
+        m["decode_s"] += t2 - t1 if decoding else 0.0
 
     def _note_peak_pages(self) -> None:
         used = self.pool.num_pages - self.pool.num_free
