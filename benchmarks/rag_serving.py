@@ -275,7 +275,8 @@ def engine_profile(m0: dict, m: dict, wall: float) -> dict:
     return dict(prefill_share=d["prefill_s"] / wall, decode_share=d["decode_s"] / wall,
                 decode_steps=d["decode_steps"], mean_batch=d["decode_tokens"] / steps,
                 ms_per_step=1e3 * d["decode_s"] / steps, shared_step_share=d["shared_decode_steps"] / steps,
-                shared_plans=d["shared_plans"], prefill_ms_per_1k_tokens=1e6 * d["prefill_s"] / max(d["prefill_tokens"], 1))
+                shared_plans=d["shared_plans"],
+                prefill_ms_per_1k_tokens=1e6 * d["prefill_s"] / max(d["prefill_tokens"], 1))
 
 
 def summarize_point(system, budget, rate, alpha, res, wall, extra) -> dict:
