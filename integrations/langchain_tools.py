@@ -21,9 +21,11 @@ from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputPa
 from langchain_core.output_parsers.pydantic import PydanticOutputParser
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel
 
 from lazyllm import Chunk, GenerationOutput, InvalidRequestError
+from lazyllm.structured.formats import closed
 
 STRUCTURED_KWARGS = ("tools", "tool_choice", "response_format", "parallel_tool_calls")
 CALL_OPEN = "<tool_call>"
@@ -146,7 +148,8 @@ def bind_tools(model: Runnable, tools: Sequence[Any], tool_choice: Any = None, *
 
 
 def _is_pydantic(schema: Any) -> bool:
-    return isinstance(schema, type) and issubclass(schema, BaseModel)
+    """A Pydantic model class: v2, or v1 (``pydantic.v1``), which LangChain still takes."""
+    return isinstance(schema, type) and is_basemodel_subclass(schema)
 
 
 def with_structured_output(model: Any, schema: Any, *, method: str = "json_schema", include_raw: bool = False,
@@ -170,7 +173,12 @@ def with_structured_output(model: Any, schema: Any, *, method: str = "json_schem
                             else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
     elif method in ("json_schema", "json_mode"):
         if method == "json_schema":
-            rf = schema if _is_pydantic(schema) else convert_to_json_schema(schema)
+            if isinstance(schema, type) and issubclass(schema, BaseModel):
+                rf = schema  # the engine holds the answer to it and parses into it
+            elif _is_pydantic(schema):  # pydantic.v1: its schema, closed to its fields as the
+                rf = closed(convert_to_json_schema(schema))  # engine closes a v2 class's
+            else:
+                rf = convert_to_json_schema(schema)
         else:
             rf = {"type": "json_object"}
         llm = model.bind(response_format=rf, ls_structured_output_format=fmt)

@@ -12,6 +12,8 @@ from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from pydantic import BaseModel, Field
+from pydantic.v1 import BaseModel as BaseModelV1
+from pydantic.v1 import Field as FieldV1
 
 from lazyllm import LazyLLM
 from lazyllm.integrations.langchain import ChatLazyLLM, documents_to_messages
@@ -109,6 +111,21 @@ def test_with_structured_output(chat, method):
     d = chat.with_structured_output(Person.model_json_schema(), method=method, include_raw=True).invoke("who?")
     assert d["parsing_error"] is None and isinstance(d["raw"], AIMessage)
     jsonschema.validate(d["parsed"], Person.model_json_schema())
+
+
+class PersonV1(BaseModelV1):
+    """A person (a pydantic.v1 model)."""
+
+    name: str = FieldV1(max_length=10)
+    age: int = FieldV1(ge=0, le=120)
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_with_structured_output_pydantic_v1(chat, method):
+    """LangChain still takes pydantic.v1 models; the answer is an instance of that class."""
+    p = chat.with_structured_output(PersonV1, method=method).invoke("who?")
+    assert isinstance(p, PersonV1) and 0 <= p.age <= 120
+    assert all(isinstance(c, PersonV1) for c in chat.with_structured_output(PersonV1, method=method).stream("who?"))
 
 
 def test_agent_loop_over_retriever_reuses_chunks(chat):
