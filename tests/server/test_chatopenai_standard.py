@@ -50,7 +50,7 @@ def served(default_llm_parts):
 class TestChatOpenAIAgainstLazyLLMServer(IntegrationCases, ChatModelIntegrationTests):
     # Beyond the shared model-choice cases, two more show the same through the server: the
     # optional-parameter Joke runs to max_tokens like the Pydantic one, and JSON mode (a JSON
-    # object, no schema) returns a valid object without "punchline".
+    # object, no schema) returns a valid object without "punchline" (tests/standard_suite.py).
     @pytest.mark.xfail(reason=MODEL_CHOICE, strict=False)
     def test_structured_output_optional_param(self, model) -> None:
         super().test_structured_output_optional_param(model)
