@@ -5,6 +5,7 @@ next step, and query engines with an output class, on a tiny random model held t
 grammar: whatever it writes, calls and answers are valid."""
 import asyncio
 import contextlib
+import json
 from typing import Literal
 
 import jsonschema
@@ -208,3 +209,17 @@ def test_as_structured_llm(li):
     sllm = li.as_structured_llm(Person)
     resp = sllm.chat([ChatMessage(role=MessageRole.USER, content="who?")])
     assert isinstance(resp.raw, Person)
+
+
+def test_chat_and_complete_take_response_format(li):
+    """``chat`` and ``complete`` hold the answer to a ``response_format`` (any of lazyllm's);
+    the parsed answer is in ``raw.parsed``."""
+    r = li.chat([ChatMessage(role=MessageRole.USER, content="json?")], response_format={"type": "json_object"})
+    if r.raw.finish_reason == "stop":
+        assert isinstance(r.raw.parsed, dict) and json.loads(r.message.content) == r.raw.parsed
+    else:  # a JSON object may run to the length limit: then nothing parsed
+        assert r.raw.finish_reason == "length" and r.raw.parsed is None
+    c = li.complete("Yes or no?", chunks=["Paris is in France."], response_format=["yes", "no"])
+    assert c.text in ("yes", "no") and c.raw.parsed == c.text and c.additional_kwargs["finish_reason"] == "stop"
+    p = li.complete("Who?", response_format=Person)
+    assert isinstance(p.raw.parsed, Person) if p.raw.finish_reason == "stop" else p.raw.parsed is None
