@@ -21,6 +21,7 @@ from .engine.engine import Engine, check_fits
 from .engine.prompt import PromptBuilder, Segment
 from .engine.prompt import _check_text as check_text
 from .engine.request import Request
+from .engine.warmup import COMPILES, Readiness, default_triton_cache
 from .errors import InvalidRequestError
 from .model.attention import make_backend
 from .model.llama import LlamaFamilyModel
@@ -133,6 +134,10 @@ class LazyLLM:
         CUDA graphs and the fused kernels (the forward runs eagerly), ``recompute_ratio``
         and ``kv_disk_dir``. The workers are spawned and re-import the main module: guard a
         script's work with ``if __name__ == "__main__":``. Default 1 (one process).
+    warmup : before the first request, launch every kernel specialization and capture the CUDA
+        graphs this engine uses for its model and pool (``warmup()``, with a progress bar; CUDA
+        only: on CPU nothing compiles and it is skipped). ``False``: return at once, and the
+        first requests wait for the compiles (``cache_stats()["kernels_compiled_after_ready"]``).
     packets : learned chunk packets (``lazyllm.model.packets``): a packet file trained for this
         model (``lazyllm adapt``) or a ``Packets``; its embeddings are placed around every chunk
         when the chunk's KV is computed and cached with it (each chunk gets ``k_header +
@@ -174,6 +179,7 @@ class LazyLLM:
         kernel_options: Any = None,
         tensor_parallel: int = 1,
         packets: Any = "auto",
+        warmup: bool = True,
     ):
         config = EngineConfig.resolve(
             quality, device=device, dtype=dtype, reuse=reuse, chunk_context=chunk_context,
@@ -183,13 +189,18 @@ class LazyLLM:
             context_temperature=context_temperature, context_lse_scale=context_lse_scale, kv_disk_dir=kv_disk_dir,
             kv_disk_bytes=kv_disk_bytes, trust_remote_code=trust_remote_code, progress=progress,
             batch_invariant=batch_invariant, overlap_decode=overlap_decode, kernel_options=kernel_options,
-            tensor_parallel=tensor_parallel, packets=packets)
+            tensor_parallel=tensor_parallel, packets=packets, warmup=warmup)
         self._tp = None
         self._grammar_compiler = None
         self._load(config, model_name_or_path, model, tokenizer)
         # an engine thread still inside torch at interpreter shutdown can abort the
         # process: stop it first (weakly referenced, so the LazyLLM can still be freed)
         _LIVE_ENGINES.add(self.engine)
+        self._readiness = Readiness()
+        if config.warmup:
+            self.warmup()
+        else:
+            self._readiness.skip()
 
     # the options as the running configuration holds them (``llm.config``)
     quality = _from_config("quality")
@@ -215,17 +226,26 @@ class LazyLLM:
                                    options=config.kernel_options, calibration=config.calibration)
         except ImportError as e:
             raise InvalidRequestError(f"attention_backend='triton' needs triton: {e}") from None
+        if backend.name == "triton" and self.device.type == "cuda":
+            default_triton_cache()  # read by Triton at each compile: set before the first
+            COMPILES.install()
         page_size = config.page_size
         if page_size is None:
             page_size = 64 if self.device.type == "cuda" and backend.name == "triton" else 16
         self.hf_model = hf
         self.tokenizer = tok
+        runner = {}
         if config.tensor_parallel > 1:
+            from .engine.tp_runner import TensorParallelRunner, start_group
+
             # the workers load a checkpoint themselves; a model passed in travels to them
             # (CPU tensors through shared memory, CUDA tensors through CUDA IPC)
             source = hf if model is not None else ("load", model_name_or_path, config.trust_remote_code)
-            self.model = self._start_tensor_parallel(hf, source, backend, config.attention_backend,
-                                                     config.kernel_options)
+            self._tp, self.model = start_group(
+                config.tensor_parallel, hf, source, backend, self.device, self.dtype, live=_LIVE_TP_GROUPS,
+                attention_backend=config.attention_backend, batch_invariant=config.batch_invariant,
+                kernel_options=config.kernel_options)
+            runner = {"runner_cls": TensorParallelRunner}
         else:
             self.model = LlamaFamilyModel(hf, attention=backend, batch_invariant=config.batch_invariant)
         self.model_fingerprint = fingerprint(self.model)
@@ -246,7 +266,7 @@ class LazyLLM:
                                      kv_cache_bytes=kv_cache_bytes)
         self.engine = Engine(self.model, tok, self.store, self.config, fingerprint=self.fingerprint,
                              eos_ids=self.eos_token_ids, rerotate_copy=backend.rerotate_copy,
-                             disk=self._open_disk(), **self._runner_kw())
+                             disk=self._open_disk(), **runner)
 
     def _load_model(self, config: EngineConfig, model_name_or_path, model, tokenizer):
         """The transformers model and tokenizer, given or loaded; sets ``device``, ``dtype``
@@ -291,49 +311,13 @@ class LazyLLM:
         self.store = ChunkStore(pool)
         return kv_cache_bytes
 
-    def _start_tensor_parallel(self, hf, source, backend, attention_backend, kernel_options):
-        """Check ``tensor_parallel`` against the model and the GPUs, start the workers and
-        return rank 0's shard (the workers are stopped again if that fails)."""
-        self._check_tensor_parallel(hf.config)
-        from .engine.tp_runner import TensorParallelGroup
-
-        self._tp = TensorParallelGroup(self.tensor_parallel, self.device, self.dtype, source,
-                                       attention_backend=attention_backend, batch_invariant=self.batch_invariant,
-                                       kernel_options=kernel_options)
-        _LIVE_TP_GROUPS.add(self._tp)
-        try:
-            return self._tp.shard(hf, backend, self.batch_invariant)
-        except BaseException:
-            self._tp.close()
-            raise
-
-    def _check_tensor_parallel(self, cfg) -> None:
-        from .model.tensor_parallel import tensor_parallel_error
-
-        n = self.tensor_parallel
-        heads = cfg.num_attention_heads
-        kv = getattr(cfg, "num_key_value_heads", None) or heads
-        err = tensor_parallel_error(n, heads, kv, cfg.intermediate_size)
-        if err:
-            raise InvalidRequestError(err)
-        if self.device.type == "cuda" and n > torch.cuda.device_count():
-            raise InvalidRequestError(f"tensor_parallel={n} needs {n} GPUs; {torch.cuda.device_count()} present")
-
-    def _runner_kw(self) -> dict:
-        if self._tp is None:
-            return {}
-        from .engine.tp_runner import TensorParallelRunner
-
-        return {"runner_cls": TensorParallelRunner}
-
     def _open_disk(self):
-        c = self.config
-        if c.kv_disk_dir is None:
-            return None
         from .cache.disk import DiskKVStore
 
-        return DiskKVStore(c.kv_disk_dir, c.kv_disk_bytes, fingerprint=self.fingerprint,
-                           settings={"chunk_context": c.chunk_context, "dtype": str(self.dtype)})
+        c = self.config
+        return None if c.kv_disk_dir is None else DiskKVStore(
+            c.kv_disk_dir, c.kv_disk_bytes, fingerprint=self.fingerprint,
+            settings={"chunk_context": c.chunk_context, "dtype": str(self.dtype)})
 
     # -- requests ------------------------------------------------------------------
     def _request(self, question, chunks, system, *, max_new_tokens=64, temperature=0.0, top_p=1.0, top_k=0,
@@ -561,11 +545,25 @@ class LazyLLM:
                 bar.update(len(part))
         return {"chunks": len(chunks), "computed_tokens": computed, "cached_tokens": cached}
 
+    def warmup(self, progress: bool | None = None) -> dict:
+        """Launch every kernel specialization and capture the CUDA graphs this engine uses
+        before the first request (``lazyllm.engine.warmup``; skipped on CPU). Runs once
+        (``LazyLLM(warmup=True)`` calls it); returns its report: ``seconds``, ``kernels_compiled``,
+        ``decode_graphs``, ``prefill_graphs``, ``capture_s``, ``requests``, ``skipped``."""
+        return self._readiness.warm(self, self.config.progress if progress is None else progress)
+
+    @property
+    def ready(self) -> bool:
+        """Warmed up (or made with ``warmup=False``): no request waits for a compile."""
+        return self._readiness.ready
+
     def cache_stats(self) -> dict:
-        """Hits, misses, hit rate, reused tokens, resident bytes, evictions and pool use."""
+        """Hits, misses, hit rate, reused tokens, resident bytes, evictions and pool use, and
+        ``kernels_compiled_after_ready``: Triton kernels compiled while requests waited."""
         s = self.store.stats()
         s["reuse"] = self.reuse
         s["chunk_context"] = self.chunk_context
+        s["kernels_compiled_after_ready"] = self._readiness.compiled_after_ready
         return s
 
     def resident_chunk_keys(self, limit: int | None = None) -> list[bytes]:
@@ -586,6 +584,7 @@ class LazyLLM:
         """Stop the engine thread (and the tensor-parallel workers); pending requests fail
         with ``LazyLLMError``."""
         self.engine.close()
+        self._readiness.close()
         if self._tp is not None:
             self._tp.close()
 

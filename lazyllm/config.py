@@ -127,6 +127,8 @@ class EngineConfig:
                                              "runs from CUDA graphs)")
     kernel_options: KernelOptions | None = _opt(None, "lazyllm.kernels.KernelOptions for the Triton launches")
     tensor_parallel: int = _opt(1, "shard the model over this many processes, one per GPU")
+    warmup: bool = _opt(True, "before the first request, launch every kernel specialization and capture the CUDA "
+                              "graphs a workload uses (CUDA; nothing to do on CPU)")
     packets: Any = _opt("auto", "learned chunk packets: a packet file, a lazyllm Packets, 'auto' (the one "
                                 "shipped for the model, if any) or None")
 
@@ -222,7 +224,7 @@ def _value_problems(c: EngineConfig) -> list[str]:
             bad.append(f"{name} must be a positive int, got {v!r}")
     if not _is_int(c.tensor_parallel) or c.tensor_parallel < 1:
         bad.append(f"tensor_parallel must be an int >= 1, got {c.tensor_parallel!r}")
-    for name in ("trust_remote_code", "progress", "batch_invariant"):
+    for name in ("trust_remote_code", "progress", "batch_invariant", "warmup"):
         if not isinstance(getattr(c, name), bool):
             bad.append(f"{name} must be a bool, got {getattr(c, name)!r}")
     if c.overlap_decode is not None and not isinstance(c.overlap_decode, bool):

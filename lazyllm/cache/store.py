@@ -15,7 +15,7 @@ import hashlib
 import struct
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -171,6 +171,18 @@ class ChunkStore:
         for k in keys:
             self._evict(k)
         return len(keys)
+
+    def drop_except(self, keep) -> int:
+        """Evict every unpinned entry whose key is not in ``keep``; returns how many."""
+        keys = [k for k, e in self.entries.items() if e.pins == 0 and k not in keep]
+        for k in keys:
+            self._evict(k)
+        return len(keys)
+
+    def reset_counters(self, counters: CacheStats) -> None:
+        """Put the hit, miss and eviction counters back to ``counters`` (a copy is kept)."""
+        with self._lock:
+            self.counters = replace(counters)
 
     def record(self, hit: bool, tokens: int) -> None:
         with self._lock:

@@ -108,6 +108,7 @@ class Engine:
                         "shared_plans": 0}  # decode batches found sharing pages (a plan made when the rows changed)
         self.disk = disk  # optional DiskKVStore: chunk KV that survives restarts
         self.disk_tier = DiskTier(disk, self.pool) if disk is not None else None
+        self.save_to_disk = True  # off while the warm-up's synthetic chunks are computed
         self.config = config
         max_batch_tokens = config.max_batch_tokens
         self.planner = KVPlanner(store, config.reuse, config.chunk_context, fingerprint, self.disk_tier, self.metrics)
@@ -271,7 +272,7 @@ class Engine:
                 self.runner.run_jobs([p.job for p in stage])
                 for p in stage:
                     self.store.mark_ready(p.entry)
-                if self.disk_tier is not None:
+                if self.disk_tier is not None and self.save_to_disk:
                     self.disk_tier.save([p.entry for p in stage])
         if self.recovery.enabled:
             for r in reqs:

@@ -25,8 +25,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..cache.store import PagePool
+from ..errors import InvalidRequestError
 from ..model.attention import make_backend
-from ..model.tensor_parallel import COPY, FORWARD, MULTICAST_OFF_ENV, POOL, STOP, TensorParallelModel
+from ..model.tensor_parallel import (
+    COPY,
+    FORWARD,
+    MULTICAST_OFF_ENV,
+    POOL,
+    STOP,
+    TensorParallelModel,
+    tensor_parallel_error,
+)
 from .model_runner import ModelRunner
 
 START_TIMEOUT_S = 600.0
@@ -165,6 +174,29 @@ class TensorParallelGroup:
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
+
+
+def start_group(n: int, hf, source, backend, device: torch.device, dtype: torch.dtype, *, attention_backend: str,
+                batch_invariant: bool, kernel_options, live) -> tuple[TensorParallelGroup, TensorParallelModel]:
+    """Check ``n`` ranks against ``hf``'s shapes and the GPUs present, start the group (added to
+    ``live``, a set of groups stopped at exit) and return it with rank 0's shard; the workers
+    are stopped again if sharding fails. Raises ``InvalidRequestError`` for a bad ``n``."""
+    cfg = hf.config
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    err = tensor_parallel_error(n, heads, kv, cfg.intermediate_size)
+    if err:
+        raise InvalidRequestError(err)
+    if device.type == "cuda" and n > torch.cuda.device_count():
+        raise InvalidRequestError(f"tensor_parallel={n} needs {n} GPUs; {torch.cuda.device_count()} present")
+    group = TensorParallelGroup(n, device, dtype, source, attention_backend=attention_backend,
+                                batch_invariant=batch_invariant, kernel_options=kernel_options)
+    live.add(group)
+    try:
+        return group, group.shard(hf, backend, batch_invariant)
+    except BaseException:
+        group.close()
+        raise
 
 
 def _worker_main(rank: int, device: str, a: dict, status) -> None:

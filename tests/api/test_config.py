@@ -56,7 +56,7 @@ BAD = [
     ("recompute_ratio", -0.1), ("kv_cache_bytes", 0), ("kv_cache_bytes", 1.5), ("kv_disk_bytes", 0),
     ("max_batch_tokens", 0), ("tensor_parallel", 0), ("tensor_parallel", "2"), ("batch_invariant", 1),
     ("trust_remote_code", "yes"), ("progress", None), ("overlap_decode", "on"), ("kernel_options", {}),
-    ("kv_disk_dir", 3),
+    ("kv_disk_dir", 3), ("warmup", "yes"),
 ]
 
 

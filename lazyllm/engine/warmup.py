@@ -1,0 +1,508 @@
+"""Ready means fast: warm-up, Triton's kernel cache, and the kernels compiled after ready.
+
+Triton compiles a kernel the first time it meets a new specialization: a new value of a
+``constexpr`` (the launcher's key-tile loop, tiles, split-K on or off, a sliding window...), an
+integer argument that starts or stops being 1 or a multiple of 16 (split counts, table widths,
+strides), or a pointer of another dtype or alignment. A compile takes seconds (a load from
+Triton's disk cache, tens of milliseconds), and a CUDA graph captured for a new batch or width
+bucket costs two forwards and the capture. Without a warm-up the first requests pay for all of
+it while they wait.
+
+``warm_up(llm)`` (``LazyLLM.warmup``) runs, on CUDA, everything the engine can launch for this
+model and pool before the first request:
+
+- the decode step of every batch bucket at every table-width bucket up to
+  ``WARM_CONTEXT_TOKENS`` (plus the wider widths whose launch plan differs, found by asking the
+  launcher's own ``plan_launch``), each captured in its CUDA graph: an empty step (every row
+  padding) needs no request and compiles what a full one does, as the kernels specialize on
+  shapes, never on the tokens;
+- the short-prefill graphs of every token bucket at those widths (and the attention-mass
+  graphs where recovery selects by attention);
+- small synthetic requests through the real engine (so they cannot drift from what serving
+  launches): chunk prefills of the lengths whose launch plans differ (again from
+  ``plan_launch``), a question longer than the prefill graphs take, decode steps whose rows
+  share pages at every batch bucket (the grouped shared-chunk kernel), greedy, sampled and
+  masked picks, and whatever recovery and re-rotated copies the configuration runs.
+
+It then drops what it cached and zeroes the counters it moved. On CPU the torch reference runs
+and nothing compiles: the warm-up is skipped (measured on the README demo: it would add time
+before the first answer and take none off it; docs/performance.md).
+
+``default_triton_cache()`` keeps Triton's cache in lazyllm's cache folder, so a second
+process loads the kernels the first one compiled. ``COMPILES`` counts Triton compilations
+(its ``jit_post_compile_hook``) and the ones after an engine was ready, each logged as a
+warning with the kernel's name.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from ..intmath import cdiv, next_pow2
+from ..model.loader import cache_root
+from ..types import Chunk, SamplingParams
+from .detokenizer import Detokenizer
+from .page_table import TableEntry
+from .prompt import Segment
+from .request import Request
+
+log = logging.getLogger("lazyllm")
+
+# the decode and short-prefill graphs are captured for table widths up to this many tokens of
+# context (a request longer than that captures its width bucket on first use, compiling nothing
+# new unless its launch plan differs, which the warm-up also covers)
+WARM_CONTEXT_TOKENS = 16384
+DECODE_TOKENS = 4  # tokens per synthetic request that decodes: a few overlapped steps
+
+
+# -- Triton's cache -------------------------------------------------------------------------
+def default_triton_cache() -> str:
+    """Triton's kernel cache folder: ``TRITON_CACHE_DIR`` where the user set it, else
+    ``triton/`` in lazyllm's cache folder (``LAZYLLM_CACHE``, default ``~/.cache/lazyllm``),
+    which is then set as ``TRITON_CACHE_DIR`` for this process and the ones it starts
+    (tensor-parallel workers), so the next process loads what this one compiled."""
+    path = os.environ.get("TRITON_CACHE_DIR")
+    if not path:
+        path = str(cache_root() / "triton")
+        os.environ["TRITON_CACHE_DIR"] = path
+    return path
+
+
+# -- kernels compiled after ready ----------------------------------------------------------
+class CompileWatch:
+    """Counts Triton kernel compilations in this process: Triton calls
+    ``knobs.runtime.jit_post_compile_hook`` once per new specialization it compiles (or loads
+    from its disk cache), Gluon kernels included. A compilation while some engine is ready and
+    none is warming up counts as *after ready* and is logged as a warning naming the kernel: a
+    request waited for it. A hook the user set before is kept and called too."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.compiled = 0  # specializations compiled or loaded by this process
+        self.after_ready = 0  # of those, while an engine was ready and none was warming up
+        self._ready = 0  # engines whose warm-up finished (or that were made without one)
+        self._warming = 0  # warm-ups running now
+        self._previous = None
+        self.installed = False
+
+    def install(self) -> bool:
+        """Hook Triton's compiler (once); ``False`` where this Triton has no such hook."""
+        with self._lock:
+            if self.installed:
+                return True
+            try:
+                from triton import knobs
+
+                runtime = knobs.runtime
+                self._previous = runtime.jit_post_compile_hook
+            except (ImportError, AttributeError):
+                return False
+            runtime.jit_post_compile_hook = self.hook
+            self.installed = True
+            return True
+
+    def hook(self, *, fn=None, repr=None, **kw):
+        """Triton's ``JITHook`` signature (``key``, ``repr``, ``fn``, ``compile``,
+        ``is_manual_warmup``, ``already_compiled``)."""
+        name = f"{getattr(fn, 'module', '?')}.{getattr(fn, 'name', '?')}" if fn is not None else "?"
+        self.record(name, repr or "")
+        if self._previous is not None:
+            return self._previous(fn=fn, repr=repr, **kw)
+        return None
+
+    def record(self, name: str, detail: str = "") -> bool:
+        """Count one compilation of kernel ``name``; ``True`` if it came after ready."""
+        with self._lock:
+            self.compiled += 1
+            late = self._ready > 0 and self._warming == 0
+            self.after_ready += late
+        if late:
+            log.warning("Triton compiled kernel %s after the engine was ready (a request waited for it): %s",
+                        name, detail[:400])
+        return late
+
+    @contextmanager
+    def warming(self):
+        """Compilations inside are the warm-up's, not late ones."""
+        with self._lock:
+            self._warming += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._warming -= 1
+
+    def mark_ready(self) -> int:
+        """An engine is ready; returns the after-ready count to subtract from later ones."""
+        with self._lock:
+            self._ready += 1
+            return self.after_ready
+
+    def mark_closed(self) -> None:
+        with self._lock:
+            self._ready = max(0, self._ready - 1)
+
+
+COMPILES = CompileWatch()
+
+
+class Readiness:
+    """One engine's readiness: its warm-up, run once (concurrent callers wait for it, later
+    ones get its report), then the engine counts as ready for ``COMPILES``; the kernels
+    compiled after that are ``compiled_after_ready``."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.report: dict | None = None
+        self._mark: int | None = None  # COMPILES.after_ready when the engine became ready
+
+    def warm(self, llm, progress: bool) -> dict:
+        with self._lock:
+            if self.report is None:
+                self.report = warm_up(llm, progress)
+                if self._mark is None:
+                    self._mark = COMPILES.mark_ready()
+            return dict(self.report)
+
+    def skip(self) -> None:
+        """Ready without a warm-up (``warmup=False``)."""
+        with self._lock:
+            if self._mark is None:
+                self._mark = COMPILES.mark_ready()
+
+    @property
+    def ready(self) -> bool:
+        return self._mark is not None
+
+    @property
+    def compiled_after_ready(self) -> int:
+        mark = self._mark
+        return 0 if mark is None else COMPILES.after_ready - mark
+
+    def close(self) -> None:
+        with self._lock:
+            if self._mark is not None:
+                COMPILES.mark_closed()
+                self._mark = None
+
+
+# -- which shapes the launcher plans differently ---------------------------------------------
+def _int_class(n: int) -> int:
+    """Triton's specialization of an integer argument: 1, a multiple of 16, or neither."""
+    return 1 if n == 1 else 16 if n % 16 == 0 else 0
+
+
+def _launch_keys(model, pool, batch: int, max_seqlen_q: int, width: int, row_stride: int) -> frozenset:
+    """What Triton compiles for one attention launch shape, for every layer kind (window,
+    RoPE table) of ``model``: the ``LaunchPlan`` of ``kernels/triton/launcher.plan_launch``
+    (the same function the launch calls) reduced to its constexprs and the specialization
+    classes of its integer arguments (split count, table width and row stride, the split
+    merge's power-of-two bound)."""
+    from lazyllm.kernels import KernelOptions
+    from lazyllm.kernels.triton.launcher import plan_launch
+
+    att, spec = model.attention, model.spec
+    q = torch.empty((1, spec.num_heads, spec.head_dim), device=pool.k.device, dtype=pool.k.dtype)
+    table = torch.zeros((batch, width), dtype=torch.int32, device=pool.k.device)
+    opts = att.options or KernelOptions()
+    keys = set()
+    kinds = {(w or 0, fi) for w, fi in zip(model.windows, model.freq_index)}
+    for window, fi in sorted(kinds):
+        inv = model.inv_freqs[fi]
+        p = plan_launch(q, pool.k[0], pool.v[0], table, inv, batch, max_seqlen_q, inv.numel() > 0,
+                        att.batch_invariant, att.padding_finite, opts, window, att.calibrated)
+        parts = p.num_splits * (p.ppt if p.decode_kernel else 1) * (2 if p.ape else 1)
+        keys.add((p.loop, p.decode_kernel, p.short, p.block_m, p.block_n, p.num_warps, p.num_stages, p.ppt,
+                  p.cs_per_page, p.prefetch, p.from_delta, p.lookahead, p.packed_rot, p.gluon, p.window, p.ape,
+                  _int_class(p.num_splits), _int_class(width), _int_class(row_stride),
+                  next_pow2(parts, 2) if parts > 1 else 0))
+    return frozenset(keys)
+
+
+def _cover(points, keys_of) -> list:
+    """The first point (in the order given: cheapest first) of each new set of launch keys."""
+    seen: set = set()
+    out = []
+    for p in points:
+        new = keys_of(p) - seen
+        if new:
+            seen |= new
+            out.append(p)
+    return out
+
+
+def _decode_widths(runner, context_pages: int) -> list[int]:
+    """Width buckets of the decode graphs: every one up to ``context_pages``, then the wider
+    ones whose launch plans differ at some batch bucket."""
+    g = runner.graphs
+    buckets = sorted({g.width_bucket(w) for w in range(1, runner.decode_state.max_entries + 1)})
+    near = [w for w in buckets if w <= g.width_bucket(context_pages)]
+    far = [w for w in buckets if w not in near]
+    if not far or runner.model.attention.name != "triton":
+        return near
+    me = runner.decode_state.max_entries
+    batches = _batch_buckets(runner)
+    seen = set().union(*(_launch_keys(runner.model, runner.pool, b, 1, w, me) for b in batches for w in near))
+    extra = []
+    for w in far:
+        keys = set().union(*(_launch_keys(runner.model, runner.pool, b, 1, w, me) for b in batches))
+        if keys - seen:
+            seen |= keys
+            extra.append(w)
+    return near + extra
+
+
+def _batch_buckets(runner) -> list[int]:
+    """The decode graphs' batch buckets (powers of two up to the largest batch)."""
+    mb = runner.decode_state.max_batch
+    return sorted({min(next_pow2(b), mb) for b in range(1, mb + 1)})
+
+
+def _prefill_lengths(runner, max_tokens: int) -> list[int]:
+    """Token counts of one-chunk prefills whose launch plans differ (the shortest of each),
+    each also one token longer (the slot list's alignment), up to ``max_tokens``."""
+    ps = runner.pool.page_size
+    cands = sorted({int(n) for n in np.unique(np.geomspace(2, max_tokens, 48).astype(int))}
+                   | {16 * ps * k for k in range(1, max_tokens // (16 * ps) + 1)})
+    cands = [n for n in cands if 1 < n <= max_tokens]
+    if runner.model.attention.name != "triton":
+        return [n for n in (cands[0], cands[len(cands) // 2], cands[-1])]
+    chosen = _cover(cands, lambda n: _launch_keys(runner.model, runner.pool, 1, n, cdiv(n, ps), cdiv(n, ps)))
+    return sorted({m for n in chosen for m in (n, n + 1) if m <= max_tokens})
+
+
+# -- direct captures (engine thread, engine idle) ---------------------------------------------
+def _idle(engine) -> bool:
+    return not engine.scheduler.running and not engine.scheduler.waiting and engine._inflight is None
+
+
+def _empty_decode(engine, B: int, W: int) -> bool:
+    """Run (and capture) the decode step of batch bucket ``B`` and width bucket ``W`` with
+    every row padding: no row reads a page, every K/V write goes to the scratch slot. Only
+    while nothing decodes (a padded step zeroes the lengths of the rows it covers: a running
+    request's table would be lost); ``False`` when it could not run now."""
+    if not _idle(engine) or engine.decode_state.rows:
+        return False
+    runner = engine.runner
+    scratch = runner.pool.scratch_page * runner.pool.page_size
+    runner.decode_state.stage([], [], [], [], B, scratch)
+    runner.graphs.run(B, W, 0)
+    return True
+
+
+def _empty_prefill(engine, T: int, W: int, mass: bool) -> bool:
+    """Capture the short-prefill graph of token bucket ``T`` and width bucket ``W`` (or its
+    attention-mass twin) over ``W`` entries naming the scratch page; the tokens' K/V go to
+    the scratch slot."""
+    if not _idle(engine):
+        return False
+    runner = engine.runner
+    pool, ps = runner.pool, runner.pool.page_size
+    table = [TableEntry(pool.scratch_page, i * ps, 0, ps) for i in range(W)]
+    pos = list(range(W * ps, W * ps + T))
+    runner.prefill_graphs.run([0] * T, pos, [pool.scratch_page * ps] * T, table, mass=mass)
+    return True
+
+
+def _on_engine(engine, fn, timeout_s: float = 600.0) -> None:
+    """``fn()`` on the engine thread once it is idle (requests served meanwhile come first)."""
+    deadline = time.perf_counter() + timeout_s
+    while not engine.call(fn):
+        if time.perf_counter() > deadline:
+            raise TimeoutError("the engine never became idle for a warm-up capture")
+        time.sleep(0.01)
+
+
+# -- synthetic requests --------------------------------------------------------------------
+class _AllowAll:
+    """A token constraint that allows every token: the sampler's masked path."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row].fill_(-1)
+
+    def accept(self, token: int) -> bool:
+        return True
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+_CHUNK = Chunk("(a warm-up chunk of random tokens)", id="warm-up")
+
+
+class _Requests:
+    """Builds, submits and awaits synthetic requests of exact token counts (random ids from
+    the vocabulary's middle, so no special token)."""
+
+    def __init__(self, llm, seed: int = 0):
+        self.llm, self.engine = llm, llm.engine
+        self.rng = np.random.default_rng(seed)
+        V = llm.model.spec.vocab_size
+        self.lo, self.hi = min(V // 4, 1000), max(V // 4 + 1, V - 1000)
+        self.prefix = self.ids(8)
+        self.sent = 0
+
+    def ids(self, n: int) -> list[int]:
+        return self.rng.integers(self.lo, self.hi, size=n).tolist()
+
+    def make(self, chunks: list[list[int]], question: int | list[int], max_new_tokens: int = 1, *,
+             constraint=None, **sampling) -> Request:
+        q = self.ids(question) if isinstance(question, int) else question
+        segs = [Segment("prefix", list(self.prefix)), *(Segment("chunk", c, _CHUNK) for c in chunks),
+                Segment("suffix", q)]
+        req = Request(segments=segs, params=SamplingParams(max_new_tokens=max_new_tokens, **sampling),
+                      events=queue.Queue())
+        req.detok = Detokenizer(self.llm.tokenizer, ())
+        req.streaming = False
+        req.constraint = constraint
+        return req
+
+    def run(self, reqs: list[Request]) -> None:
+        """Submit ``reqs`` together and wait for each; a failure is logged, not raised (the
+        warm-up then covers less, and the engine serves what it can)."""
+        for r in reqs:
+            self.engine.submit(r)
+        self.sent += len(reqs)
+        for r in reqs:
+            while True:
+                kind, val = r.events.get()
+                if kind == "error":
+                    log.warning("a warm-up request failed: %r", val)
+                if kind in ("done", "error"):
+                    break
+
+
+# -- the plan ------------------------------------------------------------------------------
+def _graph_stages(llm, context_pages: int) -> list[tuple[str, object]]:
+    """The direct captures: decode graphs (every batch bucket at each width bucket) and
+    short-prefill graphs (every token bucket at each width bucket)."""
+    engine, cfg = llm.engine, llm.config
+    runner = engine.runner
+    out: list[tuple[str, object]] = []
+    if runner.graphs.enabled:
+        for W in _decode_widths(runner, context_pages):
+            for B in _batch_buckets(runner):
+                out.append(("decode graphs", lambda B=B, W=W: _on_engine(engine, lambda: _empty_decode(engine, B, W))))
+    pg = runner.prefill_graphs
+    if pg.enabled:
+        tokens = [t for t in (next_pow2(1 << i, 16) for i in range(4, 16)) if t <= pg.max_tokens]
+        widths = sorted({pg._width(w) for w in range(1, min(context_pages, pg.max_entries) + 1)})
+        mass = [False]
+        if cfg.recompute_ratio > 0 and cfg.recompute_selection in ("attention", "two-stage"):
+            mass.append(True)  # recovery's first pass (the question's attention mass) replays these
+        for W in widths:
+            for T in tokens:
+                for m in mass:
+                    out.append(("prefill graphs",
+                                lambda T=T, W=W, m=m: _on_engine(engine, lambda: _empty_prefill(engine, T, W, m))))
+    return out
+
+
+def _request_stages(llm, context_tokens: int, gen: _Requests) -> list[tuple[str, object]]:
+    """Synthetic requests through the engine: chunk prefills of every differing launch plan,
+    a question past the prefill graphs, the sampler's paths, shared decode at each batch
+    bucket the pool holds (recovery and copies run where the configuration has them)."""
+    engine = llm.engine
+    runner, pool = engine.runner, engine.pool
+    ps = pool.page_size
+    out: list[tuple[str, object]] = []
+    longest = max(16, min(context_tokens, llm.config.max_batch_tokens) - 64)
+    for n in _prefill_lengths(runner, longest):
+        out.append(("prefill", lambda n=n: gen.run([gen.make([gen.ids(n)], 8)])))
+    shared = [gen.ids(4 * ps), gen.ids(4 * ps + ps // 2)]
+    long_q = runner.prefill_graphs.max_tokens + 40
+    out.append(("prefill", lambda: gen.run([gen.make(shared, long_q)])))
+    many = max(ps, min(512, context_tokens // 8))  # a batched prefill of 8 chunks, as a cold request makes
+    out.append(("prefill", lambda: gen.run([gen.make([gen.ids(many) for _ in range(8)], 8)])))
+    V = llm.model.spec.vocab_size
+    mixed = [dict(), dict(temperature=0.8, top_p=0.9, top_k=40, seed=1), dict(temperature=1.0, seed=2),
+             dict(constraint=_AllowAll(V)), dict(constraint=_AllowAll(V), temperature=0.7, seed=3)]
+    out.append(("sampling", lambda: gen.run([gen.make(shared, 8, DECODE_TOKENS, **kw) for kw in mixed])))
+    out.append(("sampling", lambda: gen.run([gen.make(shared, 8, DECODE_TOKENS, **kw) for kw in mixed[1:3]])))
+    out.append(("sampling", lambda: gen.run([gen.make(shared, 8, DECODE_TOKENS, **kw) for kw in mixed[3:4]])))
+    # pages a request of a batch holds beside the shared ones: its own, and its copies of the
+    # chunks where they are not shared (block: re-rotated copies; full attention: its prompt;
+    # recovery: private copies of the pages it recomputes)
+    own = cdiv(len(gen.prefix) + 8 + DECODE_TOKENS, ps)
+    if engine.config.reuse != "lazy" or engine.config.recovery_enabled:
+        own += sum(cdiv(len(c), ps) + 1 for c in shared)
+    for B in _batch_buckets(runner):
+        if B * own > pool.num_pages // 2:
+            break  # the pool cannot hold this batch: its graphs are captured on first use
+        out.append(("shared decode", lambda B=B: gen.run([gen.make(shared, 8, DECODE_TOKENS) for _ in range(B)])))
+    return out
+
+
+def warm_up(llm, progress: bool = True, *, on_cpu: bool = False) -> dict:
+    """Run the warm-up (module docstring) on ``llm``'s engine; returns what it did: ``seconds``,
+    ``kernels_compiled`` (Triton specializations compiled or loaded from its cache),
+    ``decode_graphs`` / ``prefill_graphs`` captured, ``capture_s``, ``requests``, and
+    ``skipped`` (``"cpu"``, or ``None`` when it ran). ``on_cpu``: run the synthetic requests on
+    CPU anyway (to test it, or to measure what it would bring there)."""
+    engine = llm.engine
+    t0 = time.perf_counter()
+    if engine.device.type != "cuda" and not on_cpu:
+        return {"skipped": "cpu", "seconds": 0.0, "kernels_compiled": 0, "decode_graphs": 0, "prefill_graphs": 0,
+                "capture_s": 0.0, "requests": 0}
+    spec = llm.model.spec
+    ps = engine.pool.page_size
+    context = max(ps, min(spec.max_context - 64, WARM_CONTEXT_TOKENS, engine.pool.num_pages * ps // 4))
+    compiled0, g0 = COMPILES.compiled, engine.graph_stats()
+    saved = engine.call(lambda: _snapshot(engine))
+    gen = _Requests(llm)
+    stages = _graph_stages(llm, cdiv(context, ps) + 2) + _request_stages(llm, context, gen)
+    from tqdm.auto import tqdm
+
+    with COMPILES.warming(), tqdm(total=len(stages), desc="warming up", unit="step", disable=not progress) as bar:
+        engine.save_to_disk = False  # the synthetic chunks never reach a persistent tier
+        try:
+            for label, fn in stages:
+                bar.set_postfix_str(label, refresh=False)
+                fn()
+                # its chunks go at once, so a warm-up after requests evicts none of theirs
+                engine.call(lambda: engine.store.drop_except(saved[0]))
+                bar.update()
+        finally:
+            engine.call(lambda: _restore(engine, saved))
+            engine.save_to_disk = True
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+    g1 = engine.graph_stats()
+    report = {"skipped": None, "seconds": time.perf_counter() - t0, "kernels_compiled": COMPILES.compiled - compiled0,
+              "decode_graphs": g1["decode_graphs"] - g0["decode_graphs"],
+              "prefill_graphs": g1["prefill_graphs"] - g0["prefill_graphs"],
+              "capture_s": g1["capture_s"] - g0["capture_s"], "requests": gen.sent}
+    log.info("warm-up: %d Triton kernels compiled or loaded, %d decode and %d prefill CUDA graphs captured, "
+             "%d requests, %.1f s", report["kernels_compiled"], report["decode_graphs"], report["prefill_graphs"],
+             report["requests"], report["seconds"])
+    return report
+
+
+def _snapshot(engine) -> tuple:
+    """What the warm-up changes and puts back: the cached entries' keys, the cache
+    counters, the engine's metrics and its decode step log."""
+    import dataclasses
+
+    store = engine.store
+    return (set(store.entries), dataclasses.replace(store.counters), dict(engine.metrics),
+            list(engine.decode_step_log))
+
+
+def _restore(engine, saved) -> None:
+    """Drop what the warm-up cached and put the counters back (engine thread)."""
+    keys, counters, metrics, steps = saved
+    engine.store.drop_except(keys)
+    engine.store.reset_counters(counters)
+    engine.metrics.update(metrics)
+    engine.decode_step_log.clear()
+    engine.decode_step_log.extend(steps)

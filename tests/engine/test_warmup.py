@@ -1,0 +1,113 @@
+"""The warm-up (lazyllm.engine.warmup): Triton's cache folder, the counter of kernels compiled
+after ready (fed with Triton's hook events directly: nothing compiles on CPU), and the
+warm-up's synthetic requests through a real engine on CPU, which must leave no trace."""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from lazyllm import LazyLLM
+from lazyllm.engine import warmup as wu
+from tests.conftest import make_tiny
+
+
+class _Fn:  # what Triton passes as ``fn`` (its JitFunctionInfo): module and name
+    module, name = "lazyllm.kernels.triton.decode", "_paged_decode_fwd"
+
+
+def _compile_event(watch, **kw):
+    """One call of Triton's post-compile hook (``watch.hook``, or a hook itself), as
+    ``JITFunction._call_hook`` makes it."""
+    hook = watch.hook if isinstance(watch, wu.CompileWatch) else watch
+    return hook(key="k", repr="_paged_decode_fwd[num_warps=4](BLOCK_N=64)", fn=_Fn(),
+                      compile={"key": "k"}, is_manual_warmup=False, already_compiled=False, **kw)
+
+
+def test_compiles_count_as_late_only_after_ready_and_outside_warm_ups(caplog):
+    w = wu.CompileWatch()
+    _compile_event(w)  # no engine ready yet: a load-time compile
+    assert (w.compiled, w.after_ready) == (1, 0)
+    mark = w.mark_ready()
+    with w.warming():
+        _compile_event(w)  # another engine's warm-up
+    assert (w.compiled, w.after_ready) == (2, 0)
+    with caplog.at_level(logging.WARNING, logger="lazyllm"):
+        _compile_event(w)
+    assert w.after_ready - mark == 1
+    late = [r for r in caplog.records if "after the engine was ready" in r.getMessage()]
+    assert len(late) == 1 and "lazyllm.kernels.triton.decode._paged_decode_fwd" in late[0].getMessage()
+    w.mark_closed()
+    _compile_event(w)  # no engine ready any more
+    assert w.after_ready - mark == 1
+
+
+def test_install_chains_the_hook_the_user_had():
+    knobs = pytest.importorskip("triton").knobs
+    seen = []
+    before = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(kw["fn"].name)
+    try:
+        w = wu.CompileWatch()
+        assert w.install() and w.install()  # once; the second call changes nothing
+        assert knobs.runtime.jit_post_compile_hook == w.hook
+        _compile_event(knobs.runtime.jit_post_compile_hook)
+        assert seen == ["_paged_decode_fwd"] and w.compiled == 1
+    finally:
+        knobs.runtime.jit_post_compile_hook = before
+
+
+def test_triton_cache_defaults_to_lazyllm_cache_folder_unless_set(monkeypatch, tmp_path):
+    monkeypatch.setenv("LAZYLLM_CACHE", str(tmp_path))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    assert wu.default_triton_cache() == str(tmp_path / "triton") == os.environ["TRITON_CACHE_DIR"]
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    assert wu.default_triton_cache() == str(tmp_path / "mine")
+    triton = pytest.importorskip("triton")
+    assert triton.knobs.cache.dir == str(tmp_path / "mine")  # Triton reads the variable at each compile
+
+
+@pytest.fixture(scope="module")
+def llm(tokenizer):
+    llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=1 << 21)
+    yield llm
+    llm.close()
+
+
+def test_cpu_skips_warm_up_and_is_ready(llm):
+    report = llm.warmup()
+    assert report["skipped"] == "cpu" and report["requests"] == 0 and llm.ready
+    assert llm.warmup() == report  # once
+
+
+def test_late_compiles_reach_cache_stats(llm, caplog):
+    before = llm.cache_stats()["kernels_compiled_after_ready"]
+    with caplog.at_level(logging.WARNING, logger="lazyllm"):
+        _compile_event(wu.COMPILES)
+    assert llm.cache_stats()["kernels_compiled_after_ready"] == before + 1
+    assert any("_paged_decode_fwd" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(reuse="block"), dict(quality="balanced")],
+                         ids=["lazy", "block", "balanced"])
+def test_warm_up_requests_leave_no_trace(tokenizer, tmp_path, kw):
+    """The synthetic requests run through the engine (on CPU when asked) and leave the cache,
+    its counters, the engine's metrics, the disk tier and later answers as they were."""
+    llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=1 << 23, kv_disk_dir=tmp_path, **kw)
+    try:
+        docs = ["The lamp is in room 7.", "The chair is in room 3."]
+        first = llm.generate("Where is the lamp?", chunks=docs, max_new_tokens=6)
+        llm.engine.flush_disk()
+        files = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
+        stats, metrics = llm.cache_stats(), dict(llm.engine.metrics)
+        report = wu.warm_up(llm, progress=False, on_cpu=True)
+        assert report["skipped"] is None and report["requests"] > 20
+        llm.engine.flush_disk()
+        assert llm.cache_stats() == stats and llm.engine.metrics == metrics
+        assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == files
+        again = llm.generate("Where is the lamp?", chunks=docs, max_new_tokens=6)
+        # the same answer, its documents still cached (the warm-up dropped only its own entries)
+        assert again.token_ids == first.token_ids and again.usage.cached_tokens > first.usage.cached_tokens
+    finally:
+        llm.close()
