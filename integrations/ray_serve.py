@@ -272,7 +272,12 @@ class LazyLLMDeployment:
 
     The engine is built inside the replica: from ``llm_factory()`` when given (any
     picklable callable returning a ``LazyLLM``), else ``LazyLLM(model, **llm_kwargs)``.
-    ``torch_threads`` caps the intra-op threads (several CPU replicas on one host)."""
+    ``torch_threads`` caps the intra-op threads (several CPU replicas on one host).
+
+    Ray Serve routes to a replica once its constructor returned and ``check_health`` passes:
+    the constructor runs the engine's warm-up (``LazyLLM.warmup``, unless the engine was made
+    with ``warmup=False``), so a replica is ready only when its kernels are compiled and its
+    CUDA graphs captured, and ``check_health`` fails while it is not."""
 
     def __init__(self, model: str | None = None, llm_factory: Callable[[], Any] | None = None,
                  report_limit: int = 4096, torch_threads: int | None = None, **llm_kwargs):
@@ -283,6 +288,8 @@ class LazyLLMDeployment:
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.llm = llm_factory() if llm_factory is not None else LazyLLM(model, **llm_kwargs)
+        if self.llm.config.warmup:
+            self.llm.warmup()  # a no-op where the constructor ran it
         self.report_limit = report_limit
         try:
             from ray import serve
@@ -290,6 +297,11 @@ class LazyLLMDeployment:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # outside Ray Serve (unit use)
             self.replica_id = "local"
+
+    def check_health(self) -> None:
+        """Ray Serve's health probe: raises while the engine is not ready."""
+        if not self.llm.ready:
+            raise RuntimeError("the engine is not ready (warming up or closed)")
 
     def _result(self, out) -> dict:
         return {"text": out.text, "finish_reason": getattr(out, "finish_reason", None),

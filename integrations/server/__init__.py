@@ -9,9 +9,11 @@ Endpoints:
   events) or not; ``usage.prompt_tokens_details.cached_tokens`` counts the prompt tokens
   whose KV was reused.
 - ``GET /v1/models`` (and ``/v1/models/{id}``): the one model served.
-- ``GET /health``: liveness. ``GET /metrics``: Prometheus text (cache hits, misses,
-  resident bytes, pool pages; TTFT, queue-time and duration histograms; requests by
-  status). Neither needs the API key.
+- ``GET /health``: liveness. ``GET /ready`` (or ``/health?ready``): readiness, 503 until the
+  warm-up finished (every kernel compiled, the CUDA graphs captured), then 200.
+  ``GET /metrics``: Prometheus text (cache hits, misses, resident bytes, pool pages; TTFT,
+  queue-time and duration histograms; requests by status; kernels compiled after ready).
+  None of them needs the API key.
 
 Documents travel as chunks in a ``documents`` field next to ``messages`` (what the
 ``openai`` client sends with ``extra_body={"documents": [...]}`` and LangChain's

@@ -7,6 +7,7 @@ import contextlib
 import hmac
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -145,6 +146,30 @@ class _Server:
         self.in_flight = self.preparing = 0
         self.quality: str | None = None
         self._info: dict[str, Any] | None = None
+        self.warmed = threading.Event()  # the backend's warm-up finished (or none was asked)
+
+    def start_warmup(self, run: bool) -> None:
+        """Run the backend's ``warmup()`` on a thread of its own, so ``/health`` answers at once
+        and ``/ready`` when it is done; a failed warm-up is logged and the server serves
+        without it."""
+        fn = getattr(self.backend, "warmup", None)
+        if not run or fn is None:
+            self.warmed.set()
+            return
+
+        def work() -> None:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001  (serving slower beats not serving)
+                log.exception("warm-up failed; serving without it")
+            finally:
+                self.warmed.set()
+
+        threading.Thread(target=work, name="lazyllm-warmup", daemon=True).start()
+
+    def is_ready(self) -> bool:
+        ready = getattr(self.backend, "ready", None)
+        return self.warmed.is_set() and (ready is None or bool(ready()))
 
     # -- errors and checks
     def counted(self, request: Request, e: APIError) -> Response:
@@ -333,7 +358,7 @@ def create_app(llm: LazyLLM | Backend, *, api_key: str | None = None, model_name
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT,
                default_max_tokens: int = DEFAULT_MAX_TOKENS, default_temperature: float = 0.0,
-               max_concurrency: int = DEFAULT_MAX_CONCURRENCY) -> FastAPI:
+               max_concurrency: int = DEFAULT_MAX_CONCURRENCY, warmup: bool = True) -> FastAPI:
     """The FastAPI app serving ``llm`` (see the package docstring for the endpoints): a
     ``LazyLLM`` (served through a ``LocalBackend`` the app makes and closes) or any
     ``Backend`` (``ray_serve.RayBackend(handle)``: replicas behind the same endpoints).
@@ -345,6 +370,10 @@ def create_app(llm: LazyLLM | Backend, *, api_key: str | None = None, model_name
     ``max_tokens`` a request may ask (more: 400); ``default_max_tokens`` when it asks
     none. ``default_temperature``: when the request sets none (0: greedy, as in process).
     ``max_concurrency``: requests served at once; more get 429 with ``Retry-After``.
+    ``warmup``: run the backend's ``warmup()`` (``LazyLLM.warmup``: every kernel compiled and
+    the CUDA graphs captured; a no-op where it already ran) on a thread from the start:
+    ``/health`` answers at once (liveness), ``/ready`` and ``/health?ready`` answer 503 until
+    it finished, then 200 (readiness).
 
     Body parsing, validation and tokenization run on worker threads, never on the event
     loop, so ``/health`` and other requests are answered while a large body is processed;
@@ -373,6 +402,7 @@ def create_app(llm: LazyLLM | Backend, *, api_key: str | None = None, model_name
     app.state.backend, app.state.model_name, app.state.metrics = backend, srv.served, srv.metrics
     app.state.llm = getattr(backend, "llm", None)
     _routes(app, srv)
+    srv.start_warmup(warmup)
     return app
 
 
@@ -395,9 +425,20 @@ def _routes(app: FastAPI, srv: _Server) -> None:
         log.exception("error serving %s", request.url.path)
         return srv.counted(request, error_from_exception(e))
 
+    def readiness() -> Response:
+        if srv.is_ready():
+            return _json_response({"status": "ready", "model": srv.served})
+        return _json_response({"status": "warming up", "model": srv.served}, status=503)
+
     @app.get("/health")
-    async def health() -> Response:
+    async def health(ready: str | None = None) -> Response:
+        if ready is not None and ready.lower() not in ("0", "false", "no"):
+            return readiness()  # /health?ready, for probes that take one path
         return _json_response({"status": "ok", "model": srv.served})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        return readiness()
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -51,7 +51,9 @@ class Backend(Protocol):
     ``preemptions``), ``engine_settings() -> dict`` (the options served, for the
     ``lazyllm_engine_info`` metric), ``check_length(chars: int)`` (raises ``ContextLengthError`` when a
     prompt of that many characters cannot fit, before anything is tokenized) and
-    ``close()`` (called at the app's shutdown when the app made the backend). ``sampling``
+    ``close()`` (called at the app's shutdown when the app made the backend), ``warmup()``
+    (run on a thread when the app starts; ``/ready`` answers 503 until it returns) and
+    ``ready() -> bool`` (readiness beyond that; absent: ready). ``sampling``
     is ``parse_chat_request``'s: ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
     ``seed``, ``stop``, and where the request sets them ``response_format``, ``tools``,
     ``tool_choice``, ``parallel_tool_calls`` and ``messages`` (then ``question`` is None):
@@ -101,6 +103,12 @@ class LocalBackend:
 
     def cache_stats(self) -> dict[str, Any]:
         return self.llm.cache_stats()
+
+    def warmup(self) -> dict[str, Any]:
+        return self.llm.warmup()
+
+    def ready(self) -> bool:
+        return self.llm.ready
 
     def engine_stats(self) -> dict[str, Any]:
         return dict(getattr(getattr(self.llm, "engine", None), "metrics", None) or {})

@@ -99,8 +99,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
             shown = "none" if f.default is None else f.default
             help_text += f" (default: {default}{shown})".replace("%", "%%")
         kw: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)
-        if kind == "bool":
-            group.add_argument(flag, action="store_true", **kw)
+        if kind == "bool":  # a switch: --name turns on an option that is off, --no-name one that is on
+            off = f.default is True
+            if off:
+                kw["help"] = "turn off: " + f.metadata.get("help", "").replace("%", "%%") + " (on by default)"
+            group.add_argument("--no-" + flag[2:] if off else flag, action="store_false" if off else "store_true",
+                               **kw)
             continue
         if kind == "bool | None":
             kw.update(type=_on_off, metavar="{on,off}")
@@ -186,11 +190,13 @@ def build_server(args: argparse.Namespace, config: EngineConfig):
     from .app import create_app
 
     api_key = args.api_key or os.environ.get("LAZYLLM_API_KEY") or None
-    llm = LazyLLM(args.model, **config.as_kwargs())
+    # the warm-up runs once the app serves, so /health answers meanwhile and /ready after it
+    llm = LazyLLM(args.model, **{**config.as_kwargs(), "warmup": False})
     try:
         app = create_app(llm, api_key=api_key, model_name=args.model_name or model_id(args.model),
                          max_request_bytes=args.max_request_bytes, max_new_tokens_limit=args.max_tokens_limit,
-                         default_max_tokens=args.default_max_tokens, max_concurrency=args.max_concurrency)
+                         default_max_tokens=args.default_max_tokens, max_concurrency=args.max_concurrency,
+                         warmup=config.warmup)
     except BaseException:
         llm.close()
         raise

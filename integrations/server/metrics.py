@@ -36,6 +36,11 @@ class _CacheCollector:
         for k, doc in self.GAUGES.items():
             if k in s:
                 yield GaugeMetricFamily(f"lazyllm_cache_{k}", doc, value=s[k])
+        late = s.get("kernels_compiled_after_ready")
+        if isinstance(late, (int, float)):
+            yield CounterMetricFamily("lazyllm_kernels_compiled_after_ready",
+                                      "Triton kernels compiled after the warm-up (requests waited for them)",
+                                      value=late)
         settings = getattr(self.backend, "engine_settings", None)
         if settings is not None:  # the options the engine runs with, as labels of a constant 1
             values = {k: str(v) for k, v in settings().items()}

@@ -510,3 +510,27 @@ def test_build_app_checks_the_replicas_options_before_deploying():
     for bad in ({"page_size": 3}, {"quality": "best"}, {"reuse": "prefix", "kv_disk_dir": "/tmp/kv"}):
         with pytest.raises(InvalidRequestError):
             build_app(**bad)
+
+
+def test_replica_warms_up_in_its_constructor_and_reports_health(tokenizer):
+    """Ray Serve routes to a replica once its constructor returned and ``check_health``
+    passes: the constructor runs the engine's warm-up, the probe fails once it is closed."""
+    from conftest import make_tiny
+
+    from lazyllm.integrations.ray_serve import LazyLLMDeployment
+
+    calls = []
+
+    def factory():
+        llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=4 << 20, warmup=False)
+        llm.config = llm.config.replace(warmup=True)  # as if made with warmup=True, its warm-up not run yet
+        run = llm.warmup
+        llm.warmup = lambda: calls.append("warmup") or run()
+        return llm
+
+    dep = LazyLLMDeployment(llm_factory=factory)
+    assert calls == ["warmup"] and dep.llm.ready
+    dep.check_health()
+    dep.llm.close()
+    with pytest.raises(RuntimeError, match="not ready"):
+        dep.check_health()
