@@ -197,10 +197,7 @@ class LazyLLM:
         # process: stop it first (weakly referenced, so the LazyLLM can still be freed)
         _LIVE_ENGINES.add(self.engine)
         self._readiness = Readiness()
-        if config.warmup:
-            self.warmup()
-        else:
-            self._readiness.skip()
+        self._readiness.begin(self)  # the warm-up where config.warmup, else ready at once
 
     # the options as the running configuration holds them (``llm.config``)
     quality = _from_config("quality")
@@ -232,12 +229,12 @@ class LazyLLM:
         page_size = config.page_size
         if page_size is None:
             page_size = 64 if self.device.type == "cuda" and backend.name == "triton" else 16
-        self.hf_model = hf
-        self.tokenizer = tok
+        self.hf_model, self.tokenizer = hf, tok
         runner = {}
         if config.tensor_parallel > 1:
             from .engine.tp_runner import TensorParallelRunner, start_group
 
+            self._check_tensor_parallel(hf.config)
             # the workers load a checkpoint themselves; a model passed in travels to them
             # (CPU tensors through shared memory, CUDA tensors through CUDA IPC)
             source = hf if model is not None else ("load", model_name_or_path, config.trust_remote_code)
@@ -310,6 +307,11 @@ class LazyLLM:
             raise
         self.store = ChunkStore(pool)
         return kv_cache_bytes
+
+    def _check_tensor_parallel(self, cfg) -> None:
+        from .engine.tp_runner import check_group
+
+        check_group(self.tensor_parallel, cfg, self.device)
 
     def _open_disk(self):
         from .cache.disk import DiskKVStore

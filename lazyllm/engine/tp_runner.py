@@ -176,12 +176,9 @@ class TensorParallelGroup:
         return [p.pid for p in self.procs]
 
 
-def start_group(n: int, hf, source, backend, device: torch.device, dtype: torch.dtype, *, attention_backend: str,
-                batch_invariant: bool, kernel_options, live) -> tuple[TensorParallelGroup, TensorParallelModel]:
-    """Check ``n`` ranks against ``hf``'s shapes and the GPUs present, start the group (added to
-    ``live``, a set of groups stopped at exit) and return it with rank 0's shard; the workers
-    are stopped again if sharding fails. Raises ``InvalidRequestError`` for a bad ``n``."""
-    cfg = hf.config
+def check_group(n: int, cfg, device: torch.device) -> None:
+    """Raise ``InvalidRequestError`` where ``n`` ranks cannot shard a model of config ``cfg``
+    (heads, KV heads, MLP size) or exceed the GPUs present."""
     heads = cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     err = tensor_parallel_error(n, heads, kv, cfg.intermediate_size)
@@ -189,6 +186,13 @@ def start_group(n: int, hf, source, backend, device: torch.device, dtype: torch.
         raise InvalidRequestError(err)
     if device.type == "cuda" and n > torch.cuda.device_count():
         raise InvalidRequestError(f"tensor_parallel={n} needs {n} GPUs; {torch.cuda.device_count()} present")
+
+
+def start_group(n: int, hf, source, backend, device: torch.device, dtype: torch.dtype, *, attention_backend: str,
+                batch_invariant: bool, kernel_options, live) -> tuple[TensorParallelGroup, TensorParallelModel]:
+    """Start the group of ``n`` ranks (``check_group`` first: the workers are not checked
+    again), add it to ``live`` (a set of groups stopped at exit) and return it with rank 0's
+    shard of ``hf``; the workers are stopped again if sharding fails."""
     group = TensorParallelGroup(n, device, dtype, source, attention_backend=attention_backend,
                                 batch_invariant=batch_invariant, kernel_options=kernel_options)
     live.add(group)

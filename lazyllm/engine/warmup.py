@@ -171,6 +171,13 @@ class Readiness:
                     self._mark = COMPILES.mark_ready()
             return dict(self.report)
 
+    def begin(self, llm) -> None:
+        """At construction: the warm-up where ``llm.config.warmup``, else ready at once."""
+        if llm.config.warmup:
+            llm.warmup()
+        else:
+            self.skip()
+
     def skip(self) -> None:
         """Ready without a warm-up (``warmup=False``)."""
         with self._lock:
