@@ -223,3 +223,16 @@ def test_chat_and_complete_take_response_format(li):
     assert c.text in ("yes", "no") and c.raw.parsed == c.text and c.additional_kwargs["finish_reason"] == "stop"
     p = li.complete("Who?", response_format=Person)
     assert isinstance(p.raw.parsed, Person) if p.raw.finish_reason == "stop" else p.raw.parsed is None
+
+
+def test_chat_reads_citable_blocks_as_chunks(li):
+    """Without tools too, a CitableBlock is a chunk (its source the chunk id); a CitableBlock
+    of anything but text is refused."""
+    cite = CitableBlock(title="paris", source="doc-paris", content="Paris has 2.1 million inhabitants.")
+    msg = ChatMessage(role=MessageRole.USER, blocks=[cite, *ChatMessage(content="How many?").blocks])
+    r = li.chat([msg], max_new_tokens=4)
+    assert r.raw.chunk_ids == ["doc-paris"]
+    pdf = DocumentBlock(data=b"%PDF", document_mimetype="application/pdf")
+    bad = CitableBlock(title="x", source="x", content=[pdf])
+    with pytest.raises(ValueError, match="text only"):
+        li.chat([ChatMessage(role=MessageRole.USER, blocks=[bad, *ChatMessage(content="?").blocks])])
