@@ -402,14 +402,14 @@ def _graph_stages(llm, context_pages: int) -> list[tuple[str, object]]:
                 out.append(("decode graphs", lambda B=B, W=W: _on_engine(engine, lambda: _empty_decode(engine, B, W))))
     pg = runner.prefill_graphs
     if pg.enabled:
-        tokens = [t for t in (next_pow2(1 << i, 16) for i in range(4, 16)) if t <= pg.max_tokens]
+        tokens = pg.token_buckets()  # questions, and recompute passes (the question and chosen chunk tokens)
         widths = sorted({pg._width(w) for w in range(1, min(context_pages, pg.max_entries) + 1)})
         mass = [False]
         if cfg.recompute_ratio > 0 and cfg.recompute_selection in ("attention", "two-stage"):
             mass.append(True)  # recovery's first pass (the question's attention mass) replays these
         for W in widths:
             for T in tokens:
-                for m in mass:
+                for m in mass if T <= 256 else [False]:  # the mass pass runs a question alone
                     out.append(("prefill graphs",
                                 lambda T=T, W=W, m=m: _on_engine(engine, lambda: _empty_prefill(engine, T, W, m))))
     return out
