@@ -318,7 +318,7 @@ class LazyRunner:
         # its tokens to every chunk of lazy and block only
         # `balanced`: lazy reuse with the balanced fidelity preset (selective recompute)
         kw = dict(quality="balanced") if system == "balanced" else dict(reuse=system)
-        self.llm = LazyLLM(model=hf, tokenizer=tok, packets=None, **kw,
+        self.llm = LazyLLM(model=hf, tokenizer=tok, packets=None, warmup=args.warmup, **kw,
                            kv_cache_bytes=max(int(budget_frac * pool_bytes), 1 << 20), page_size=args.page_size,
                            kernel_options=KernelOptions(shared_decode=args.shared_decode))
         run_to_length(self.llm)  # every request runs to its length: same work for every system
@@ -627,6 +627,9 @@ def main(argv=None):
     ap.add_argument("--shared-decode", action=argparse.BooleanOptionalAction, default=True,
                     help="shared-chunk decode where requests of a step hold the same pages (the engine's default); "
                          "--no-shared-decode: the per-request kernel only")
+    ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                    help="LazyLLM(warmup=...): compile and capture everything at construction (the measured "
+                         "points follow the warm-up stream either way)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--plots", default=None, help="folder for PNG plots")
