@@ -24,9 +24,10 @@ model and pool before the first request:
   share pages at every batch bucket (the grouped shared-chunk kernel), greedy, sampled and
   masked picks, and whatever recovery and re-rotated copies the configuration runs.
 
-It then drops what it cached and zeroes the counters it moved. On CPU the torch reference runs
-and nothing compiles: the warm-up is skipped (measured on the README demo: it would add time
-before the first answer and take none off it; docs/performance.md).
+It then drops what it cached and puts back the counters it moved. On CPU the torch reference
+runs and nothing compiles: the warm-up is skipped (measured on the README demo's first answer:
+15.0-15.1 s without it, 12.7-16.0 s after it, on a shared machine, for 317-365 s of warm-up;
+docs/performance.md).
 
 ``default_triton_cache()`` keeps Triton's cache in lazyllm's cache folder, so a second
 process loads the kernels the first one compiled. ``COMPILES`` counts Triton compilations
