@@ -286,9 +286,26 @@ def _prefill_lengths(runner, max_tokens: int) -> list[int]:
     return sorted({m for n in chosen for m in (n, n + 1) if m <= max_tokens})
 
 
+def _question_points(runner, max_pages: int) -> list[tuple[int, int, int]]:
+    """``(batch, question tokens, table width)`` of batched question prefills (several
+    requests' questions over cached chunks in one eager forward, as arrivals that come
+    together get) whose launch plans differ, the cheapest of each; a single question of at
+    most ``prefill_graphs.max_tokens`` tokens replays a graph instead and is left out."""
+    if runner.model.attention.name != "triton":
+        return [(2, 40, min(8, max_pages)), (3, 300, min(40, max_pages))]
+    widths = sorted({w for b in (2, 4, 8, 16, 32, 64, 128, 256) for w in (b - 1, b, b + 1) if 2 < w <= max_pages})
+    graph_max = runner.prefill_graphs.max_tokens if runner.prefill_graphs.enabled else 0
+    points = [(b, n, w) for w in widths for n in (16, 40, 64, 100, 200, 300, 600) for b in (1, 2, 3, 4, 6, 8, 16)
+              if (b > 1 or n > graph_max) and b * n <= runner.max_batch_tokens and cdiv(n, runner.pool.page_size) < w]
+    points.sort(key=lambda p: p[0] * p[1] + p[2])
+    return _cover(points, lambda p: _launch_keys(runner.model, runner.pool, p[0], p[1], p[2], p[2]))
+
+
 # -- direct captures (engine thread, engine idle) ---------------------------------------------
 def _idle(engine) -> bool:
-    return not engine.scheduler.running and not engine.scheduler.waiting and engine._inflight is None
+    """No request is waiting or running. (An overlapped decode step may still be unread: its
+    rows all finished, its tokens already copied out, nothing reads its outputs again.)"""
+    return not engine.scheduler.running and not engine.scheduler.waiting
 
 
 def _empty_decode(engine, B: int, W: int) -> bool:
@@ -427,6 +444,10 @@ def _request_stages(llm, context_tokens: int, gen: _Requests) -> list[tuple[str,
     longest = max(16, min(context_tokens, llm.config.max_batch_tokens) - 64)
     for n in _prefill_lengths(runner, longest):
         out.append(("prefill", lambda n=n: gen.run([gen.make([gen.ids(n)], 8)])))
+    for b, n, w in _question_points(runner, max(3, context_tokens // ps)):
+        # one chunk filling the table to ``w`` entries beside the prefix's and the question's pages
+        chunk = gen.ids(max(1, (w - 1 - cdiv(n, ps)) * ps))
+        out.append(("questions", lambda b=b, n=n, c=chunk: gen.run([gen.make([c], n) for _ in range(b)])))
     shared = [gen.ids(4 * ps), gen.ids(4 * ps + ps // 2)]
     long_q = runner.prefill_graphs.max_tokens + 40
     out.append(("prefill", lambda: gen.run([gen.make(shared, long_q)])))
@@ -468,7 +489,11 @@ def warm_up(llm, progress: bool = True, *, on_cpu: bool = False) -> dict:
     compiled0, g0 = COMPILES.compiled, engine.graph_stats()
     saved = engine.call(lambda: _snapshot(engine))
     gen = _Requests(llm)
-    stages = _graph_stages(llm, cdiv(context, ps) + 2) + _request_stages(llm, context, gen)
+    try:
+        stages = _graph_stages(llm, cdiv(context, ps) + 2) + _request_stages(llm, context, gen)
+    except Exception as e:  # noqa: BLE001  (a model or backend the planning does not know)
+        log.warning("the warm-up could not be planned (%r); the first requests will compile", e)
+        stages = []
     from tqdm.auto import tqdm
 
     with COMPILES.warming(), tqdm(total=len(stages), desc="warming up", unit="step", disable=not progress) as bar:
@@ -476,7 +501,10 @@ def warm_up(llm, progress: bool = True, *, on_cpu: bool = False) -> dict:
         try:
             for label, fn in stages:
                 bar.set_postfix_str(label, refresh=False)
-                fn()
+                try:
+                    fn()
+                except Exception as e:  # noqa: BLE001  (a warm-up that covers less beats no engine)
+                    log.warning("warm-up step %r failed (%r); the engine serves without it", label, e)
                 # its chunks go at once, so a warm-up after requests evicts none of theirs
                 engine.call(lambda: engine.store.drop_except(saved[0]))
                 bar.update()
