@@ -207,12 +207,17 @@ def _int_class(n: int) -> int:
     return 1 if n == 1 else 16 if n % 16 == 0 else 0
 
 
-def _launch_keys(model, pool, batch: int, max_seqlen_q: int, width: int, row_stride: int) -> frozenset:
+def _launch_keys(model, pool, batch: int, max_seqlen_q: int, width: int, row_stride: int,
+                 plane: int | None = None) -> frozenset:
     """What Triton compiles for one attention launch shape, for every layer kind (window,
     RoPE table) of ``model``: the ``LaunchPlan`` of ``kernels/triton/launcher.plan_launch``
     (the same function the launch calls) reduced to its constexprs and the specialization
     classes of its integer arguments (split count, table width and row stride, the split
-    merge's power-of-two bound)."""
+    merge's power-of-two bound) and of its table pointers: the page, position, delta and
+    length tables are the planes of one int32 tensor, ``plane`` entries apart (default
+    ``batch * width``, an eager step's packed tables), so whether the second to fourth start
+    on 16 bytes depends on it."""
+    plane = batch * width if plane is None else plane
     from lazyllm.kernels import KernelOptions
     from lazyllm.kernels.triton.launcher import plan_launch
 
@@ -230,7 +235,7 @@ def _launch_keys(model, pool, batch: int, max_seqlen_q: int, width: int, row_str
         keys.add((p.loop, p.decode_kernel, p.short, p.block_m, p.block_n, p.num_warps, p.num_stages, p.ppt,
                   p.cs_per_page, p.prefetch, p.from_delta, p.lookahead, p.packed_rot, p.gluon, p.window, p.ape,
                   _int_class(p.num_splits), _int_class(width), _int_class(row_stride),
-                  next_pow2(parts, 2) if parts > 1 else 0))
+                  next_pow2(parts, 2) if parts > 1 else 0, plane % 4 == 0, plane % 2 == 0))
     return frozenset(keys)
 
 
@@ -255,12 +260,13 @@ def _decode_widths(runner, context_pages: int) -> list[int]:
     far = [w for w in buckets if w not in near]
     if not far or runner.model.attention.name != "triton":
         return near
-    me = runner.decode_state.max_entries
+    st = runner.decode_state
+    me, plane = st.max_entries, (st.max_batch + 1) * st.max_entries  # the decode state's table planes
     batches = _batch_buckets(runner)
-    seen = set().union(*(_launch_keys(runner.model, runner.pool, b, 1, w, me) for b in batches for w in near))
+    seen = set().union(*(_launch_keys(runner.model, runner.pool, b, 1, w, me, plane) for b in batches for w in near))
     extra = []
     for w in far:
-        keys = set().union(*(_launch_keys(runner.model, runner.pool, b, 1, w, me) for b in batches))
+        keys = set().union(*(_launch_keys(runner.model, runner.pool, b, 1, w, me, plane) for b in batches))
         if keys - seen:
             seen |= keys
             extra.append(w)
