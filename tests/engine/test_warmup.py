@@ -112,3 +112,40 @@ def test_warm_up_requests_leave_no_trace(tokenizer, tmp_path, kw):
         assert again.token_ids == first.token_ids and again.usage.cached_tokens > first.usage.cached_tokens
     finally:
         llm.close()
+
+
+def test_prefill_lengths_cover_every_launch_plan_of_a_dense_sweep(tokenizer):
+    """The chunk lengths the warm-up prefills reach every launch plan (constexprs and integer
+    and pointer specializations, from the launcher's own ``plan_launch``) that any length up
+    to the longest does."""
+    from lazyllm.intmath import cdiv
+
+    model = make_tiny("llama", hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+    llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=1 << 26, attention_backend="triton", page_size=64)
+    try:
+        r = llm.engine.runner
+
+        def keys(n):
+            return wu._launch_keys(r.model, r.pool, 1, n, cdiv(n, 64), cdiv(n, 64))
+
+        lengths = wu._prefill_lengths(r, 3000)
+        reached = set().union(*(keys(n) for n in lengths))
+        assert len(lengths) < 40 and reached == set().union(*(keys(n) for n in range(2, 3001)))
+        points = wu._question_points(r, 64)
+        assert points and all(b * n <= r.max_batch_tokens for b, n, _ in points)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_padded_decode_steps_leave_answers_unchanged(tokenizer, backend):
+    """The warm-up's decode steps with every row padding (captured in CUDA graphs on a GPU)
+    write only the scratch slot: a request after them gets the same tokens as before."""
+    llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=1 << 22, attention_backend=backend)
+    try:
+        before = llm.generate("Where?", chunks=["The lamp is in room 7."], max_new_tokens=5).token_ids
+        e = llm.engine
+        assert all(e.call(lambda B=B, W=W: wu._empty_decode(e, B, W)) for B, W in ((1, 16), (4, 32), (16, 16)))
+        assert llm.generate("Where?", chunks=["The lamp is in room 7."], max_new_tokens=5).token_ids == before
+    finally:
+        llm.close()
