@@ -36,6 +36,7 @@ warning with the kernel's name.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import queue
@@ -533,11 +534,8 @@ def warm_up(llm, progress: bool = True, *, on_cpu: bool = False) -> dict:
 def _snapshot(engine) -> tuple:
     """What the warm-up changes and puts back: the cached entries' keys, the cache
     counters, the engine's metrics and its decode step log."""
-    import dataclasses
-
     store = engine.store
-    return (set(store.entries), dataclasses.replace(store.counters), dict(engine.metrics),
-            list(engine.decode_step_log))
+    return (set(store.entries), copy.deepcopy(store.counters), dict(engine.metrics), list(engine.decode_step_log))
 
 
 def _restore(engine, saved) -> None:
