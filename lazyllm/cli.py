@@ -41,30 +41,35 @@ def main(argv: list[str] | None = None) -> int:
 def adapt_main(argv: list[str]) -> int:
     """``lazyllm adapt``: arguments of ``lazyllm.quality.adapt``."""
     import argparse
+    import inspect
     import json
 
-    ap = argparse.ArgumentParser(prog="lazyllm adapt", description="Train a learned chunk packet on your documents "
+    from lazyllm.quality.adapt import adapt
+
+    # the notebook function's defaults, so the two entry points train the same recipe
+    dflt = {k: p.default for k, p in inspect.signature(adapt).parameters.items()}
+    ap = argparse.ArgumentParser(prog="lazyllm adapt", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                 description="Train a learned chunk packet on your documents "
                                  "(self-distillation from full attention, no labels) and report fidelity on "
                                  "held-out documents before and after.")
     ap.add_argument("documents", help="a JSONL file, a folder of .txt/.md files, or one text file")
     ap.add_argument("--out", default="packets.safetensors", help="packet file to write")
     ap.add_argument("--model", default=None, help="model path or hub id (default: the embedded model)")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--k-header", type=int, default=4)
-    ap.add_argument("--k-trailer", type=int, default=4)
-    ap.add_argument("--cases", type=int, default=120, help="training cases")
-    ap.add_argument("--heldout", type=float, default=0.2, help="fraction of documents held out")
-    ap.add_argument("--heldout-cases", type=int, default=16)
-    ap.add_argument("--questions", choices=("templates", "model", "mixed"), default="templates")
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--minutes", type=float, default=20.0, help="training time limit")
-    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--k-header", type=int, default=dflt["k_header"], help="packet embeddings before each chunk")
+    ap.add_argument("--k-trailer", type=int, default=dflt["k_trailer"], help="packet embeddings after each chunk")
+    ap.add_argument("--cases", type=int, default=dflt["cases"], help="training cases")
+    ap.add_argument("--heldout", type=float, default=dflt["heldout"], help="fraction of documents held out")
+    ap.add_argument("--heldout-cases", type=int, default=dflt["heldout_cases"], help="cases for the held-out report")
+    ap.add_argument("--questions", choices=("templates", "model", "mixed"), default=dflt["questions"])
+    ap.add_argument("--steps", type=int, default=dflt["steps"], help="Adam steps, one case each")
+    ap.add_argument("--minutes", type=float, default=dflt["minutes"], help="training time limit")
+    ap.add_argument("--lr", type=float, default=dflt["lr"], help="learning rate")
     ap.add_argument("--no-report", action="store_true", help="skip the fidelity report")
     ap.add_argument("--json", default=None, help="write the report and the training log here")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     from lazyllm import InvalidRequestError, LazyLLM
-    from lazyllm.quality.adapt import adapt
 
     try:
         llm = LazyLLM(a.model, device=a.device, reuse="none", packets=None, kv_cache_bytes=256 << 20)
