@@ -65,14 +65,20 @@ DECODE_TOKENS = 4  # tokens per synthetic request that decodes: a few overlapped
 
 
 # -- Triton's cache -------------------------------------------------------------------------
-def default_triton_cache() -> str:
+def default_triton_cache() -> str | None:
     """Triton's kernel cache folder: ``TRITON_CACHE_DIR`` where the user set it, else
     ``triton/`` in lazyllm's cache folder (``LAZYLLM_CACHE``, default ``~/.cache/lazyllm``),
     which is then set as ``TRITON_CACHE_DIR`` for this process and the ones it starts
-    (tensor-parallel workers), so the next process loads what this one compiled."""
+    (tensor-parallel workers), so the next process loads what this one compiled. ``None``
+    where that folder cannot be made (Triton's own default then stays)."""
     path = os.environ.get("TRITON_CACHE_DIR")
     if not path:
         path = str(cache_root() / "triton")
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:  # a read-only home, say: Triton keeps its own default
+            log.warning("cannot use %s for Triton's kernel cache (%s); Triton's default stays", path, e)
+            return None
         os.environ["TRITON_CACHE_DIR"] = path
     return path
 

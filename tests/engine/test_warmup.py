@@ -62,6 +62,11 @@ def test_triton_cache_defaults_to_lazyllm_cache_folder_unless_set(monkeypatch, t
     monkeypatch.setenv("LAZYLLM_CACHE", str(tmp_path))
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     assert wu.default_triton_cache() == str(tmp_path / "triton") == os.environ["TRITON_CACHE_DIR"]
+    ro = tmp_path / "read-only"
+    ro.write_text("a file where the cache folder would go")
+    monkeypatch.setenv("LAZYLLM_CACHE", str(ro))
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    assert wu.default_triton_cache() is None and "TRITON_CACHE_DIR" not in os.environ
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
     assert wu.default_triton_cache() == str(tmp_path / "mine")
     triton = pytest.importorskip("triton")
