@@ -352,8 +352,10 @@ def test_fused_attention_mass_equals_unfused_layers(tiny_cuda, tokenizer, monkey
         return fused
 
     monkeypatch.setattr(Recovery, "question_attention", both)
+    # warmup=False: the patched pass above runs on this test's request only, not on the warm-up's
     llm = LazyLLM(model=tiny_cuda, tokenizer=tokenizer, chunk_context="prefix", recompute_ratio=0.2,
-                  recompute_selection="attention", kv_cache_bytes=256 << 20, attention_backend="triton")
+                  recompute_selection="attention", kv_cache_bytes=256 << 20, attention_backend="triton",
+                  warmup=False)
     docs = DOCS[:4]
     llm.warm(docs, system="Be brief.")
     # one token: no decode graph is captured after the unfused pass (on CUDA the model never
@@ -387,7 +389,8 @@ def test_question_attention_pass_from_cuda_graph_equals_eager(tiny_cuda, tokeniz
 
     monkeypatch.setattr(Recovery, "question_attention", both)
     llm = LazyLLM(model=tiny_cuda, tokenizer=tokenizer, chunk_context="prefix", recompute_ratio=0.2,
-                  recompute_selection=selection, kv_cache_bytes=256 << 20, attention_backend="triton")
+                  recompute_selection=selection, kv_cache_bytes=256 << 20, attention_backend="triton",
+                  warmup=False)  # the patched pass runs on this test's request only
     docs = DOCS[:4]
     llm.warm(docs, system="Be brief.")
     out = llm.generate("Which was completed in 1889?", chunks=docs[::-1], system="Be brief.", max_new_tokens=4)
