@@ -174,9 +174,11 @@ class Readiness:
     def warm(self, llm, progress: bool) -> dict:
         with self._lock:
             if self.report is None:
-                self.report = warm_up(llm, progress)
-                if self._mark is None:
-                    self._mark = COMPILES.mark_ready()
+                try:
+                    self.report = warm_up(llm, progress)
+                finally:  # a warm-up that failed leaves an engine that serves, more slowly
+                    if self._mark is None:
+                        self._mark = COMPILES.mark_ready()
             return dict(self.report)
 
     def begin(self, llm) -> None:
