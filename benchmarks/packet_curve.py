@@ -156,7 +156,7 @@ def train_lora(hf, cases, k_header, k_trailer, rank, steps, lr, lr_packet, tok, 
         loss.backward()
         opt.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return pm, gates, rows.detach(), losses
 
 
