@@ -57,7 +57,6 @@ from llama_index.core.base.llms.types import (
     CompletionResponseGen,
     LLMMetadata,
     MessageRole,
-    TextBlock,
 )
 from llama_index.core.base.response.schema import (
     RESPONSE_TYPE,
@@ -95,10 +94,10 @@ from ._common import (
 from .llama_index_tools import (
     TOOL_KWARGS,
     ChunkRetrieverTool,
-    block_chunk,
     chat_message,
     openai_messages,
     prepare_chat_with_tools,
+    text_and_chunks,
     tool_selections,
 )
 from .minilm import DIM, MODEL_NAME, embed
@@ -121,16 +120,7 @@ def chat_to_request(messages: Sequence[ChatMessage], system_prompt: str | None =
 def _message_parts(m: ChatMessage) -> tuple[str, str, list[Chunk]]:
     """``(role, text, chunks)`` of one message, for ``request_from_messages``."""
     role = _ROLES.get(m.role, str(m.role.value if hasattr(m.role, "value") else m.role))
-    texts, chunks = [], []
-    for b in m.blocks:
-        if isinstance(b, TextBlock):
-            texts.append(b.text)
-        elif (c := block_chunk(b)) is not None:
-            chunks.append(c)
-        elif not (role == "assistant" and getattr(b, "block_type", None) in ("thinking", "tool_call")):
-            raise InvalidRequestError(
-                f"lazyllm takes text and text document blocks; got {getattr(b, 'block_type', type(b).__name__)!r}")
-    return role, "\n".join(texts), chunks
+    return (role, *text_and_chunks(m, role))
 
 
 class LlamaIndexLLM(FunctionCallingLLM):

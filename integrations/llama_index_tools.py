@@ -99,13 +99,19 @@ def prepare_chat_with_tools(tools: Sequence[Any], user_msg: Any = None, chat_his
     return {"messages": messages, "tools": specs or None, "parallel_tool_calls": allow_parallel_tool_calls, **kwargs}
 
 
-def _text_and_chunks(m: ChatMessage) -> tuple[str, list[Chunk]]:
+def text_and_chunks(m: ChatMessage, role: str) -> tuple[str, list[Chunk]]:
+    """The text of a message's text blocks and the chunks of its document blocks; any other
+    block is refused with a clear error, except an assistant's thinking and tool-call blocks
+    (their content travels in ``additional_kwargs``)."""
     texts, chunks = [], []
     for b in m.blocks:
         if isinstance(b, TextBlock):
             texts.append(b.text)
         elif (c := block_chunk(b)) is not None:
             chunks.append(c)
+        elif not (role == "assistant" and getattr(b, "block_type", None) in ("thinking", "tool_call")):
+            raise InvalidRequestError(
+                f"lazyllm takes text and text document blocks; got {getattr(b, 'block_type', type(b).__name__)!r}")
     return "\n".join(texts), chunks
 
 
@@ -116,8 +122,9 @@ def openai_messages(messages: Sequence[ChatMessage], system: str | None) -> list
     carried = False
     for m in messages:
         role = m.role.value if isinstance(m.role, MessageRole) else str(m.role)
-        text, chunks = _text_and_chunks(m)
-        d: dict[str, Any] = {"role": {"model": "assistant", "chatbot": "assistant"}.get(role, role), "content": text}
+        role = {"model": "assistant", "chatbot": "assistant"}.get(role, role)
+        text, chunks = text_and_chunks(m, role)
+        d: dict[str, Any] = {"role": role, "content": text}
         if chunks and not carried:
             d["chunks"], carried = chunks, True
         elif chunks:  # a request has one run of chunks
