@@ -390,9 +390,7 @@ class LlamaFamilyModel:
         backend)."""
         h = self._embed(input_ids)
         if self.fused is not None:  # the forward's own kernels, with the mass pass beside each attention
-            tables = [rope_cos_sin(meta.positions, f, sc) for f, sc in zip(self.inv_freqs, self.rope_scales)]
-            plans = [self.attention.plan(meta, f) for f in self.inv_freqs]
-            return self._forward_fused(h, meta, k_cache, v_cache, tables, plans, None, mass=True)
+            return self._forward_fused(h, meta, k_cache, v_cache, None, mass=True)
         return self._layers(h, meta, k_cache, v_cache, mass=True)[1]
 
     def set_packets(self, rows: torch.Tensor | None) -> None:
@@ -440,9 +438,7 @@ class LlamaFamilyModel:
         s = self.spec
         h = self._embed(input_ids)
         if self.fused is not None and stop_after_layer is None:
-            tables = [rope_cos_sin(meta.positions, f, sc) for f, sc in zip(self.inv_freqs, self.rope_scales)]
-            plans = [self.attention.plan(meta, f) for f in self.inv_freqs]
-            return self._forward_fused(h, meta, k_cache, v_cache, tables, plans, logits_index)
+            return self._forward_fused(h, meta, k_cache, v_cache, logits_index)
         h, _ = self._layers(h, meta, k_cache, v_cache, last=stop_after_layer)
         if stop_after_layer in range(len(self.layers)):  # stopped there: its hidden states
             return h
@@ -451,7 +447,7 @@ class LlamaFamilyModel:
         h = self._norm(h, self.final_norm, s.rms_eps)
         return self._linear(h, self.lm_head).float()
 
-    def _forward_fused(self, h, meta, k_cache, v_cache, tables, plans, logits_index, mass: bool = False):
+    def _forward_fused(self, h, meta, k_cache, v_cache, logits_index, mass: bool = False):
         """``forward`` with the fused kernels: per layer one RMSNorm (+ residual add), the
         QKV GEMM, one RoPE + K/V write (with the per-head q/k norms of Qwen3 and Gemma 3),
         attention, the output GEMM, one add + RMSNorm, the gate/up GEMM, one SiLU (Gemma:
@@ -463,6 +459,8 @@ class LlamaFamilyModel:
         sum over layers instead of logits (the last layer's MLP and the head are skipped)."""
         s, fk = self.spec, self.fused
         n = h.shape[0]
+        tables = [rope_cos_sin(meta.positions, f, sc) for f, sc in zip(self.inv_freqs, self.rope_scales)]
+        plans = [self.attention.plan(meta, f) for f in self.inv_freqs]
         proj = self._linear if self.batch_invariant else functools.partial(fk.linear_or_parts, linear=self._linear)
         gemma = s.gemma
         g = dict(gemma=True) if gemma else {}
