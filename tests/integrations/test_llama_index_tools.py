@@ -236,3 +236,19 @@ def test_chat_reads_citable_blocks_as_chunks(li):
     bad = CitableBlock(title="x", source="x", content=[pdf])
     with pytest.raises(ValueError, match="text only"):
         li.chat([ChatMessage(role=MessageRole.USER, blocks=[bad, *ChatMessage(content="?").blocks])])
+
+
+def test_chat_with_tools_refuses_blocks_it_cannot_read(li):
+    """An image in a tool conversation is refused with a clear error, as in a plain chat,
+    not dropped from the prompt."""
+    from llama_index.core.base.llms.types import ImageBlock
+
+    from lazyllm import InvalidRequestError
+
+    tool = FunctionTool.from_defaults(fn=lookup)
+    img = ImageBlock(image=b"\x89PNG\r\n", image_mimetype="image/png")
+    msg = ChatMessage(role=MessageRole.USER, blocks=[img, *ChatMessage(content="What is this?").blocks])
+    for call in (lambda: li.chat([msg]), lambda: li.chat_with_tools([tool], chat_history=[msg])):
+        with pytest.raises(InvalidRequestError, match="text and text document blocks"):
+            call()
+    assert li.chat([ChatMessage(content="Still serving?")], max_new_tokens=2).message.content is not None
