@@ -40,7 +40,8 @@ from benchmarks._common import (  # noqa: E402
 from lazyllm.presets import PRESETS  # noqa: E402
 
 SETTINGS = {"default": {}, **{name: {"quality": name} for name in PRESETS},
-            "balanced-two-stage": {"quality": "balanced", "recompute_selection": "two-stage"}}
+            # balanced with the question's first pass over the first quarter of the layers
+            "balanced-depth-0.25": {"quality": "balanced", "recompute_selection_depth": 0.25}}
 
 
 def main(argv=None) -> dict:

@@ -215,7 +215,7 @@ def engine_settings(llm: Any) -> dict[str, Any]:
     ``lazyllm_engine_info`` metric): the quality preset and the options it resolves to."""
     out: dict[str, Any] = {"quality": getattr(llm, "quality", None)}
     for name in ("reuse", "chunk_context", "recompute_first_tokens", "recompute_ratio", "recompute_selection",
-                 "context_temperature", "context_lse_scale"):
+                 "recompute_selection_depth", "context_temperature", "context_lse_scale"):
         if hasattr(llm, name):
             out[name] = getattr(llm, name)
     return out

@@ -88,6 +88,10 @@ class LazyLLM:
         faithful than ``"deviation"`` at every budget measured, BENCHMARKS.md "Quality") or
         ``"two-stage"`` (ProphetKV-style: that attention shortlists twice the budget, ranked
         then by attention times key deviation; the ``balanced`` preset's choice).
+    recompute_selection_depth : for the ``"attention"`` and ``"two-stage"`` selections, the
+        leading fraction of the layers over which the question's attention is summed (its
+        first pass stops there): 1 (default, and ``balanced``'s) every layer. Less is a
+        cheaper first pass at some fidelity (``docs/performance.md``).
     context_temperature, context_lse_scale : APE-style calibration of how the question and
         the generated tokens read the retrieved documents, without recompute and without
         touching the cached KV: the documents' logits are divided by the temperature and
@@ -167,6 +171,7 @@ class LazyLLM:
         recompute_first_tokens: int | None = None,
         recompute_ratio: float | None = None,
         recompute_selection: str | None = None,
+        recompute_selection_depth: float | None = None,
         context_temperature: float | None = None,
         context_lse_scale: float | None = None,
         quality: str | None = None,
@@ -186,6 +191,7 @@ class LazyLLM:
             kv_cache_bytes=kv_cache_bytes, page_size=page_size, attention_backend=attention_backend,
             max_batch_tokens=max_batch_tokens, recompute_first_tokens=recompute_first_tokens,
             recompute_ratio=recompute_ratio, recompute_selection=recompute_selection,
+            recompute_selection_depth=recompute_selection_depth,
             context_temperature=context_temperature, context_lse_scale=context_lse_scale, kv_disk_dir=kv_disk_dir,
             kv_disk_bytes=kv_disk_bytes, trust_remote_code=trust_remote_code, progress=progress,
             batch_invariant=batch_invariant, overlap_decode=overlap_decode, kernel_options=kernel_options,
@@ -206,6 +212,7 @@ class LazyLLM:
     recompute_first_tokens = _from_config("recompute_first_tokens")
     recompute_ratio = _from_config("recompute_ratio")
     recompute_selection = _from_config("recompute_selection")
+    recompute_selection_depth = _from_config("recompute_selection_depth")
     context_temperature = _from_config("context_temperature")
     context_lse_scale = _from_config("context_lse_scale")
     attention_backend = _from_config("attention_backend")

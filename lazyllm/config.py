@@ -112,6 +112,9 @@ class EngineConfig:
                                   "also recompute this fraction of chunk tokens with full context, in [0, 1]")
     recompute_selection: str = _opt(QUALITY_OPTIONS["recompute_selection"],
                                     "how recompute_ratio picks its tokens", BUILTIN_SELECTIONS)
+    recompute_selection_depth: float = _opt(QUALITY_OPTIONS["recompute_selection_depth"],
+                                            "the leading fraction of the layers whose attention the 'attention' and "
+                                            "'two-stage' selections sum, in (0, 1]")
     context_temperature: float = _opt(QUALITY_OPTIONS["context_temperature"],
                                       "divide the documents' attention logits by this (1: off)")
     context_lse_scale: float = _opt(QUALITY_OPTIONS["context_lse_scale"],
@@ -218,6 +221,9 @@ def _value_problems(c: EngineConfig) -> list[str]:
         bad.append(f"recompute_first_tokens must be an int >= 0, got {c.recompute_first_tokens!r}")
     if not _is_number(c.recompute_ratio) or not 0.0 <= c.recompute_ratio <= 1.0:
         bad.append(f"recompute_ratio must be in [0, 1], got {c.recompute_ratio!r}")
+    d = c.recompute_selection_depth
+    if not _is_number(d) or not 0.0 < d <= 1.0:
+        bad.append(f"recompute_selection_depth must be in (0, 1], got {d!r}")
     for name, v in (("kv_cache_bytes", c.kv_cache_bytes), ("kv_disk_bytes", c.kv_disk_bytes),
                     ("max_batch_tokens", c.max_batch_tokens)):
         if (v is not None or name != "kv_cache_bytes") and (not _is_int(v) or v <= 0):

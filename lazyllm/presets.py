@@ -28,6 +28,7 @@ QUALITY_OPTIONS: dict[str, object] = {
     "recompute_first_tokens": 0,
     "recompute_ratio": 0.0,
     "recompute_selection": "deviation",
+    "recompute_selection_depth": 1.0,
     "context_temperature": 1.0,
     "context_lse_scale": 1.0,
 }

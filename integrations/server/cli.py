@@ -32,7 +32,7 @@ log = logging.getLogger("lazyllm.server")
 _NOT_FLAGS = {"kernel_options", "progress"}
 # the options a quality preset sets: their default is the preset's
 _PRESET_SET = {"reuse", "chunk_context", "recompute_first_tokens", "recompute_ratio", "recompute_selection",
-               "context_temperature", "context_lse_scale"}
+               "recompute_selection_depth", "context_temperature", "context_lse_scale"}
 
 
 def _positive_int(text: str) -> int:

@@ -397,11 +397,12 @@ class PrefillGraphs:
         # only a scan (it stops at the last real entry)
         return min(next_pow2(W, 16), self.max_entries)
 
-    def run(self, ids, pos, slots, table, ctx=(0, 0), mass: bool = False) -> torch.Tensor | None:
+    def run(self, ids, pos, slots, table, ctx=(0, 0), mass: int = 0) -> torch.Tensor | None:
         """Logits ``(1, vocab)`` of the last of ``ids``; ``table`` lists the sequence's
         ``TableEntry`` rows (cached context first, then its own pages); ``ctx``: its document
-        range (with context calibration). ``mass``: instead, the attention mass each table
-        slot gets from the tokens, ``model.attention_mass`` ``(1, width bucket, page_size)``
+        range (with context calibration). ``mass`` > 0: instead, the attention mass each table
+        slot gets from the tokens over the first ``mass`` layers, ``model.attention_mass``
+        ``(1, width bucket, page_size)``
         (its first ``len(table)`` entries are the table's; the tokens' K/V are written as by
         a forward): the first pass of attention-guided recompute selection, one graph per
         bucket as for the forward. ``None`` if the graph could not be captured (graphs are
@@ -446,12 +447,12 @@ class PrefillGraphs:
             block_table=t[_PAGE, :, :Wb], block_pos=t[_POS, :, :Wb], block_delta=t[_DELTA, :, :Wb],
             block_len=t[_LEN, :, :Wb], max_seqlen_q=T, ctx_range=self.ctx)
 
-    def _capture(self, T: int, Wb: int, mass: bool = False):
+    def _capture(self, T: int, Wb: int, mass: int = 0):
         meta = self._meta(T, Wb)
         ids, rows = self.buf[:T], self.buf[3 * T + 2:3 * T + 3]
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         # the warm-up runs on the real inputs, so its K/V writes are the real ones
         if mass:
-            return _capture_graph(lambda: self.model.attention_mass(ids, meta, self.k, self.v), self.pool)
+            return _capture_graph(lambda: self.model.attention_mass(ids, meta, self.k, self.v, layers=mass), self.pool)
         return _capture_graph(lambda: self.model.forward(ids, meta, self.k, self.v, logits_index=rows), self.pool)

@@ -120,7 +120,8 @@ class Engine:
                                    max_batch_size=max_batch_size, metrics=self.metrics)
         self.recovery = Recovery(
             self.runner, self.planner, first_tokens=config.recompute_first_tokens, ratio=config.recompute_ratio,
-            selection=config.recompute_selection, probe_layer=probe_layer, metrics=self.metrics,
+            selection=config.recompute_selection, selection_depth=config.recompute_selection_depth,
+            probe_layer=probe_layer, metrics=self.metrics,
             exact_at_home=config.reuse == "lazy" and config.chunk_context == "prefix")
         self.output = OutputProcessor(tokenizer, eos_ids, model.spec.max_context, self.metrics)
         self.inbox: queue.Queue = queue.Queue()

@@ -337,7 +337,7 @@ def _empty_decode(engine, B: int, W: int) -> bool:
     return True
 
 
-def _empty_prefill(engine, T: int, W: int, mass: bool) -> bool:
+def _empty_prefill(engine, T: int, W: int, mass: int) -> bool:
     """Capture the short-prefill graph of token bucket ``T`` and width bucket ``W`` (or its
     attention-mass twin) over ``W`` entries naming the scratch page; the tokens' K/V go to
     the scratch slot."""
@@ -437,12 +437,12 @@ def _graph_stages(llm, context_pages: int) -> list[tuple[str, object]]:
     if pg.enabled:
         tokens = pg.token_buckets()  # questions, and recompute passes (the question and chosen chunk tokens)
         widths = sorted({pg._width(w) for w in range(1, min(context_pages, pg.max_entries) + 1)})
-        mass = [False]
+        mass = [0]
         if cfg.recompute_ratio > 0 and cfg.recompute_selection in ("attention", "two-stage"):
-            mass.append(True)  # recovery's first pass (the question's attention mass) replays these
+            mass.append(engine.recovery.mass_layers)  # recovery's first pass (the question's attention) replays these
         for W in widths:
             for T in tokens:
-                for m in mass if T <= 256 else [False]:  # the mass pass runs a question alone
+                for m in mass if T <= 256 else [0]:  # the mass pass runs a question alone
                     out.append(("prefill graphs",
                                 lambda T=T, W=W, m=m: _on_engine(engine, lambda: _empty_prefill(engine, T, W, m))))
     return out

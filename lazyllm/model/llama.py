@@ -321,7 +321,7 @@ class LlamaFamilyModel:
                 mass: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The unfused layer loop: per layer q/k/v with RoPE, the K/V write, attention and the
         rest of the layer, through layer ``last`` (``None``: all). Returns the hidden states
-        and, with ``mass``, the attention mass summed over the layers (``attention_mass``)."""
+        and, with ``mass``, the attention mass summed over those layers (``attention_mass``)."""
         tables = [rope_cos_sin(meta.positions, f, sc) for f, sc in zip(self.inv_freqs, self.rope_scales)]
         plans = [self.attention.plan(meta, f) for f in self.inv_freqs]
         total = None
@@ -380,18 +380,23 @@ class LlamaFamilyModel:
 
     @torch.inference_mode()
     def attention_mass(self, input_ids: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor) -> torch.Tensor:
-        """Run new tokens (a question) through every layer like ``forward``, writing their
-        K/V at ``meta.slot_mapping``, and return the attention mass each table slot gets
-        from them: softmax probabilities summed over layers, heads and queries,
+                       v_cache: torch.Tensor, layers: int | None = None) -> torch.Tensor:
+        """Run new tokens (a question) through the first ``layers`` layers (``None``: every
+        layer) like ``forward``, writing their K/V at ``meta.slot_mapping``, and return the
+        attention mass each table slot gets from them: softmax probabilities summed over
+        those layers, heads and queries,
         ``(batch, max_blocks, page_size)`` float32 (``paged_attention_mass_ref``): what
         attention-guided recompute selection reads. Attention and mass run on the kernels the
         backend's step plan names (``AttentionBackend.mass``: the Triton kernel on the Triton
         backend)."""
+        n_layers = len(self.layers)
+        layers = n_layers if layers is None else layers
+        if not 1 <= layers <= n_layers:
+            raise ValueError(f"layers must be in [1, {n_layers}], got {layers}")
         h = self._embed(input_ids)
         if self.fused is not None:  # the forward's own kernels, with the mass pass beside each attention
-            return self._forward_fused(h, meta, k_cache, v_cache, None, mass=True)
-        return self._layers(h, meta, k_cache, v_cache, mass=True)[1]
+            return self._forward_fused(h, meta, k_cache, v_cache, None, mass=layers)
+        return self._layers(h, meta, k_cache, v_cache, last=layers - 1, mass=True)[1]
 
     def set_packets(self, rows: torch.Tensor | None) -> None:
         """Packet embeddings (``lazyllm.model.packets``): ``(k, hidden)`` rows that the virtual
@@ -447,7 +452,7 @@ class LlamaFamilyModel:
         h = self._norm(h, self.final_norm, s.rms_eps)
         return self._linear(h, self.lm_head).float()
 
-    def _forward_fused(self, h, meta, k_cache, v_cache, logits_index, mass: bool = False):
+    def _forward_fused(self, h, meta, k_cache, v_cache, logits_index, mass: int = 0):
         """``forward`` with the fused kernels: per layer one RMSNorm (+ residual add), the
         QKV GEMM, one RoPE + K/V write (with the per-head q/k norms of Qwen3 and Gemma 3),
         attention, the output GEMM, one add + RMSNorm, the gate/up GEMM, one SiLU (Gemma:
@@ -455,8 +460,9 @@ class LlamaFamilyModel:
         norm). Gemma's sandwich norms (after attention, after the MLP) are fused into the
         add + RMSNorm that follows them. For a single token (decode at batch 1) the
         projections are split-K GEMVs whose partial sums the next fused kernel adds up
-        (``gemv_parts``), unless ``batch_invariant``. ``mass``: return ``attention_mass``'s
-        sum over layers instead of logits (the last layer's MLP and the head are skipped)."""
+        (``gemv_parts``), unless ``batch_invariant``. ``mass`` > 0: return ``attention_mass``'s
+        sum over the first ``mass`` layers instead of logits (the rest is skipped, from the
+        last of those layers' MLP on)."""
         s, fk = self.spec, self.fused
         n = h.shape[0]
         tables = [rope_cos_sin(meta.positions, f, sc) for f, sc in zip(self.inv_freqs, self.rope_scales)]
@@ -482,7 +488,7 @@ class LlamaFamilyModel:
                 m = self.attention.mass(q, meta, k_cache[li], v_cache[li], self.inv_freqs[fi], s.sm_scale,
                                         window=w["window"], plan=plans[fi])
                 total = m if total is None else total + m
-                if li == len(self.layers) - 1:
+                if li == mass - 1:
                     return total
             y = proj(o.reshape(n, -1), w["wo"], w["bo"])
             if gemma:  # h + post_attn(y), then pre_ff: one kernel

@@ -239,6 +239,6 @@ class TensorParallelModel(LlamaFamilyModel):
     def probe_keys(self, input_ids, layer):
         raise NotImplementedError("recompute_ratio (key deviation) is not supported with tensor_parallel yet")
 
-    def attention_mass(self, input_ids, meta, k_cache, v_cache):
+    def attention_mass(self, input_ids, meta, k_cache, v_cache, layers=None):
         raise NotImplementedError("recompute_ratio (attention selection) is not supported with tensor_parallel yet")
 

@@ -253,7 +253,9 @@ def _measure(llm: LazyLLM, name: str, kwargs: dict, cases: list[Case], refs: lis
                ttft_ms=statistics.median(ttft) * 1e3 if ttft else None,
                options=dict(reuse=llm.reuse, chunk_context=llm.chunk_context,
                             recompute_first_tokens=llm.recompute_first_tokens, recompute_ratio=llm.recompute_ratio,
-                            recompute_selection=llm.recompute_selection, context_temperature=llm.context_temperature,
+                            recompute_selection=llm.recompute_selection,
+                            recompute_selection_depth=llm.recompute_selection_depth,
+                            context_temperature=llm.context_temperature,
                             context_lse_scale=llm.context_lse_scale))
     return row, per_case
 

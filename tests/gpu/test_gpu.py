@@ -327,9 +327,10 @@ def test_layer1_key_deviation_from_cached_layer0_equals_dense_probe_on_triton(ti
     llm.close()
 
 
-def test_fused_attention_mass_equals_unfused_layers(tiny_cuda, tokenizer, monkeypatch):
+@pytest.mark.parametrize("depth", [1.0, 0.25])
+def test_fused_attention_mass_equals_unfused_layers(tiny_cuda, tokenizer, monkeypatch, depth):
     """The question's mass pass runs on the forward's fused kernels; it gives the mass of
-    the unfused layer loop (``_layers(mass=True)``)."""
+    the unfused layer loop (``_layers(mass=True)``), over every layer or the first ones."""
     from lazyllm.engine.recovery import Recovery
 
     seen = []
@@ -355,8 +356,8 @@ def test_fused_attention_mass_equals_unfused_layers(tiny_cuda, tokenizer, monkey
     monkeypatch.setattr(Recovery, "question_attention", both)
     # warmup=False: the patched pass above runs on this test's request only, not on the warm-up's
     llm = LazyLLM(model=tiny_cuda, tokenizer=tokenizer, chunk_context="prefix", recompute_ratio=0.2,
-                  recompute_selection="attention", kv_cache_bytes=256 << 20, attention_backend="triton",
-                  warmup=False)
+                  recompute_selection="attention", recompute_selection_depth=depth, kv_cache_bytes=256 << 20,
+                  attention_backend="triton", warmup=False)
     docs = DOCS[:4]
     llm.warm(docs, system="Be brief.")
     # one token: no decode graph is captured after the unfused pass (on CUDA the model never
@@ -366,8 +367,8 @@ def test_fused_attention_mass_equals_unfused_layers(tiny_cuda, tokenizer, monkey
     llm.close()
 
 
-@pytest.mark.parametrize("selection", ["attention", "two-stage"])
-def test_question_attention_pass_from_cuda_graph_equals_eager(tiny_cuda, tokenizer, selection, monkeypatch):
+@pytest.mark.parametrize("selection,depth", [("attention", 1.0), ("two-stage", 1.0), ("two-stage", 0.25)])
+def test_question_attention_pass_from_cuda_graph_equals_eager(tiny_cuda, tokenizer, selection, depth, monkeypatch):
     """Attention-guided recompute selection runs the question's first pass (the attention
     mass over the cached chunks) from a CUDA graph; it gives the mass of the eager pass."""
     from lazyllm.engine.recovery import Recovery
@@ -378,7 +379,7 @@ def test_question_attention_pass_from_cuda_graph_equals_eager(tiny_cuda, tokeniz
     def both(self, r):
         graphs = self.runner.prefill_graphs
         from_graph = orig(self, r).clone()
-        assert any(k[2] for k in graphs.graphs), "the mass pass did not run from a graph"
+        assert any(k[2] == self.mass_layers for k in graphs.graphs), "the mass pass did not run from a graph"
         graphs.enabled = False
         try:
             eager = orig(self, r)
@@ -390,8 +391,8 @@ def test_question_attention_pass_from_cuda_graph_equals_eager(tiny_cuda, tokeniz
 
     monkeypatch.setattr(Recovery, "question_attention", both)
     llm = LazyLLM(model=tiny_cuda, tokenizer=tokenizer, chunk_context="prefix", recompute_ratio=0.2,
-                  recompute_selection=selection, kv_cache_bytes=256 << 20, attention_backend="triton",
-                  warmup=False)  # the patched pass runs on this test's request only
+                  recompute_selection=selection, recompute_selection_depth=depth, kv_cache_bytes=256 << 20,
+                  attention_backend="triton", warmup=False)  # the patched pass runs on this test's request only
     docs = DOCS[:4]
     llm.warm(docs, system="Be brief.")
     out = llm.generate("Which was completed in 1889?", chunks=docs[::-1], system="Be brief.", max_new_tokens=4)

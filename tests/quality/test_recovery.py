@@ -329,3 +329,93 @@ def test_prefix_context_recomputes_nothing_of_the_chunk_at_home(model, tokenizer
     assert out.usage.cached_chunk_tokens == total - len(in_chunks)
     cold.close()
     warm.close()
+
+
+@pytest.mark.parametrize("ctx", ["isolated", "prefix"])
+def test_recompute_job_holds_the_first_tokens_and_the_picks_at_their_cached_slots(model, tokenizer, ctx):
+    """The recompute job ``apply`` builds (vectorized over the chunk tokens) is the one built
+    token by token: each chunk's first k tokens (none of a chunk at home) and the top picks
+    of the selection's score, in chunk order, each at its position and in its slot of the
+    request's (privatized) table, then the question; the picked pages are private copies."""
+    from lazyllm.config import register_selection
+
+    k = 2
+    scores = {}
+
+    @register_selection(f"test-seeded-random-{ctx}")
+    def seeded(rec, r, n_pick, exclude):
+        g = torch.Generator().manual_seed(len(scores))
+        s = torch.rand(sum(len(sp.ids) for sp in r.plan.spans), generator=g)
+        s[::7] = float("-inf")  # never picked, even when the budget would reach them
+        scores[r.id] = s
+        return s
+
+    llm = LazyLLM(model=model, tokenizer=tokenizer, chunk_context=ctx, recompute_first_tokens=k,
+                  recompute_ratio=0.3, recompute_selection=f"test-seeded-random-{ctx}", kv_cache_bytes=32 << 20)
+    rec, seen = llm.engine.recovery, []
+    real = rec.apply
+
+    def spy(r):
+        real(r)
+        seen.append((r, list(r.plan.spans), r.plan.job, list(r.alloc.table), list(r.alloc.private_pages)))
+
+    rec.apply = spy
+    llm.warm(DOCS[:4])
+    llm.generate("Which item is first?", chunks=DOCS[3::-1], max_new_tokens=1)
+    (r, spans, job, table, private), = seen
+    ps = llm.engine.pool.page_size
+    home = [rec.exact_at_home and all(e.delta == 0 for e in s.entries) for s in spans]
+    total = sum(len(s.ids) for s in spans)
+    away = sum(len(s.ids) for s, h in zip(spans, home) if not h)
+    n_pick = min(away, -(-3 * total // 10))
+    score = scores[r.id].clone()
+    at_home = torch.cat([torch.full((len(s.ids),), h) for s, h in zip(spans, home)])
+    score[at_home] = float("-inf")
+    top = torch.topk(score, n_pick)
+    flat = [(ci, i) for ci, s in enumerate(spans) for i in range(len(s.ids))]
+    sel = [set() if h else set(range(min(k, len(s.ids)))) for s, h in zip(spans, home)]
+    for j in top.indices[torch.isfinite(top.values)].tolist():
+        sel[flat[j][0]].add(flat[j][1])
+    ids, pos, slots = [], [], []
+    for s, chosen in zip(spans, sel):
+        for i in sorted(chosen):
+            ids.append(s.ids[i])
+            pos.append(s.start + i)
+            page = table[s.first_entry + i // ps].page
+            assert page in private  # a private copy, never the shared page
+            slots.append(page * ps + i % ps)
+    n_chunk = len(ids)
+    assert 0 < n_chunk < total and any(home) == (ctx == "prefix")
+    assert job.ids[:n_chunk] == ids and job.positions[:n_chunk] == pos and job.slots[:n_chunk] == slots
+    assert len(job.ids) > n_chunk and job.positions[n_chunk] == spans[-1].start + len(spans[-1].ids)
+    llm.close()
+
+
+def test_selection_depth_sums_the_question_attention_over_the_first_layers(model, tokenizer):
+    """``recompute_selection_depth`` stops the question's first pass after the leading
+    fraction of the layers: its mass is that of the same pass over every layer less what the
+    later layers add, and the engine passes the depth through."""
+    docs, seen = DOCS[:3], {}
+    for depth in (1.0, 0.5):
+        llm = LazyLLM(model=model, tokenizer=tokenizer, recompute_ratio=0.1, recompute_selection="attention",
+                      recompute_selection_depth=depth, kv_cache_bytes=32 << 20)
+        rec = llm.engine.recovery
+        L = llm.model.spec.num_layers
+        assert rec.mass_layers == (L if depth == 1.0 else -(-L // 2)) and 1 <= rec.mass_layers <= L
+        real = rec.question_attention
+        rec.question_attention = lambda r, real=real, depth=depth: seen.setdefault(depth, real(r))
+        llm.warm(docs)
+        llm.generate("q?", chunks=docs[::-1], max_new_tokens=1)
+        llm.close()
+    full, half = seen[1.0], seen[0.5]
+    assert full.shape == half.shape and float(half.min()) >= 0.0
+    assert bool((full >= half - 1e-5).all())  # the later layers only add mass
+    assert float(full.sum()) > float(half.sum()) * 1.05
+
+
+@pytest.mark.parametrize("depth", [0.0, -0.5, 1.5, "half", float("nan")])
+def test_selection_depth_is_validated(model, tokenizer, depth):
+    from lazyllm.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="recompute_selection_depth"):
+        LazyLLM(model=model, tokenizer=tokenizer, recompute_selection_depth=depth, kv_cache_bytes=32 << 20)
