@@ -43,16 +43,16 @@ log = logging.getLogger("lazyllm")
 
 def _capture_graph(forward, pool, reset=None):
     """``(graph, output)`` of ``forward()`` captured in a CUDA graph in memory pool ``pool``,
-    after two warm-up calls on a side stream (Triton compiles, the allocator settles).
-    ``reset()`` (not captured) runs before each warm-up call and after the capture, for state
+    after one warm-up call on a side stream (Triton compiles or loads its kernels, cuBLAS
+    picks its algorithms and takes its workspace). ``reset()`` (not captured) runs before
+    the warm-up call and after the capture, for state
     that ``forward`` both reads and writes."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for _ in range(2):
-            if reset is not None:
-                reset()
-            forward()
+        if reset is not None:
+            reset()
+        forward()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, pool=pool):
@@ -392,7 +392,7 @@ class PrefillGraphs:
         return small + list(range(256 + self.STEP, self.max_tokens + 1, self.STEP))
 
     def _width(self, W: int) -> int:
-        # powers of two: each new bucket costs a capture (two forwards and the capture, a
+        # powers of two: each new bucket costs a capture (a forward and the capture, a
         # stall for the request that meets it), while padding entries cost the prefill kernel
         # only a scan (it stops at the last real entry)
         return min(next_pow2(W, 16), self.max_entries)

@@ -5,7 +5,7 @@ Triton compiles a kernel the first time it meets a new specialization: a new val
 integer argument that starts or stops being 1 or a multiple of 16 (split counts, table widths,
 strides), or a pointer of another dtype or alignment. A compile takes seconds (a load from
 Triton's disk cache, tens of milliseconds), and a CUDA graph captured for a new batch or width
-bucket costs two forwards and the capture. Without a warm-up the first requests pay for all of
+bucket costs a forward and the capture. Without a warm-up the first requests pay for all of
 it while they wait.
 
 ``warm_up(llm)`` (``LazyLLM.warmup``) runs, on CUDA, everything the engine can launch for this
