@@ -22,7 +22,10 @@ model and pool before the first request:
   launches): chunk prefills of the lengths whose launch plans differ (again from
   ``plan_launch``), a question longer than the prefill graphs take, decode steps whose rows
   share pages at every batch bucket (the grouped shared-chunk kernel), greedy, sampled and
-  masked picks, and whatever recovery and re-rotated copies the configuration runs.
+  masked picks, and whatever recovery and re-rotated copies the configuration runs;
+- recovery's eager launches at the shapes requests leave open (page copies of 1, 16 and 17
+  pages; the key-deviation probe at short and long shortlists and table widths on and off a
+  multiple of 16).
 
 It then drops what it cached and puts back the counters it moved. On CPU the torch reference
 runs and nothing compiles: the warm-up is skipped (measured on the README demo's first answer:
@@ -351,6 +354,29 @@ def _empty_prefill(engine, T: int, W: int, mass: int) -> bool:
     return True
 
 
+def _recovery_launches(engine) -> bool:
+    """Recovery's eager launches whose shapes the synthetic requests do not pin down: page
+    copies of 1, 16 and 17 pages (Triton specializes an integer argument on being 1 and on
+    being a multiple of 16), and the layer-1 key-deviation probe (layer 0 for a shortlist,
+    over the cached table as it is: no width bucket) at short and long shortlists, at table
+    widths on and off a multiple of 16. Scratch page to scratch page, keys rotated by 0."""
+    if not _idle(engine):
+        return False
+    runner, rec = engine.runner, engine.recovery
+    pool, ps = runner.pool, runner.pool.page_size
+    scratch = pool.scratch_page
+    for n in (1, 16, 17):
+        runner.copy_pages([(scratch, scratch, 0)] * n)
+    if rec.ratio > 0 and rec.probe_layer == 1 and hasattr(rec.model, "probe_keys_paged"):
+        for W in (64, 65):
+            table = [TableEntry(scratch, i * ps, 0, ps) for i in range(W)]
+            for n in (16, 17, 200, 1100):
+                pos = list(range(W * ps, W * ps + n))
+                ids_t, _, meta = runner.metadata([0] * n, pos, [scratch * ps] * n, [0, n], [table], n, [])
+                rec.model.probe_keys_paged(ids_t, meta, pool.k, pool.v, 1)
+    return True
+
+
 def _on_engine(engine, fn, timeout_s: float = 600.0) -> None:
     """``fn()`` on the engine thread once it is idle (requests served meanwhile come first)."""
     deadline = time.perf_counter() + timeout_s
@@ -468,6 +494,8 @@ def _request_stages(llm, context_tokens: int, gen: _Requests) -> list[tuple[str,
     out.append(("prefill", lambda: gen.run([gen.make(shared, long_q)])))
     many = max(ps, min(512, context_tokens // 8))  # a batched prefill of 8 chunks, as a cold request makes
     out.append(("prefill", lambda: gen.run([gen.make([gen.ids(many) for _ in range(8)], 8)])))
+    if engine.config.recovery_enabled:
+        out.append(("recovery", lambda: _on_engine(engine, lambda: _recovery_launches(engine))))
     V = llm.model.spec.vocab_size
     mixed = [dict(), dict(temperature=0.8, top_p=0.9, top_k=40, seed=1), dict(temperature=1.0, seed=2),
              dict(constraint=_AllowAll(V)), dict(constraint=_AllowAll(V), temperature=0.7, seed=3)]

@@ -96,9 +96,10 @@ def test_late_compiles_reach_cache_stats(llm, caplog):
 
 @pytest.mark.parametrize("kw", [dict(), dict(reuse="block"), dict(quality="balanced")],
                          ids=["lazy", "block", "balanced"])
-def test_warm_up_requests_leave_no_trace(tokenizer, tmp_path, kw):
-    """The synthetic requests run through the engine (on CPU when asked) and leave the cache,
-    its counters, the engine's metrics, the disk tier and later answers as they were."""
+def test_warm_up_requests_leave_no_trace(tokenizer, tmp_path, kw, caplog):
+    """The synthetic requests run through the engine (on CPU when asked), every step of them
+    without failing, and leave the cache, its counters, the engine's metrics, the disk tier
+    and later answers as they were."""
     llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=1 << 23, kv_disk_dir=tmp_path, **kw)
     try:
         docs = ["The lamp is in room 7.", "The chair is in room 3."]
@@ -107,8 +108,10 @@ def test_warm_up_requests_leave_no_trace(tokenizer, tmp_path, kw):
         files = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
         # read between engine steps (the step that answered adds its time after the answer)
         stats, metrics = llm.engine.call(lambda: (llm.cache_stats(), dict(llm.engine.metrics)))
-        report = wu.warm_up(llm, progress=False, on_cpu=True)
+        with caplog.at_level("WARNING", logger="lazyllm"):
+            report = wu.warm_up(llm, progress=False, on_cpu=True)
         assert report["skipped"] is None and report["requests"] > 20
+        assert not [r.getMessage() for r in caplog.records if "warm-up" in r.getMessage()]
         llm.engine.flush_disk()
         assert llm.cache_stats() == stats and llm.engine.metrics == metrics
         assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == files
