@@ -235,7 +235,9 @@ def test_two_replicas_a_request_goes_where_its_documents_are():
         placed = warm(handle, docs[:4])
         assert all(p["computed_tokens"] > 0 for p in placed)
         owners = [p["replica"] for p in placed]
-        time.sleep(1.5)  # a few stats periods: the replicas' Bloom filters reach the router
+        # several stats periods: each replica's Bloom filter goes to Ray's controller and from it
+        # to the router; on a loaded 2-core CI host 1.5 s was once too short for both hops
+        time.sleep(4.0)
         for i in (3, 1, 0, 2):
             out = handle.generate.remote(ServeRequest("Which words?", [docs[4], docs[i]],
                                                       sampling={"max_new_tokens": 2})).result(timeout_s=60)
