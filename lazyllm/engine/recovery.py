@@ -92,7 +92,7 @@ class Recovery:
             at_home = torch.from_numpy(np.repeat(home, lens)) if home.any() else None
             dev = scorer_of(self.selection)(self, r, n_pick, at_home)
             if at_home is not None:
-                dev = dev.masked_fill(self._to_device(at_home, dev.device), float("-inf"))
+                dev = dev.masked_fill(_to_device(at_home, dev.device), float("-inf"))
             top = torch.topk(dev, n_pick)
             # one read from the device: the picks and which of them scored finite
             both = torch.stack([top.indices, torch.isfinite(top.values).long()]).cpu().numpy()
@@ -133,8 +133,9 @@ class Recovery:
     def _index(self, r: Request) -> _ChunkIndex:
         """Per chunk token of ``r`` (chunk order: by chunk, then by token): where it is cached
         (page, slot in the page, the entry's delta), its position in the prompt, its slot in
-        the question pass's table, its id, its chunk and its index there. Host arrays and
-        their device copy (one pinned, asynchronous copy); built once per ``apply``."""
+        the question pass's table, its id, its chunk and its index there. Host arrays, and
+        their device copy when first asked for (one pinned, asynchronous copy); built once
+        per ``apply``."""
         memo = self._memo
         if memo is not None and memo[0] is r and memo[1] is not None:
             return memo[1]
@@ -152,18 +153,10 @@ class Recovery:
                 ar + off * ps, np.asarray(s.ids, dtype=np.int64), np.full(n, ci, np.int64), ar]))
             off += len(s.entries)
         host = np.concatenate(cols, axis=1)
-        ix = _ChunkIndex(host, self._to_device(torch.from_numpy(host[:_DEVICE_ROWS]), self.pool.k.device))
+        ix = _ChunkIndex(host, self.pool.k.device)
         if memo is not None and memo[0] is r:  # inside apply (a benchmark's call builds it afresh)
             self._memo = (r, ix)
         return ix
-
-    @staticmethod
-    def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """``t`` on ``device``: a pinned, asynchronous copy on CUDA (a pageable copy would wait
-        for the stream to drain)."""
-        if device.type != "cuda" or t.device == device:
-            return t.to(device)
-        return t.pin_memory().to(device, non_blocking=True)
 
     def question_attention(self, r: Request) -> torch.Tensor:
         """Per chunk token (in chunk order), the attention mass the question's queries give
@@ -211,7 +204,7 @@ class Recovery:
         mass = self.question_attention(r)
         n_ok = mass.numel()
         if exclude is not None:  # tokens that are not to be chosen do not take shortlist places
-            mass = mass.masked_fill(self._to_device(exclude, mass.device), float("-inf"))
+            mass = mass.masked_fill(_to_device(exclude, mass.device), float("-inf"))
             n_ok -= int(exclude.sum())  # counted on the host: no wait for the device
         cand = torch.topk(mass, min(n_ok, 2 * n_pick)).indices
         dev = self.key_deviation(r, only=cand).to(mass.device)
@@ -272,10 +265,26 @@ _PAGE, _SLOT, _DELTA, _ROW, _PROBE, _TOKEN, _SPAN, _TOK = range(8)
 _DEVICE_ROWS = 6
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``: a pinned, asynchronous copy on CUDA (a copy from pageable memory
+    waits for the stream to drain)."""
+    if device.type != "cuda" or t.device == device:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class _ChunkIndex:
     host: np.ndarray  # (8, chunk tokens) int64
-    dev: torch.Tensor  # (6, chunk tokens) int64: its first rows, on the pool's device
+    device: torch.device
+    _dev: torch.Tensor | None = None
+
+    @property
+    def dev(self) -> torch.Tensor:
+        """``(6, chunk tokens)`` int64: the first rows of ``host`` on the pool's device."""
+        if self._dev is None:
+            self._dev = _to_device(torch.from_numpy(self.host[:_DEVICE_ROWS]), self.device)
+        return self._dev
 
 
 # The engine's selections (``recompute_selection``); ``lazyllm.config.register_selection`` adds more.
