@@ -300,7 +300,14 @@ class GraphRunner:
         self.last_key: tuple[int, int, int] | None = None  # the bucket of the last step run
 
     def batch_bucket(self, B: int) -> int:
-        return min(next_pow2(B), self.state.max_batch) if self.enabled else B
+        return self._bucket(B) if self.enabled else B
+
+    def _bucket(self, B: int) -> int:
+        return min(next_pow2(B), self.state.max_batch)
+
+    def batch_buckets(self) -> list[int]:
+        """Every batch bucket a step may replay (powers of two up to the largest batch)."""
+        return sorted({self._bucket(b) for b in range(1, self.state.max_batch + 1)})
 
     def width_bucket(self, W: int) -> int:
         # powers of two up to 64 entries, then multiples of 64: padding costs the decode

@@ -274,7 +274,7 @@ def _decode_widths(runner, context_pages: int) -> list[int]:
         return near
     st = runner.decode_state
     me, plane = st.max_entries, (st.max_batch + 1) * st.max_entries  # the decode state's table planes
-    batches = _batch_buckets(runner)
+    batches = runner.graphs.batch_buckets()
     seen = set().union(*(_launch_keys(runner.model, runner.pool, b, 1, w, me, plane) for b in batches for w in near))
     extra = []
     for w in far:
@@ -283,12 +283,6 @@ def _decode_widths(runner, context_pages: int) -> list[int]:
             seen |= keys
             extra.append(w)
     return near + extra
-
-
-def _batch_buckets(runner) -> list[int]:
-    """The decode graphs' batch buckets (powers of two up to the largest batch)."""
-    mb = runner.decode_state.max_batch
-    return sorted({min(next_pow2(b), mb) for b in range(1, mb + 1)})
 
 
 def _prefill_lengths(runner, max_tokens: int) -> list[int]:
@@ -457,7 +451,7 @@ def _graph_stages(llm, context_pages: int) -> list[tuple[str, object]]:
     out: list[tuple[str, object]] = []
     if runner.graphs.enabled:
         for W in _decode_widths(runner, context_pages):
-            for B in _batch_buckets(runner):
+            for B in runner.graphs.batch_buckets():
                 out.append(("decode graphs", lambda B=B, W=W: _on_engine(engine, lambda: _empty_decode(engine, B, W))))
     pg = runner.prefill_graphs
     if pg.enabled:
@@ -508,7 +502,7 @@ def _request_stages(llm, context_tokens: int, gen: _Requests) -> list[tuple[str,
     own = cdiv(len(gen.prefix) + 8 + DECODE_TOKENS, ps)
     if engine.config.reuse != "lazy" or engine.config.recovery_enabled:
         own += sum(cdiv(len(c), ps) + 1 for c in shared)
-    for B in _batch_buckets(runner):
+    for B in runner.graphs.batch_buckets():
         if B * own > pool.num_pages // 2:
             break  # the pool cannot hold this batch: its graphs are captured on first use
         out.append(("shared decode", lambda B=B: gen.run([gen.make(shared, 8, DECODE_TOKENS) for _ in range(B)])))
