@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lazyllm import Chunk, GenerationOutput, InvalidRequestError, LazyLLM
+from lazyllm.presets import QUALITY_OPTIONS
 from lazyllm.stream import TextStream
 
 HISTORY_HEADER = "Conversation so far:"
@@ -214,8 +215,7 @@ def engine_settings(llm: Any) -> dict[str, Any]:
     """The engine options a served ``LazyLLM`` runs with (the ``/v1/models`` card and the
     ``lazyllm_engine_info`` metric): the quality preset and the options it resolves to."""
     out: dict[str, Any] = {"quality": getattr(llm, "quality", None)}
-    for name in ("reuse", "chunk_context", "recompute_first_tokens", "recompute_ratio", "recompute_selection",
-                 "recompute_selection_depth", "context_temperature", "context_lse_scale"):
+    for name in QUALITY_OPTIONS:
         if hasattr(llm, name):
             out[name] = getattr(llm, name)
     return out

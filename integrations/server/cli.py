@@ -17,6 +17,7 @@ from typing import Any
 
 from lazyllm.config import EngineConfig
 from lazyllm.errors import InvalidRequestError, ModelLoadError
+from lazyllm.presets import QUALITY_OPTIONS
 
 from .protocol import (
     DEFAULT_MAX_CONCURRENCY,
@@ -31,8 +32,7 @@ log = logging.getLogger("lazyllm.server")
 # (progress is --no-progress)
 _NOT_FLAGS = {"kernel_options", "progress"}
 # the options a quality preset sets: their default is the preset's
-_PRESET_SET = {"reuse", "chunk_context", "recompute_first_tokens", "recompute_ratio", "recompute_selection",
-               "recompute_selection_depth", "context_temperature", "context_lse_scale"}
+_PRESET_SET = set(QUALITY_OPTIONS)
 
 
 def _positive_int(text: str) -> int:

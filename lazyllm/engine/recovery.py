@@ -164,7 +164,7 @@ class Recovery:
         the suffix over the cached prefix and chunk KV as they are (nothing recomputed yet).
         The suffix's K/V go to its own pages and are overwritten by the real pass."""
         plan = r.plan
-        probe, _ = self._cached_table(r)
+        probe = self._cached_table(r)
         S, pos0 = len(plan.suffix_ids), plan.suffix_pos
         ps = self.pool.page_size
         slots = [slot_of(plan.own, i, ps) for i in range(S)]
@@ -184,16 +184,15 @@ class Recovery:
         return mass[0].reshape(-1)[self._index(r).dev[_PROBE]].float()
 
     @staticmethod
-    def _cached_table(r: Request) -> tuple[list, list[int]]:
+    def _cached_table(r: Request) -> list:
         """The request's cached prefix and chunk entries as they are (nothing recomputed or
-        copied yet), and each chunk's first entry in that table."""
+        copied yet): the question pass's and the probe's table (``_index`` holds each chunk
+        token's slot in it)."""
         spans: list[ChunkSpan] = r.plan.spans
         table = list(r.plan.context[:spans[0].first_entry])  # the prefix (never shifted, never copied)
-        offsets = []
         for s in spans:  # the shared chunk pages with their rotations
-            offsets.append(len(table))
             table += s.entries
-        return table, offsets
+        return table
 
     def two_stage(self, r: Request, n_pick: int, exclude: torch.Tensor | None = None) -> torch.Tensor:
         """Query-aware two-stage choice (ProphetKV-style): the question's attention over the
@@ -244,7 +243,7 @@ class Recovery:
         """Keys of ``layer`` under full attention for the prompt tokens ``ids`` at
         ``positions`` (device tensors, by position), from the cached K/V below it
         (``model.probe_keys_paged``); their own K/V go to the scratch slot."""
-        table, _ = self._cached_table(r)
+        table = self._cached_table(r)
         n = int(positions.shape[0])
         zeros = np.zeros(n, dtype=np.int64)
         slots = np.full(n, self.pool.scratch_page * self.pool.page_size, dtype=np.int64)

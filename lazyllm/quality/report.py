@@ -13,7 +13,7 @@ from typing import Any
 
 from ..api import LazyLLM
 from ..extras import require
-from ..presets import PRESETS
+from ..presets import PRESETS, QUALITY_OPTIONS
 from .cases import Case, _as_cases
 from .metrics import _METRICS, _meets, contains_answer, exact_match, kl_and_agreement, parse_target
 
@@ -251,12 +251,7 @@ def _measure(llm: LazyLLM, name: str, kwargs: dict, cases: list[Case], refs: lis
                recomputed=recomputed / chunk_total if chunk_total else 0.0,
                recomputed_tokens_per_case=recomputed / len(cases),
                ttft_ms=statistics.median(ttft) * 1e3 if ttft else None,
-               options=dict(reuse=llm.reuse, chunk_context=llm.chunk_context,
-                            recompute_first_tokens=llm.recompute_first_tokens, recompute_ratio=llm.recompute_ratio,
-                            recompute_selection=llm.recompute_selection,
-                            recompute_selection_depth=llm.recompute_selection_depth,
-                            context_temperature=llm.context_temperature,
-                            context_lse_scale=llm.context_lse_scale))
+               options={name: getattr(llm, name) for name in QUALITY_OPTIONS})
     return row, per_case
 
 
