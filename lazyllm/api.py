@@ -83,15 +83,12 @@ class LazyLLM:
         (CacheBlend-style selection). 0 switches it off.
     recompute_selection : how ``recompute_ratio`` picks its tokens: ``"deviation"``
         (default, CacheBlend: layer-1 keys farthest from full attention's),
-        ``"attention"`` (the tokens the question attends to most in a first pass over the
-        cached KV; costs one extra forward of the question; on the default model more
-        faithful than ``"deviation"`` at every budget measured, BENCHMARKS.md "Quality") or
+        ``"attention"`` (the tokens the question attends to most in a first pass over the cached KV;
+        one extra forward of the question; more faithful than ``"deviation"`` on the default model) or
         ``"two-stage"`` (ProphetKV-style: that attention shortlists twice the budget, ranked
         then by attention times key deviation; the ``balanced`` preset's choice).
-    recompute_selection_depth : for the ``"attention"`` and ``"two-stage"`` selections, the
-        leading fraction of the layers over which the question's attention is summed (its
-        first pass stops there): 1 (default, and ``balanced``'s) every layer. Less is a
-        cheaper first pass at some fidelity (``docs/performance.md``).
+    recompute_selection_depth : the leading fraction of the layers the ``"attention"`` and
+        ``"two-stage"`` first pass runs (1, default and ``balanced``'s: all; less is cheaper).
     context_temperature, context_lse_scale : APE-style calibration of how the question and
         the generated tokens read the retrieved documents, without recompute and without
         touching the cached KV: the documents' logits are divided by the temperature and
@@ -113,20 +110,18 @@ class LazyLLM:
         files, validated against the model fingerprint, settings and a checksum; atomic
         writes; LRU size cap): chunks computed once survive restarts. Written in the
         background; ``close()`` waits for pending writes.
-    kernel_options : a ``lazyllm.kernels.KernelOptions`` for the Triton backend's launch
-        choices (which prefill kernel and key-tile loop, tiles, splits), for A/B measurements;
-        ``None`` keeps the measured defaults.
+    kernel_options : a ``lazyllm.kernels.KernelOptions`` for the Triton launch choices (prefill
+        kernel, key-tile loop, tiles, splits), for A/B measurements; ``None``: the measured defaults.
     quality : a named fidelity preset (``lazyllm.presets.PRESETS``), measured on
         the default model (README, "Answer fidelity"): ``"fast"`` (``chunk_context="prefix"``,
         nothing recomputed), ``"balanced"`` (``fast`` plus the first 4 tokens of each chunk
         and 14% of chunk tokens, chosen by the question's attention and key deviation,
         recomputed with full context, per request), ``"exact"`` (``reuse="prefix"``: full
-        attention), or ``"block-ft"`` for Block-Attention
-        fine-tuned checkpoints (isolated chunks in the prompt layout they were trained with,
-        ``lazyllm.engine.prompt_blockft``). ``None`` (default): each option's
-        own default (``reuse="lazy"``, ``chunk_context="isolated"``, no recovery). Options
-        passed explicitly (``reuse``, ``chunk_context``, ``recompute_*``) override the
-        preset's. ``lazyllm.quality.compare`` measures them on your own data.
+        attention), or ``"block-ft"`` for Block-Attention fine-tuned checkpoints (isolated
+        chunks in the prompt layout they were trained with, ``lazyllm.engine.prompt_blockft``).
+        ``None`` (default): each option's own default (``reuse="lazy"``, ``chunk_context="isolated"``,
+        no recovery). Options passed explicitly (``reuse``, ``chunk_context``, ``recompute_*``)
+        override the preset's. ``lazyllm.quality.compare`` measures them on your own data.
     trust_remote_code : passed to transformers; off unless you ask.
     tensor_parallel : shard the model over this many processes, one per GPU (torch.distributed:
         NCCL on CUDA, gloo on CPU): attention and KV heads, the MLP and the LM head's
