@@ -721,7 +721,7 @@ def main(argv=None):
                 runner.close()
     hf_todo = [(a, r) for a in alphas for r in hf_rates[a]]
     if "hf" in systems and hf_todo and not late([f"hf alpha={a:g} rate={r:g}" for a, r in hf_todo]):
-        from lazyllm.engine.prompt import PromptBuilder
+        from lazyllm.inputs import PromptBuilder
 
         server = HFServer(hf, tok, PromptBuilder(tok))
         r0 = warm[alphas[0]][0]

@@ -95,8 +95,8 @@ def cpu_table(vocab: int, reps: int) -> list[dict]:
 
 
 def _submit(llm, question, chunks, n, constraint=None, **kw):
-    r = llm._request(question, chunks, None, max_new_tokens=n, **kw)
-    r.streaming, r.constraint = False, constraint
+    r = llm.inputs.generation(question, chunks, None, max_new_tokens=n, streaming=False, **kw)
+    r.constraint = constraint  # a stand-in grammar of known cost, not one a caller can ask for
     return r
 
 

@@ -42,6 +42,7 @@ from typing import Any
 from lazyllm import Chunk, InvalidRequestError
 from lazyllm.config import EngineConfig
 from lazyllm.extras import require
+from lazyllm.inputs.keys import key_identity
 from lazyllm.types import as_chunk
 
 from ._common import engine_settings
@@ -51,7 +52,6 @@ from .routing import (
     Decision,
     rank_replicas,
     rendezvous_owner,
-    replica_identity,
     text_keys,
 )
 
@@ -110,7 +110,7 @@ def replica_stats(llm, limit: int = 4096) -> dict:
     engine = getattr(getattr(llm, "engine", None), "metrics", None) or {}
     return {
         "lazyllm": 1,
-        **replica_identity(llm),
+        **key_identity(llm.fingerprint, llm.chunk_context, llm.prompts),
         "caches_chunks": bool(llm.engine.planner.caches_chunks),
         "tokenizer": getattr(llm.tokenizer, "name_or_path", None),
         "chunks": len(keys),

@@ -5,7 +5,6 @@ import asyncio
 import atexit
 import contextlib
 import os
-import queue
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -16,19 +15,17 @@ from .cache.store import ChunkStore, PagePool
 from .config import CHUNK_CACHING_MODES, EngineConfig
 from .config import resolve_device as _resolve_device
 from .config import resolve_dtype as _resolve_dtype
-from .engine.detokenizer import Detokenizer
-from .engine.engine import Engine, check_fits
-from .engine.prompt import PromptBuilder, Segment
-from .engine.prompt import _check_text as check_text
+from .engine.engine import Engine
 from .engine.request import Request
 from .engine.warmup import COMPILES, Readiness, default_triton_cache
 from .errors import InvalidRequestError
+from .inputs import InputProcessor, prompt_builder
 from .model.attention import make_backend
 from .model.llama import LlamaFamilyModel
 from .model.loader import eos_token_ids, fingerprint, load_hf
 from .model.packets import resolve_packets
 from .stream import TextStream
-from .types import Chunk, GenerationOutput, SamplingParams, ScoreOutput, as_chunk, as_chunks
+from .types import Chunk, GenerationOutput, ScoreOutput, as_chunk
 
 
 def _from_config(name: str) -> property:
@@ -118,7 +115,7 @@ class LazyLLM:
         and 14% of chunk tokens, chosen by the question's attention and key deviation,
         recomputed with full context, per request), ``"exact"`` (``reuse="prefix"``: full
         attention), or ``"block-ft"`` for Block-Attention fine-tuned checkpoints (isolated
-        chunks in the prompt layout they were trained with, ``lazyllm.engine.prompt_blockft``).
+        chunks in the prompt layout they were trained with, ``lazyllm.inputs.prompt_blockft``).
         ``None`` (default): each option's own default (``reuse="lazy"``, ``chunk_context="isolated"``,
         no recovery). Options passed explicitly (``reuse``, ``chunk_context``, ``recompute_*``)
         override the preset's. ``lazyllm.quality.compare`` measures them on your own data.
@@ -192,7 +189,6 @@ class LazyLLM:
             batch_invariant=batch_invariant, overlap_decode=overlap_decode, kernel_options=kernel_options,
             tensor_parallel=tensor_parallel, packets=packets, warmup=warmup)
         self._tp = None
-        self._grammar_compiler = None
         self._load(config, model_name_or_path, model, tokenizer)
         # an engine thread still inside torch at interpreter shutdown can abort the
         # process: stop it first (weakly referenced, so the LazyLLM can still be freed)
@@ -254,11 +250,10 @@ class LazyLLM:
         # cache keys and the disk tier separate packet versions: a packet changes every chunk's KV
         self.fingerprint = self.model_fingerprint + (f":packets:{self.packets.digest}" if self.packets else "")
         kv_cache_bytes = self._make_store(page_size, config.kv_cache_bytes)
-        self.prompts = PromptBuilder(tok, self.packets.ids(self.model.embed_rows) if self.packets else None)
-        if config.quality == "block-ft":  # the Block-Attention training layout
-            from .engine.prompt_blockft import BlockFTPromptBuilder
-
-            self.prompts = BlockFTPromptBuilder(tok)
+        self.prompts = prompt_builder(tok, "auto" if config.quality == "block-ft" else None,
+                                      self.packets.ids(self.model.embed_rows) if self.packets else None)
+        self.inputs = InputProcessor(tok, self.prompts, max_context=self.model.spec.max_context,
+                                     vocab_size=self.model.spec.vocab_size)
         self.eos_token_ids = eos_token_ids(hf, tok)
         self.config = config.replace(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
                                      attention_backend=backend.name, page_size=page_size,
@@ -324,75 +319,12 @@ class LazyLLM:
             settings={"chunk_context": c.chunk_context, "dtype": str(self.dtype)})
 
     # -- requests ------------------------------------------------------------------
-    def _request(self, question, chunks, system, *, max_new_tokens=64, temperature=0.0, top_p=1.0, top_k=0,
-                 seed=None, stop=None, timeout=None, warm_only=False, response_format=None, tools=None,
-                 tool_choice=None, messages=None, parallel_tool_calls=False) -> Request:
-        chunks = as_chunks(chunks)
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                top_k=top_k, seed=seed, stop=() if stop is None else stop)
-        if params.max_new_tokens > self.model.spec.max_context:
-            raise InvalidRequestError(f"max_new_tokens={params.max_new_tokens} exceeds the model's context "
-                                      f"({self.model.spec.max_context} tokens)")
-        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
-            raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        structured = self._structured(response_format, tools, tool_choice, parallel_tool_calls)
-        if warm_only:
-            segs = self.prompts.build("warm", chunks, system)[:-1]
-            segs.append(Segment("suffix", []))
-        elif messages is not None or (structured is not None and structured.tools):
-            segs = self._conversation(question, chunks, system, messages, structured)
-        else:
-            instruction = structured.instruction if structured is not None else None
-            if instruction:
-                system = f"{system.strip()}\n\n{instruction}" if isinstance(system, str) and system.strip() \
-                    else instruction
-            segs = self.prompts.build(question, chunks, system)
-        n = sum(len(s.ids) for s in segs)
-        check_fits(n, params, self.model.spec.max_context)
-        req = Request(segments=segs, params=params, events=queue.Queue(), warm_only=warm_only)
-        if structured is not None and structured.grammar is not None:
-            req.constraint = self._grammars.constraint(structured.grammar)
-        req.structured = structured
-        if timeout is not None:
-            req.deadline = req.submit_time + timeout
-        req.detok = Detokenizer(self.tokenizer, params.stop)
-        return req
-
-    @property
-    def _grammars(self):
-        """Grammars compiled for this model's tokenizer (built on first use)."""
-        if self._grammar_compiler is None:
-            from .structured import GrammarCompiler
-
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.spec.vocab_size)
-        return self._grammar_compiler
-
-    def _structured(self, response_format, tools, tool_choice, parallel_tool_calls):
-        if response_format is None and tools is None and tool_choice is None:
-            return None
-        from .structured import prepare
-
-        return prepare(self._grammars, response_format, tools, tool_choice, parallel_tool_calls)
-
-    def _conversation(self, question, chunks, system, messages, structured) -> list[Segment]:
-        from .structured import build_conversation
-
-        msgs = list(messages) if messages is not None else []
-        if messages is not None and not isinstance(messages, (list, tuple)):
-            raise InvalidRequestError("messages must be a list of message dicts")
-        if question is not None:
-            check_text(question, "question")
-            msgs.append({"role": "user", "content": question})
-        return build_conversation(self.prompts, msgs, chunks, system, structured.tools if structured else [],
-                                  structured.instruction if structured else None)
-
     @staticmethod
     def _wait(req: Request) -> GenerationOutput:
         while True:
             kind, val = req.events.get()
             if kind == "done":
-                st = getattr(req, "structured", None)
-                return st.finalize(val) if st is not None and isinstance(val, GenerationOutput) else val
+                return val
             if kind == "error":
                 raise val
 
@@ -430,11 +362,10 @@ class LazyLLM:
         When ``max_new_tokens`` ends the answer first, ``finish_reason`` is ``"length"``,
         ``parsed`` is None and ``text`` holds the partial output.
         """
-        req = self._request(question, chunks, system, max_new_tokens=max_new_tokens, temperature=temperature,
-                            top_p=top_p, top_k=top_k, seed=seed, stop=stop, timeout=timeout,
-                            response_format=response_format, tools=tools, tool_choice=tool_choice, messages=messages,
-                            parallel_tool_calls=parallel_tool_calls)
-        req.streaming = False
+        req = self.inputs.generation(question, chunks, system, max_new_tokens=max_new_tokens, temperature=temperature,
+                                     top_p=top_p, top_k=top_k, seed=seed, stop=stop, timeout=timeout,
+                                     response_format=response_format, tools=tools, tool_choice=tool_choice,
+                                     messages=messages, parallel_tool_calls=parallel_tool_calls, streaming=False)
         self.engine.submit(req)
         try:
             return self._wait(req)
@@ -449,12 +380,11 @@ class LazyLLM:
         ``TextStream`` also works with ``async for``, and has ``.output`` (the
         ``GenerationOutput``) once exhausted. Stopping the iteration (``break``,
         ``close()``) cancels the request and frees its pages."""
-        return TextStream(self.engine, self._request(question, chunks, system, **kw))
+        return TextStream(self.engine, self.inputs.generation(question, chunks, system, **kw, streaming=True))
 
     async def agenerate(self, question: str, chunks=None, system=None, **kw) -> GenerationOutput:
         """Async ``generate``: cancelling the task cancels the request."""
-        req = self._request(question, chunks, system, **kw)
-        req.streaming = False
+        req = self.inputs.generation(question, chunks, system, **kw, streaming=False)
         loop = asyncio.get_running_loop()
         self.engine.submit(req)
         try:
@@ -485,9 +415,8 @@ class LazyLLM:
             q = args.pop("question", None)
             ch = args.pop("chunks", None)
             sy = args.pop("system", None)
-            reqs.append(self._request(q, ch, sy, **args))
+            reqs.append(self.inputs.generation(q, ch, sy, **args, streaming=False))
         for r in reqs:
-            r.streaming = False
             self.engine.submit(r)
         return [self._wait(r) for r in reqs]
 
@@ -501,25 +430,7 @@ class LazyLLM:
         and with ``return_logits=True`` the full float32 ``logits`` of shape
         ``(len(continuation), vocab)``.
         """
-        if isinstance(continuation, str):
-            _ = check_text(continuation, "continuation")
-            cont = self.prompts.encode(continuation)
-        elif isinstance(continuation, Sequence) and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in continuation):
-            cont = list(continuation)
-        else:
-            raise InvalidRequestError("continuation must be a str or a list of token ids")
-        vocab = self.model.spec.vocab_size
-        if not cont or any(t < 0 or t >= vocab for t in cont):
-            raise InvalidRequestError(f"continuation must be non-empty token ids in [0, {vocab})")
-        req = self._request(question, chunks, system, max_new_tokens=1)
-        n = sum(len(sg.ids) for sg in req.segments) + len(cont)
-        check_fits(n, req.params, self.model.spec.max_context)
-        req.orig_segments = list(req.segments)
-        suffix = req.segments[-1]
-        req.segments = req.segments[:-1] + [Segment("suffix", suffix.ids + cont[:-1])]
-        req.score_ids, req.logit_rows, req.score_only = cont, len(cont), True
-        req.return_logits = bool(return_logits)
+        req = self.inputs.scoring(question, chunks, system, continuation, return_logits)
         self.engine.submit(req)
         return self._wait(req)
 
@@ -540,7 +451,7 @@ class LazyLLM:
         with tqdm(total=len(chunks), desc="warming chunks", unit="chunk", disable=not show) as bar:
             for i in range(0, len(chunks), batch_size):
                 part = chunks[i:i + batch_size]
-                req = self._request("warm", part, system, max_new_tokens=1, warm_only=True)
+                req = self.inputs.warming(part, system)
                 self.engine.submit(req)
                 self._wait(req)
                 chunk_tokens = sum(len(s.ids) for s in req.segments if s.kind == "chunk")

@@ -13,7 +13,7 @@ builds ``LazyLLM`` engines and so sits above the API) compares them.
   answer, at full prefill cost for the documents.
 * ``"block-ft"``: for Block-Attention fine-tuned checkpoints (``ldsjmdy/Tulu3-Block-FT``,
   ``hxia7/Llama-3.2-1B-Block-FT``...): isolated chunks in the prompt layout they were
-  trained with (``lazyllm.engine.prompt_blockft``).
+  trained with (``lazyllm.inputs.prompt_blockft``).
 
 Explicit options passed to ``LazyLLM`` override the preset's values
 (``lazyllm.config.EngineConfig.resolve``).
@@ -41,7 +41,7 @@ PRESETS: dict[str, dict[str, object]] = {
                  "recompute_selection": "two-stage"},
     "exact": {"reuse": "prefix", "chunk_context": "prefix", "recompute_first_tokens": 0, "recompute_ratio": 0.0},
     # for Block-Attention fine-tuned checkpoints: the isolated blocks they were trained on, in
-    # their training prompt layout (lazyllm.engine.prompt_blockft)
+    # their training prompt layout (lazyllm.inputs.prompt_blockft)
     "block-ft": {"reuse": "lazy", "chunk_context": "isolated", "recompute_first_tokens": 0, "recompute_ratio": 0.0},
 }
 # presets that also change the prompt layout

@@ -44,9 +44,7 @@ class TextStream:
         self._over = True
         if kind == "error":
             raise val
-        # a structured request's parsed answer or tool calls, from its finished text
-        st = getattr(self._req, "structured", None)
-        self.output = st.finalize(val) if st is not None else val
+        self.output = val
         return None
 
     def _submit(self) -> None:

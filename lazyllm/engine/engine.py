@@ -34,9 +34,7 @@ from ..cache.disk import DiskKVStore
 from ..cache.disk_tier import DiskTier
 from ..cache.store import ChunkStore
 from ..config import CHUNK_CONTEXTS, REUSE_MODES, EngineConfig
-from ..errors import ContextLengthError, LazyLLMError, RequestCancelled
-from ..types import SamplingParams
-from .detokenizer import Detokenizer
+from ..errors import LazyLLMError, RequestCancelled
 from .kv_planner import KVPlanner
 from .model_runner import DecodeStep, ModelRunner
 from .output import OutputProcessor
@@ -44,7 +42,7 @@ from .recovery import Recovery
 from .request import Request
 from .scheduler import Scheduler
 
-__all__ = ["Engine", "Request", "REUSE_MODES", "CHUNK_CONTEXTS", "check_fits"]
+__all__ = ["Engine", "Request", "REUSE_MODES", "CHUNK_CONTEXTS"]
 
 log = logging.getLogger("lazyllm")
 
@@ -285,19 +283,18 @@ class Engine:
         for r in reqs:
             if r.warm_only:
                 r.state.first_token_time = time.perf_counter()
-                r.detok = r.detok or Detokenizer(self.output.tok, ())
                 r.state.finish_reason = "warm"
                 self._finish(r)
         own = [r for r in reqs if not r.warm_only]
         logits = self.runner.run_jobs([r.plan.job for r in own]) if own else []
-        gen = [(r, lg[-1]) for r, lg in zip(own, logits) if not (r.logit_rows > 1 or r.score_only)]
+        gen = [(r, lg[-1]) for r, lg in zip(own, logits) if r.score is None]
         # every generating request's first token, in one batched pick
         firsts = dict(zip((r.id for r, _ in gen), self.runner.first_picks(*zip(*gen)))) if gen else {}
         failed = {r.id: e for r, e in self.runner.sampler.failed} if gen else {}
         for r, lg in zip(own, logits):
             self.planner.after_prefill(r)
             r.plan.prefilled()
-            if r.logit_rows > 1 or r.score_only:
+            if r.score is not None:
                 result = self.output.score(r, lg)
                 self.scheduler.retire(r)
                 self.output.done_score(r, result)
@@ -397,8 +394,3 @@ class Engine:
         else:
             self.output.done(r)
 
-
-def check_fits(n_prompt: int, params: SamplingParams, max_context: int) -> None:
-    if n_prompt >= max_context:
-        raise ContextLengthError(
-            f"the request has {n_prompt} prompt tokens; the model's context is {max_context} tokens")

@@ -65,11 +65,11 @@ class OutputProcessor:
         r.events.put(("error", error))
 
     def done(self, r: Request) -> None:
-        """Hand the caller the finished request's ``GenerationOutput``."""
-        self.metrics["requests"] += 1
+        """Hand the caller the finished request's ``GenerationOutput`` (finalized: a structured
+        request's parsed answer or tool calls filled in)."""
         now = time.perf_counter()
-        segs = r.orig_segments or r.segments
-        r.events.put(("done", GenerationOutput(
+        segs = r.segments
+        out = GenerationOutput(
             text=r.detok.text,
             token_ids=list(r.state.generated),
             prompt_segments=[(s.kind, list(s.ids)) for s in segs],
@@ -80,20 +80,28 @@ class OutputProcessor:
             total_s=now - r.submit_time,
             queue_s=r.state.admit_time - r.submit_time,
             chunk_ids=[s.chunk.id for s in r.segments if s.kind == "chunk"],
-        )))
+        )
+        if r.finalize is not None:
+            try:
+                out = r.finalize(out)
+            except Exception as e:  # the caller's parser: its error is the request's, not the engine's
+                self.fail(r, e)
+                return
+        self.metrics["requests"] += 1
+        r.events.put(("done", out))
 
     def score(self, r: Request, logits: torch.Tensor) -> ScoreOutput:
         """Teacher-forced log-probabilities of the continuation (the last ``logit_rows``
         tokens of the suffix are the continuation shifted by one)."""
-        cont = r.score_ids
+        cont = r.score.ids
         logp = torch.log_softmax(logits.float(), dim=-1)
         idx = torch.tensor(cont, device=logp.device)
         token_logp = logp.gather(1, idx[:, None])[:, 0]
         r.state.first_token_time = time.perf_counter()
-        segs = r.orig_segments or r.segments
+        segs = r.score.prompt
         return ScoreOutput(
             token_ids=list(cont), logprobs=token_logp.tolist(),
-            logits=logits.float().cpu() if r.return_logits else None,
+            logits=logits.float().cpu() if r.score.return_logits else None,
             prompt_segments=[(sg.kind, list(sg.ids)) for sg in segs],
             usage=Usage(prompt_tokens=sum(len(sg.ids) for sg in segs), cached_tokens=r.plan.cached_tokens,
                         completion_tokens=0, cached_chunk_tokens=r.plan.cached_chunk_tokens),

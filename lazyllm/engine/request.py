@@ -12,20 +12,31 @@ import itertools
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..types import SamplingParams
+from ..types import Chunk, GenerationOutput, SamplingParams
 from .page_table import Allocation, TableEntry
-from .prompt import Segment
 
 if TYPE_CHECKING:
     from .detokenizer import Detokenizer
     from .sampler import TokenConstraint
 
 _request_ids = itertools.count(1)
+
+
+@dataclass
+class Segment:
+    """A run of a request's prompt tokens: the ``prefix`` (system prompt and template
+    header), one ``chunk`` per document (with its ``Chunk``), or the ``suffix`` (the question
+    and the template tail)."""
+
+    kind: str  # "prefix", "chunk" or "suffix"
+    ids: list[int]
+    chunk: Chunk | None = None
 
 
 @dataclass
@@ -106,6 +117,18 @@ class RequestState:
     resumed: list[Segment] | None = None
 
 
+@dataclass(frozen=True)
+class Scoring:
+    """What a scoring request scores: the log-probabilities of ``ids`` (the continuation,
+    token ids) teacher-forced after ``prompt`` (the segments its result reports; the request
+    prefills them with all but the last continuation token appended to the suffix), and
+    whether the result carries the full logits."""
+
+    ids: list[int]
+    prompt: list[Segment]
+    return_logits: bool = False
+
+
 @dataclass(eq=False)  # one request is one object: compared and hashed by identity
 class Request:
     """A request as the caller submitted it (and reads its events from), with two parts the
@@ -120,26 +143,27 @@ class Request:
     cancelled: threading.Event = field(default_factory=threading.Event)
     deadline: float | None = None
     warm_only: bool = False  # compute prefix and chunk KV, generate nothing
-    logit_rows: int = 1  # >1: a scoring request (teacher forcing), finished after prefill
-    return_logits: bool = False
-    score_only: bool = False
-    score_ids: list | None = None
+    score: Scoring | None = None  # a teacher-forced scoring request, finished after its prefill
     streaming: bool = True  # emit text deltas as tokens come (False: decode the text once at the end)
     detok: Detokenizer | None = None
-    # the seed of its sampled tokens (``params.seed``, else drawn by the sampler at its first
-    # sampled token); each token's draw is a function of it and the token's index
+    # the seed of its sampled tokens (``params.seed``, else drawn when the request was made);
+    # each token's draw is a function of it and the token's index
     seed: int | None = None
     # structured output: the grammar each token must follow (``sampler.TokenConstraint``), and
-    # the API's record of what was asked (it parses the finished text; the engine ignores it)
+    # what turns the finished text into parsed values or tool calls (``GenerationOutput`` ->
+    # ``GenerationOutput``), run once when the result is built
     constraint: TokenConstraint | None = None
-    structured: Any = None
-    # the prompt as results report it, where it differs from ``segments`` (a scoring request
-    # prefills its continuation too)
-    orig_segments: list | None = None
+    finalize: Callable[[GenerationOutput], GenerationOutput] | None = None
     id: int = field(default_factory=_request_ids.__next__)  # unique in the process, never reused
     plan: PrefillPlan | None = None  # set by ``KVPlanner.plan``, reset by ``unplan``
     alloc: Allocation | None = None  # made by the planner on the first plan
     state: RequestState = field(default_factory=RequestState)
+
+    @property
+    def logit_rows(self) -> int:
+        """How many of its last prompt tokens need logits: 1 to sample its first token, the
+        continuation's length to score it."""
+        return 1 if self.score is None else len(self.score.ids)
 
     @property
     def prefill_segments(self) -> list[Segment]:

@@ -17,7 +17,6 @@ else is in its batch, whether decode steps overlap or not, and after a preemptio
 """
 from __future__ import annotations
 
-import secrets
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -175,8 +174,6 @@ class Sampler:
             if not live[i]:
                 continue
             p = r.params
-            if r.seed is None:  # drawn once per request, kept across its steps
-                r.seed = p.seed if p.seed is not None else secrets.randbits(64)
             h[0, i] = p.temperature
             if 0 < p.top_k < V:
                 h[1, i] = p.top_k

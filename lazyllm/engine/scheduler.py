@@ -15,8 +15,7 @@ import time
 from ..errors import CacheCapacityError, LazyLLMError
 from .cuda_graphs import DecodeState
 from .kv_planner import KVPlanner
-from .prompt import Segment
-from .request import Request
+from .request import Request, Segment
 
 
 class Scheduler:

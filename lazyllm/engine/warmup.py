@@ -42,7 +42,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import queue
 import threading
 import time
 from contextlib import contextmanager
@@ -52,10 +51,8 @@ import torch
 
 from ..intmath import cdiv, next_pow2
 from ..model.loader import cache_root
-from ..types import Chunk, SamplingParams
-from .detokenizer import Detokenizer
+from ..types import Chunk
 from .page_table import TableEntry
-from .prompt import Segment
 from .request import Request
 
 log = logging.getLogger("lazyllm")
@@ -418,14 +415,8 @@ class _Requests:
     def make(self, chunks: list[list[int]], question: int | list[int], max_new_tokens: int = 1, *,
              constraint=None, **sampling) -> Request:
         q = self.ids(question) if isinstance(question, int) else question
-        segs = [Segment("prefix", list(self.prefix)), *(Segment("chunk", c, _CHUNK) for c in chunks),
-                Segment("suffix", q)]
-        req = Request(segments=segs, params=SamplingParams(max_new_tokens=max_new_tokens, **sampling),
-                      events=queue.Queue())
-        req.detok = Detokenizer(self.llm.tokenizer, ())
-        req.streaming = False
-        req.constraint = constraint
-        return req
+        return self.llm.inputs.synthetic(self.prefix, chunks, q, _CHUNK, max_new_tokens, constraint=constraint,
+                                         **sampling)
 
     def run(self, reqs: list[Request]) -> None:
         """Submit ``reqs`` together and wait for each; a failure is logged, not raised (the

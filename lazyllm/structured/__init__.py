@@ -14,13 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..types import GenerationOutput
-from .chat import FALLBACK_TOOL_PROMPT, build_conversation
 from .formats import ResponseFormat, format_instruction, normalize_response_format
 from .grammar import GrammarCompiler, GrammarConstraint
 from .tools import Tool, normalize_tool_choice, normalize_tools, parse_tool_calls, tool_grammar
 
-__all__ = ["GrammarCompiler", "GrammarConstraint", "StructuredRequest", "prepare", "build_conversation",
-           "normalize_response_format", "normalize_tools", "format_instruction", "FALLBACK_TOOL_PROMPT", "Tool"]
+__all__ = ["GrammarCompiler", "GrammarConstraint", "StructuredRequest", "prepare", "normalize_response_format",
+           "normalize_tools", "format_instruction", "Tool"]
 
 
 @dataclass

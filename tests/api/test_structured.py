@@ -184,12 +184,12 @@ def test_bad_input_is_a_clear_error(llm, name, kw, match):
 
 
 def test_compiled_grammar_cached_per_schema(llm):
-    before = dict(llm._grammars.stats)
+    before = dict(llm.inputs.grammars.stats)
     for _ in range(3):
         llm.generate("x", response_format={"type": "object", "properties": {"k": {"enum": [1, 2, 3]}},
                                            "required": ["k"], "additionalProperties": False})
-    assert llm._grammars.stats["compiled"] == before["compiled"] + 1
-    assert llm._grammars.stats["hits"] >= before["hits"] + 2
+    assert llm.inputs.grammars.stats["compiled"] == before["compiled"] + 1
+    assert llm.inputs.grammars.stats["hits"] >= before["hits"] + 2
 
 
 def test_batched_mask_fill_equals_row_by_row(llm):
@@ -201,7 +201,7 @@ def test_batched_mask_fill_equals_row_by_row(llm):
     from lazyllm.structured import GrammarConstraint, normalize_response_format
 
     grammars = [normalize_response_format(f).grammar for f in (SCHEMA, ["yes", "no"], lazyllm.Regex("[0-9]{3}"))]
-    cons = [llm._grammars.constraint(g) for g in grammars]
+    cons = [llm.inputs.grammars.constraint(g) for g in grammars]
     for c, prefix in zip(cons, ('{"name": "', "y", "1")):
         for t in llm.tokenizer(prefix, add_special_tokens=False)["input_ids"]:
             assert c.accept(t)

@@ -134,7 +134,7 @@ def test_random_schemas_admit_their_instances(llm, data, schema):
     value = data.draw(instances(schema))
     jsonschema.validate(value, schema)  # the strategy's own check
     text = json.dumps(value, separators=(", ", ": "), ensure_ascii=False)
-    c = llm._grammars.constraint(normalize_response_format(schema).grammar)
+    c = llm.inputs.grammars.constraint(normalize_response_format(schema).grammar)
     ids = llm.tokenizer(text, add_special_tokens=False)["input_ids"]
     assert all(c.accept(t) for t in ids), (text, c.error)
     assert c.is_accepting(), text

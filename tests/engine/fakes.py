@@ -19,8 +19,7 @@ import torch
 from lazyllm.cache.store import ChunkStore, PagePool
 from lazyllm.config import EngineConfig
 from lazyllm.engine.engine import Engine
-from lazyllm.engine.prompt import Segment
-from lazyllm.engine.request import Request
+from lazyllm.engine.request import Request, Segment
 from lazyllm.model.attention import AttentionBackend
 from lazyllm.types import Chunk, SamplingParams
 

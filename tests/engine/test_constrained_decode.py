@@ -60,7 +60,7 @@ def _run(llm, specs):
     reqs = []
     for kw, cons in specs:
         kw = dict(kw)
-        r = llm._request(kw.pop("question"), kw.pop("chunks", None), None, **kw)
+        r = llm.inputs.generation(kw.pop("question"), kw.pop("chunks", None), None, **kw)
         r.streaming, r.constraint = False, cons
         reqs.append(r)
     llm.engine.call(lambda: llm.engine.scheduler.waiting.extend(reqs))

@@ -365,8 +365,8 @@ def test_a_failing_prefill_fails_only_its_request(tiny_model, tokenizer):
     llm = _llm(tiny_model, tokenizer)
     qs = [f"question number {i}?" for i in range(5)]
     solo = [llm.generate(q, chunks=DOCS[:2], max_new_tokens=4).token_ids for q in qs]
-    bad = llm._request("zebra zebra?", DOCS[:2], None, max_new_tokens=4)
-    others = {t for q in qs + ["go?"] for t in llm._request(q, DOCS[:2], None).prompt_ids}
+    bad = llm.inputs.generation("zebra zebra?", DOCS[:2], None, max_new_tokens=4)
+    others = {t for q in qs + ["go?"] for t in llm.inputs.generation(q, DOCS[:2], None).prompt_ids}
     poison = torch.tensor(sorted(set(bad.prompt_ids) - others))
     assert poison.numel() > 0
     real_forward = llm.model.forward
@@ -377,8 +377,8 @@ def test_a_failing_prefill_fails_only_its_request(tiny_model, tokenizer):
         return real_forward(input_ids, *a, **k)
 
     llm.model.forward = forward
-    reqs = [llm._request(q, DOCS[:2], None, max_new_tokens=4) for q in qs[:2]]
-    reqs += [llm._request(q, DOCS[:2], None, max_new_tokens=4) for q in qs[2:]]
+    reqs = [llm.inputs.generation(q, DOCS[:2], None, max_new_tokens=4) for q in qs[:2]]
+    reqs += [llm.inputs.generation(q, DOCS[:2], None, max_new_tokens=4) for q in qs[2:]]
     import threading
 
     from lazyllm.engine.engine import _Call

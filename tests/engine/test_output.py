@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lazyllm.engine.output import OutputProcessor
-from lazyllm.engine.request import PrefillPlan
+from lazyllm.engine.request import PrefillPlan, Scoring
 from lazyllm.errors import LazyLLMError, RequestCancelled
 from tests.engine.fakes import EOS, VOCAB, FakeTokenizer, make_request
 
@@ -127,7 +127,7 @@ def test_fail_hands_out_the_error_and_counts_it():
 def test_score_gives_the_log_probabilities_of_the_continuation():
     op = _out()
     r = make_request([2], [], [3, 4], max_new_tokens=1)
-    r.score_ids = [4, 9]
+    r.score = Scoring([4, 9], list(r.segments))
     r.plan = PrefillPlan(computed_tokens=3)
     logits = torch.randn(2, VOCAB)
     res = op.score(r, logits)

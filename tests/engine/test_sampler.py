@@ -132,16 +132,6 @@ def test_top_k_1_and_tiny_top_p_are_greedy():
         assert sampler.pick(logits, rows).tolist() == logits.argmax(-1).tolist()
 
 
-def test_unseeded_rows_get_a_seed_once():
-    r = _row(temperature=1.0)
-    sampler = Sampler(torch.device("cpu"))
-    sampler.pick(torch.zeros(1, 50), [r])
-    s = r.seed
-    assert isinstance(s, int)
-    sampler.pick(torch.zeros(1, 50), [r])
-    assert r.seed == s
-
-
 def test_row_uniform_is_uniform_and_a_function_of_seed_and_index():
     u = np.array([row_uniform(s, c) for s in range(200) for c in range(100)])
     assert u.min() > 0 and u.max() < 1

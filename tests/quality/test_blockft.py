@@ -3,7 +3,7 @@ gets the prompt layout it was trained with (tiny random checkpoints of the same 
 import pytest
 
 from lazyllm import Chunk, LazyLLM
-from lazyllm.engine.prompt_blockft import INSTRUCTION, SYSTEM, BlockFTPromptBuilder
+from lazyllm.inputs.prompt_blockft import INSTRUCTION, SYSTEM, BlockFTPromptBuilder
 from tests.conftest import make_tiny
 from tests.hf_reference import hf_greedy
 

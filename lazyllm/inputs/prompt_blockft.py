@@ -29,9 +29,10 @@ trained system sentence.
 """
 from __future__ import annotations
 
+from ..engine.request import Segment
 from ..errors import InvalidRequestError
 from ..types import Chunk
-from .prompt import PromptBuilder, Segment, _check_text
+from .prompt import PromptBuilder, check_text
 
 SYSTEM = ("You are an intelligent AI assistant. Please answer questions based on the user's instructions. "
           "Below are some reference documents that may help you in answering the user's question.")
@@ -85,15 +86,15 @@ class BlockFTPromptBuilder(PromptBuilder):
         return f"- Title: {str(title).strip()}\n{text}\n"
 
     def build(self, question: str, chunks: list[Chunk], system: str | None) -> list[Segment]:
-        _check_text(question, "question")
+        check_text(question, "question")
         if system is not None and not isinstance(system, str):
             raise InvalidRequestError(f"system must be a str or None, got {type(system).__name__}")
         if system is None or not system.strip():
             system = SYSTEM
         else:
-            _check_text(system, "system")
+            check_text(system, "system")
         for i, c in enumerate(chunks):
-            _check_text(c.text, f"chunks[{i}].text")
+            check_text(c.text, f"chunks[{i}].text")
         head, mid, tail = LAYOUTS[self.layout]
         segs = [Segment("prefix", self.encode(f"{head}{system.strip()}\n\n"))]
         segs += [Segment("chunk", self.chunk_ids(c), c) for c in chunks]
@@ -101,4 +102,14 @@ class BlockFTPromptBuilder(PromptBuilder):
         return segs
 
 
-__all__ = ["BlockFTPromptBuilder", "LAYOUTS", "SYSTEM", "INSTRUCTION", "detect_layout"]
+def prompt_builder(tokenizer, layout: str | None = None,
+                   packet_ids: tuple[list[int], list[int]] | None = None) -> PromptBuilder:
+    """The prompt builder of a configuration: ``layout`` ``None`` for the model's chat
+    template (with the packet's virtual ids around each chunk, if any), or a Block-Attention
+    training layout (a ``LAYOUTS`` name, or ``"auto"``: the tokenizer's)."""
+    if layout is None:
+        return PromptBuilder(tokenizer, packet_ids)
+    return BlockFTPromptBuilder(tokenizer, None if layout == "auto" else layout)
+
+
+__all__ = ["BlockFTPromptBuilder", "LAYOUTS", "SYSTEM", "INSTRUCTION", "detect_layout", "prompt_builder"]

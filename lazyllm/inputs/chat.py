@@ -16,10 +16,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..engine.prompt import _MARK, DOC_HEADER, PromptBuilder, Segment, _check_text
+from ..engine.request import Segment
 from ..errors import InvalidRequestError
+from ..structured.tools import CALL_CLOSE, CALL_OPEN, Tool
 from ..types import Chunk, ToolCall
-from .tools import CALL_CLOSE, CALL_OPEN, Tool
+from .prompt import _MARK, DOC_HEADER, PromptBuilder
+from .prompt import check_text as _check_text
 
 __all__ = ["build_conversation", "FALLBACK_TOOL_PROMPT"]
 

@@ -8,8 +8,7 @@ tests feed exactly that sequence to transformers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from ..engine.request import Segment
 from ..errors import InvalidRequestError
 from ..types import Chunk
 
@@ -18,14 +17,7 @@ DOC_HEADER = "Answer the question using the documents below.\n\nDocuments:\n\n"
 QUESTION_HEADER = "Question: "
 
 
-@dataclass
-class Segment:
-    kind: str  # "prefix", "chunk" or "suffix"
-    ids: list[int]
-    chunk: Chunk | None = None
-
-
-def _check_text(text: str, what: str) -> None:
+def check_text(text: str, what: str) -> None:
     if not isinstance(text, str):
         raise InvalidRequestError(f"{what} must be a str, got {type(text).__name__}")
     if not text.strip():
@@ -70,16 +62,16 @@ class PromptBuilder:
         return head + self.encode(self.chunk_text(chunk)) + tail
 
     def build(self, question: str, chunks: list[Chunk], system: str | None) -> list[Segment]:
-        _check_text(question, "question")
+        check_text(question, "question")
         if system is not None:
             if not isinstance(system, str):
                 raise InvalidRequestError(f"system must be a str or None, got {type(system).__name__}")
             if system.strip():
-                _check_text(system, "system")
+                check_text(system, "system")
             else:
                 system = None
         for i, c in enumerate(chunks):
-            _check_text(c.text, f"chunks[{i}].text")
+            check_text(c.text, f"chunks[{i}].text")
         header = DOC_HEADER if chunks else ""
         rendered = self._render(system, f"{header}{_MARK}{QUESTION_HEADER}{question.strip()}")
         pre, post = rendered.split(_MARK)

@@ -1,0 +1,133 @@
+"""``InputProcessor``: the one place a ``Request`` is made, complete.
+
+Every request the engine runs (``generate``, ``stream``, ``score``, ``warm``, the warm-up's
+synthetic ones) comes out of here with all it needs: its prompt segments (packets around the
+chunks, the prompt layout of the configuration), its sampling parameters and seed, its
+structured-output constraint and the ``finalize`` that parses the finished text, its
+detokenizer, its deadline, and for scoring its ``Scoring``. Nothing downstream fills a field
+in later.
+"""
+from __future__ import annotations
+
+import queue
+import secrets
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ..engine.detokenizer import Detokenizer
+from ..engine.request import Request, Scoring, Segment
+from ..errors import ContextLengthError, InvalidRequestError
+from ..types import Chunk, SamplingParams, as_chunks
+from .conversation import render_request
+from .prompt import PromptBuilder, check_text
+
+
+class InputProcessor:
+    """Turns a caller's arguments into engine ``Request`` values for one model.
+
+    ``tokenizer``: the model's; ``prompts``: the prompt builder of the configuration
+    (``prompt_builder``); ``max_context``, ``vocab_size``: the model's, in tokens."""
+
+    def __init__(self, tokenizer, prompts: PromptBuilder, *, max_context: int, vocab_size: int):
+        self.tokenizer, self.prompts = tokenizer, prompts
+        self.max_context, self.vocab_size = max_context, vocab_size
+        self._grammar_compiler = None
+
+    # -- the requests --------------------------------------------------------------
+    def generation(self, question, chunks=None, system=None, *, max_new_tokens=64, temperature=0.0, top_p=1.0,
+                   top_k=0, seed=None, stop=None, timeout=None, response_format=None, tools=None,
+                   tool_choice=None, messages=None, parallel_tool_calls=False, streaming=True) -> Request:
+        """A request to answer ``question`` over ``chunks`` (``LazyLLM.generate``'s arguments);
+        raises ``InvalidRequestError`` / ``ContextLengthError`` for what cannot run."""
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                top_k=top_k, seed=seed, stop=() if stop is None else stop)
+        if params.max_new_tokens > self.max_context:
+            raise InvalidRequestError(f"max_new_tokens={params.max_new_tokens} exceeds the model's context "
+                                      f"({self.max_context} tokens)")
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        structured = self._structured(response_format, tools, tool_choice, parallel_tool_calls)
+        segs = render_request(self.prompts, question, as_chunks(chunks), system, messages, structured)
+        self.check_fits(sum(len(s.ids) for s in segs))
+        constraint = None
+        if structured is not None and structured.grammar is not None:
+            constraint = self.grammars.constraint(structured.grammar)
+        return self._make(segs, params, streaming=streaming, timeout=timeout, constraint=constraint,
+                          finalize=structured.finalize if structured is not None else None)
+
+    def warming(self, chunks: Sequence[Chunk], system: str | None) -> Request:
+        """A request that only computes and caches the KV of ``chunks`` and of the prefix."""
+        segs = self.prompts.build("warm", as_chunks(chunks), system)[:-1] + [Segment("suffix", [])]
+        params = SamplingParams(max_new_tokens=1)
+        self.check_fits(sum(len(s.ids) for s in segs))
+        return self._make(segs, params, streaming=False, warm_only=True)
+
+    def scoring(self, question, chunks, system, continuation: Sequence[int] | str,
+                return_logits: bool = False) -> Request:
+        """A request for the teacher-forced log-probabilities of ``continuation`` (token ids
+        or a text) after the prompt of ``question`` over ``chunks``."""
+        cont = self._continuation(continuation)
+        params = SamplingParams(max_new_tokens=1)
+        prompt = self.prompts.build(question, as_chunks(chunks), system)
+        self.check_fits(sum(len(s.ids) for s in prompt) + len(cont))
+        segs = prompt[:-1] + [Segment("suffix", prompt[-1].ids + cont[:-1])]
+        return self._make(segs, params, streaming=False, score=Scoring(cont, prompt, bool(return_logits)))
+
+    def synthetic(self, prefix: list[int], chunks: list[list[int]], question: list[int], chunk: Chunk,
+                  max_new_tokens: int = 1, *, constraint=None, **sampling) -> Request:
+        """A request of given token ids (the warm-up's, of exact sizes): ``prefix``, one chunk
+        segment per list in ``chunks`` (each carrying ``chunk``), and ``question`` as suffix."""
+        segs = [Segment("prefix", list(prefix)), *(Segment("chunk", c, chunk) for c in chunks),
+                Segment("suffix", list(question))]
+        params = SamplingParams(max_new_tokens=max_new_tokens, **sampling)
+        return self._make(segs, params, streaming=False, constraint=constraint)
+
+    def _make(self, segs: list[Segment], params: SamplingParams, *, streaming: bool, timeout: float | None = None,
+              **fields: Any) -> Request:
+        """The one ``Request`` constructor call: the seed drawn now when the caller gave none, so a
+        sampled request draws the same tokens whatever it is batched with."""
+        seed = params.seed if params.seed is not None else secrets.randbits(64)
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        return Request(segments=segs, params=params, events=queue.Queue(), streaming=streaming, seed=seed,
+                       detok=Detokenizer(self.tokenizer, params.stop), deadline=deadline, **fields)
+
+    # -- checks and parts ------------------------------------------------------------
+    def check_fits(self, n_prompt: int) -> None:
+        """Raise ``ContextLengthError`` unless ``n_prompt`` prompt tokens leave room in the
+        model's context."""
+        if n_prompt >= self.max_context:
+            raise ContextLengthError(
+                f"the request has {n_prompt} prompt tokens; the model's context is {self.max_context} tokens")
+
+    def _continuation(self, continuation) -> list[int]:
+        if isinstance(continuation, str):
+            check_text(continuation, "continuation")
+            cont = self.prompts.encode(continuation)
+        elif isinstance(continuation, Sequence) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in continuation):
+            cont = list(continuation)
+        else:
+            raise InvalidRequestError("continuation must be a str or a list of token ids")
+        if not cont or any(t < 0 or t >= self.vocab_size for t in cont):
+            raise InvalidRequestError(f"continuation must be non-empty token ids in [0, {self.vocab_size})")
+        return cont
+
+    @property
+    def grammars(self):
+        """Grammars compiled for this model's tokenizer (built on first use)."""
+        if self._grammar_compiler is None:
+            from ..structured import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
+        return self._grammar_compiler
+
+    def _structured(self, response_format, tools, tool_choice, parallel_tool_calls):
+        if response_format is None and tools is None and tool_choice is None:
+            return None
+        from ..structured import prepare
+
+        return prepare(self.grammars, response_format, tools, tool_choice, parallel_tool_calls)
+
+
+__all__ = ["InputProcessor"]
