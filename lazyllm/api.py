@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import dataclasses
 import os
 import weakref
 from collections.abc import Sequence
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 
 from .cache.store import ChunkStore, PagePool
-from .config import CHUNK_CACHING_MODES, EngineConfig
+from .config import EngineConfig, options_docstring
 from .config import resolve_device as _resolve_device
 from .config import resolve_dtype as _resolve_dtype
 from .engine.engine import Engine
@@ -46,6 +47,9 @@ def _close_engines() -> None:
             group.close()
 
 
+_OPTIONS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
+
+
 class LazyLLM:
     """An in-process LLM that takes retrieved documents as chunks and reuses each chunk's
     KV across requests, at any position and in any order.
@@ -57,93 +61,10 @@ class LazyLLM:
         model (SmolLM2-135M-Instruct, offline).
     model, tokenizer : an already loaded transformers causal LM and its tokenizer,
         instead of ``model_name_or_path``. Its weights are used in place, not copied.
-    device : ``"auto"`` (CUDA when present), ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
-    dtype : ``None`` for float32 on CPU and bfloat16 on CUDA, or a torch dtype / name.
-    reuse : ``"lazy"`` (zero-copy chunk reuse, positions applied in the attention kernel),
-        ``"block"`` (Block-Attention baseline: per-request re-rotated copy),
-        ``"prefix"`` (full attention, identical-prefix reuse, as vLLM), ``"none"``.
-    chunk_context : ``"isolated"`` (a chunk attends to itself only) or ``"prefix"`` (to
-        the shared system prefix and itself).
-    kv_cache_bytes : byte budget of the KV page pool (default: 1 GiB on CPU, 40% of free
-        memory on CUDA).
-    page_size : tokens per KV page (default: 64 with the Triton kernels on CUDA, where a key
-        tile then lies in one page and the kernels rotate the query once per chunk instead
-        of every key tile; 16 otherwise).
-    attention_backend : ``"auto"`` (Triton on CUDA, torch reference on CPU), ``"torch"``
-        or ``"triton"`` (on CPU, the kernels run in Triton's interpreter: for tests).
-    recompute_first_tokens : quality recovery: at query time, recompute the first this
-        many tokens of every chunk with full context (their KV replaces the cached one for
-        that request only; the cache stays reusable). 0 switches it off. Only meaningful
-        with ``reuse`` ``lazy`` or ``block``.
-    recompute_ratio : quality recovery: also recompute, with full context, this fraction
-        of the chunk tokens whose keys at an early layer deviate most from full attention
-        (CacheBlend-style selection). 0 switches it off.
-    recompute_selection : how ``recompute_ratio`` picks its tokens: ``"deviation"``
-        (default, CacheBlend: layer-1 keys farthest from full attention's),
-        ``"attention"`` (the tokens the question attends to most in a first pass over the cached KV;
-        one extra forward of the question; more faithful than ``"deviation"`` on the default model) or
-        ``"two-stage"`` (ProphetKV-style: that attention shortlists twice the budget, ranked
-        then by attention times key deviation; the ``balanced`` preset's choice).
-    recompute_selection_depth : the leading fraction of the layers the ``"attention"`` and
-        ``"two-stage"`` first pass runs (1, default and ``balanced``'s: all; less is cheaper).
-    context_temperature, context_lse_scale : APE-style calibration of how the question and
-        the generated tokens read the retrieved documents, without recompute and without
-        touching the cached KV: the documents' logits are divided by the temperature and
-        their log-sum-exp multiplied by the scale (``reference.paged_attention_ref``'s
-        ``ctx_temperature`` / ``ctx_lse_scale``; fused into the Triton kernels). 1 and 1
-        (default): off. Decode steps with it run the per-request kernel (no shared-chunk
-        decode); not with ``tensor_parallel`` yet.
-    batch_invariant : compute every token exactly as it would be computed alone: projections
-        in fixed blocks of 128 rows and one attention launch configuration for prefill and
-        decode (no split-K). In bfloat16/float16, GEMM libraries otherwise pick kernels by batch
-        size, so a greedy answer can change in rare near-ties depending on what else runs in the
-        same step. Costs speed (decode at batch 1 and long prefills are slower); off by
-        default. float32 answers were batch-independent in our tests without it.
-    overlap_decode : launch decode step ``n + 1`` (its tokens fed from step ``n``'s picks on
-        the device) before the host reads step ``n``, so the GPU never waits for the host's
-        per-step work. Greedy, sampled and constrained batches; token for token the same as
-        stepping one at a time. ``None`` (default): on where decode runs from CUDA graphs.
-    kv_disk_dir, kv_disk_bytes : an optional persistent tier for chunk KV (safetensors
-        files, validated against the model fingerprint, settings and a checksum; atomic
-        writes; LRU size cap): chunks computed once survive restarts. Written in the
-        background; ``close()`` waits for pending writes.
-    kernel_options : a ``lazyllm.kernels.KernelOptions`` for the Triton launch choices (prefill
-        kernel, key-tile loop, tiles, splits), for A/B measurements; ``None``: the measured defaults.
-    quality : a named fidelity preset (``lazyllm.presets.PRESETS``), measured on
-        the default model (README, "Answer fidelity"): ``"fast"`` (``chunk_context="prefix"``,
-        nothing recomputed), ``"balanced"`` (``fast`` plus the first 4 tokens of each chunk
-        and 14% of chunk tokens, chosen by the question's attention and key deviation,
-        recomputed with full context, per request), ``"exact"`` (``reuse="prefix"``: full
-        attention), or ``"block-ft"`` for Block-Attention fine-tuned checkpoints (isolated
-        chunks in the prompt layout they were trained with, ``lazyllm.inputs.prompt_blockft``).
-        ``None`` (default): each option's own default (``reuse="lazy"``, ``chunk_context="isolated"``,
-        no recovery). Options passed explicitly (``reuse``, ``chunk_context``, ``recompute_*``)
-        override the preset's. ``lazyllm.quality.compare`` measures them on your own data.
-    trust_remote_code : passed to transformers; off unless you ask.
-    tensor_parallel : shard the model over this many processes, one per GPU (torch.distributed:
-        NCCL on CUDA, gloo on CPU): attention and KV heads, the MLP and the LM head's
-        vocabulary split across ranks, an all-reduce after the output and down projections.
-        This process is rank 0 and runs the engine; the library starts and stops the others
-        (``close()``). Must divide the model's attention heads, KV heads and MLP size, and on
-        CUDA be at most the GPUs present. A checkpoint is loaded on the CPU by every rank, which
-        keeps only its shard on its GPU; ``kv_cache_bytes`` is per rank. Not yet with it:
-        CUDA graphs and the fused kernels (the forward runs eagerly), ``recompute_ratio``
-        and ``kv_disk_dir``. The workers are spawned and re-import the main module: guard a
-        script's work with ``if __name__ == "__main__":``. Default 1 (one process).
-    warmup : before the first request, launch every kernel specialization and capture the CUDA
-        graphs this engine uses for its model and pool (``warmup()``, with a progress bar; CUDA
-        only: on CPU nothing compiles and it is skipped). ``False``: return at once, and the
-        first requests wait for the compiles (``cache_stats()["kernels_compiled_after_ready"]``).
-    packets : learned chunk packets (``lazyllm.model.packets``): a packet file trained for this
-        model (``lazyllm adapt``) or a ``Packets``; its embeddings are placed around every chunk
-        when the chunk's KV is computed and cached with it (each chunk gets ``k_header +
-        k_trailer`` more tokens), which brings reused chunks closer to full attention without
-        recomputing anything per request. ``"auto"`` (default): the packet shipped for this
-        model and chunk context when there is one (the default model's), in the modes that
-        cache chunks; ``None``: none. A packet of another model raises ``InvalidRequestError``;
-        so does one with ``reuse`` ``"prefix"``/``"none"`` (full attention has no chunks to
-        carry it), ``quality="block-ft"`` or ``tensor_parallel``. The packet's tokens appear in
-        ``prompt_segments`` as virtual ids at and past the embedding table's size (not text).
+    Every other argument is an engine option, a field of ``lazyllm.config.EngineConfig``
+    (``llm.config`` is the running configuration); a ``quality`` preset sets several, and
+    options passed explicitly override it:
+
     """
 
     def __init__(
@@ -175,19 +96,10 @@ class LazyLLM:
         overlap_decode: bool | None = None,
         kernel_options: Any = None,
         tensor_parallel: int = 1,
-        packets: Any = "auto",
         warmup: bool = True,
+        packets: Any = "auto",
     ):
-        config = EngineConfig.resolve(
-            quality, device=device, dtype=dtype, reuse=reuse, chunk_context=chunk_context,
-            kv_cache_bytes=kv_cache_bytes, page_size=page_size, attention_backend=attention_backend,
-            max_batch_tokens=max_batch_tokens, recompute_first_tokens=recompute_first_tokens,
-            recompute_ratio=recompute_ratio, recompute_selection=recompute_selection,
-            recompute_selection_depth=recompute_selection_depth,
-            context_temperature=context_temperature, context_lse_scale=context_lse_scale, kv_disk_dir=kv_disk_dir,
-            kv_disk_bytes=kv_disk_bytes, trust_remote_code=trust_remote_code, progress=progress,
-            batch_invariant=batch_invariant, overlap_decode=overlap_decode, kernel_options=kernel_options,
-            tensor_parallel=tensor_parallel, packets=packets, warmup=warmup)
+        config = EngineConfig.resolve(**{k: v for k, v in locals().items() if k in _OPTIONS})
         self._tp = None
         self._load(config, model_name_or_path, model, tokenizer)
         # an engine thread still inside torch at interpreter shutdown can abort the
@@ -244,13 +156,11 @@ class LazyLLM:
         else:
             self.model = LlamaFamilyModel(hf, attention=backend, batch_invariant=config.batch_invariant)
         self.model_fingerprint = fingerprint(self.model)
-        c = config  # "auto" picks the shipped packet only where chunks are cached for it
-        auto = c.reuse in CHUNK_CACHING_MODES and c.quality != "block-ft" and c.tensor_parallel == 1
-        self.packets = resolve_packets(c.packets, self.model, self.chunk_context, auto=auto)
+        self.packets = resolve_packets(config.packets, self.model, self.chunk_context, auto=config.packets_fit)
         # cache keys and the disk tier separate packet versions: a packet changes every chunk's KV
         self.fingerprint = self.model_fingerprint + (f":packets:{self.packets.digest}" if self.packets else "")
         kv_cache_bytes = self._make_store(page_size, config.kv_cache_bytes)
-        self.prompts = prompt_builder(tok, "auto" if config.quality == "block-ft" else None,
+        self.prompts = prompt_builder(tok, "auto" if config.block_ft else None,
                                       self.packets.ids(self.model.embed_rows) if self.packets else None)
         self.inputs = InputProcessor(tok, self.prompts, max_context=self.model.spec.max_context,
                                      vocab_size=self.model.spec.vocab_size)
@@ -507,5 +417,7 @@ class LazyLLM:
         return (f"LazyLLM(model={self.model_name!r}, device={self.device}, dtype={self.dtype}, "
                 f"reuse={self.reuse!r}, chunk_context={self.chunk_context!r})")
 
+
+LazyLLM.__doc__ += options_docstring()
 
 __all__ = ["LazyLLM"]

@@ -44,7 +44,4 @@ PRESETS: dict[str, dict[str, object]] = {
     # their training prompt layout (lazyllm.inputs.prompt_blockft)
     "block-ft": {"reuse": "lazy", "chunk_context": "isolated", "recompute_first_tokens": 0, "recompute_ratio": 0.0},
 }
-# presets that also change the prompt layout
-PROMPT_LAYOUT_PRESETS = ("block-ft",)
-
-__all__ = ["PRESETS", "PROMPT_LAYOUT_PRESETS", "QUALITY_OPTIONS"]
+__all__ = ["PRESETS", "QUALITY_OPTIONS"]

@@ -273,7 +273,7 @@ class Engine:
                     self.store.mark_ready(p.entry)
                 if self.disk_tier is not None and self.save_to_disk:
                     self.disk_tier.save([p.entry for p in stage])
-        if self.recovery.enabled:
+        if self.config.recovery_enabled:
             for r in reqs:
                 if not r.warm_only:
                     self.recovery.apply(r)

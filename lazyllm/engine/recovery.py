@@ -58,10 +58,6 @@ class Recovery:
         self._memo: tuple[Request, _ChunkIndex | None] | None = None  # apply's chunk token index
         self.metrics = metrics if metrics is not None else {}
 
-    @property
-    def enabled(self) -> bool:
-        return self.first_tokens > 0 or self.ratio > 0
-
     def apply(self, r: Request) -> None:
         """Once the request's chunk KV is in the pool, rewrite its plan so that its prefill
         also recomputes the chosen chunk tokens. If the pool cannot give the page copies,

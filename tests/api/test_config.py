@@ -1,13 +1,15 @@
 """``EngineConfig``: every engine option validated in one place, presets resolved into it,
 the running configuration on ``llm.config``, and the recovery selection registry."""
 import dataclasses
+import inspect
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from lazyllm import LazyLLM
-from lazyllm.config import EngineConfig, register_selection, selection_names
+from lazyllm.config import OPTION_DOCS, EngineConfig, options_markdown, register_selection, selection_names
 from lazyllm.errors import InvalidRequestError
 from lazyllm.kernels import KernelOptions
 from lazyllm.presets import PRESETS, QUALITY_OPTIONS
@@ -27,6 +29,28 @@ def test_defaults_are_the_documented_ones():
     assert (c.device, c.dtype, c.page_size, c.kv_cache_bytes, c.attention_backend) == ("auto", None, None, None, "auto")
     assert (c.tensor_parallel, c.batch_invariant, c.overlap_decode, c.packets) == (1, False, None, "auto")
     assert c.calibration == (1.0, 1.0) and not c.recovery_enabled
+
+
+def test_lazyllm_takes_exactly_the_config_fields_with_their_defaults():
+    """``LazyLLM``'s keyword arguments are the engine options as declared in ``EngineConfig``
+    (the model arguments aside): the same names, in the same order, with the same defaults,
+    except that an option a preset sets defaults to ``None`` ("not given")."""
+    params = list(inspect.signature(LazyLLM.__init__).parameters.values())[1:]
+    assert [p.name for p in params[:3]] == ["model_name_or_path", "model", "tokenizer"]
+    fields = dataclasses.fields(EngineConfig)
+    assert [p.name for p in params[3:]] == [f.name for f in fields]
+    for p, f in zip(params[3:], fields):
+        assert p.kind is inspect.Parameter.KEYWORD_ONLY, p.name
+        assert p.default == (None if f.name in QUALITY_OPTIONS else f.default), p.name
+
+
+def test_lazyllm_docstring_and_readme_table_are_made_from_the_fields():
+    names = [f.name for f in dataclasses.fields(EngineConfig)]
+    assert sorted(n for key in OPTION_DOCS for n in key.split(", ")) == sorted(names)
+    for name in names:
+        assert f"    {name}" in LazyLLM.__doc__ or f", {name}" in LazyLLM.__doc__, name
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert options_markdown() in readme, "regenerate README's option table from lazyllm.config.options_markdown()"
 
 
 def test_every_field_documents_itself_for_flags():
