@@ -41,12 +41,10 @@ from lazyllm.extras import require
 
 require("llama-index", "llama_index.core")
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any
 
 import llama_index.core.instrumentation as instrument
-from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -88,7 +86,6 @@ from ._common import (
     engine_options,
     hf_generate_kwargs,
     join_system,
-    request_from_messages,
     sampling_kwargs,
     usage_dict,
 )
@@ -96,33 +93,14 @@ from .llama_index_tools import (
     TOOL_KWARGS,
     ChunkRetrieverTool,
     chat_message,
+    chat_to_request,
     openai_messages,
     prepare_chat_with_tools,
-    text_and_chunks,
     tool_selections,
 )
-from .minilm import DIM, MODEL_NAME, embed
+from .minilm_llama_index import BundledMiniLMEmbedding, MiniLMEmbedding
 
 dispatcher = instrument.get_dispatcher(__name__)
-
-_ROLES = {MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system", MessageRole.USER: "user",
-          MessageRole.ASSISTANT: "assistant", MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant",
-          MessageRole.TOOL: "tool", MessageRole.FUNCTION: "tool"}
-
-
-def chat_to_request(messages: Sequence[ChatMessage], system_prompt: str | None = None) -> RagRequest:
-    """Split LlamaIndex chat messages into ``(question, chunks, system)``: system and
-    developer messages (after ``system_prompt``) form ``system``; text ``DocumentBlock``s
-    and ``CitableBlock``s become chunks; the last user message with text is the question; other turns are
-    folded into the question text."""
-    return request_from_messages(map(_message_parts, messages), [system_prompt] if system_prompt else [])
-
-
-def _message_parts(m: ChatMessage) -> tuple[str, str, list[Chunk]]:
-    """``(role, text, chunks)`` of one message, for ``request_from_messages``."""
-    role = _ROLES.get(m.role, str(m.role.value if hasattr(m.role, "value") else m.role))
-    return (role, *text_and_chunks(m, role))
-
 
 class LlamaIndexLLM(FunctionCallingLLM):
     """LlamaIndex LLM over an in-process ``LazyLLM``. Argument names follow
@@ -514,36 +492,6 @@ class ChunkSynthesizer(BaseSynthesizer):
             event.on_end(payload={EventPayload.RESPONSE: response})
         dispatcher.event(SynthesizeEndEvent(query=query, response=response))
         return response
-
-
-class BundledMiniLMEmbedding(BaseEmbedding):
-    """LlamaIndex embedding model: the bundled all-MiniLM-L6-v2 (384-d, unit-length
-    vectors), offline: the same vectors as ``lazyllm.integrations.chroma.BundledMiniLM``
-    and the LangChain ``BundledMiniLMEmbeddings``. For ``VectorStoreIndex`` over
-    ``llama_index.vector_stores.chroma.ChromaVectorStore`` or any other store."""
-
-    model_name: str = MODEL_NAME
-    embed_batch_size: int = 32
-    dimensions: int = DIM
-
-    @classmethod
-    def class_name(cls) -> str:
-        return "LazyLLMBundledMiniLM"
-
-    def _get_query_embedding(self, query: str) -> Embedding:
-        return embed([query])[0].tolist()
-
-    async def _aget_query_embedding(self, query: str) -> Embedding:
-        return await asyncio.get_running_loop().run_in_executor(None, self._get_query_embedding, query)
-
-    def _get_text_embedding(self, text: str) -> Embedding:
-        return embed([text])[0].tolist()
-
-    def _get_text_embeddings(self, texts: list[str]) -> list[Embedding]:
-        return embed(texts, batch_size=self.embed_batch_size).tolist()
-
-
-MiniLMEmbedding = BundledMiniLMEmbedding  # the earlier name
 
 
 __all__ = ["LlamaIndexLLM", "ChunkSynthesizer", "ChunkRetrieverTool", "BundledMiniLMEmbedding", "MiniLMEmbedding",

@@ -7,7 +7,8 @@ Documents in the conversation travel as chunks: a text ``DocumentBlock`` or a
 ``CitableBlock`` (what ``ChunkRetrieverTool`` returns, one per retrieved node) in any message.
 The first message that carries documents keeps them as the request's chunks, so their KV is
 reused at every later step of an agent; documents of later messages are written into that
-message's text (a request has one run of chunks).
+message's text (a request has one run of chunks). ``chat_to_request`` turns a chat without
+tools into a RAG request.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from llama_index.core.schema import MetadataMode, NodeWithScore
 from llama_index.core.tools import RetrieverTool, ToolOutput
 
 from lazyllm import Chunk, GenerationOutput, InvalidRequestError
+
+from ._common import RagRequest, request_from_messages
 
 TOOL_KWARGS = ("tools", "tool_choice", "parallel_tool_calls", "response_format")
 
@@ -154,3 +157,22 @@ def tool_selections(response: ChatResponse, error_on_no_tool_call: bool = True) 
         raise ValueError(f"expected at least one tool call, got {len(calls)}")
     return [ToolSelection(tool_id=c["id"], tool_name=c["function"]["name"],
                           tool_kwargs=json.loads(c["function"]["arguments"])) for c in calls]
+
+
+_ROLES = {MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system", MessageRole.USER: "user",
+          MessageRole.ASSISTANT: "assistant", MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant",
+          MessageRole.TOOL: "tool", MessageRole.FUNCTION: "tool"}
+
+
+def chat_to_request(messages: Sequence[ChatMessage], system_prompt: str | None = None) -> RagRequest:
+    """Split LlamaIndex chat messages into ``(question, chunks, system)``: system and
+    developer messages (after ``system_prompt``) form ``system``; text ``DocumentBlock``s
+    and ``CitableBlock``s become chunks; the last user message with text is the question; other turns are
+    folded into the question text."""
+    return request_from_messages(map(_message_parts, messages), [system_prompt] if system_prompt else [])
+
+
+def _message_parts(m: ChatMessage) -> tuple[str, str, list[Chunk]]:
+    """``(role, text, chunks)`` of one message, for ``request_from_messages``."""
+    role = _ROLES.get(m.role, str(m.role.value if hasattr(m.role, "value") else m.role))
+    return (role, *text_and_chunks(m, role))

@@ -34,7 +34,8 @@ tokenization run on worker threads, off the event loop. docs/server.md is the us
 Modules: ``protocol`` (OpenAI's request and response bodies as pydantic models and pure
 functions: ``validate_body`` (bytes -> ``ChatCompletionRequest``), ``parse_chat_request``
 (-> question, chunks, system, sampling), ``completion_response``, ``stream_chunk``,
-``usage_json``, ``sse``, ``error_body``, ``error_from_exception``), ``backends`` (the
+``usage_json``, ``sse``), ``errors`` (OpenAI's error body: ``APIError``, ``error_body``,
+``error_from_exception``), ``backends`` (the
 ``Backend`` interface and ``LocalBackend``), ``metrics`` (Prometheus), ``app``
 (``create_app``) and ``cli`` (``lazyllm serve``).
 
@@ -53,17 +54,15 @@ require("server", "fastapi", "uvicorn", "prometheus_client")
 from .app import create_app
 from .backends import Backend, GenerationStream, LocalBackend, as_backend
 from .cli import build_parser, main
+from .errors import APIError, error_body, error_from_exception
 from .metrics import ServerMetrics
 from .protocol import (
-    APIError,
     ChatCompletionRequest,
     ChatRequest,
     DocumentIn,
     ToolCallDeltas,
     completion_response,
     documents_to_chunks,
-    error_body,
-    error_from_exception,
     new_request_id,
     parse_chat_request,
     sse,

@@ -23,18 +23,17 @@ from lazyllm import GenerationOutput, LazyLLM
 from lazyllm.errors import InvalidRequestError
 
 from .backends import Backend, GenerationStream, as_backend
+from .errors import APIError, error_from_exception
 from .metrics import ServerMetrics
 from .protocol import (
     DEFAULT_MAX_CONCURRENCY,
     DEFAULT_MAX_NEW_TOKENS_LIMIT,
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_MAX_TOKENS,
-    APIError,
     ChatCompletionRequest,
     ToolCallDeltas,
     completion_response,
     emits_tool_calls,
-    error_from_exception,
     new_request_id,
     parse_chat_request,
     sse,

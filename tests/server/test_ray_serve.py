@@ -18,8 +18,9 @@ from lazyllm.integrations.ray_serve import (  # noqa: E402
     rank_replicas,
     rendezvous_owner,
     replica_stats,
-    text_keys,
 )
+from lazyllm.integrations.routing import text_keys  # noqa: E402
+from lazyllm.types import as_chunk  # noqa: E402
 
 
 def key(i: int) -> bytes:
@@ -168,7 +169,7 @@ def test_router_keys_are_the_engine_keys(tokenizer, context):
         docs = ["The Eiffel Tower is 330 metres tall.", Chunk("Mount Fuji is 3776 metres high.", id="fuji")]
         llm.generate("How tall?", chunks=docs, system="Be brief.", max_new_tokens=2)
         keyer = ChunkKeyer(tokenizer, llm.fingerprint, llm.chunk_context)
-        mine = keyer.keys([rs.as_chunk(d, i) for i, d in enumerate(docs)], "Be brief.")
+        mine = keyer.keys([as_chunk(d, i) for i, d in enumerate(docs)], "Be brief.")
         assert {k for k, _ in mine} == set(llm.resident_chunk_keys())
         assert keyer.keys([Chunk(docs[0])], "Be brief.")[0] == mine[0]  # cached per text
         stats = replica_stats(llm)
@@ -195,7 +196,7 @@ def test_router_keys_are_the_engine_keys_on_the_default_model_with_its_packet(co
         out = llm.generate("How tall?", chunks=docs, system="Be brief.", max_new_tokens=1)
         stats = replica_stats(llm)
         keyer = ChunkKeyer.from_identity(tok, stats)
-        mine = keyer.keys([rs.as_chunk(d, i) for i, d in enumerate(docs)], "Be brief.")
+        mine = keyer.keys([as_chunk(d, i) for i, d in enumerate(docs)], "Be brief.")
         assert {k for k, _ in mine} == set(llm.resident_chunk_keys())
         assert [n for _, n in mine] == [len(ids) for kind, ids in out.prompt_segments if kind == "chunk"]
         f = BloomFilter.from_stats(stats["bloom"])
