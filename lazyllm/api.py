@@ -16,9 +16,10 @@ from .cache.store import ChunkStore, PagePool
 from .config import EngineConfig, options_docstring
 from .config import resolve_device as _resolve_device
 from .config import resolve_dtype as _resolve_dtype
+from .engine.compiles import COMPILES, default_triton_cache
 from .engine.engine import Engine
 from .engine.request import Request
-from .engine.warmup import COMPILES, Readiness, default_triton_cache
+from .engine.warmup import Readiness
 from .errors import InvalidRequestError
 from .inputs import InputProcessor, prompt_builder
 from .model.attention import make_backend

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import triton
@@ -29,7 +29,7 @@ from .decode import _merge_splits, _paged_decode_fwd
 from .prefill import _paged_attn_fwd
 from .rope import delta_runs, rope_table
 
-__all__ = ["paged_attention_triton", "LaunchPlan"]
+__all__ = ["paged_attention_triton", "LaunchPlan", "specialization"]
 
 _DEFAULT_OPTIONS = KernelOptions()
 _NUM_SMS: dict = {}
@@ -99,6 +99,30 @@ class LaunchPlan:
     config: tuple | None
     window: int = 0  # a sliding window (the kernels' WINDOW constexpr); 0: none
     ape: bool = False  # APE-style context calibration (the kernels' APE constexpr)
+
+
+# fields of a plan that select no compiled kernel: a grid size, the split count (its class
+# is in the key instead), and the cache keys and requested configuration the others derive from
+_NOT_COMPILED = frozenset({"q_tiles", "num_splits", "gluon_key", "loop_key", "config"})
+
+
+def _int_class(n: int) -> int:
+    """Triton's specialization of an integer argument: 1, a multiple of 16, or neither."""
+    return 1 if n == 1 else 16 if n % 16 == 0 else 0
+
+
+def specialization(plan: LaunchPlan, width: int, row_stride: int, plane: int) -> tuple:
+    """What Triton compiles for a launch of ``plan`` over page tables ``width`` entries wide
+    with rows ``row_stride`` apart and their four planes (page, position, delta, length)
+    ``plane`` entries apart: every field of the plan that is a constexpr (a field added to
+    ``LaunchPlan`` counts unless listed in ``_NOT_COMPILED``), and the specialization
+    classes of the integer arguments (split count, width, row stride, the split merge's
+    power-of-two bound) and of the planes' alignment. Two launches with the same key run
+    the same compiled kernels."""
+    chosen = tuple(getattr(plan, f.name) for f in fields(plan) if f.name not in _NOT_COMPILED)
+    parts = plan.num_splits * (plan.ppt if plan.decode_kernel else 1) * (2 if plan.ape else 1)
+    return chosen + (_int_class(plan.num_splits), _int_class(width), _int_class(row_stride),
+                     next_pow2(parts, 2) if parts > 1 else 0, plane % 4 == 0, plane % 2 == 0)
 
 
 def _validate(q, k_cache, v_cache, inv_freq) -> None:

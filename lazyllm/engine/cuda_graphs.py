@@ -398,7 +398,7 @@ class PrefillGraphs:
         small = [t for t in (16, 32, 64, 128, 256) if t <= self.max_tokens]
         return small + list(range(256 + self.STEP, self.max_tokens + 1, self.STEP))
 
-    def _width(self, W: int) -> int:
+    def width_bucket(self, W: int) -> int:
         # powers of two: each new bucket costs a capture (a forward and the capture, a
         # stall for the request that meets it), while padding entries cost the prefill kernel
         # only a scan (it stops at the last real entry)
@@ -416,7 +416,7 @@ class PrefillGraphs:
         then switched off)."""
         n, W = len(ids), len(table)
         T = self.token_bucket(n)
-        Wb = self._width(W)
+        Wb = self.width_bucket(W)
         pad = T - n
         tab = pack_tables([table], Wb)[:, 0]
         host = torch.from_numpy(np.concatenate([

@@ -23,10 +23,13 @@ launch), ``cuda_graphs``, ``recovery``, ``output`` (tokens, text, results), ``re
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -106,7 +109,7 @@ class Engine:
                         "shared_plans": 0}  # decode batches found sharing pages (a plan made when the rows changed)
         self.disk = disk  # optional DiskKVStore: chunk KV that survives restarts
         self.disk_tier = DiskTier(disk, self.pool) if disk is not None else None
-        self.save_to_disk = True  # off while the warm-up's synthetic chunks are computed
+        self.save_to_disk = True  # off inside ``scratch`` (synthetic chunks never reach the disk tier)
         self.config = config
         max_batch_tokens = config.max_batch_tokens
         self.planner = KVPlanner(store, config.reuse, config.chunk_context, fingerprint, self.disk_tier, self.metrics)
@@ -158,6 +161,30 @@ class Engine:
     def call(self, fn):
         """Run ``fn()`` on the engine thread between steps and return its result."""
         return self.submit(_Call(fn)).wait()
+
+    @contextmanager
+    def scratch(self) -> Iterator[Callable[[], None]]:
+        """Work that leaves no trace (the warm-up's synthetic requests): nothing it computes
+        reaches the disk tier, and at the end the entries it cached are dropped and the cache
+        counters, metrics and decode step log are as before. Yields a function that drops
+        what it cached so far (so that it evicts none of the callers' entries)."""
+        store = self.store
+        saved = self.call(lambda: (set(store.entries), copy.deepcopy(store.counters), dict(self.metrics),
+                                   list(self.decode_step_log)))
+        self.save_to_disk = False
+        try:
+            yield lambda: self.call(lambda: store.drop_except(saved[0]))
+        finally:
+            self.call(lambda: self._restore(saved))
+            self.save_to_disk = True
+
+    def _restore(self, saved) -> None:
+        keys, counters, metrics, steps = saved
+        self.store.drop_except(keys)
+        self.store.reset_counters(counters)
+        self.metrics.update(metrics)
+        self.decode_step_log.clear()
+        self.decode_step_log.extend(steps)
 
     def graph_stats(self) -> dict:
         """CUDA graphs captured so far (decode and short prefills) and the host seconds spent

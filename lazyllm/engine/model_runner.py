@@ -186,6 +186,41 @@ class ModelRunner:
                 self.rerotate_copy(pool.k[li:li + 1], pool.v[li:li + 1], src, dst, delta, m.inv_freqs[fi])
         self.metrics["copied_pages"] += len(copies)
 
+    # -- the warm-up's steps (scratch page only; while no request runs) --------------------
+    def dummy_decode(self, B: int, W: int) -> None:
+        """Run (and capture) the decode step of batch bucket ``B`` and width bucket ``W`` with
+        every row padding: no row reads a page, every K/V write goes to the scratch slot. A
+        padded step zeroes the lengths of the rows it covers: only while nothing decodes."""
+        self.decode_state.stage([], [], [], [], B, self.pool.scratch_page * self.pool.page_size)
+        self.graphs.run(B, W, 0)
+
+    def dummy_prefill(self, T: int, W: int, mass: int = 0) -> None:
+        """Capture the short-prefill graph of token bucket ``T`` and width bucket ``W`` (or its
+        attention-mass twin over ``mass`` layers) over ``W`` entries naming the scratch page;
+        the tokens' K/V go to the scratch slot."""
+        ps, scratch = self.pool.page_size, self.pool.scratch_page
+        table = [TableEntry(scratch, i * ps, 0, ps) for i in range(W)]
+        pos = list(range(W * ps, W * ps + T))
+        self.prefill_graphs.run([0] * T, pos, [scratch * ps] * T, table, mass=mass)
+
+    def dummy_copies(self) -> None:
+        """Page copies of 1, 16 and 17 pages (Triton specializes an integer argument on being
+        1 and on being a multiple of 16), scratch page to scratch page, rotated by 0."""
+        scratch = self.pool.scratch_page
+        for n in (1, 16, 17):
+            self.copy_pages([(scratch, scratch, 0)] * n)
+
+    def dummy_key_probes(self, layer: int) -> None:
+        """The key-deviation probe of ``layer`` (quality recovery's) over the scratch page at
+        short and long shortlists and at table widths on and off a multiple of 16."""
+        ps, scratch = self.pool.page_size, self.pool.scratch_page
+        for W in (64, 65):
+            table = [TableEntry(scratch, i * ps, 0, ps) for i in range(W)]
+            for n in (16, 17, 200, 1100):
+                pos = list(range(W * ps, W * ps + n))
+                ids_t, _, meta = self.metadata([0] * n, pos, [scratch * ps] * n, [0, n], [table], n, [])
+                self.model.probe_keys_paged(ids_t, meta, self.pool.k, self.pool.v, layer)
+
     # -- decode --------------------------------------------------------------------------
     def launch_decode(self, reqs: list[Request], pending: dict[int, int], dead: set[int]) -> DecodeStep:
         """Stage and launch one decode step's forward for ``reqs`` (the decode state's rows,

@@ -27,32 +27,25 @@ model and pool before the first request:
   pages; the key-deviation probe at short and long shortlists and table widths on and off a
   multiple of 16).
 
-It then drops what it cached and puts back the counters it moved. On CPU the torch reference
-runs and nothing compiles: the warm-up is skipped (measured on the README demo's first answer:
-15.0-15.1 s without it, 12.7-16.0 s after it, on a shared machine, for 317-365 s of warm-up;
-docs/performance.md).
-
-``default_triton_cache()`` keeps Triton's cache in lazyllm's cache folder, so a second
-process loads the kernels the first one compiled. ``COMPILES`` counts Triton compilations
-(its ``jit_post_compile_hook``) and the ones after an engine was ready, each logged as a
-warning with the kernel's name.
+The engine's ``scratch`` drops what it cached and puts back the counters it moved. On CPU the
+torch reference runs and nothing compiles: the warm-up is skipped (docs/performance.md).
+The runner owns the dummy steps and captures (``ModelRunner.dummy_*``) and the launcher the
+specializations that tell launch plans apart (``launcher.specialization``); this module only
+chooses the shapes and asks them. ``Readiness`` runs it once per engine and counts the
+kernels compiled after ready (``compiles.COMPILES``).
 """
 from __future__ import annotations
 
-import copy
 import logging
-import os
 import threading
 import time
-from contextlib import contextmanager
 
 import numpy as np
 import torch
 
-from ..intmath import cdiv, next_pow2
-from ..model.loader import cache_root
+from ..intmath import cdiv
 from ..types import Chunk
-from .page_table import TableEntry
+from .compiles import COMPILES
 from .request import Request
 
 log = logging.getLogger("lazyllm")
@@ -62,103 +55,6 @@ log = logging.getLogger("lazyllm")
 # new unless its launch plan differs, which the warm-up also covers)
 WARM_CONTEXT_TOKENS = 16384
 DECODE_TOKENS = 4  # tokens per synthetic request that decodes: a few overlapped steps
-
-
-# -- Triton's cache -------------------------------------------------------------------------
-def default_triton_cache() -> str | None:
-    """Triton's kernel cache folder: ``TRITON_CACHE_DIR`` where the user set it, else
-    ``triton/`` in lazyllm's cache folder (``LAZYLLM_CACHE``, default ``~/.cache/lazyllm``),
-    which is then set as ``TRITON_CACHE_DIR`` for this process and the ones it starts
-    (tensor-parallel workers), so the next process loads what this one compiled. ``None``
-    where that folder cannot be made (Triton's own default then stays)."""
-    path = os.environ.get("TRITON_CACHE_DIR")
-    if not path:
-        path = str(cache_root() / "triton")
-        try:
-            os.makedirs(path, exist_ok=True)
-        except OSError as e:  # a read-only home, say: Triton keeps its own default
-            log.warning("cannot use %s for Triton's kernel cache (%s); Triton's default stays", path, e)
-            return None
-        os.environ["TRITON_CACHE_DIR"] = path
-    return path
-
-
-# -- kernels compiled after ready ----------------------------------------------------------
-class CompileWatch:
-    """Counts Triton kernel compilations in this process: Triton calls
-    ``knobs.runtime.jit_post_compile_hook`` once per new specialization it compiles (or loads
-    from its disk cache), Gluon kernels included. A compilation while some engine is ready and
-    none is warming up counts as *after ready* and is logged as a warning naming the kernel: a
-    request waited for it. A hook the user set before is kept and called too."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.compiled = 0  # specializations compiled or loaded by this process
-        self.after_ready = 0  # of those, while an engine was ready and none was warming up
-        self._ready = 0  # engines whose warm-up finished (or that were made without one)
-        self._warming = 0  # warm-ups running now
-        self._previous = None
-        self.installed = False
-
-    def install(self) -> bool:
-        """Hook Triton's compiler (once); ``False`` where this Triton has no such hook."""
-        with self._lock:
-            if self.installed:
-                return True
-            try:
-                from triton import knobs
-
-                runtime = knobs.runtime
-                self._previous = runtime.jit_post_compile_hook
-            except (ImportError, AttributeError):
-                return False
-            runtime.jit_post_compile_hook = self.hook
-            self.installed = True
-            return True
-
-    def hook(self, *, fn=None, repr=None, **kw):
-        """Triton's ``JITHook`` signature (``key``, ``repr``, ``fn``, ``compile``,
-        ``is_manual_warmup``, ``already_compiled``)."""
-        name = f"{getattr(fn, 'module', '?')}.{getattr(fn, 'name', '?')}" if fn is not None else "?"
-        self.record(name, repr or "")
-        if self._previous is not None:
-            return self._previous(fn=fn, repr=repr, **kw)
-        return None
-
-    def record(self, name: str, detail: str = "") -> bool:
-        """Count one compilation of kernel ``name``; ``True`` if it came after ready."""
-        with self._lock:
-            self.compiled += 1
-            late = self._ready > 0 and self._warming == 0
-            self.after_ready += late
-        if late:
-            log.warning("Triton compiled kernel %s after the engine was ready (a request waited for it): %s",
-                        name, detail[:400])
-        return late
-
-    @contextmanager
-    def warming(self):
-        """Compilations inside are the warm-up's, not late ones."""
-        with self._lock:
-            self._warming += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._warming -= 1
-
-    def mark_ready(self) -> int:
-        """An engine is ready; returns the after-ready count to subtract from later ones."""
-        with self._lock:
-            self._ready += 1
-            return self.after_ready
-
-    def mark_closed(self) -> None:
-        with self._lock:
-            self._ready = max(0, self._ready - 1)
-
-
-COMPILES = CompileWatch()
 
 
 class Readiness:
@@ -211,24 +107,16 @@ class Readiness:
 
 
 # -- which shapes the launcher plans differently ---------------------------------------------
-def _int_class(n: int) -> int:
-    """Triton's specialization of an integer argument: 1, a multiple of 16, or neither."""
-    return 1 if n == 1 else 16 if n % 16 == 0 else 0
-
-
 def _launch_keys(model, pool, batch: int, max_seqlen_q: int, width: int, row_stride: int,
                  plane: int | None = None) -> frozenset:
     """What Triton compiles for one attention launch shape, for every layer kind (window,
-    RoPE table) of ``model``: the ``LaunchPlan`` of ``kernels/triton/launcher.plan_launch``
-    (the same function the launch calls) reduced to its constexprs and the specialization
-    classes of its integer arguments (split count, table width and row stride, the split
-    merge's power-of-two bound) and of its table pointers: the page, position, delta and
-    length tables are the planes of one int32 tensor, ``plane`` entries apart (default
-    ``batch * width``, an eager step's packed tables), so whether the second to fourth start
-    on 16 bytes depends on it."""
+    RoPE table) of ``model``: the ``specialization`` of the ``LaunchPlan`` that
+    ``kernels/triton/launcher.plan_launch`` (the same function the launch calls) makes. The
+    page, position, delta and length tables are the planes of one int32 tensor, ``plane``
+    entries apart (default ``batch * width``, an eager step's packed tables)."""
     plane = batch * width if plane is None else plane
     from lazyllm.kernels import KernelOptions
-    from lazyllm.kernels.triton.launcher import plan_launch
+    from lazyllm.kernels.triton.launcher import plan_launch, specialization
 
     att, spec = model.attention, model.spec
     q = torch.empty((1, spec.num_heads, spec.head_dim), device=pool.k.device, dtype=pool.k.dtype)
@@ -240,11 +128,7 @@ def _launch_keys(model, pool, batch: int, max_seqlen_q: int, width: int, row_str
         inv = model.inv_freqs[fi]
         p = plan_launch(q, pool.k[0], pool.v[0], table, inv, batch, max_seqlen_q, inv.numel() > 0,
                         att.batch_invariant, att.padding_finite, opts, window, att.calibrated)
-        parts = p.num_splits * (p.ppt if p.decode_kernel else 1) * (2 if p.ape else 1)
-        keys.add((p.loop, p.decode_kernel, p.short, p.block_m, p.block_n, p.num_warps, p.num_stages, p.ppt,
-                  p.cs_per_page, p.prefetch, p.from_delta, p.lookahead, p.packed_rot, p.gluon, p.window, p.ape,
-                  _int_class(p.num_splits), _int_class(width), _int_class(row_stride),
-                  next_pow2(parts, 2) if parts > 1 else 0, plane % 4 == 0, plane % 2 == 0))
+        keys.add(specialization(p, width, row_stride, plane))
     return frozenset(keys)
 
 
@@ -318,53 +202,33 @@ def _idle(engine) -> bool:
 
 
 def _empty_decode(engine, B: int, W: int) -> bool:
-    """Run (and capture) the decode step of batch bucket ``B`` and width bucket ``W`` with
-    every row padding: no row reads a page, every K/V write goes to the scratch slot. Only
-    while nothing decodes (a padded step zeroes the lengths of the rows it covers: a running
-    request's table would be lost); ``False`` when it could not run now."""
+    """The runner's padded decode step of batch bucket ``B`` and width bucket ``W``, while no
+    request decodes; ``False`` when it could not run now."""
     if not _idle(engine) or engine.decode_state.rows:
         return False
-    runner = engine.runner
-    scratch = runner.pool.scratch_page * runner.pool.page_size
-    runner.decode_state.stage([], [], [], [], B, scratch)
-    runner.graphs.run(B, W, 0)
+    engine.runner.dummy_decode(B, W)
     return True
 
 
 def _empty_prefill(engine, T: int, W: int, mass: int) -> bool:
-    """Capture the short-prefill graph of token bucket ``T`` and width bucket ``W`` (or its
-    attention-mass twin) over ``W`` entries naming the scratch page; the tokens' K/V go to
-    the scratch slot."""
+    """The runner's short-prefill capture of token bucket ``T`` and width bucket ``W``, while
+    the engine is idle."""
     if not _idle(engine):
         return False
-    runner = engine.runner
-    pool, ps = runner.pool, runner.pool.page_size
-    table = [TableEntry(pool.scratch_page, i * ps, 0, ps) for i in range(W)]
-    pos = list(range(W * ps, W * ps + T))
-    runner.prefill_graphs.run([0] * T, pos, [pool.scratch_page * ps] * T, table, mass=mass)
+    engine.runner.dummy_prefill(T, W, mass)
     return True
 
 
 def _recovery_launches(engine) -> bool:
     """Recovery's eager launches whose shapes the synthetic requests do not pin down: page
-    copies of 1, 16 and 17 pages (Triton specializes an integer argument on being 1 and on
-    being a multiple of 16), and the layer-1 key-deviation probe (layer 0 for a shortlist,
-    over the cached table as it is: no width bucket) at short and long shortlists, at table
-    widths on and off a multiple of 16. Scratch page to scratch page, keys rotated by 0."""
+    copies, and the layer-1 key-deviation probe (over the cached table as it is: no width
+    bucket) where recovery selects tokens by it."""
     if not _idle(engine):
         return False
     runner, rec = engine.runner, engine.recovery
-    pool, ps = runner.pool, runner.pool.page_size
-    scratch = pool.scratch_page
-    for n in (1, 16, 17):
-        runner.copy_pages([(scratch, scratch, 0)] * n)
-    if rec.ratio > 0 and rec.probe_layer == 1 and hasattr(rec.model, "probe_keys_paged"):
-        for W in (64, 65):
-            table = [TableEntry(scratch, i * ps, 0, ps) for i in range(W)]
-            for n in (16, 17, 200, 1100):
-                pos = list(range(W * ps, W * ps + n))
-                ids_t, _, meta = runner.metadata([0] * n, pos, [scratch * ps] * n, [0, n], [table], n, [])
-                rec.model.probe_keys_paged(ids_t, meta, pool.k, pool.v, 1)
+    runner.dummy_copies()
+    if engine.config.recompute_ratio > 0 and rec.probe_layer == 1 and hasattr(runner.model, "probe_keys_paged"):
+        runner.dummy_key_probes(1)
     return True
 
 
@@ -447,7 +311,7 @@ def _graph_stages(llm, context_pages: int) -> list[tuple[str, object]]:
     pg = runner.prefill_graphs
     if pg.enabled:
         tokens = pg.token_buckets()  # questions, and recompute passes (the question and chosen chunk tokens)
-        widths = sorted({pg._width(w) for w in range(1, min(context_pages, pg.max_entries) + 1)})
+        widths = sorted({pg.width_bucket(w) for w in range(1, min(context_pages, pg.max_entries) + 1)})
         mass = [0]
         if cfg.recompute_ratio > 0 and cfg.recompute_selection in ("attention", "two-stage"):
             mass.append(engine.recovery.mass_layers)  # recovery's first pass (the question's attention) replays these
@@ -515,7 +379,6 @@ def warm_up(llm, progress: bool = True, *, on_cpu: bool = False) -> dict:
     ps = engine.pool.page_size
     context = max(ps, min(spec.max_context - 64, WARM_CONTEXT_TOKENS, engine.pool.num_pages * ps // 4))
     compiled0, g0 = COMPILES.compiled, engine.graph_stats()
-    saved = engine.call(lambda: _snapshot(engine))
     gen = _Requests(llm)
     try:
         stages = _graph_stages(llm, cdiv(context, ps) + 2) + _request_stages(llm, context, gen)
@@ -524,21 +387,16 @@ def warm_up(llm, progress: bool = True, *, on_cpu: bool = False) -> dict:
         stages = []
     from tqdm.auto import tqdm
 
-    with COMPILES.warming(), tqdm(total=len(stages), desc="warming up", unit="step", disable=not progress) as bar:
-        engine.save_to_disk = False  # the synthetic chunks never reach a persistent tier
-        try:
-            for label, fn in stages:
-                bar.set_postfix_str(label, refresh=False)
-                try:
-                    fn()
-                except Exception as e:  # noqa: BLE001  (a warm-up that covers less beats no engine)
-                    log.warning("warm-up step %r failed (%r); the engine serves without it", label, e)
-                # its chunks go at once, so a warm-up after requests evicts none of theirs
-                engine.call(lambda: engine.store.drop_except(saved[0]))
-                bar.update()
-        finally:
-            engine.call(lambda: _restore(engine, saved))
-            engine.save_to_disk = True
+    with COMPILES.warming(), engine.scratch() as drop_cached, \
+            tqdm(total=len(stages), desc="warming up", unit="step", disable=not progress) as bar:
+        for label, fn in stages:
+            bar.set_postfix_str(label, refresh=False)
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001  (a warm-up that covers less beats no engine)
+                log.warning("warm-up step %r failed (%r); the engine serves without it", label, e)
+            drop_cached()  # its chunks go at once, so a warm-up after requests evicts none of theirs
+            bar.update()
         if engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)
     g1 = engine.graph_stats()
@@ -550,20 +408,3 @@ def warm_up(llm, progress: bool = True, *, on_cpu: bool = False) -> dict:
              "%d requests, %.1f s", report["kernels_compiled"], report["decode_graphs"], report["prefill_graphs"],
              report["requests"], report["seconds"])
     return report
-
-
-def _snapshot(engine) -> tuple:
-    """What the warm-up changes and puts back: the cached entries' keys, the cache
-    counters, the engine's metrics and its decode step log."""
-    store = engine.store
-    return (set(store.entries), copy.deepcopy(store.counters), dict(engine.metrics), list(engine.decode_step_log))
-
-
-def _restore(engine, saved) -> None:
-    """Drop what the warm-up cached and put the counters back (engine thread)."""
-    keys, counters, metrics, steps = saved
-    engine.store.drop_except(keys)
-    engine.store.reset_counters(counters)
-    engine.metrics.update(metrics)
-    engine.decode_step_log.clear()
-    engine.decode_step_log.extend(steps)

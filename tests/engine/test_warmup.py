@@ -9,6 +9,7 @@ import os
 import pytest
 
 from lazyllm import LazyLLM
+from lazyllm.engine import compiles as cw
 from lazyllm.engine import warmup as wu
 from tests.conftest import make_tiny
 
@@ -20,13 +21,13 @@ class _Fn:  # what Triton passes as ``fn`` (its JitFunctionInfo): module and nam
 def _compile_event(watch, **kw):
     """One call of Triton's post-compile hook (``watch.hook``, or a hook itself), as
     ``JITFunction._call_hook`` makes it."""
-    hook = watch.hook if isinstance(watch, wu.CompileWatch) else watch
+    hook = watch.hook if isinstance(watch, cw.CompileWatch) else watch
     return hook(key="k", repr="_paged_decode_fwd[num_warps=4](BLOCK_N=64)", fn=_Fn(),
                       compile={"key": "k"}, is_manual_warmup=False, already_compiled=False, **kw)
 
 
 def test_compiles_count_as_late_only_after_ready_and_outside_warm_ups(caplog):
-    w = wu.CompileWatch()
+    w = cw.CompileWatch()
     _compile_event(w)  # no engine ready yet: a load-time compile
     assert (w.compiled, w.after_ready) == (1, 0)
     mark = w.mark_ready()
@@ -49,7 +50,7 @@ def test_install_chains_the_hook_the_user_had():
     before = knobs.runtime.jit_post_compile_hook
     knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(kw["fn"].name)
     try:
-        w = wu.CompileWatch()
+        w = cw.CompileWatch()
         assert w.install() and w.install()  # once; the second call changes nothing
         assert knobs.runtime.jit_post_compile_hook == w.hook
         _compile_event(knobs.runtime.jit_post_compile_hook)
@@ -61,14 +62,14 @@ def test_install_chains_the_hook_the_user_had():
 def test_triton_cache_defaults_to_lazyllm_cache_folder_unless_set(monkeypatch, tmp_path):
     monkeypatch.setenv("LAZYLLM_CACHE", str(tmp_path))
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
-    assert wu.default_triton_cache() == str(tmp_path / "triton") == os.environ["TRITON_CACHE_DIR"]
+    assert cw.default_triton_cache() == str(tmp_path / "triton") == os.environ["TRITON_CACHE_DIR"]
     ro = tmp_path / "read-only"
     ro.write_text("a file where the cache folder would go")
     monkeypatch.setenv("LAZYLLM_CACHE", str(ro))
     monkeypatch.delenv("TRITON_CACHE_DIR")
-    assert wu.default_triton_cache() is None and "TRITON_CACHE_DIR" not in os.environ
+    assert cw.default_triton_cache() is None and "TRITON_CACHE_DIR" not in os.environ
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
-    assert wu.default_triton_cache() == str(tmp_path / "mine")
+    assert cw.default_triton_cache() == str(tmp_path / "mine")
     triton = pytest.importorskip("triton")
     assert triton.knobs.cache.dir == str(tmp_path / "mine")  # Triton reads the variable at each compile
 
@@ -89,7 +90,7 @@ def test_cpu_skips_warm_up_and_is_ready(llm):
 def test_late_compiles_reach_cache_stats(llm, caplog):
     before = llm.cache_stats()["kernels_compiled_after_ready"]
     with caplog.at_level(logging.WARNING, logger="lazyllm"):
-        _compile_event(wu.COMPILES)
+        _compile_event(cw.COMPILES)
     assert llm.cache_stats()["kernels_compiled_after_ready"] == before + 1
     assert any("_paged_decode_fwd" in r.getMessage() for r in caplog.records)
 
@@ -157,3 +158,25 @@ def test_padded_decode_steps_leave_answers_unchanged(tokenizer, backend):
         assert llm.generate("Where?", chunks=["The lamp is in room 7."], max_new_tokens=5).token_ids == before
     finally:
         llm.close()
+
+
+def test_every_compiled_launch_choice_is_in_the_launch_specialization():
+    """The warm-up tells launch plans apart by ``launcher.specialization``: a choice added to
+    ``LaunchPlan`` counts there unless it is listed as compiling nothing, so none escapes it."""
+    from dataclasses import fields, replace
+
+    from lazyllm.kernels.options import KeyLoop
+    from lazyllm.kernels.triton.launcher import _NOT_COMPILED, LaunchPlan, specialization
+
+    base = LaunchPlan(loop=KeyLoop.PER_TILE, decode_kernel=False, short=False, block_m=64, block_n=64, num_warps=4,
+                      num_stages=2, ppt=1, q_tiles=3, num_splits=1, cs_per_page=False, prefetch=False,
+                      from_delta=False, lookahead=False, packed_rot=False, gluon=False, gluon_key=(), loop_key=(),
+                      config=None)
+    key = specialization(base, 8, 8, 64)
+    for f in fields(LaunchPlan):
+        v = getattr(base, f.name)
+        other = KeyLoop.PER_RUN if f.name == "loop" else (not v) if isinstance(v, bool) else \
+            v * 2 + 1 if isinstance(v, int) else ("x",) if isinstance(v, tuple) else (1,)
+        changed = specialization(replace(base, **{f.name: other}), 8, 8, 64) != key
+        assert changed == (f.name not in _NOT_COMPILED or f.name == "num_splits"), f.name
+    assert specialization(base, 16, 8, 64) != key and specialization(base, 8, 8, 66) != key

@@ -12,7 +12,7 @@ pytest.importorskip("uvicorn")
 from conftest import loopback_server, make_tiny  # noqa: E402
 
 from lazyllm import LazyLLM  # noqa: E402
-from lazyllm.engine import warmup as wu  # noqa: E402
+from lazyllm.engine import compiles as cw  # noqa: E402
 from lazyllm.integrations.server import create_app  # noqa: E402
 from lazyllm.integrations.server.backends import LocalBackend  # noqa: E402
 from lazyllm.integrations.server.cli import build_parser, engine_config  # noqa: E402
@@ -86,7 +86,7 @@ def test_metrics_count_kernels_compiled_after_ready(llm):
 
         before = late()
         assert before == llm.cache_stats()["kernels_compiled_after_ready"]
-        wu.COMPILES.hook(key="k", repr="_merge_splits[...]", fn=None, compile={}, is_manual_warmup=False,
+        cw.COMPILES.hook(key="k", repr="_merge_splits[...]", fn=None, compile={}, is_manual_warmup=False,
                          already_compiled=False)  # one compile event, as Triton's hook reports it
         assert late() == before + 1
 
