@@ -156,7 +156,7 @@ def test_attention_mass_is_the_reference_softmax(hq, hkv, window):
 def test_linear_rows_is_batch_invariant(dtype):
     """``linear_rows`` (the ``batch_invariant`` projections): a row's output is bit-for-bit
     the same whatever rows share the call, and equals ``F.linear`` up to rounding."""
-    from lazyllm.model.llama import linear_rows
+    from lazyllm.model.linear import linear_rows
 
     torch.manual_seed(0)
     w = torch.randn(96, 64).to(dtype)
