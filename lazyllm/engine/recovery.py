@@ -113,7 +113,6 @@ class Recovery:
         per_span = np.bincount(span[ch], minlength=len(spans))
         reused = np.array([not s.computed_now for s in spans], dtype=bool)  # counted as reused: they are not
         n_ch, n_reused = int(len(ch)), int(per_span[reused].sum())
-        plan.recomputed_tokens += n_ch
         plan.cached_tokens -= n_reused
         plan.cached_chunk_tokens -= n_reused
         plan.computed_tokens += n_ch

@@ -93,7 +93,6 @@ class PrefillPlan:
     cached_tokens: int = 0  # prompt tokens read from the cache
     cached_chunk_tokens: int = 0  # of those, chunk tokens
     computed_tokens: int = 0  # tokens this request runs through the model in prefill
-    recomputed_tokens: int = 0  # chunk tokens recomputed with full context
 
     def prefilled(self) -> None:
         """The prefill ran: drop what only it needed, keep the counts."""

@@ -142,7 +142,6 @@ class TensorParallelModel(LlamaFamilyModel):
         if err:
             raise ValueError(err)
         self.rank, self.world = rank, world
-        self.full_spec = s
         hq, hk, d = s.num_heads // world, s.num_kv_heads // world, s.head_dim
         self.spec = dataclasses.replace(s, num_heads=hq, num_kv_heads=hk)
 
