@@ -36,7 +36,7 @@ QUALITY_OPTIONS: dict[str, object] = {
 PRESETS: dict[str, dict[str, object]] = {
     "fast": {"reuse": "lazy", "chunk_context": "prefix", "recompute_first_tokens": 0, "recompute_ratio": 0.0},
     # first 4 tokens of each chunk + 14% chosen two-stage: at most 20% of 64-token chunks
-    # (measured 19.7% with 15%); the best fidelity within that budget on the default model
+    # (BENCHMARKS.md, "Quality presets"); the best fidelity within that budget on the default model
     "balanced": {"reuse": "lazy", "chunk_context": "prefix", "recompute_first_tokens": 4, "recompute_ratio": 0.14,
                  "recompute_selection": "two-stage"},
     "exact": {"reuse": "prefix", "chunk_context": "prefix", "recompute_first_tokens": 0, "recompute_ratio": 0.0},

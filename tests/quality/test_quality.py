@@ -55,26 +55,19 @@ def test_isolated_chunks_without_recovery_differ_from_full_attention(result):
     assert r["top1"] < 1.0 or r["kl"] > 1e-4
 
 
-def test_default_setting_meets_quality_targets(result, request):
-    """The setting ``LazyLLM()`` runs with reaches the quality targets on this slice (top-1
-    agreement and KL against full attention, needles, within the recompute budget)."""
-    avail = result["options_available"]
-    if not avail.get("recompute_first_tokens"):
-        # expected to fail only while the engine's recovery option has not landed
-        request.applymarker(pytest.mark.xfail(
-            strict=False, reason="LazyLLM has no recompute_first_tokens option yet (recovery not landed)"))
-    else:
-        # No reusable setting reaches the targets on the default model within 15% recomputed
-        # (measured 2026-11-29; best: prefix + attention-selected 15%, 94.2% top-1, KL 0.034;
-        # 97.3% / 0.006 needs 50%), and the figures the targets were set from were reproduced
-        # only with non-reusable one-forward masks (BENCHMARKS.md, "Quality"). The assertion
-        # below still runs and is reported as XFAIL/XPASS; make it strict once a default passes.
-        request.applymarker(pytest.mark.xfail(
-            strict=False, reason="no reusable setting meets the quality targets on the default model "
-                                 "within the recompute budget (BENCHMARKS.md, Quality)"))
-    default = [r for r in result["results"] if r["is_default"]]
-    assert len(default) == 1, [r["setting"] for r in result["results"]]
-    d = default[0]
+def test_one_setting_is_the_default(result):
+    assert [r["is_default"] for r in result["results"]].count(True) == 1, [r["setting"] for r in result["results"]]
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="no reusable setting meets the quality targets on the default model within the "
+                          "recompute budget (BENCHMARKS.md, Quality)")
+def test_default_setting_meets_quality_targets(result):
+    """The setting ``LazyLLM()`` runs with against the quality targets on this slice (top-1
+    agreement and KL against full attention, needles, within the recompute budget). It falls
+    short today (BENCHMARKS.md, "Quality"): strict, so a default that meets them fails this
+    test until the mark is removed."""
+    d = next(r for r in result["results"] if r["is_default"])
     t = result["thresholds"]
     assert d["top1"] >= t["top1"], f"{d['setting']}: top-1 {d['top1']:.3f} < {t['top1']}"
     assert d["kl"] <= t["kl"], f"{d['setting']}: KL {d['kl']:.4f} > {t['kl']}"
