@@ -37,23 +37,17 @@ if ROOT not in sys.path:
 
 from benchmarks.packet_corpus import synthetic_cases  # noqa: E402
 from lazyllm import LazyLLM  # noqa: E402
-from lazyllm.quality.packet_training import build_cases, embed_with_packets, init_packets, student_mask, train_packets  # noqa: E402
+from lazyllm.quality.packet_training import (  # noqa: E402
+    build_cases,
+    init_packets,
+    student_layout,
+    student_logits,
+    train_packets,
+)
 
 HELDOUT = os.path.join(ROOT, "tests/data/quality_heldout.jsonl")
 
 
-def _student(case, k_header: int, k_trailer: int, base: int):
-    """ids ``(n,)``, the boolean ``(n, n)`` mask and which tokens are chunk tokens ``(n,)``."""
-    head = list(range(base, base + k_header))
-    tail = list(range(base + k_header, base + k_header + k_trailer))
-    segs = [(k, head + list(s) + tail if k == "chunk" else list(s)) for k, s in case.segments]
-    ids, chunk = [], []
-    for k, s in segs:
-        ids += s
-        chunk += [k == "chunk"] * len(s)
-    ids += case.answer[:-1]
-    chunk += [False] * (len(case.answer) - 1)
-    return torch.tensor(ids), student_mask(segs, len(case.answer) - 1, k_header), torch.tensor(chunk)
 
 
 class _Gate(torch.nn.Module):
@@ -85,17 +79,14 @@ def add_lora(hf, rank: int, alpha: float | None = None):
     return pm, gates, params
 
 
-def logits(hf, case, rows, k_header, base, gates=(), last=None):
+def logits(hf, case, rows, k_header, base, gates=(), last=None, bridge=False, deep=None):
     k_trailer = rows.shape[0] - k_header
-    ids, mask, chunk = _student(case, k_header, k_trailer, base)
+    lay = student_layout(case.segments, case.answer, k_header, k_trailer, base, bridge=bridge)
     for g in gates:
-        g.gate = chunk.float()
-    n = ids.shape[0]
+        g.gate = lay.chunk_rows.float()
     inner = hf.get_base_model() if hasattr(hf, "get_base_model") else hf
-    out = inner.model(inputs_embeds=embed_with_packets(inner, ids, rows, base), attention_mask=mask[None, None],
-                      position_ids=torch.arange(n)[None], use_cache=False)
-    last = last or case.teacher_logp.shape[0]
-    return inner.lm_head(out.last_hidden_state[0, n - last:]).float()
+    return student_logits(inner, lay.ids, lay.mask, rows, base, last or case.teacher_logp.shape[0],
+                          positions=lay.positions, deep=deep, deep_rows=lay.bridge_rows, k_header=k_header)
 
 
 def kl_loss(hf, case, rows, k_header, base, gates=()):
@@ -105,11 +96,11 @@ def kl_loss(hf, case, rows, k_header, base, gates=()):
 
 
 @torch.no_grad()
-def heldout(hf, cases, teacher32, rows, k_header, base, gates=(), same_n=8):
+def heldout(hf, cases, teacher32, rows, k_header, base, gates=(), same_n=8, bridge=False, deep=None):
     """compare()'s top-1, mean KL (over answer tokens) and same-answer rate."""
     kls, agree, same = [], [], 0
     for c, lp in zip(cases, teacher32):
-        q = logits(hf, c, rows, k_header, base, gates, last=len(c.answer))
+        q = logits(hf, c, rows, k_header, base, gates, last=len(c.answer), bridge=bridge, deep=deep)
         lq = torch.log_softmax(q.double(), -1)
         lpd = lp.double()
         kls += (lpd.exp() * (lpd - lq)).sum(-1).clamp_min(0).tolist()
@@ -203,6 +194,9 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--tag", default="")
     ap.add_argument("--check", default=None, help="measure this packet file only")
+    ap.add_argument("--bridge", action="store_true", help="train the trailer as a bridge (recomputed per request)")
+    ap.add_argument("--deep", action="store_true", help="with --bridge: also per-layer bridge parameters")
+    ap.add_argument("--init", default=None, help="start from this packet file's rows (same sizes)")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     full = LazyLLM(a.model, device="cpu", reuse="none", kv_cache_bytes=256 << 20, progress=False, packets=None)
@@ -218,8 +212,8 @@ def main(argv=None):
         from lazyllm.model.packets import load_packets
 
         p = load_packets(a.check)
-        record(a.json, dict(common, packet=f"{p.k_header}+{p.k_trailer}", file=a.check,
-                            **heldout(hf, held, held32, p.rows, p.k_header, base)))
+        record(a.json, dict(common, packet=f"{p.k_header}+{p.k_trailer}", file=a.check, bridge=p.bridge,
+                            **heldout(hf, held, held32, p.rows, p.k_header, base, bridge=p.bridge)))
         return
     for n in sizes:
         train, _, _ = load_cases(full, a.cases_cache, n)
@@ -234,14 +228,22 @@ def main(argv=None):
                 rows, losses = torch.zeros(0, hf.config.hidden_size), []
                 m = heldout(hf, held, held32, rows, 0, base)
             else:
+                init = None
+                if a.init:
+                    from lazyllm.model.packets import load_packets
+
+                    init = load_packets(a.init).rows
                 packets, log = train_packets(hf, tok, train, k_header=kh, k_trailer=kt, steps=a.steps, lr=a.lr,
-                                             autocast=torch.bfloat16, progress=False)
+                                             autocast=torch.bfloat16, progress=False, bridge=a.bridge,
+                                             deep=a.deep, init=init)
                 rows, losses = packets.rows, log["losses"]
-                m = heldout(hf, held, held32, rows, kh, base)
+                m = heldout(hf, held, held32, rows, kh, base, bridge=a.bridge, deep=log.get("deep"))
                 if a.save:
                     os.makedirs(a.save, exist_ok=True)
-                    packets.save(os.path.join(a.save, f"{model}-{kh}+{kt}-n{n}-s{a.steps}.safetensors"))
-            record(a.json, dict(common, packet=f"{kh}+{kt}", lora_rank=a.lora_rank, train_cases=n,
+                    kind = ("-deep" if a.deep else "") + ("-bridge" if a.bridge else "")
+                    packets.save(os.path.join(a.save, f"{model}-{kh}+{kt}{kind}-n{n}-s{a.steps}.safetensors"))
+            record(a.json, dict(common, packet=f"{kh}+{kt}", bridge=a.bridge, deep=a.deep, init=a.init,
+                                lora_rank=a.lora_rank, train_cases=n,
                                 steps=a.steps if kh + kt or a.lora_rank else 0,
                                 train_s=round(time.perf_counter() - t1, 1),
                                 loss_last20=sum(losses[-20:]) / max(1, len(losses[-20:])), **m,

@@ -264,8 +264,8 @@ class LazyLLM:
                                      attention_backend=backend.name, page_size=page_size,
                                      kv_cache_bytes=kv_cache_bytes)
         self.engine = Engine(self.model, tok, self.store, self.config, fingerprint=self.fingerprint,
-                             eos_ids=self.eos_token_ids, rerotate_copy=backend.rerotate_copy,
-                             disk=self._open_disk(), **runner)
+                             eos_ids=self.eos_token_ids, rerotate_copy=backend.rerotate_copy, disk=self._open_disk(),
+                             bridge_tokens=self.packets.bridge_tokens if self.packets else 0, **runner)
 
     def _load_model(self, config: EngineConfig, model_name_or_path, model, tokenizer):
         """The transformers model and tokenizer, given or loaded; sets ``device``, ``dtype``
