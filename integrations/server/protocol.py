@@ -213,6 +213,7 @@ def _unsupported(body: ChatCompletionRequest) -> None:
         no("presence_penalty" if body.presence_penalty else "frequency_penalty", "a repetition penalty")
     if body.logit_bias:
         no("logit_bias", "a logit bias")
+    _openai_refusals(body)
     rf = body.response_format
     if rf is not None and rf.get("type") not in ("text", "json_object", "json_schema"):
         no("response_format", f"response_format type {rf.get('type')!r} (text, json_object, json_schema are)")
@@ -221,6 +222,27 @@ def _unsupported(body: ChatCompletionRequest) -> None:
     for name in ("prediction", "web_search_options", "reasoning_effort", "verbosity"):
         if getattr(body, name) is not None:
             no(name, name.replace("_", " "))
+
+
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+
+
+def _openai_refusals(body: ChatCompletionRequest) -> None:
+    """What OpenAI refuses although lazyllm could take it: a client written against this
+    server must keep working against OpenAI, and the reverse."""
+    if body.tools is not None and not body.tools:
+        raise APIError(400, "tools: [] is too short; leave tools out for no tools", param="tools",
+                       code="empty_array")
+    if isinstance(body.stop, list) and len(body.stop) > MAX_STOP:
+        raise APIError(400, f"stop: at most {MAX_STOP} stop sequences, got {len(body.stop)}", param="stop")
+    if isinstance(body.tool_choice, str) and body.tool_choice not in ("none", "auto", "required"):
+        raise APIError(400, f"tool_choice: a string must be 'none', 'auto' or 'required', got {body.tool_choice!r}; "
+                            'name a tool with {"type": "function", "function": {"name": ...}}', param="tool_choice")
+    rf = body.response_format
+    if rf is not None and rf.get("type") == "json_schema" and not isinstance(
+            (rf.get("json_schema") or {}).get("schema"), dict):
+        raise APIError(400, "response_format.json_schema.schema: a json_schema response format needs its schema "
+                            "(a JSON Schema object)", param="response_format.json_schema.schema")
 
 
 def _content_text(m: ChatMessageIn, i: int) -> str:
