@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .cache.store import ChunkStore, PagePool
-from .config import CHUNK_CACHING_MODES, EngineConfig
+from .config import CHUNK_CACHING_MODES, EngineConfig, warm_skipped
 from .config import resolve_device as _resolve_device
 from .config import resolve_dtype as _resolve_dtype
 from .engine.detokenizer import Detokenizer
@@ -526,13 +526,13 @@ class LazyLLM:
     def warm(self, chunks: Sequence[str | Chunk], system: str | None = None, *, batch_size: int = 16,
              progress: bool | None = None) -> dict:
         """Precompute and cache the KV of ``chunks`` (and of the system prefix) ahead of
-        queries. Returns counts of chunk tokens computed and already cached. A no-op in
-        the full-attention modes (``prefix``, ``none``), which cache no chunks."""
+        queries. Returns counts of chunk tokens computed and already cached. A no-op, with a
+        warning, in the full-attention modes (``prefix``, ``none``), which cache no chunks."""
         if isinstance(chunks, (str, Chunk)):
             chunks = [chunks]
         chunks = [as_chunk(c, i) for i, c in enumerate(chunks)]
         if not self.engine.planner.caches_chunks:
-            return {"chunks": len(chunks), "computed_tokens": 0, "cached_tokens": 0}
+            return warm_skipped(self.reuse, self.quality, len(chunks))
         from tqdm.auto import tqdm
 
         show = progress if progress is not None else len(chunks) > batch_size

@@ -261,6 +261,17 @@ def _dtype_problems(dtype) -> list[str]:
     return [f"unsupported dtype {dtype!r}; use float32, float16 or bfloat16"]
 
 
+def warm_skipped(reuse: str, quality: str | None, n_chunks: int) -> dict:
+    """``LazyLLM.warm``'s answer where nothing can be warmed, with a warning saying why: a
+    caller who warms documents expects later requests to find them cached."""
+    import warnings
+
+    preset = f" (quality={quality!r})" if quality else ""
+    warnings.warn(f"warm() does nothing with reuse={reuse!r}{preset}: full attention caches no chunks, only a "
+                  "request's identical prompt prefix, which the request itself computes", stacklevel=3)
+    return {"chunks": n_chunks, "computed_tokens": 0, "cached_tokens": 0}
+
+
 def resolve_device(device) -> torch.device:
     """The torch device of a ``device`` option (``"auto"``: CUDA when present)."""
     bad = _device_problems(device)
