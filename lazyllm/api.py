@@ -180,7 +180,7 @@ class LazyLLM:
         tensor_parallel: int = 1,
         packets: Any = "auto",
         warmup: bool = True,
-    ):
+        max_string_length: int | None = 256):
         config = EngineConfig.resolve(
             quality, device=device, dtype=dtype, reuse=reuse, chunk_context=chunk_context,
             kv_cache_bytes=kv_cache_bytes, page_size=page_size, attention_backend=attention_backend,
@@ -190,7 +190,7 @@ class LazyLLM:
             context_temperature=context_temperature, context_lse_scale=context_lse_scale, kv_disk_dir=kv_disk_dir,
             kv_disk_bytes=kv_disk_bytes, trust_remote_code=trust_remote_code, progress=progress,
             batch_invariant=batch_invariant, overlap_decode=overlap_decode, kernel_options=kernel_options,
-            tensor_parallel=tensor_parallel, packets=packets, warmup=warmup)
+            tensor_parallel=tensor_parallel, packets=packets, warmup=warmup, max_string_length=max_string_length)
         self._tp = None
         self._grammar_compiler = None
         self._load(config, model_name_or_path, model, tokenizer)
@@ -364,7 +364,7 @@ class LazyLLM:
         if self._grammar_compiler is None:
             from .structured import GrammarCompiler
 
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.spec.vocab_size)
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.spec.vocab_size, self.config)
         return self._grammar_compiler
 
     def _structured(self, response_format, tools, tool_choice, parallel_tool_calls):

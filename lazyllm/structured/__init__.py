@@ -67,10 +67,12 @@ def prepare(compiler: GrammarCompiler | None, response_format: Any = None, tools
             max_string_length: int | None = DEFAULT_MAX_STRING_LENGTH) -> StructuredRequest | None:
     """Normalize and compile (into ``compiler``'s cache) what a request asked for; None when
     it asked for nothing. JSON strings whose schema sets no ``maxLength`` are held to
-    ``max_string_length`` characters (None: unbounded). Raises ``InvalidRequestError`` for
-    any malformed or unsupported part, before anything runs."""
+    ``max_string_length`` characters (None: unbounded; with a ``compiler``, its own bound).
+    Raises ``InvalidRequestError`` for any malformed or unsupported part, before anything runs."""
     if response_format is None and tools is None and tool_choice is None:
         return None
+    if compiler is not None:  # the engine's own bound (LazyLLM(max_string_length=...))
+        max_string_length = compiler.max_string_length
     fmt = normalize_response_format(response_format, max_string_length)
     tl = normalize_tools(tools)
     if tool_choice is not None and not tl:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..config import DEFAULT_MAX_STRING_LENGTH
 from ..errors import InvalidRequestError
 from ..types import Grammar, Regex
 
@@ -21,10 +22,6 @@ __all__ = ["ResponseFormat", "normalize_response_format", "format_instruction", 
 # JSON as models write it (", " and ": "), one fixed spelling: free whitespace lets a small
 # model pad forever, and fixed separators keep the output short
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-# the longest JSON string a grammar lets the model write where the schema sets no maxLength
-# (characters): long enough for names, sentences and short paragraphs, short enough that a
-# model which never closes its string stops within a few hundred tokens
-DEFAULT_MAX_STRING_LENGTH = 256
 
 
 @dataclass(frozen=True)

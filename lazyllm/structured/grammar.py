@@ -13,6 +13,7 @@ from collections import OrderedDict
 
 import torch
 
+from ..config import DEFAULT_MAX_STRING_LENGTH
 from ..errors import InvalidRequestError
 from .schema_errors import grammar_error
 
@@ -86,8 +87,10 @@ class GrammarCompiler:
     tokens past the tokenizer are never allowed. Thread-safe.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 256):
+    def __init__(self, tokenizer, vocab_size: int, config=None, cache_size: int = 256):
         self._hf_tok, self._vocab = tokenizer, int(vocab_size)
+        # the engine's bound on JSON strings, which every grammar built for it applies
+        self.max_string_length = DEFAULT_MAX_STRING_LENGTH if config is None else config.max_string_length
         self._ll_tok = None  # built on first use: seconds for a large vocabulary (BENCHMARKS.md)
         self._cache: OrderedDict[str, object] = OrderedDict()
         self._lock = threading.Lock()

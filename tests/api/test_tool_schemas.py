@@ -155,3 +155,23 @@ def test_bound_leaves_strings_that_say_their_own_shape():
     assert p["long"]["maxLength"] == 5000 and "maxLength" not in p["pat"] and "maxLength" not in p["pick"]
     assert bounded(schema, None) is schema
     assert json.loads(json.dumps(out))  # still a JSON document
+
+
+def test_string_bound_is_an_engine_option_and_the_schema_wins(tokenizer):
+    from lazyllm.structured import prepare
+
+    m = LazyLLM(model=make_tiny("llama", seed=3), tokenizer=tokenizer, kv_cache_bytes=16 << 20, max_string_length=12)
+    try:
+        assert m.config.max_string_length == 12
+        free = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"],
+                "additionalProperties": False}
+        for seed in range(2):
+            out = m.generate("talk", response_format=free, max_new_tokens=60, temperature=1.0, seed=seed)
+            assert out.finish_reason == "stop" and len(out.parsed["s"]) <= 12, out.text
+        own = {**free, "properties": {"s": {"type": "string", "maxLength": 40}}}
+        grammar = prepare(m._grammars, own).grammar
+        assert '"maxLength": 40' in grammar and '"maxLength": 12' not in grammar
+    finally:
+        m.close()
+    with pytest.raises(InvalidRequestError, match="max_string_length"):
+        LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, max_string_length=0)
