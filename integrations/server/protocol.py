@@ -176,6 +176,11 @@ def validate_body(raw: bytes | str) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate_json(raw, strict=True)
     except ValidationError as e:
         err = _first_error(e)
+        if err["type"] == "json_invalid" and "recursion limit" in err["msg"]:
+            # valid JSON, nested past the parser's depth: most likely a deep JSON Schema, which
+            # the grammar library could not take either
+            raise APIError(400, "the body nests JSON objects and arrays too deeply for the parser (a JSON Schema "
+                                "may nest about 60 levels of properties)", code="too_deep") from None
         if err["type"] == "json_invalid":
             raise APIError(400, f"the body is not valid JSON: {err['msg']}", code="invalid_json") from None
         param = _param(tuple(err["loc"]))

@@ -174,3 +174,25 @@ def test_server_refuses_what_openai_refuses(server, body, param):
                    json={"model": MODEL, "messages": ASK, "max_tokens": 2, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_schema_nested_100_deep_is_named_as_such(server):
+    schema: dict = {"type": "string"}
+    for _ in range(100):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    r = httpx.post(f"{server}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                   json={"model": MODEL, "messages": ASK, "response_format": {
+                       "type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}})
+    assert r.status_code == 400
+    msg = r.json()["error"]["message"]
+    assert "too deeply" in msg and "not valid JSON" not in msg, msg
+
+
+def test_ref_loop_over_http_is_one_line(client):
+    params = {"type": "object", "properties": {"x": {"$ref": "#/$defs/A"}}, "required": ["x"],
+              "$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ASK, tool_choice="required", tools=[
+            {"type": "function", "function": {"name": "f", "parameters": params}}])
+    msg = e.value.body["message"]
+    assert "#/$defs/A -> #/$defs/B -> #/$defs/A" in msg and len(msg) < 200, msg
