@@ -6,6 +6,7 @@ of a packet file."""
 from __future__ import annotations
 
 import os
+import re
 import stat
 import time
 
@@ -137,9 +138,8 @@ def test_adapt_help_describes_every_flag(capsys):
     flags = [e[0].split()[0].rstrip(",") for e in entries]
     assert "--device" in flags and "--questions" in flags and "--seed" in flags
     for e in entries:
-        first = e[0].split("  ")  # flag (and metavar), then its help after two or more spaces
-        described = [w for w in first[1:] if w.strip()] + e[1:]
-        assert described, f"{e[0].split()[0]} has no help"
+        first = re.split(r"\s{2,}", e[0].strip())  # flag (and metavar), then its help after 2+ spaces
+        assert first[1:] + e[1:], f"{first[0]} has no help"
 
 
 def test_packet_file_has_the_usual_permissions(tmp_path):
