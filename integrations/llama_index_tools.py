@@ -143,8 +143,10 @@ def openai_messages(messages: Sequence[ChatMessage], system: str | None) -> list
 def chat_message(out: GenerationOutput) -> ChatMessage:
     """The assistant message of a result (calls in ``additional_kwargs["tool_calls"]``)."""
     if out.tool_calls or out.text.startswith(CALL_OPEN):  # calls (maybe cut off): never markup as content
-        return ChatMessage(role=MessageRole.ASSISTANT, content="",
-                           additional_kwargs={"tool_calls": [c.to_openai() for c in out.tool_calls]})
+        # a call the length limit cut off can be neither run nor answered, so it stays out of the
+        # message an agent keeps in its memory (it is in ``raw.tool_calls``, with its partial arguments)
+        return ChatMessage(role=MessageRole.ASSISTANT, content="", additional_kwargs={
+            "tool_calls": [c.to_openai() for c in out.tool_calls if c.partial is None]})
     return ChatMessage(role=MessageRole.ASSISTANT, content=out.text)
 
 
