@@ -56,7 +56,6 @@ from langchain_core.language_models import BaseChatModel, BaseLLM, LangSmithPara
 from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
 from langchain_core.messages import (
     AIMessage,
-    AIMessageChunk,
     BaseMessage,
     ChatMessage,
     FunctionMessage,
@@ -433,8 +432,6 @@ class ChatLazyLLM(_EngineParams, BaseChatModel):
         options = self._sampling(stop, kwargs)
         if not extra and not uses_tools(messages):
             return messages_to_request(messages), options
-        if isinstance(self.llm, RemoteLazyLLM):
-            raise InvalidRequestError("tools and response_format need an in-process engine, not base_url")
         options.update(extra, messages=to_openai_messages(messages, _message_parts))
         return RagRequest(None), options
 
@@ -479,9 +476,9 @@ class ChatLazyLLM(_EngineParams, BaseChatModel):
         req, options = self._request(messages, stop, kwargs)
         stream, hold = GenerationStream(self.llm, req, **options), CallHold("tools" in options)
         for delta in stream:
-            if not (delta := hold.feed(delta)):
+            if (delta := hold.feed(delta)) is None:
                 continue
-            chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+            chunk = ChatGenerationChunk(message=hold.message(delta))
             if run_manager:
                 run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
@@ -493,9 +490,9 @@ class ChatLazyLLM(_EngineParams, BaseChatModel):
         req, options = self._request(messages, stop, kwargs)
         stream, hold = GenerationStream(self.llm, req, **options), CallHold("tools" in options)
         async for delta in stream:
-            if not (delta := hold.feed(delta)):
+            if (delta := hold.feed(delta)) is None:
                 continue
-            chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+            chunk = ChatGenerationChunk(message=hold.message(delta))
             if run_manager:
                 await run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .cache.store import ChunkStore, PagePool
-from .config import CHUNK_CACHING_MODES, EngineConfig
+from .config import CHUNK_CACHING_MODES, EngineConfig, warm_skipped
 from .config import resolve_device as _resolve_device
 from .config import resolve_dtype as _resolve_dtype
 from .engine.detokenizer import Detokenizer
@@ -180,7 +180,7 @@ class LazyLLM:
         tensor_parallel: int = 1,
         packets: Any = "auto",
         warmup: bool = True,
-    ):
+        max_string_length: int | None = 256):
         config = EngineConfig.resolve(
             quality, device=device, dtype=dtype, reuse=reuse, chunk_context=chunk_context,
             kv_cache_bytes=kv_cache_bytes, page_size=page_size, attention_backend=attention_backend,
@@ -190,7 +190,7 @@ class LazyLLM:
             context_temperature=context_temperature, context_lse_scale=context_lse_scale, kv_disk_dir=kv_disk_dir,
             kv_disk_bytes=kv_disk_bytes, trust_remote_code=trust_remote_code, progress=progress,
             batch_invariant=batch_invariant, overlap_decode=overlap_decode, kernel_options=kernel_options,
-            tensor_parallel=tensor_parallel, packets=packets, warmup=warmup)
+            tensor_parallel=tensor_parallel, packets=packets, warmup=warmup, max_string_length=max_string_length)
         self._tp = None
         self._grammar_compiler = None
         self._load(config, model_name_or_path, model, tokenizer)
@@ -364,7 +364,7 @@ class LazyLLM:
         if self._grammar_compiler is None:
             from .structured import GrammarCompiler
 
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.spec.vocab_size)
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.spec.vocab_size, self.config)
         return self._grammar_compiler
 
     def _structured(self, response_format, tools, tool_choice, parallel_tool_calls):
@@ -526,13 +526,13 @@ class LazyLLM:
     def warm(self, chunks: Sequence[str | Chunk], system: str | None = None, *, batch_size: int = 16,
              progress: bool | None = None) -> dict:
         """Precompute and cache the KV of ``chunks`` (and of the system prefix) ahead of
-        queries. Returns counts of chunk tokens computed and already cached. A no-op in
-        the full-attention modes (``prefix``, ``none``), which cache no chunks."""
+        queries. Returns counts of chunk tokens computed and already cached. A no-op, with a
+        warning, in the full-attention modes (``prefix``, ``none``), which cache no chunks."""
         if isinstance(chunks, (str, Chunk)):
             chunks = [chunks]
         chunks = [as_chunk(c, i) for i, c in enumerate(chunks)]
         if not self.engine.planner.caches_chunks:
-            return {"chunks": len(chunks), "computed_tokens": 0, "cached_tokens": 0}
+            return warm_skipped(self.reuse, self.quality, len(chunks))
         from tqdm.auto import tqdm
 
         show = progress if progress is not None else len(chunks) > batch_size

@@ -402,6 +402,8 @@ class Engine:
 
 
 def check_fits(n_prompt: int, params: SamplingParams, max_context: int) -> None:
-    if n_prompt >= max_context:
+    # as OpenAI: the prompt and every token asked for must fit, refused before any compute
+    if n_prompt + params.max_new_tokens > max_context:
         raise ContextLengthError(
-            f"the request has {n_prompt} prompt tokens; the model's context is {max_context} tokens")
+            f"the request has {n_prompt} prompt tokens and asks for up to {params.max_new_tokens} new ones; the "
+            f"model's context is {max_context} tokens (shorten the prompt or lower max_new_tokens / max_tokens)")

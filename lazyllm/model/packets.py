@@ -120,12 +120,19 @@ class Packets:
         tmp = path.with_name(path.name + ".tmp")
         save_file({"header": self.header.detach().float().contiguous().cpu(),
                    "trailer": self.trailer.detach().float().contiguous().cpu()}, str(tmp), metadata=meta)
+        os.chmod(tmp, 0o666 & ~_umask())  # safetensors writes 0600; a packet is shared like any model file
         os.replace(tmp, path)
         return path
 
     def __repr__(self) -> str:
         return (f"Packets(k_header={self.k_header}, k_trailer={self.k_trailer}, hidden={self.hidden_size}, "
                 f"bridge={self.bridge}, digest={self.digest})")
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # the only way to read it is to set it
+    os.umask(mask)
+    return mask
 
 
 def load_packets(path: str | os.PathLike) -> Packets:
