@@ -171,6 +171,17 @@ def engine_kwargs_from_hf(model_kwargs: dict[str, Any] | None,
 
 # -- the engine ----------------------------------------------------------------------
 
+def engine_options(given: dict[str, Any], engine_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``LazyLLM`` keyword arguments of an adapter: the options its caller set, as named
+    arguments (``given``) or in ``engine_kwargs``, and nothing else, so that the engine's
+    defaults and a ``quality`` preset apply as they do to ``LazyLLM`` itself."""
+    ek = dict(engine_kwargs or {})
+    both = sorted(k for k in set(given) & set(ek) if given[k] != ek[k])
+    if both:
+        raise InvalidRequestError(f"{', '.join(both)} given twice, as an argument and in engine_kwargs")
+    return {**ek, **given}
+
+
 def build_engine(*args: Any, **kwargs: Any) -> LazyLLM:
     """``LazyLLM(*args, **kwargs)`` for an adapter that builds its own engine (the core
     stops every engine at interpreter exit)."""

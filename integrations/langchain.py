@@ -87,6 +87,7 @@ from ._common import (
     call_sampling,
     device_from_hf,
     engine_kwargs_from_hf,
+    engine_options,
     hf_generate_kwargs,
     request_from_messages,
     usage_dict,
@@ -247,6 +248,10 @@ def format_documents(docs: Sequence[Document | str], *, title_key: str | None = 
 
 # -- shared engine parameters --------------------------------------------------------
 
+# the fields below that are LazyLLM arguments
+_ENGINE_FIELDS = ("reuse", "chunk_context", "device", "dtype", "kv_cache_bytes")
+
+
 class _EngineParams(BaseModel):
     """Fields shared by ``ChatLazyLLM`` and ``LazyLLMText``: the engine (a ``LazyLLM``,
     given or built from the same constructor arguments) and the sampling defaults."""
@@ -267,13 +272,15 @@ class _EngineParams(BaseModel):
     """Name reported in traces and metadata (defaults to the engine's)."""
     model_name_or_path: str | None = None
     """Constructor arguments of ``LazyLLM``, used only when ``llm`` is not given."""
-    reuse: str = "lazy"
-    chunk_context: str = "isolated"
+    reuse: str | None = None
+    chunk_context: str | None = None
     device: str = "auto"
     dtype: Any = None
     kv_cache_bytes: int | None = None
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Any other ``LazyLLM`` argument (``page_size``, ``attention_backend``...)."""
+    """Any other ``LazyLLM`` argument (``quality``, ``page_size``...). Only the options set
+    here or above reach ``LazyLLM``, so a ``quality`` preset runs as it does there; ``reuse``
+    and ``chunk_context`` then hold the engine's values."""
 
     max_tokens: int = Field(default=256, alias="max_new_tokens")
     temperature: float = 0.0
@@ -296,15 +303,12 @@ class _EngineParams(BaseModel):
                 raise InvalidRequestError("give base_url= (a server) or llm=/model_name_or_path=, not both")
             key = self.api_key.get_secret_value() if self.api_key is not None else None
             self.llm = RemoteLazyLLM(self.base_url, key, self.model_name)
-            self.reuse, self.chunk_context = self.llm.reuse, self.llm.chunk_context
         elif self.llm is None:
-            self.llm = build_engine(self.model_name_or_path, reuse=self.reuse, chunk_context=self.chunk_context,
-                               device=self.device, dtype=self.dtype, kv_cache_bytes=self.kv_cache_bytes,
-                               **self.engine_kwargs)
-        else:
-            if self.model_name_or_path is not None:
-                raise InvalidRequestError("give either llm= or model_name_or_path=, not both")
-            self.reuse, self.chunk_context = self.llm.reuse, self.llm.chunk_context
+            given = {k: getattr(self, k) for k in _ENGINE_FIELDS if k in self.model_fields_set}
+            self.llm = build_engine(self.model_name_or_path, **engine_options(given, self.engine_kwargs))
+        elif self.model_name_or_path is not None:
+            raise InvalidRequestError("give either llm= or model_name_or_path=, not both")
+        self.reuse, self.chunk_context = self.llm.reuse, self.llm.chunk_context
         if self.model_name is None:
             self.model_name = str(self.llm.model_name)
         return self

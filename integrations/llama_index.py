@@ -85,6 +85,7 @@ from ._common import (
     call_sampling,
     device_from_hf,
     engine_kwargs_from_hf,
+    engine_options,
     hf_generate_kwargs,
     join_system,
     request_from_messages,
@@ -149,8 +150,8 @@ class LlamaIndexLLM(FunctionCallingLLM):
     stop: list[str] | None = None
     timeout: float | None = Field(default=None, description="Seconds before a request is cancelled.")
     is_chat_model: bool = Field(default=True, description="Use chat() (the model's chat template).")
-    reuse: str = "lazy"
-    chunk_context: str = "isolated"
+    reuse: str = Field(default="", description="The engine's reuse mode (set from the engine).")
+    chunk_context: str = Field(default="", description="The engine's chunk context (set from the engine).")
     tool_choice: str | None = Field(default=None, description=(
         "tool_choice when tools are given and the caller does not require a call: None is 'auto'; "
         "'required' makes every step of an agent call a tool"))
@@ -160,7 +161,7 @@ class LlamaIndexLLM(FunctionCallingLLM):
     def __init__(self, llm: LazyLLM | None = None, model_name: str | None = None, *,
                  generate_kwargs: dict | None = None, device_map: Any = None, device: Any = None,
                  model_kwargs: dict | None = None, tokenizer_name: str | None = None,
-                 reuse: str = "lazy", chunk_context: str = "isolated", engine_kwargs: dict | None = None,
+                 reuse: str | None = None, chunk_context: str | None = None, engine_kwargs: dict | None = None,
                  base_url: str | None = None, api_key: str | None = None, **kwargs: Any):
         for k, v in hf_generate_kwargs(generate_kwargs).items():
             kwargs.setdefault(k, v)
@@ -177,9 +178,12 @@ class LlamaIndexLLM(FunctionCallingLLM):
                     raise InvalidRequestError(f"could not read the context window from {llm.base_url}/models "
                                               f"({e}); pass context_window=") from None
         elif llm is None:
+            # only what the caller set reaches LazyLLM, so a ``quality`` preset runs as it does there
             ek, dtype = engine_kwargs_from_hf(model_kwargs, engine_kwargs)
-            llm = build_engine(model_name or None, reuse=reuse, chunk_context=chunk_context,
-                               device=device_from_hf(device, device_map) or "auto", dtype=dtype, **ek)
+            given = {"reuse": reuse, "chunk_context": chunk_context, "device": device_from_hf(device, device_map),
+                     "dtype": dtype}
+            llm = build_engine(model_name or None, **engine_options(
+                {k: v for k, v in given.items() if v is not None}, ek))
         elif model_name not in (None, "", llm.model_name):
             raise InvalidRequestError("give either llm= or model_name=, not both")
         if "context_window" not in kwargs:

@@ -122,12 +122,17 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="no progress bars while the model downloads and loads")
 
 
+def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options given on the command line (``quality`` included), and only those:
+    ``LazyLLM(model, **engine_flags(args))`` runs what the same keywords run in process."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The ``EngineConfig`` of the parsed flags (preset, then the flags given). Raises
     ``InvalidRequestError`` naming every bad option."""
-    names = {f.name for f in dataclasses.fields(EngineConfig)} - {"quality"}
-    explicit = {k: v for k, v in vars(args).items() if k in names}
-    return EngineConfig.resolve(getattr(args, "quality", None), **explicit)
+    return EngineConfig.resolve(**engine_flags(args))
 
 
 def build_parser(prog: str = "lazyllm serve") -> argparse.ArgumentParser:
@@ -195,7 +200,7 @@ def build_server(args: argparse.Namespace, config: EngineConfig):
 
     api_key = args.api_key or os.environ.get("LAZYLLM_API_KEY") or None
     # the warm-up runs once the app serves, so /health answers meanwhile and /ready after it
-    llm = LazyLLM(args.model, **{**config.as_kwargs(), "warmup": False})
+    llm = LazyLLM(args.model, **{**engine_flags(args), "warmup": False})
     try:
         app = create_app(llm, api_key=api_key, model_name=args.model_name or model_id(args.model),
                          max_request_bytes=args.max_request_bytes, max_new_tokens_limit=args.max_tokens_limit,
@@ -229,4 +234,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["add_engine_flags", "build_parser", "build_server", "check_args", "engine_config", "main", "model_id"]
+__all__ = ["add_engine_flags", "build_parser", "build_server", "check_args", "engine_config", "engine_flags", "main",
+           "model_id"]

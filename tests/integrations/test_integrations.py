@@ -401,6 +401,28 @@ def test_from_model_id_is_a_drop_in():
         chat.llm.close()
 
 
+@pytest.mark.parametrize("preset", ["fast", "balanced", "exact"])
+def test_a_preset_given_to_an_adapter_runs_what_lazyllm_runs(preset, default_llm_parts):
+    """Adapters pass on only the options their caller set: a ``quality`` preset in
+    ``engine_kwargs`` gives the configuration ``LazyLLM(quality=...)`` gives, not the
+    preset overridden by restated defaults."""
+    model, tok = default_llm_parts
+    parts = {"model": model, "tokenizer": tok}
+    ref = LazyLLM(quality=preset, kv_cache_bytes=KV_BYTES, **parts)
+    chat = ChatLazyLLM(engine_kwargs={"quality": preset, **parts}, kv_cache_bytes=KV_BYTES)
+    index_llm = LlamaIndexLLM(engine_kwargs={"quality": preset, "kv_cache_bytes": KV_BYTES, **parts})
+    try:
+        assert chat.llm.config == ref.config
+        assert index_llm.lazyllm.config == ref.config
+        assert (chat.chunk_context, index_llm.chunk_context) == (ref.chunk_context, ref.chunk_context)
+        assert chat._identifying_params["reuse"] == ref.reuse
+        with pytest.raises(ValueError, match="given twice"):  # pydantic wraps it
+            ChatLazyLLM(reuse="block", engine_kwargs={"reuse": "none", **parts}, kv_cache_bytes=KV_BYTES)
+    finally:
+        for llm in (ref, chat.llm, index_llm.lazyllm):
+            llm.close()
+
+
 # -- message conversion (no model) -------------------------------------------------
 
 def test_messages_to_request():
