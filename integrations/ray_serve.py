@@ -45,7 +45,15 @@ from lazyllm.extras import require
 from lazyllm.types import as_chunk
 
 from ._common import engine_settings
-from .routing import BloomFilter, ChunkKeyer, Decision, rank_replicas, rendezvous_owner, text_keys
+from .routing import (
+    BloomFilter,
+    ChunkKeyer,
+    Decision,
+    rank_replicas,
+    rendezvous_owner,
+    replica_identity,
+    text_keys,
+)
 
 ROUTERS = ("documents", "default", "prefix")
 # Ray's prefix-affinity router. ``ray.serve.llm.request_router.PrefixCacheAffinityRouter`` is
@@ -102,8 +110,7 @@ def replica_stats(llm, limit: int = 4096) -> dict:
     engine = getattr(getattr(llm, "engine", None), "metrics", None) or {}
     return {
         "lazyllm": 1,
-        "fingerprint": llm.fingerprint,
-        "chunk_context": llm.chunk_context,
+        **replica_identity(llm),
         "caches_chunks": bool(llm.engine.planner.caches_chunks),
         "tokenizer": getattr(llm.tokenizer, "name_or_path", None),
         "chunks": len(keys),
@@ -155,7 +162,7 @@ class DocumentAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._key_cache_size = key_cache_size
         self._rng = random.Random(seed)
         self._keyer: ChunkKeyer | None = None
-        self._keyer_id: tuple | None = None
+        self._keyer_id: str | None = None
         self._blooms: dict[str, tuple[float, BloomFilter]] = {}
         self._overlay: dict[str, dict[bytes, float]] = {}
         self.decisions: dict[str, int] = {}  # reason -> count, for tests and benchmarks
@@ -169,15 +176,15 @@ class DocumentAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         for r in candidates:
             s = self._stats(r)
             if s.get("fingerprint") and s.get("caches_chunks", True):
-                ident = (s["fingerprint"], s["chunk_context"])
+                ident = repr([s.get(k) for k in ("fingerprint", "chunk_context", "packet_ids", "layout")])
                 if self._keyer is None or self._keyer_id != ident:
                     from transformers import AutoTokenizer
 
                     path = self._tokenizer_path or s.get("tokenizer")
                     if not path:
                         return None
-                    self._keyer = ChunkKeyer(AutoTokenizer.from_pretrained(path), *ident,
-                                             cache_size=self._key_cache_size)
+                    self._keyer = ChunkKeyer.from_identity(AutoTokenizer.from_pretrained(path), s,
+                                                           cache_size=self._key_cache_size)
                     self._keyer_id = ident
                 return self._keyer
         return None

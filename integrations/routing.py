@@ -66,51 +66,68 @@ class BloomFilter:
 
 class ChunkKeyer:
     """The engine's cache keys of a request's chunks, computed without a model: the
-    tokenizer, the model fingerprint and the chunk context are enough. Keys and token
-    counts are cached per document text (bounded LRU), so a popular document is tokenized
-    once per router, not once per request.
+    tokenizer and what a replica reports (``replica_identity``: the model fingerprint, the
+    chunk context, the packet's virtual ids, the prompt layout) are enough. The segments
+    come from the engine's own prompt builder and the keys from the planner's own function
+    (``lazyllm.cache.store.segment_keys``). Keys and token counts are cached per chunk text
+    (bounded LRU), so a popular document is tokenized once per router, not once per request."""
 
-    Mirrors ``KVPlanner.segment_keys`` (tests hold the two together)."""
-
-    def __init__(self, tokenizer, fingerprint: str, chunk_context: str = "isolated", cache_size: int = 65536):
-        from lazyllm.cache.store import chunk_key
+    def __init__(self, tokenizer, fingerprint: str, chunk_context: str = "isolated", cache_size: int = 65536,
+                 *, packet_ids: tuple[list[int], list[int]] | None = None, layout: str | None = None):
+        from lazyllm.cache.store import segment_keys
         from lazyllm.engine.prompt import PromptBuilder
 
-        self._chunk_key = chunk_key
-        self.prompts = PromptBuilder(tokenizer)
+        self._segment_keys = segment_keys
+        if layout is None:
+            self.prompts = PromptBuilder(tokenizer, packet_ids)
+        else:
+            from lazyllm.engine.prompt_blockft import BlockFTPromptBuilder
+
+            self.prompts = BlockFTPromptBuilder(tokenizer, layout)
         self.fingerprint, self.chunk_context = fingerprint, chunk_context
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple, tuple[bytes, int]] = OrderedDict()
-        self._prefix: dict[str | None, bytes] = {}
+        self._prefix: dict[str | None, list[int]] = {}
 
-    def _prefix_key(self, system: str | None) -> bytes:
+    @classmethod
+    def from_identity(cls, tokenizer, identity: Mapping, cache_size: int = 65536) -> ChunkKeyer:
+        """The keyer of a replica that reported ``identity`` (``replica_identity``)."""
+        packet_ids = identity.get("packet_ids")
+        return cls(tokenizer, identity["fingerprint"], identity["chunk_context"], cache_size,
+                   packet_ids=tuple(map(list, packet_ids)) if packet_ids else None, layout=identity.get("layout"))
+
+    def _prefix_ids(self, system: str | None) -> list[int]:
         if system not in self._prefix:
-            ids = self.prompts.build("q", [Chunk("x")], system)[0].ids
             if len(self._prefix) > 1024:
                 self._prefix.clear()
-            self._prefix[system] = self._chunk_key(self.fingerprint, f"prefix-segment:{self.chunk_context}", ids)
+            self._prefix[system] = self.prompts.build("q", [Chunk("x")], system)[0].ids
         return self._prefix[system]
 
     def keys(self, chunks: Iterable[Chunk], system: str | None = None) -> list[tuple[bytes, int]]:
         """``(key, tokens)`` of each chunk, in order."""
-        pkey = self._prefix_key(system) if self.chunk_context == "prefix" else None
+        # an isolated chunk's key does not depend on the prefix, so the cache need not either
+        by_prefix = self.chunk_context == "prefix"
+        prefix = self._prefix_ids(system) if by_prefix else []
+        texts = [(self.prompts.chunk_text(c), system if by_prefix else None) for c in chunks]
+        misses = {t: c for t, c in zip(texts, chunks) if t not in self._cache}
+        if misses:
+            ids = [self.prompts.chunk_ids(c) for c in misses.values()]
+            _, keys = self._segment_keys(self.fingerprint, self.chunk_context, prefix, ids)
+            for t, k, i in zip(misses, keys, ids):
+                self._cache[t] = (k, len(i))
         out = []
-        for c in chunks:
-            ck = (c.text, pkey)
-            hit = self._cache.get(ck)
-            if hit is None:
-                ids = self.prompts.encode(self.prompts.chunk_text(c))
-                if pkey is None:
-                    hit = (self._chunk_key(self.fingerprint, "isolated", ids), len(ids))
-                else:
-                    hit = (self._chunk_key(self.fingerprint, "prefix", ids, pkey), len(ids))
-                self._cache[ck] = hit
-                if len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
-            else:
-                self._cache.move_to_end(ck)
-            out.append(hit)
+        for t in texts:
+            self._cache.move_to_end(t)
+            out.append(self._cache[t])
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
         return out
+
+
+def replica_identity(llm) -> dict:
+    """What a router needs, with the tokenizer, to compute ``llm``'s chunk keys itself."""
+    return {"fingerprint": llm.fingerprint, "chunk_context": llm.chunk_context,
+            "packet_ids": getattr(llm.prompts, "packet_ids", None), "layout": getattr(llm.prompts, "layout", None)}
 
 
 def text_keys(chunks: Iterable[Chunk]) -> list[tuple[bytes, int]]:
@@ -192,4 +209,5 @@ def rank_replicas(chunks: Sequence[tuple[bytes, int]], holds: Mapping[str, Calla
     return Decision([[r] for r in order], reason, held)
 
 
-__all__ = ["BloomFilter", "ChunkKeyer", "Decision", "rank_replicas", "rendezvous_owner", "text_keys"]
+__all__ = ["BloomFilter", "ChunkKeyer", "Decision", "rank_replicas", "rendezvous_owner", "replica_identity",
+           "text_keys"]

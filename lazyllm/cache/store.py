@@ -15,6 +15,7 @@ import hashlib
 import struct
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -33,6 +34,18 @@ def chunk_key(fingerprint: str, context: str, tokens: list[int], prefix_key: byt
     h.update(prefix_key or b"-")
     h.update(struct.pack(f"<{len(tokens)}i", *tokens))
     return h.digest()
+
+
+def segment_keys(fingerprint: str, chunk_context: str, prefix_ids: list[int],
+                 chunk_ids: Sequence[list[int]]) -> tuple[bytes, list[bytes]]:
+    """Cache keys of a prompt's prefix segment and of each of its chunk segments (token ids
+    as prefilled, packet ids included): the planner's keys and the router's are this one
+    function, so a router finds the chunks a replica holds. Under ``chunk_context="prefix"``
+    a chunk's key includes its prefix's key (its KV was computed after that prefix)."""
+    pkey = chunk_key(fingerprint, f"prefix-segment:{chunk_context}", prefix_ids)
+    if chunk_context == "prefix":
+        return pkey, [chunk_key(fingerprint, "prefix", ids, pkey) for ids in chunk_ids]
+    return pkey, [chunk_key(fingerprint, "isolated", ids) for ids in chunk_ids]
 
 
 @dataclass

@@ -28,7 +28,7 @@ import hashlib
 from dataclasses import dataclass
 
 from ..cache.disk_tier import DiskTier
-from ..cache.store import ChunkStore, Entry, chunk_key
+from ..cache.store import ChunkStore, Entry, segment_keys
 from ..config import CHUNK_CACHING_MODES, REUSE_MODES
 from ..intmath import cdiv
 from .page_table import Allocation
@@ -126,13 +126,9 @@ class KVPlanner:
     def segment_keys(self, r: Request) -> tuple[bytes, list[bytes]]:
         """Cache keys of the request's prefix and chunks (computed once per request)."""
         if self.allocation(r).keys is None:
-            prefix = r.prefill_segments[0]
-            pkey = chunk_key(self.fingerprint, f"prefix-segment:{self.chunk_context}", prefix.ids)
-            if self.chunk_context == "prefix":
-                ck = [chunk_key(self.fingerprint, "prefix", c.ids, pkey) for c in r.prefill_segments[1:-1]]
-            else:
-                ck = [chunk_key(self.fingerprint, "isolated", c.ids) for c in r.prefill_segments[1:-1]]
-            r.alloc.keys = (pkey, ck)
+            segs = r.prefill_segments
+            r.alloc.keys = segment_keys(self.fingerprint, self.chunk_context, segs[0].ids,
+                                        [c.ids for c in segs[1:-1]])
         return r.alloc.keys
 
     def lookup_or_create(self, r: Request, key: bytes, n: int, stored_pos: int, kind: str):

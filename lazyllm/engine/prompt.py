@@ -63,6 +63,12 @@ class PromptBuilder:
     def chunk_text(self, chunk: Chunk) -> str:
         return chunk.text.strip() + "\n\n"
 
+    def chunk_ids(self, chunk: Chunk) -> list[int]:
+        """The token ids of ``chunk``'s segment: its text, between the packet's header and
+        trailer ids when there is a packet."""
+        head, tail = self.packet_ids or ([], [])
+        return head + self.encode(self.chunk_text(chunk)) + tail
+
     def build(self, question: str, chunks: list[Chunk], system: str | None) -> list[Segment]:
         _check_text(question, "question")
         if system is not None:
@@ -78,7 +84,6 @@ class PromptBuilder:
         rendered = self._render(system, f"{header}{_MARK}{QUESTION_HEADER}{question.strip()}")
         pre, post = rendered.split(_MARK)
         segs = [Segment("prefix", self.encode(pre))]
-        head, tail = self.packet_ids or ([], [])
-        segs += [Segment("chunk", head + self.encode(self.chunk_text(c)) + tail, c) for c in chunks]
+        segs += [Segment("chunk", self.chunk_ids(c), c) for c in chunks]
         segs.append(Segment("suffix", self.encode(post)))
         return segs

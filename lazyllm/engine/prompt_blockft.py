@@ -96,7 +96,7 @@ class BlockFTPromptBuilder(PromptBuilder):
             _check_text(c.text, f"chunks[{i}].text")
         head, mid, tail = LAYOUTS[self.layout]
         segs = [Segment("prefix", self.encode(f"{head}{system.strip()}\n\n"))]
-        segs += [Segment("chunk", self.encode(self.chunk_text(c)), c) for c in chunks]
+        segs += [Segment("chunk", self.chunk_ids(c), c) for c in chunks]
         segs.append(Segment("suffix", self.encode(f"{mid}{INSTRUCTION}\nQuestion: {question.strip()}{tail}")))
         return segs
 

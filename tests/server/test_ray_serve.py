@@ -179,6 +179,31 @@ def test_router_keys_are_the_engine_keys(tokenizer, context):
         llm.close()
 
 
+@pytest.mark.parametrize("context", ["isolated", "prefix"])
+def test_router_keys_are_the_engine_keys_on_the_default_model_with_its_packet(context, default_llm_parts):
+    """The default model runs with a learned packet around every chunk, which is part of
+    each chunk's key: a router that keys chunks from a replica's stats must include it."""
+    from lazyllm.model.packets import SHIPPED_DIR
+
+    model, tok = default_llm_parts
+    # the shipped packet: "auto" for isolated chunks, given by path for prefix-encoded ones
+    packets = "auto" if context == "isolated" else str(SHIPPED_DIR / "smollm2-135m-instruct.safetensors")
+    llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=1 << 24, chunk_context=context, packets=packets)
+    try:
+        assert llm.packets is not None
+        docs = ["The Eiffel Tower is 330 metres tall.", Chunk("Mount Fuji is 3776 metres high.", id="fuji")]
+        out = llm.generate("How tall?", chunks=docs, system="Be brief.", max_new_tokens=1)
+        stats = replica_stats(llm)
+        keyer = ChunkKeyer.from_identity(tok, stats)
+        mine = keyer.keys([rs.as_chunk(d, i) for i, d in enumerate(docs)], "Be brief.")
+        assert {k for k, _ in mine} == set(llm.resident_chunk_keys())
+        assert [n for _, n in mine] == [len(ids) for kind, ids in out.prompt_segments if kind == "chunk"]
+        f = BloomFilter.from_stats(stats["bloom"])
+        assert all(k in f for k, _ in mine)
+    finally:
+        llm.close()
+
+
 def test_resident_chunk_keys_most_recent_first_and_bounded(tiny_llm):
     tiny_llm.clear_cache()
     tiny_llm.warm(["first document", "second document"])
