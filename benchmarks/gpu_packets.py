@@ -3,8 +3,9 @@ not depend on the values).
 
 ``ttft``: a request of 8 cached chunks of 510 tokens and a 50-token question, the chunks
 warmed beforehand and rotated per timed request (the prompt of benchmarks/preset_ttft.py),
-without a packet and with a 4 + 4 token packet (each cached chunk then holds 8 more tokens);
-the median TTFT and the median decode step (32 new tokens) of each.
+without a packet, with an 8 + 8 token packet (each cached chunk then holds 16 more tokens)
+and with the same packet as a bridge packet (its 8 trailer tokens of every chunk recomputed
+per request); the median TTFT and the median decode step (32 new tokens) of each.
 ``train``: packet training throughput: one Adam step of the differentiable student forward
 and backward (transformers, 4-D mask, explicit positions) over a case of 4 chunks of 510
 tokens, a question and a 16-token answer; tokens per second of student sequence, and the
@@ -53,8 +54,8 @@ def _setup(args):
     g = torch.Generator().manual_seed(0)
     std = float(model.get_input_embeddings().weight.detach().float().std())
     mid = packet_model_id(LlamaFamilyModel(model, fuse=False, fused_kernels=False))
-    packets = Packets(torch.randn(4, cfg.hidden_size, generator=g) * std,
-                      torch.randn(4, cfg.hidden_size, generator=g) * std, mid)
+    packets = Packets(torch.randn(8, cfg.hidden_size, generator=g) * std,
+                      torch.randn(8, cfg.hidden_size, generator=g) * std, mid)
     return tok, cfg, model, packets
 
 
@@ -65,7 +66,8 @@ def run_ttft(args, tok, model, packets) -> list[dict]:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rows, chunks, question = [], None, None
     system = "You answer from the documents."
-    for name, p in (("no packet", None), ("packet 4+4", packets), ("no packet (again)", None)):
+    bridge = Packets(packets.header, packets.trailer, packets.model, bridge=True)
+    for name, p in (("no packet", None), ("packet 8+8", packets), ("bridge 8+8", bridge), ("no packet (again)", None)):
         llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=(16 << 30) if cuda else (256 << 20), packets=p)
         run_to_length(llm)
         if chunks is None:
@@ -112,12 +114,13 @@ def run_train(args, tok, model, packets) -> dict:
     opt = torch.optim.Adam([rows], lr=1e-2)
     base = model.get_input_embeddings().weight.shape[0]
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    n_student = sum(len(s) for _, s in segs) + 4 * 8 + len(answer) - 1
-    n_teacher = n_student - 4 * 8
+    per_chunk = packets.k_header + packets.k_trailer
+    n_student = sum(len(s) for _, s in segs) + 4 * per_chunk + len(answer) - 1
+    n_teacher = n_student - 4 * per_chunk
 
     def step():
         opt.zero_grad(set_to_none=True)
-        case_loss(model, case, rows, 4, base).backward()
+        case_loss(model, case, rows, packets.k_header, base).backward()
         opt.step()
 
     ids = torch.tensor([t for _, s in segs for t in s] + answer[:-1], device=dev)

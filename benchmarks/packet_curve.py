@@ -37,23 +37,17 @@ if ROOT not in sys.path:
 
 from benchmarks.packet_corpus import synthetic_cases  # noqa: E402
 from lazyllm import LazyLLM  # noqa: E402
-from lazyllm.quality.packet_training import build_cases, embed_with_packets, init_packets, student_mask, train_packets  # noqa: E402
+from lazyllm.quality.packet_training import (  # noqa: E402
+    build_cases,
+    init_packets,
+    student_layout,
+    student_logits,
+    train_packets,
+)
 
 HELDOUT = os.path.join(ROOT, "tests/data/quality_heldout.jsonl")
 
 
-def _student(case, k_header: int, k_trailer: int, base: int):
-    """ids ``(n,)``, the boolean ``(n, n)`` mask and which tokens are chunk tokens ``(n,)``."""
-    head = list(range(base, base + k_header))
-    tail = list(range(base + k_header, base + k_header + k_trailer))
-    segs = [(k, head + list(s) + tail if k == "chunk" else list(s)) for k, s in case.segments]
-    ids, chunk = [], []
-    for k, s in segs:
-        ids += s
-        chunk += [k == "chunk"] * len(s)
-    ids += case.answer[:-1]
-    chunk += [False] * (len(case.answer) - 1)
-    return torch.tensor(ids), student_mask(segs, len(case.answer) - 1, k_header), torch.tensor(chunk)
 
 
 class _Gate(torch.nn.Module):
@@ -85,17 +79,14 @@ def add_lora(hf, rank: int, alpha: float | None = None):
     return pm, gates, params
 
 
-def logits(hf, case, rows, k_header, base, gates=(), last=None):
+def logits(hf, case, rows, k_header, base, gates=(), last=None, bridge=False, deep=None, recompute=None):
     k_trailer = rows.shape[0] - k_header
-    ids, mask, chunk = _student(case, k_header, k_trailer, base)
+    lay = student_layout(case.segments, case.answer, k_header, k_trailer, base, bridge=bridge, recompute=recompute)
     for g in gates:
-        g.gate = chunk.float()
-    n = ids.shape[0]
+        g.gate = lay.chunk_rows.float()
     inner = hf.get_base_model() if hasattr(hf, "get_base_model") else hf
-    out = inner.model(inputs_embeds=embed_with_packets(inner, ids, rows, base), attention_mask=mask[None, None],
-                      position_ids=torch.arange(n)[None], use_cache=False)
-    last = last or case.teacher_logp.shape[0]
-    return inner.lm_head(out.last_hidden_state[0, n - last:]).float()
+    return student_logits(inner, lay.ids, lay.mask, rows, base, last or case.teacher_logp.shape[0],
+                          positions=lay.positions, deep=deep, deep_rows=lay.bridge_rows, k_header=k_header)
 
 
 def kl_loss(hf, case, rows, k_header, base, gates=()):
@@ -105,17 +96,26 @@ def kl_loss(hf, case, rows, k_header, base, gates=()):
 
 
 @torch.no_grad()
-def heldout(hf, cases, teacher32, rows, k_header, base, gates=(), same_n=8):
-    """compare()'s top-1, mean KL (over answer tokens) and same-answer rate."""
+def heldout(hf, cases, teacher32, rows, k_header, base, gates=(), same_n=8, bridge=False, deep=None, recompute=None):
+    """compare()'s top-1, mean KL (over answer tokens) and same-answer rate; ``recompute``: per
+    case, the chunk tokens recomputed (``engine_selections``)."""
     kls, agree, same = [], [], 0
-    for c, lp in zip(cases, teacher32):
-        q = logits(hf, c, rows, k_header, base, gates, last=len(c.answer))
+    for i, (c, lp) in enumerate(zip(cases, teacher32)):
+        q = logits(hf, c, rows, k_header, base, gates, last=len(c.answer), bridge=bridge, deep=deep,
+                   recompute=recompute[i] if recompute is not None else None)
         lq = torch.log_softmax(q.double(), -1)
         lpd = lp.double()
         kls += (lpd.exp() * (lpd - lq)).sum(-1).clamp_min(0).tolist()
         agree += (lp.argmax(-1) == q.argmax(-1)).tolist()
         same += q.argmax(-1).tolist()[:same_n] == c.answer[:same_n]
     return dict(top1=sum(agree) / len(agree), kl=sum(kls) / len(kls), same=same, n=len(cases))
+
+
+@torch.no_grad()
+def llm_model(hf):
+    from lazyllm.model.llama import LlamaFamilyModel
+
+    return LlamaFamilyModel(hf, fuse=False, fused_kernels=False)
 
 
 @torch.no_grad()
@@ -160,21 +160,74 @@ def train_lora(hf, cases, k_header, k_trailer, rank, steps, lr, lr_packet, tok, 
     return pm, gates, rows.detach(), losses
 
 
-def load_cases(full, path, n_train):
-    """Teacher cases (train, held-out), built once and kept in ``path``."""
+def load_cases(full, path, n_train, corpus="synthetic"):
+    """Teacher cases and their items (train, train items, held-out, held-out items, held-out
+    float32 teacher), built once and kept in ``path``. ``corpus``: ``"synthetic"``
+    (packet_corpus.py) or ``"mixture"`` (packet_mixture.py: installed documentation beside it)."""
     data = torch.load(path, weights_only=False) if path and os.path.exists(path) else {}
+    with open(HELDOUT) as f:
+        data["held_items"] = [json.loads(ln) for ln in f if ln.strip() and not ln.startswith("#")]
     if "held" not in data:
-        with open(HELDOUT) as f:
-            items = [json.loads(ln) for ln in f if ln.strip() and not ln.startswith("#")]
-        data["held"] = build_cases(full, items)
+        data["held"] = build_cases(full, data["held_items"])
         data["held32"] = teacher_f32(full, data["held"])
     have = data.get("train", [])
+    if "train_items" not in data and corpus == "synthetic":  # a cache from before items were kept
+        data["train_items"] = synthetic_cases(len(have), seed=0)
     if len(have) < n_train:
-        # cases beyond the first 80 ask about other documents (80..n-1 of a larger pool)
-        data["train"] = have + build_cases(full, synthetic_cases(n_train, seed=0)[len(have):n_train])
+        if corpus == "mixture":
+            from benchmarks.packet_mixture import mixture_items
+
+            items = mixture_items(full, n_train, seed=0)
+        else:  # cases beyond the first 80 ask about other documents (80..n-1 of a larger pool)
+            items = synthetic_cases(n_train, seed=0)
+        data["train_items"] = data.get("train_items", []) + items[len(have):n_train]
+        data["train"] = have + build_cases(full, items[len(have):n_train])
     if path:
         torch.save(data, path)
-    return data["train"][:n_train], data["held"], data["held32"]
+    return data["train"][:n_train], data["train_items"][:n_train], data["held"], data["held_items"], data["held32"]
+
+
+def engine_selections(hf, tok, items, cases, packets, opts):
+    """Per case, the chunk tokens (per chunk, indices in its ids with the packet) the engine's
+    recovery recomputes when it scores the case's answer under ``opts`` (recompute options,
+    isolated chunks) with ``packets``: what compare() measures, recorded from the engine."""
+    llm = LazyLLM(model=hf, tokenizer=tok, packets=packets, kv_cache_bytes=256 << 20, progress=False, **opts)
+    rec, got = llm.engine.recovery, []
+    inner = rec.apply
+
+    def apply(r):
+        inner(r)
+        plan = r.plan
+        sel = [[] for _ in plan.spans]
+        job = plan.job
+        if job is not None and job.positions is not None and plan.spans:
+            for p in job.positions[:len(job.positions) - len(plan.suffix_ids)]:
+                for ci, sp in enumerate(plan.spans):
+                    if sp.start <= p < sp.start + len(sp.ids):
+                        sel[ci].append(p - sp.start)
+                        break
+        got.append(sel)
+
+    rec.apply = apply
+    out = []
+    for it, c in zip(items, cases):
+        got.clear()
+        llm.score(it["question"], chunks=list(it["documents"]), system=it.get("system"), continuation=c.answer)
+        out.append(got[0])
+    llm.close()
+    return out
+
+
+def parse_recompute(spec):
+    """``"first=4,ratio=0.14,selection=two-stage"`` -> LazyLLM recompute options."""
+    if not spec:
+        return None
+    names = dict(first="recompute_first_tokens", ratio="recompute_ratio", selection="recompute_selection")
+    out = {}
+    for part in spec.split(","):
+        k, v = part.split("=")
+        out[names[k]] = int(v) if k == "first" else float(v) if k == "ratio" else v
+    return out
 
 
 def record(path, row):
@@ -203,6 +256,15 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--tag", default="")
     ap.add_argument("--check", default=None, help="measure this packet file only")
+    ap.add_argument("--bridge", action="store_true", help="train the trailer as a bridge (recomputed per request)")
+    ap.add_argument("--deep", action="store_true", help="with --bridge: also per-layer bridge parameters")
+    ap.add_argument("--init", default=None, help="start from this packet file's header and trailer where their "
+                                                 "sizes match the run's")
+    ap.add_argument("--recompute", default=None,
+                    help="measure with the engine's recovery, e.g. first=4,ratio=0.14,selection=two-stage")
+    ap.add_argument("--in-loop", action="store_true", help="with --recompute: train under that recompute")
+    ap.add_argument("--corpus", default="synthetic", choices=["synthetic", "mixture"],
+                    help="training cases: packet_corpus.py, or packet_mixture.py (keep another --cases-cache)")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     full = LazyLLM(a.model, device="cpu", reuse="none", kv_cache_bytes=256 << 20, progress=False, packets=None)
@@ -210,7 +272,8 @@ def main(argv=None):
     base = int(hf.get_input_embeddings().weight.shape[0])
     sizes = [int(x) for x in a.train_cases.split(",")]
     t0 = time.perf_counter()
-    _, held, held32 = load_cases(full, a.cases_cache, max(sizes))
+    _, _, held, held_items, held32 = load_cases(full, a.cases_cache, max(sizes), a.corpus)
+    opts = parse_recompute(a.recompute)
     model = os.path.basename(str(getattr(hf.config, "_name_or_path", "")).rstrip("/")) or "default"
     common = dict(model=model, tag=a.tag, heldout="tests/data/quality_heldout.jsonl", load=os.getloadavg())
     print(f"teacher cases: {time.perf_counter() - t0:.0f} s", flush=True)
@@ -218,11 +281,13 @@ def main(argv=None):
         from lazyllm.model.packets import load_packets
 
         p = load_packets(a.check)
-        record(a.json, dict(common, packet=f"{p.k_header}+{p.k_trailer}", file=a.check,
-                            **heldout(hf, held, held32, p.rows, p.k_header, base)))
+        sel = engine_selections(hf, tok, held_items, held, p, opts) if opts else None
+        record(a.json, dict(common, packet=f"{p.k_header}+{p.k_trailer}", file=a.check, bridge=p.bridge,
+                            recompute=a.recompute,
+                            **heldout(hf, held, held32, p.rows, p.k_header, base, bridge=p.bridge, recompute=sel)))
         return
     for n in sizes:
-        train, _, _ = load_cases(full, a.cases_cache, n)
+        train, train_items, _, _, _ = load_cases(full, a.cases_cache, n, a.corpus)
         for run in a.runs.split(","):
             kh, kt = (int(x) for x in run.split("+"))
             t1 = time.perf_counter()
@@ -234,14 +299,32 @@ def main(argv=None):
                 rows, losses = torch.zeros(0, hf.config.hidden_size), []
                 m = heldout(hf, held, held32, rows, 0, base)
             else:
+                from lazyllm.model.packets import Packets, load_packets, packet_model_id
+
+                init = init_packets(hf, tok, kh, kt)
+                if a.init:  # the file's header and trailer where their sizes match
+                    f = load_packets(a.init)
+                    if f.k_header == kh:
+                        init[:kh] = f.header
+                    if f.k_trailer == kt:
+                        init[kh:] = f.trailer
+                in_loop = None
+                if opts and a.in_loop:  # the engine's selections under the starting packet
+                    start = Packets(init[:kh], init[kh:], packet_model_id(llm_model(hf)), bridge=a.bridge)
+                    in_loop = engine_selections(hf, tok, train_items, train, start, opts)
                 packets, log = train_packets(hf, tok, train, k_header=kh, k_trailer=kt, steps=a.steps, lr=a.lr,
-                                             autocast=torch.bfloat16, progress=False)
+                                             autocast=torch.bfloat16, progress=False, bridge=a.bridge,
+                                             deep=a.deep, init=init, recompute=in_loop)
                 rows, losses = packets.rows, log["losses"]
-                m = heldout(hf, held, held32, rows, kh, base)
+                sel = engine_selections(hf, tok, held_items, held, packets, opts) if opts else None
+                m = heldout(hf, held, held32, rows, kh, base, bridge=a.bridge, deep=log.get("deep"), recompute=sel)
                 if a.save:
                     os.makedirs(a.save, exist_ok=True)
-                    packets.save(os.path.join(a.save, f"{model}-{kh}+{kt}-n{n}-s{a.steps}.safetensors"))
-            record(a.json, dict(common, packet=f"{kh}+{kt}", lora_rank=a.lora_rank, train_cases=n,
+                    kind = ("-deep" if a.deep else "") + ("-bridge" if a.bridge else "")
+                    packets.save(os.path.join(a.save, f"{model}-{kh}+{kt}{kind}-n{n}-s{a.steps}.safetensors"))
+            record(a.json, dict(common, packet=f"{kh}+{kt}", bridge=a.bridge, deep=a.deep, init=a.init,
+                                recompute=a.recompute, in_loop=a.in_loop, corpus=a.corpus,
+                                lora_rank=a.lora_rank, train_cases=n,
                                 steps=a.steps if kh + kt or a.lora_rank else 0,
                                 train_s=round(time.perf_counter() - t1, 1),
                                 loss_last20=sum(losses[-20:]) / max(1, len(losses[-20:])), **m,

@@ -41,7 +41,31 @@ from lazyllm.presets import PRESETS  # noqa: E402
 
 SETTINGS = {"default": {}, **{name: {"quality": name} for name in PRESETS},
             # balanced with the question's first pass over the first quarter of the layers
-            "balanced-depth-0.25": {"quality": "balanced", "recompute_selection_depth": 0.25}}
+            "balanced-depth-0.25": {"quality": "balanced", "recompute_selection_depth": 0.25},
+            # a packet of random values (speed does not depend on them): "random:H+T", or a
+            # bridge packet, its trailer recomputed per request: "random-bridge:H+T"
+            "packet-8+8": {"packets": "random:8+8"}, "bridge-8+8": {"packets": "random-bridge:8+8"}}
+
+
+def _random_packets(spec: str, model):
+    """``"random:8+8"`` / ``"random-bridge:8+8"`` -> a ``Packets`` of random rows for ``model``."""
+    from lazyllm.model.llama import LlamaFamilyModel
+    from lazyllm.model.packets import Packets, packet_model_id
+
+    kind, sizes = spec.split(":")
+    kh, kt = (int(x) for x in sizes.split("+"))
+    g = torch.Generator().manual_seed(0)
+    std = float(model.get_input_embeddings().weight.detach().float().std())
+    hidden = model.config.hidden_size
+    return Packets(torch.randn(kh, hidden, generator=g) * std, torch.randn(kt, hidden, generator=g) * std,
+                   packet_model_id(LlamaFamilyModel(model, fuse=False, fused_kernels=False)),
+                   bridge=kind == "random-bridge")
+
+
+def _setting(text: str) -> tuple[str, dict]:
+    """``name`` of SETTINGS, or ``name={"json": "kwargs"}``."""
+    name, _, kw = text.partition("=")
+    return (name, json.loads(kw)) if kw else (name, SETTINGS[name])
 
 
 def main(argv=None) -> dict:
@@ -53,7 +77,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("--chunk-tokens", type=int, default=510)
     ap.add_argument("--reps", type=int, default=8, help="timed requests (at most --chunks: one per rotation)")
-    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--settings", default=",".join(SETTINGS),
+                    help="comma separated names of SETTINGS; or ';' separated name=JSON kwargs")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -69,10 +94,13 @@ def main(argv=None) -> dict:
     results = {"device": device_name(args.device),
                "date": time.strftime("%Y-%m-%d"), "layers": cfg.num_hidden_layers, "tiny": args.tiny, "rows": []}
     chunks = question = None
-    for name in filter(None, args.settings.split(",")):
-        kw = SETTINGS[name]
+    parts = args.settings.split(";") if "=" in args.settings else args.settings.split(",")
+    for name, kw in (_setting(p.strip()) for p in parts if p.strip()):
+        run_kw = dict(kw)
+        if str(run_kw.get("packets", "")).startswith("random"):
+            run_kw["packets"] = _random_packets(run_kw["packets"], model)
         llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=(16 << 30) if args.device.startswith("cuda")
-                      else (256 << 20), **kw)
+                      else (256 << 20), **run_kw)
         run_to_length(llm)
         if chunks is None:
             chunks = [text_of_tokens(llm, args.chunk_tokens, seed=i) for i in range(args.chunks)]

@@ -32,6 +32,8 @@ from lazyllm import Chunk, GenerationOutput, InvalidRequestError, LazyLLM
 from lazyllm.presets import QUALITY_OPTIONS
 from lazyllm.stream import TextStream
 
+from .remote_tools import RemoteAsk, StreamedCalls, request_fields
+
 HISTORY_HEADER = "Conversation so far:"
 ROLE_LABELS = {"user": "User", "assistant": "Assistant", "tool": "Tool", "system": "System"}
 
@@ -239,7 +241,10 @@ class RemoteLazyLLM:
 
     Documents travel as the server's ``documents`` extension, so they are cached as chunks
     there exactly as in process; the system prompt and the (already folded) question go as
-    a system and a user message. Results are ``GenerationOutput``s with the usage
+    a system and a user message. ``messages``, ``tools``, ``tool_choice``,
+    ``response_format`` (JSON kinds) and ``parallel_tool_calls`` go as the OpenAI fields, and
+    the answer comes back as in process: ``tool_calls``, ``parsed``, a stream's deltas with
+    the calls as the model wrote them (``integrations.remote_tools``). Results are ``GenerationOutput``s with the usage
     (``cached_tokens``...), finish reason and the server's TTFT, queue and total times;
     ``token_ids`` and ``prompt_segments`` stay empty (the server does not send them).
     ``model``: the ``model`` id to send (``None``: the server's one, asked at the first request). Errors: a 400 raises
@@ -286,17 +291,22 @@ class RemoteLazyLLM:
             self.model = self.models()[0]["id"]
         return self.model
 
-    def payload(self, question: str, chunks: Any = None, system: str | None = None, *, stream: bool = False,
+    def payload(self, question: str | None, chunks: Any = None, system: str | None = None, *, stream: bool = False,
                 **sampling: Any) -> dict[str, Any]:
         """The chat completion body of one request."""
+        return self._request(question, chunks, system, stream, sampling)[0]
+
+    def _request(self, question, chunks, system, stream, sampling) -> tuple[dict[str, Any], RemoteAsk]:
+        """The body of one request and what its answer is read with (tools, the format)."""
         from lazyllm.types import as_chunk
 
         if isinstance(chunks, (str, Chunk)):
             raise InvalidRequestError("chunks must be a list of str or Chunk, not a single one")
-        if not isinstance(question, str):
-            raise InvalidRequestError(f"question must be a str, got {type(question).__name__}")
+        messages, carried, fields, ask = request_fields(question, system, sampling)
+        if carried and chunks:
+            raise InvalidRequestError("give chunks either as the argument or in one message, not both")
         docs = []
-        for i, c in enumerate(chunks or []):
+        for i, c in enumerate(chunks or carried):
             c = as_chunk(c, i)
             d: dict[str, Any] = {"text": c.text}
             if c.id is not None:
@@ -304,9 +314,7 @@ class RemoteLazyLLM:
             if c.metadata:
                 d["metadata"] = c.metadata
             docs.append(d)
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": question}]
-        body: dict[str, Any] = {"messages": messages, "documents": docs, "stream": stream}
+        body: dict[str, Any] = {"messages": messages, "documents": docs, "stream": stream, **fields}
         body["model"] = self._model_id()
         unknown = set(sampling) - set(SAMPLING_KEYS)
         if unknown:
@@ -318,7 +326,7 @@ class RemoteLazyLLM:
                     sampling[ours], str) else sampling[ours]
         if stream:
             body["stream_options"] = {"include_usage": True}
-        return body
+        return body, ask
 
     @staticmethod
     def raise_for(status: int, body: Any) -> None:
@@ -349,12 +357,13 @@ class RemoteLazyLLM:
                                 chunk_ids=list(extra.get("chunk_ids", [])))
 
     @classmethod
-    def _from_json(cls, status: int, body: Any) -> GenerationOutput:
+    def _from_json(cls, status: int, body: Any, ask: RemoteAsk) -> GenerationOutput:
         if status != 200:
             cls.raise_for(status, body)
         choice = body["choices"][0]
-        return cls.output(choice["message"].get("content") or "", choice.get("finish_reason"), body.get("usage"),
-                          body.get("lazyllm"))
+        out = cls.output(choice["message"].get("content") or "", choice.get("finish_reason"), body.get("usage"),
+                         body.get("lazyllm"))
+        return ask.finish(out, choice["message"].get("tool_calls"))
 
     @staticmethod
     def _json(resp) -> Any:
@@ -367,24 +376,24 @@ class RemoteLazyLLM:
     def generate(self, question: str, chunks: Any = None, system: str | None = None, **sampling: Any
                  ) -> GenerationOutput:
         timeout = sampling.pop("timeout", None) or self.timeout
-        r = self._sync().post("/chat/completions", json=self.payload(question, chunks, system, **sampling),
-                              timeout=timeout)
-        return self._from_json(r.status_code, self._json(r))
+        body, ask = self._request(question, chunks, system, False, sampling)
+        r = self._sync().post("/chat/completions", json=body, timeout=timeout)
+        return self._from_json(r.status_code, self._json(r), ask)
 
     __call__ = generate
 
     async def agenerate(self, question: str, chunks: Any = None, system: str | None = None, **sampling: Any
                         ) -> GenerationOutput:
         timeout = sampling.pop("timeout", None) or self.timeout
+        body, ask = self._request(question, chunks, system, False, sampling)
         async with self._async() as client:
-            r = await client.post("/chat/completions", json=self.payload(question, chunks, system, **sampling),
-                                  timeout=timeout)
-            return self._from_json(r.status_code, self._json(r))
+            r = await client.post("/chat/completions", json=body, timeout=timeout)
+            return self._from_json(r.status_code, self._json(r), ask)
 
     def stream(self, question: str, chunks: Any = None, system: str | None = None, **sampling: Any
                ) -> RemoteStream:
         timeout = sampling.pop("timeout", None) or self.timeout
-        return RemoteStream(self, self.payload(question, chunks, system, stream=True, **sampling), timeout)
+        return RemoteStream(self, *self._request(question, chunks, system, True, sampling), timeout)
 
     astream = stream
 
@@ -420,9 +429,10 @@ class RemoteStream:
     holds the ``GenerationOutput`` once the iteration ends. Stopping early closes the
     connection, which cancels the request on the server."""
 
-    def __init__(self, remote: RemoteLazyLLM, body: dict[str, Any], timeout: float):
-        self.remote, self.body, self.timeout = remote, body, timeout
+    def __init__(self, remote: RemoteLazyLLM, body: dict[str, Any], ask: RemoteAsk, timeout: float):
+        self.remote, self.body, self.ask, self.timeout = remote, body, ask, timeout
         self.output: GenerationOutput | None = None
+        self._calls = StreamedCalls()  # delta.tool_calls, written back as the text the model wrote
         self._text: list[str] = []
         self._finish: str | None = None
         self._sync_iter = None
@@ -438,10 +448,13 @@ class RemoteStream:
         if "error" in obj:
             RemoteLazyLLM.raise_for(500 if obj["error"].get("type") == "server_error" else 400, obj)
         if obj.get("usage") is not None:
-            self.output = RemoteLazyLLM.output("".join(self._text), self._finish, obj["usage"], obj.get("lazyllm"))
+            self.output = self.ask.finish(RemoteLazyLLM.output("".join(self._text), self._finish, obj["usage"],
+                                                               obj.get("lazyllm")), self._calls.calls)
         for choice in obj.get("choices") or []:
             self._finish = choice.get("finish_reason") or self._finish
-            delta = (choice.get("delta") or {}).get("content")
+            d = choice.get("delta") or {}
+            delta = (d.get("content") or "") + self._calls.text(d.get("tool_calls") or [])
+            delta += self._calls.close(choice.get("finish_reason"))
             if delta:
                 self._text.append(delta)
                 return delta
@@ -449,7 +462,8 @@ class RemoteStream:
 
     def _finish_output(self) -> None:
         if self.output is None:
-            self.output = RemoteLazyLLM.output("".join(self._text), self._finish, None, None)
+            self.output = self.ask.finish(RemoteLazyLLM.output("".join(self._text), self._finish, None, None),
+                                          self._calls.calls)
 
     def _iterate(self):
         with self.remote._sync().stream("POST", "/chat/completions", json=self.body, timeout=self.timeout) as r:

@@ -52,7 +52,6 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.language_models import BaseChatModel, BaseLLM, LangSmithParams
 from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
 from langchain_core.messages import (
-    AIMessageChunk,
     BaseMessage,
 )
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
@@ -297,8 +296,6 @@ class ChatLazyLLM(_EngineParams, BaseChatModel):
         options = self._sampling(stop, kwargs)
         if not extra and not uses_tools(messages):
             return messages_to_request(messages), options
-        if isinstance(self.llm, RemoteLazyLLM):
-            raise InvalidRequestError("tools and response_format need an in-process engine, not base_url")
         options.update(extra, messages=to_openai_messages(messages, message_parts))
         return RagRequest(None), options
 
@@ -343,9 +340,9 @@ class ChatLazyLLM(_EngineParams, BaseChatModel):
         req, options = self._request(messages, stop, kwargs)
         stream, hold = GenerationStream(self.llm, req, **options), CallHold("tools" in options)
         for delta in stream:
-            if not (delta := hold.feed(delta)):
+            if (delta := hold.feed(delta)) is None:
                 continue
-            chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+            chunk = ChatGenerationChunk(message=hold.message(delta))
             if run_manager:
                 run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
@@ -357,9 +354,9 @@ class ChatLazyLLM(_EngineParams, BaseChatModel):
         req, options = self._request(messages, stop, kwargs)
         stream, hold = GenerationStream(self.llm, req, **options), CallHold("tools" in options)
         async for delta in stream:
-            if not (delta := hold.feed(delta)):
+            if (delta := hold.feed(delta)) is None:
                 continue
-            chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+            chunk = ChatGenerationChunk(message=hold.message(delta))
             if run_manager:
                 await run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk

@@ -10,7 +10,6 @@ into that message's text (a request has one run of chunks).
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Sequence
 from operator import itemgetter
 from typing import Any
@@ -20,12 +19,15 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, Tool
 from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticToolsParser
 from langchain_core.output_parsers.pydantic import PydanticOutputParser
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel
 
 from lazyllm import Chunk, GenerationOutput, InvalidRequestError
+from lazyllm.structured.call_stream import ToolCallDeltas
 from lazyllm.structured.formats import closed
+from lazyllm.structured.schema_errors import has_ref
 
 STRUCTURED_KWARGS = ("tools", "tool_choice", "response_format", "parallel_tool_calls")
 CALL_OPEN = "<tool_call>"
@@ -83,46 +85,68 @@ def to_openai_messages(messages: Iterable[BaseMessage], parts: Parts) -> list[di
 
 
 def lc_tool_calls(out: GenerationOutput) -> list[dict]:
-    return [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"} for c in out.tool_calls]
+    return [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"} for c in out.tool_calls
+            if c.partial is None]
 
 
 def ai_message(out: GenerationOutput, **meta: Any) -> AIMessage:
-    """The ``AIMessage`` of a result: text content, or empty content and ``tool_calls``."""
+    """The ``AIMessage`` of a result: text content, or empty content and ``tool_calls``; a call
+    cut off by the length limit is an ``invalid_tool_calls`` entry with its arguments as far as
+    generated, and the call markup never reaches ``content``."""
     calls = lc_tool_calls(out)
-    return AIMessage(content="" if calls else out.text, tool_calls=calls, **meta)
-
-
-def tool_call_chunks(out: GenerationOutput) -> list[dict]:
-    return [{"name": c.name, "args": json.dumps(c.arguments, ensure_ascii=False), "id": c.id, "index": i,
-             "type": "tool_call_chunk"} for i, c in enumerate(out.tool_calls)]
+    cut = [{"name": c.name, "args": c.partial, "id": c.id, "error": "cut off by the length limit",
+            "type": "invalid_tool_call"} for c in out.tool_calls if c.partial is not None]
+    content = "" if calls or cut or out.text.startswith(CALL_OPEN) else out.text
+    return AIMessage(content=content, tool_calls=calls, invalid_tool_calls=cut, **meta)
 
 
 class CallHold:
-    """Holds back streamed text while it may still be the start of a tool call: text that
-    turns out not to be a call is released; a call comes out at the end as tool_call_chunks."""
+    """Reads a stream that may be tool calls (``active``): text passes as content, calls come
+    out as ``tool_call_chunks`` as they are generated (the name first, then argument fragments
+    that join to the arguments' JSON), so the call markup never reaches ``content``."""
 
     def __init__(self, active: bool):
-        self.active, self.held, self.released = active, "", not active
+        self.reader = ToolCallDeltas() if active else None
+        self.pending: list[dict] = []
 
-    def feed(self, delta: str) -> str:
-        if self.released:
-            return delta
-        self.held += delta
-        if CALL_OPEN.startswith(self.held) or self.held.startswith(CALL_OPEN):
-            return ""
-        self.released, text, self.held = True, self.held, ""
-        return text
+    def feed(self, delta: str) -> str | None:
+        """The content to send for ``delta`` (with ``message``), or None for nothing yet."""
+        if self.reader is None:
+            return delta or None
+        content, items = self.reader.feed(delta)
+        self.pending += [_lc_chunk(i) for i in items]
+        return (content or "") if content or self.pending else None
 
-    def last(self, out: GenerationOutput) -> tuple[str, list[dict]]:
-        """Text still held, and the tool call chunks, at the end of the stream."""
-        if out.tool_calls:
-            return "", tool_call_chunks(out)
-        return self.held, []
+    def message(self, content: str) -> AIMessageChunk:
+        """The message chunk of what ``feed`` released: its content and the call chunks."""
+        chunks, self.pending = _joined(self.pending), []
+        return AIMessageChunk(content=content, tool_call_chunks=chunks)
+
+    def last(self, out: GenerationOutput) -> list[dict]:
+        """The call chunks still held at the end: the rest of a call the length limit cut off."""
+        return _joined([_lc_chunk(i) for i in self.reader.flush()]) if self.reader is not None else []
+
+
+def _joined(chunks: list[dict]) -> list[dict]:
+    """One chunk per call: LangChain adds message chunks up by index, and two of one index in
+    the same message would not be joined."""
+    out: dict[int, dict] = {}
+    for c in chunks:
+        if c["index"] in out:
+            out[c["index"]]["args"] += c["args"]
+        else:
+            out[c["index"]] = dict(c)
+    return list(out.values())
+
+
+def _lc_chunk(item: dict) -> dict:
+    fn = item.get("function") or {}
+    return {"name": fn.get("name"), "args": fn.get("arguments") or "", "id": item.get("id"),
+            "index": item["index"], "type": "tool_call_chunk"}
 
 
 def last_chunk_message(out: GenerationOutput, hold: CallHold, **meta: Any) -> AIMessageChunk:
-    text, chunks = hold.last(out)
-    return AIMessageChunk(content=text, tool_call_chunks=chunks, chunk_position="last", **meta)
+    return AIMessageChunk(content="", tool_call_chunks=hold.last(out), chunk_position="last", **meta)
 
 
 def tool_choice_arg(tool_choice: Any, tools: list[dict]) -> Any:
@@ -136,10 +160,26 @@ def tool_choice_arg(tool_choice: Any, tools: list[dict]) -> Any:
     return tool_choice
 
 
+def _openai_tool(t: Any) -> dict:
+    """OpenAI's tool dict of ``t``. LangChain inlines a Pydantic model's ``$ref``s and writes
+    a recursive one's self-reference as ``{}`` (any value), so a call that follows it would not
+    validate against the model: a model whose schema has ``$ref``s keeps it as Pydantic writes
+    it (``$defs`` and all), which the grammar follows."""
+    spec = convert_to_openai_tool(t)
+    model = t if isinstance(t, type) else getattr(t, "tool_call_schema", None) if isinstance(t, BaseTool) else None
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        schema = model.model_json_schema()
+        if has_ref(schema):
+            schema.pop("title", None)
+            schema.pop("description", None)  # the tool's, already in the spec
+            spec["function"]["parameters"] = schema
+    return spec
+
+
 def bind_tools(model: Runnable, tools: Sequence[Any], tool_choice: Any = None, **kwargs: Any) -> Runnable:
     """``model.bind`` of OpenAI-shaped tools (from functions, Pydantic classes, ``@tool``s,
     dicts) and the choice."""
-    formatted = [convert_to_openai_tool(t) for t in tools]
+    formatted = [_openai_tool(t) for t in tools]
     choice = tool_choice_arg(tool_choice, formatted)
     if choice is not None:
         kwargs["tool_choice"] = choice

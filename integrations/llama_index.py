@@ -231,8 +231,6 @@ class LlamaIndexLLM(FunctionCallingLLM):
         system = kwargs.pop("system", None)
         tools = {k: kwargs.pop(k) for k in TOOL_KWARGS if k in kwargs}
         if tools or any(m.role == MessageRole.TOOL for m in messages):
-            if isinstance(self._engine, RemoteLazyLLM):
-                raise InvalidRequestError("tools need an in-process engine, not base_url")
             sys_text = join_system([p for p in (self.system_prompt, system) if p])
             tools["messages"] = openai_messages(messages, sys_text)
             return RagRequest(None, extra), {**self._sampling(kwargs), **tools}

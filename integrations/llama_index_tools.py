@@ -29,6 +29,7 @@ from llama_index.core.schema import MetadataMode, NodeWithScore
 from llama_index.core.tools import RetrieverTool, ToolOutput
 
 from lazyllm import Chunk, GenerationOutput, InvalidRequestError
+from lazyllm.structured.tools import CALL_OPEN
 
 from ._common import RagRequest, request_from_messages
 
@@ -144,19 +145,30 @@ def openai_messages(messages: Sequence[ChatMessage], system: str | None) -> list
 
 def chat_message(out: GenerationOutput) -> ChatMessage:
     """The assistant message of a result (calls in ``additional_kwargs["tool_calls"]``)."""
-    if out.tool_calls:
-        return ChatMessage(role=MessageRole.ASSISTANT, content="",
-                           additional_kwargs={"tool_calls": [c.to_openai() for c in out.tool_calls]})
+    if out.tool_calls or out.text.startswith(CALL_OPEN):  # calls (maybe cut off): never markup as content
+        # a call the length limit cut off can be neither run nor answered, so it stays out of the
+        # message an agent keeps in its memory (it is in ``raw.tool_calls``, with its partial arguments)
+        return ChatMessage(role=MessageRole.ASSISTANT, content="", additional_kwargs={
+            "tool_calls": [c.to_openai() for c in out.tool_calls if c.partial is None]})
     return ChatMessage(role=MessageRole.ASSISTANT, content=out.text)
 
 
+def _arguments(call: dict) -> dict | None:
+    try:
+        args = json.loads(call["function"]["arguments"])
+    except ValueError:
+        return None
+    return args if isinstance(args, dict) else None
+
+
 def tool_selections(response: ChatResponse, error_on_no_tool_call: bool = True) -> list[ToolSelection]:
-    """``FunctionCallingLLM.get_tool_calls_from_response``."""
-    calls = response.message.additional_kwargs.get("tool_calls") or []
+    """``FunctionCallingLLM.get_tool_calls_from_response``; a call the length limit cut off
+    (its arguments not yet JSON) is no call to run."""
+    calls = [(c, args) for c in response.message.additional_kwargs.get("tool_calls") or []
+             if (args := _arguments(c)) is not None]
     if not calls and error_on_no_tool_call:
         raise ValueError(f"expected at least one tool call, got {len(calls)}")
-    return [ToolSelection(tool_id=c["id"], tool_name=c["function"]["name"],
-                          tool_kwargs=json.loads(c["function"]["arguments"])) for c in calls]
+    return [ToolSelection(tool_id=c["id"], tool_name=c["function"]["name"], tool_kwargs=args) for c, args in calls]
 
 
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system", MessageRole.USER: "user",

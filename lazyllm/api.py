@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .cache.store import ChunkStore, PagePool
-from .config import EngineConfig, options_docstring
+from .config import EngineConfig, options_docstring, warm_skipped
 from .config import resolve_device as _resolve_device
 from .config import resolve_dtype as _resolve_dtype
 from .engine.compiles import COMPILES, default_triton_cache
@@ -99,6 +99,7 @@ class LazyLLM:
         tensor_parallel: int = 1,
         warmup: bool = True,
         packets: Any = "auto",
+        max_string_length: int | None = 256,
     ):
         config = EngineConfig.resolve(**{k: v for k, v in locals().items() if k in _OPTIONS})
         self._tp = None
@@ -164,14 +165,14 @@ class LazyLLM:
         self.prompts = prompt_builder(tok, "auto" if config.block_ft else None,
                                       self.packets.ids(self.model.embed_rows) if self.packets else None)
         self.inputs = InputProcessor(tok, self.prompts, max_context=self.model.spec.max_context,
-                                     vocab_size=self.model.spec.vocab_size)
+                                     vocab_size=self.model.spec.vocab_size, config=config)
         self.eos_token_ids = eos_token_ids(hf, tok)
         self.config = config.replace(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
                                      attention_backend=backend.name, page_size=page_size,
                                      kv_cache_bytes=kv_cache_bytes)
         self.engine = Engine(self.model, tok, self.store, self.config, fingerprint=self.fingerprint,
-                             eos_ids=self.eos_token_ids, rerotate_copy=backend.rerotate_copy,
-                             disk=self._open_disk(), **runner)
+                             eos_ids=self.eos_token_ids, rerotate_copy=backend.rerotate_copy, disk=self._open_disk(),
+                             bridge_tokens=self.packets.bridge_tokens if self.packets else 0, **runner)
 
     def _load_model(self, config: EngineConfig, model_name_or_path, model, tokenizer):
         """The transformers model and tokenizer, given or loaded; sets ``device``, ``dtype``
@@ -348,13 +349,13 @@ class LazyLLM:
     def warm(self, chunks: Sequence[str | Chunk], system: str | None = None, *, batch_size: int = 16,
              progress: bool | None = None) -> dict:
         """Precompute and cache the KV of ``chunks`` (and of the system prefix) ahead of
-        queries. Returns counts of chunk tokens computed and already cached. A no-op in
-        the full-attention modes (``prefix``, ``none``), which cache no chunks."""
+        queries. Returns counts of chunk tokens computed and already cached. A no-op, with a
+        warning, in the full-attention modes (``prefix``, ``none``), which cache no chunks."""
         if isinstance(chunks, (str, Chunk)):
             chunks = [chunks]
         chunks = [as_chunk(c, i) for i, c in enumerate(chunks)]
         if not self.engine.planner.caches_chunks:
-            return {"chunks": len(chunks), "computed_tokens": 0, "cached_tokens": 0}
+            return warm_skipped(self.reuse, self.quality, len(chunks))
         from tqdm.auto import tqdm
 
         show = progress if progress is not None else len(chunks) > batch_size

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 USAGE = """usage: lazyllm <command> [options]
+       lazyllm --version
 
 commands:
   serve    serve a model over an OpenAI-compatible HTTP API (lazyllm serve --help)
@@ -19,8 +20,19 @@ commands:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
-    if not args or args[0] in ("-h", "--help", "help"):
+    if not args:  # no command is a usage error, as argparse makes it for a subcommand's arguments
+        print(USAGE, end="", file=sys.stderr)
+        return 2
+    if args[0] in ("-h", "--help", "help"):
         print(USAGE, end="")
+        return 0
+    if args[0] in ("-V", "--version"):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"lazyllm {version('lazyattention')}")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            print("lazyllm (not installed: no version)")
         return 0
     command, rest = args[0], args[1:]
     if command == "serve":
@@ -43,6 +55,7 @@ def adapt_main(argv: list[str]) -> int:
     import argparse
     import inspect
     import json
+    from pathlib import Path
 
     from lazyllm.quality.adapt import adapt
 
@@ -55,22 +68,33 @@ def adapt_main(argv: list[str]) -> int:
     ap.add_argument("documents", help="a JSONL file, a folder of .txt/.md files, or one text file")
     ap.add_argument("--out", default="packets.safetensors", help="packet file to write")
     ap.add_argument("--model", default=None, help="model path or hub id (default: the embedded model)")
-    ap.add_argument("--device", default="auto")
+    ap.add_argument("--device", default="auto", help="'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1'...")
     ap.add_argument("--k-header", type=int, default=dflt["k_header"], help="packet embeddings before each chunk")
     ap.add_argument("--k-trailer", type=int, default=dflt["k_trailer"], help="packet embeddings after each chunk")
     ap.add_argument("--cases", type=int, default=dflt["cases"], help="training cases")
     ap.add_argument("--heldout", type=float, default=dflt["heldout"], help="fraction of documents held out")
     ap.add_argument("--heldout-cases", type=int, default=dflt["heldout_cases"], help="cases for the held-out report")
-    ap.add_argument("--questions", choices=("templates", "model", "mixed"), default=dflt["questions"])
+    ap.add_argument("--questions", choices=("templates", "model", "mixed"), default=dflt["questions"],
+                    help="the training questions: from templates, written by the model per document, or both")
     ap.add_argument("--steps", type=int, default=dflt["steps"], help="Adam steps, one case each")
     ap.add_argument("--minutes", type=float, default=dflt["minutes"], help="training time limit")
     ap.add_argument("--lr", type=float, default=dflt["lr"], help="learning rate")
     ap.add_argument("--no-report", action="store_true", help="skip the fidelity report")
     ap.add_argument("--json", default=None, help="write the report and the training log here")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the document split, the cases and the training")
     a = ap.parse_args(argv)
     from lazyllm import InvalidRequestError, LazyLLM
+    from lazyllm.quality.adapt import check_recipe
 
+    # every argument checked before the model loads and training starts (minutes)
+    try:
+        check_recipe(k_header=a.k_header, k_trailer=a.k_trailer, cases=a.cases, heldout=a.heldout,
+                     heldout_cases=a.heldout_cases, docs_per_case=dflt["docs_per_case"], steps=a.steps,
+                     minutes=a.minutes, lr=a.lr, out=a.out)
+    except InvalidRequestError as e:
+        ap.error(str(e))
+    if not Path(a.documents).expanduser().exists():
+        ap.error(f"documents: {a.documents!r} does not exist")
     try:
         llm = LazyLLM(a.model, device=a.device, reuse="none", packets=None, kv_cache_bytes=256 << 20)
         res = adapt(llm, a.documents, out=a.out, questions=a.questions, k_header=a.k_header, k_trailer=a.k_trailer,

@@ -36,6 +36,10 @@ BACKENDS = ("auto", "torch", "triton")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 BUILTIN_SELECTIONS = ("deviation", "attention", "two-stage")
+# a JSON string's length bound under constrained decoding, where the schema sets none
+# (characters): long enough for names, sentences and short paragraphs, short enough that a
+# model which never closes its string stops within a few hundred tokens
+DEFAULT_MAX_STRING_LENGTH = 256
 
 # -- recovery selections ----------------------------------------------------------------
 # name -> scorer(recovery, request, n_pick, exclude) -> (chunk tokens,) scores, higher first
@@ -200,7 +204,13 @@ OPTION_DOCS: dict[str, str] = {
         "model's), in the modes that cache chunks; ``None``: none. A packet of another model raises "
         '``InvalidRequestError``; so does one with ``reuse`` ``"prefix"``/``"none"`` (full attention has no '
         'chunks to carry it), ``quality="block-ft"`` or ``tensor_parallel``. The packet\'s tokens appear in '
-        "``prompt_segments`` as virtual ids at and past the embedding table's size (not text)."
+        "``prompt_segments`` as virtual ids at and past the embedding table's size (not text). A bridge "
+        "packet (``Packets(bridge=True)``) recomputes its trailer per request over the earlier chunks."
+    ),
+    "max_string_length": (
+        "under a JSON ``response_format`` or tools, the longest string (characters) the model may write "
+        "where the schema sets no ``maxLength``, so a weak model closes its strings; the schema's "
+        "``maxLength`` wins. ``None``: unbounded. Default 256."
     ),
 }
 
@@ -267,6 +277,9 @@ class EngineConfig:
                               "graphs a workload uses (CUDA; nothing to do on CPU)")
     packets: Any = _opt("auto", "learned chunk packets: a packet file, a lazyllm Packets, 'auto' (the one "
                                 "shipped for the model, if any) or None")
+    max_string_length: int | None = _opt(DEFAULT_MAX_STRING_LENGTH, "under a JSON response_format or tools, the "
+                                         "longest string the model may write where the schema sets no maxLength "
+                                         "(characters; None: unbounded)")
 
     def __post_init__(self):
         bad = _problems(self)
@@ -402,6 +415,9 @@ def _value_problems(c: EngineConfig) -> list[str]:
                     ("max_batch_tokens", c.max_batch_tokens)):
         if (v is not None or name != "kv_cache_bytes") and (not _is_int(v) or v <= 0):
             bad.append(f"{name} must be a positive int, got {v!r}")
+    m = c.max_string_length
+    if m is not None and (not _is_int(m) or m < 1):
+        bad.append(f"max_string_length must be an int >= 1 or None, got {m!r}")
     if not _is_int(c.tensor_parallel) or c.tensor_parallel < 1:
         bad.append(f"tensor_parallel must be an int >= 1, got {c.tensor_parallel!r}")
     for name in ("trust_remote_code", "progress", "batch_invariant", "warmup"):
@@ -433,6 +449,17 @@ def _dtype_problems(dtype) -> list[str]:
         ok = dtype in (torch.float32, torch.float16, torch.bfloat16)
         return [] if ok else [f"unsupported dtype {dtype}"]
     return [f"unsupported dtype {dtype!r}; use float32, float16 or bfloat16"]
+
+
+def warm_skipped(reuse: str, quality: str | None, n_chunks: int) -> dict:
+    """``LazyLLM.warm``'s answer where nothing can be warmed, with a warning saying why: a
+    caller who warms documents expects later requests to find them cached."""
+    import warnings
+
+    preset = f" (quality={quality!r})" if quality else ""
+    warnings.warn(f"warm() does nothing with reuse={reuse!r}{preset}: full attention caches no chunks, only a "
+                  "request's identical prompt prefix, which the request itself computes", stacklevel=3)
+    return {"chunks": n_chunks, "computed_tokens": 0, "cached_tokens": 0}
 
 
 def resolve_device(device) -> torch.device:

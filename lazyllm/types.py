@@ -152,18 +152,20 @@ class Grammar:
 class ToolCall:
     """One tool call made by the model: ``id`` (unique, to answer with a ``tool`` message
     carrying ``tool_call_id``), the tool's ``name`` and its ``arguments`` (a dict that
-    validates against the tool's parameter schema)."""
+    validates against the tool's parameter schema). A call cut off by the length limit has
+    ``partial``, its arguments' JSON as far as it was generated (``arguments`` then ``{}``)."""
 
     id: str
     name: str
     arguments: dict
+    partial: str | None = None
 
     def to_openai(self) -> dict:
-        """The OpenAI ``tool_calls`` item (arguments as a JSON string)."""
+        """The OpenAI ``tool_calls`` item (arguments as a JSON string; cut off, as generated)."""
         import json
 
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
+        args = self.partial if self.partial is not None else json.dumps(self.arguments)
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": args}}
 
 
 @dataclass

@@ -51,6 +51,8 @@ from lazyllm.extras import require
 
 require("server", "fastapi", "uvicorn", "prometheus_client")
 
+from lazyllm.structured.call_stream import ToolCallDeltas
+
 from .app import create_app
 from .backends import Backend, GenerationStream, LocalBackend, as_backend
 from .cli import build_parser, main
@@ -60,7 +62,6 @@ from .protocol import (
     ChatCompletionRequest,
     ChatRequest,
     DocumentIn,
-    ToolCallDeltas,
     completion_response,
     documents_to_chunks,
     new_request_id,

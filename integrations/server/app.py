@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lazyllm import GenerationOutput, LazyLLM
 from lazyllm.errors import InvalidRequestError
+from lazyllm.structured.call_stream import ToolCallDeltas
 
 from .backends import Backend, GenerationStream, as_backend
 from .errors import APIError, error_from_exception
@@ -31,7 +32,6 @@ from .protocol import (
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
-    ToolCallDeltas,
     completion_response,
     emits_tool_calls,
     new_request_id,
@@ -256,7 +256,8 @@ class _Server:
         raw = await self.read_body(request)
         await self.model_info()
         if self.in_flight + self.preparing >= self.max_concurrency:
-            raise APIError(429, f"the server is serving {self.in_flight} requests, its limit; retry later",
+            raise APIError(429, f"the server is at its limit of {self.max_concurrency} requests at once "
+                                f"({self.in_flight} running, {self.preparing} being read); retry later",
                            code="too_many_requests")
         self.preparing += 1
         try:
@@ -335,6 +336,9 @@ class _Server:
                         data.append(sse(stream_chunk(rid, created, served, content=val)))
                     elif kind == "done":
                         self.metrics.observe(val)
+                        rest = calls.flush() if calls is not None else None
+                        if rest:  # a call the length limit cut off: its arguments as far as generated
+                            data.append(sse(stream_chunk(rid, created, served, tool_calls=rest)))
                         data.append(sse(stream_chunk(rid, created, served, finish_reason=val.finish_reason)))
                         if include_usage:
                             data.append(sse(stream_chunk(rid, created, served, usage=usage_json(val), out=val)))

@@ -19,6 +19,7 @@ from lazyllm.config import EngineConfig
 from lazyllm.errors import InvalidRequestError, ModelLoadError
 from lazyllm.presets import QUALITY_OPTIONS
 
+from .preflight import preflight_problems
 from .protocol import (
     DEFAULT_MAX_CONCURRENCY,
     DEFAULT_MAX_NEW_TOKENS_LIMIT,
@@ -185,6 +186,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Eng
         check_source(args.model)
     except ModelLoadError as e:
         parser.error(str(e))
+    problems = preflight_problems(args, config)
+    if problems:
+        parser.error("; ".join(problems))
     return config
 
 

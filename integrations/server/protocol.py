@@ -6,7 +6,6 @@ feature adds is one more model field, validated with the rest), its translation 
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
 from typing import Any, Literal, NamedTuple
@@ -15,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lazyllm import Chunk, GenerationOutput
 from lazyllm.errors import InvalidRequestError
-from lazyllm.structured.tools import CALL_CLOSE, CALL_OPEN, new_call_id
+from lazyllm.structured.tools import CALL_OPEN
 
 from .._common import request_from_messages
 from .errors import APIError
@@ -134,6 +133,11 @@ def validate_body(raw: bytes | str) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate_json(raw, strict=True)
     except ValidationError as e:
         err = _first_error(e)
+        if err["type"] == "json_invalid" and "recursion limit" in err["msg"]:
+            # valid JSON, nested past the parser's depth: most likely a deep JSON Schema, which
+            # the grammar library could not take either
+            raise APIError(400, "the body nests JSON objects and arrays too deeply for the parser (a JSON Schema "
+                                "may nest about 60 levels of properties)", code="too_deep") from None
         if err["type"] == "json_invalid":
             raise APIError(400, f"the body is not valid JSON: {err['msg']}", code="invalid_json") from None
         param = _param(tuple(err["loc"]))
@@ -171,6 +175,7 @@ def _unsupported(body: ChatCompletionRequest) -> None:
         no("presence_penalty" if body.presence_penalty else "frequency_penalty", "a repetition penalty")
     if body.logit_bias:
         no("logit_bias", "a logit bias")
+    _openai_refusals(body)
     rf = body.response_format
     if rf is not None and rf.get("type") not in ("text", "json_object", "json_schema"):
         no("response_format", f"response_format type {rf.get('type')!r} (text, json_object, json_schema are)")
@@ -179,6 +184,27 @@ def _unsupported(body: ChatCompletionRequest) -> None:
     for name in ("prediction", "web_search_options", "reasoning_effort", "verbosity"):
         if getattr(body, name) is not None:
             no(name, name.replace("_", " "))
+
+
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+
+
+def _openai_refusals(body: ChatCompletionRequest) -> None:
+    """What OpenAI refuses although lazyllm could take it: a client written against this
+    server must keep working against OpenAI, and the reverse."""
+    if body.tools is not None and not body.tools:
+        raise APIError(400, "tools: [] is too short; leave tools out for no tools", param="tools",
+                       code="empty_array")
+    if isinstance(body.stop, list) and len(body.stop) > MAX_STOP:
+        raise APIError(400, f"stop: at most {MAX_STOP} stop sequences, got {len(body.stop)}", param="stop")
+    if isinstance(body.tool_choice, str) and body.tool_choice not in ("none", "auto", "required"):
+        raise APIError(400, f"tool_choice: a string must be 'none', 'auto' or 'required', got {body.tool_choice!r}; "
+                            'name a tool with {"type": "function", "function": {"name": ...}}', param="tool_choice")
+    rf = body.response_format
+    if rf is not None and rf.get("type") == "json_schema" and not isinstance(
+            (rf.get("json_schema") or {}).get("schema"), dict):
+        raise APIError(400, "response_format.json_schema.schema: a json_schema response format needs its schema "
+                            "(a JSON Schema object)", param="response_format.json_schema.schema")
 
 
 def _content_text(m: ChatMessageIn, i: int) -> str:
@@ -347,8 +373,9 @@ def _timings(out: GenerationOutput) -> dict[str, Any]:
 
 
 def _message(out: GenerationOutput) -> dict[str, Any]:
-    """The assistant message: its calls (content null: the text was only calls) or text."""
-    if out.tool_calls:
+    """The assistant message: its calls (content null: the text was only calls, maybe cut
+    off before a call was named) or text."""
+    if out.tool_calls or out.text.startswith(CALL_OPEN):
         return {"role": "assistant", "content": None, "tool_calls": [c.to_openai() for c in out.tool_calls]}
     return {"role": "assistant", "content": out.text}
 
@@ -394,80 +421,6 @@ def stream_chunk(request_id: str, created: int, model: str, *, content: str | No
         delta["tool_calls"] = tool_calls
     obj["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
     return obj
-
-
-_CALL_HEAD = re.compile(r'\{"name": "([A-Za-z0-9_.-]+)", "arguments": ')
-_CALL_END = "}" + CALL_CLOSE
-
-
-class ToolCallDeltas:
-    """Reads a streamed answer that may be tool calls into OpenAI's deltas, as the text comes.
-
-    The grammar fixes how calls are written (``<tool_call>{"name": "f", "arguments": {...}}
-    </tool_call>``, one a line; ``lazyllm.structured.tools``) and that a text answer never
-    starts with ``<``, so the first character tells text from calls. Each call gives a delta
-    ``{"index", "id", "type": "function", "function": {"name", "arguments": ""}}`` once its
-    name is complete, then ``{"index", "function": {"arguments": fragment}}`` deltas whose
-    fragments join to the arguments' JSON. ``feed`` returns ``(content, tool_call_items)``."""
-
-    def __init__(self):
-        self.mode: str | None = None  # "text" or "calls", from the first character
-        self.buf, self.index, self.in_call, self.named = "", 0, False, False
-        self.sent = ""  # the current call's arguments sent so far
-
-    def feed(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        self.buf += text
-        if self.mode is None and self.buf:
-            self.mode = "calls" if self.buf.startswith("<") else "text"
-        if self.mode != "calls":
-            content, self.buf = self.buf or None, ""
-            return content, []
-        items: list[dict[str, Any]] = []
-        while self._step(items):
-            pass
-        return None, items
-
-    def _step(self, items: list[dict[str, Any]]) -> bool:
-        """Consume what the buffer holds of the current call; True when more may follow."""
-        if not self.in_call:
-            self.buf = self.buf.lstrip("\n")
-            if not self.buf.startswith(CALL_OPEN):
-                return False  # a call's opening not complete yet
-            self.buf, self.in_call, self.named = self.buf[len(CALL_OPEN):], True, False
-        if not self.named:
-            m = _CALL_HEAD.match(self.buf)
-            if m is None:
-                return False
-            items.append({"index": self.index, "id": new_call_id(), "type": "function",
-                          "function": {"name": m.group(1), "arguments": ""}})
-            self.buf, self.named, self.sent = self.buf[m.end():], True, ""
-        end = self._args_end()
-        if end is None:
-            # hold back what may be the start of the call's closing "}</tool_call>"
-            hold = next((k for k in range(min(len(_CALL_END), len(self.buf)), 0, -1)
-                         if self.buf.endswith(_CALL_END[:k])), 0)
-            self._args(items, self.buf[:len(self.buf) - hold])
-            self.buf = self.buf[len(self.buf) - hold:]
-            return False
-        self._args(items, self.buf[:end])
-        self.buf, self.in_call, self.index = self.buf[end + len(_CALL_END):], False, self.index + 1
-        return True
-
-    def _args_end(self) -> int | None:
-        """Where the arguments object ends (the closing may also occur inside a string)."""
-        at = self.buf.find(_CALL_END)
-        while at >= 0:
-            try:
-                json.loads(self.sent + self.buf[:at])
-                return at
-            except ValueError:
-                at = self.buf.find(_CALL_END, at + 1)
-        return None
-
-    def _args(self, items: list[dict[str, Any]], fragment: str) -> None:
-        if fragment:
-            self.sent += fragment
-            items.append({"index": self.index, "function": {"arguments": fragment}})
 
 
 def sse(obj: Any) -> bytes:

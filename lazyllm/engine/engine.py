@@ -88,13 +88,16 @@ class Engine:
     rerotate_copy : the attention backend's re-rotating page copy (block copies, recovery).
     probe_layer : the layer whose keys recovery's key deviation compares (``Recovery``).
     disk : optional ``DiskKVStore``, a persistent tier for chunk KV.
+    bridge_tokens : a bridge packet's trailer length: these last tokens of every chunk are
+        recomputed per request (``Recovery``); 0 without a bridge packet.
     runner_cls : the model runner's class (``ModelRunner``; tensor parallelism plugs in
         ``tp_runner.TensorParallelRunner``, which broadcasts what it runs).
     """
 
     def __init__(self, model, tokenizer, store: ChunkStore, config: EngineConfig, *, fingerprint: str,
                  eos_ids: set[int], max_batch_size: int = 256, cuda_graphs: bool = True, rerotate_copy=None,
-                 probe_layer: int = 1, disk: DiskKVStore | None = None, runner_cls: type[ModelRunner] = ModelRunner):
+                 probe_layer: int = 1, disk: DiskKVStore | None = None, runner_cls: type[ModelRunner] = ModelRunner,
+                 bridge_tokens: int = 0):
         self.model = model
         self.store = store
         self.pool = store.pool
@@ -122,7 +125,7 @@ class Engine:
         self.recovery = Recovery(
             self.runner, self.planner, first_tokens=config.recompute_first_tokens, ratio=config.recompute_ratio,
             selection=config.recompute_selection, selection_depth=config.recompute_selection_depth,
-            probe_layer=probe_layer, metrics=self.metrics,
+            probe_layer=probe_layer, metrics=self.metrics, bridge_tokens=bridge_tokens,
             exact_at_home=config.reuse == "lazy" and config.chunk_context == "prefix")
         self.output = OutputProcessor(tokenizer, eos_ids, model.spec.max_context, self.metrics)
         self.inbox: queue.Queue = queue.Queue()
@@ -300,7 +303,7 @@ class Engine:
                     self.store.mark_ready(p.entry)
                 if self.disk_tier is not None and self.save_to_disk:
                     self.disk_tier.save([p.entry for p in stage])
-        if self.config.recovery_enabled:
+        if self.recovery.enabled:
             for r in reqs:
                 if not r.warm_only:
                     self.recovery.apply(r)

@@ -9,6 +9,10 @@ question's attention ranked by attention times key deviation (ProphetKV-style). 
 forward as the suffix. Pages holding them are replaced, for this request only, by private
 copies re-rotated to their logical positions; the shared cache is never written, so it stays
 reusable by every other request.
+
+A bridge packet's trailer (``lazyllm.model.packets``, ``bridge_tokens`` per chunk) is always
+recomputed the same way: its tokens then attend to the prefix, every earlier chunk and their
+bridges, and their own chunk, for this request only.
 """
 from __future__ import annotations
 
@@ -40,9 +44,12 @@ class Recovery:
 
     def __init__(self, runner: ModelRunner, planner: KVPlanner, *, first_tokens: int = 0, ratio: float = 0.0,
                  selection: str = "deviation", selection_depth: float = 1.0, probe_layer: int = 1,
-                 metrics: dict | None = None, exact_at_home: bool = False):
+                 metrics: dict | None = None, exact_at_home: bool = False, bridge_tokens: int = 0):
         """``selection_depth``: the question's attention (``question_attention``) is summed over
         the first ``ceil(selection_depth * layers)`` layers.
+
+        ``bridge_tokens``: the last this many tokens of every chunk (a bridge packet's
+        trailer) are recomputed for every request, whatever the selection.
 
         ``exact_at_home``: a chunk that sits where it was encoded (every entry at delta 0)
         already holds full attention's KV, so nothing of it is recomputed: true for
@@ -51,12 +58,17 @@ class Recovery:
         self.runner, self.planner = runner, planner
         self.model, self.pool = runner.model, runner.pool
         self.first_tokens, self.ratio, self.selection = first_tokens, ratio, selection
+        self.bridge_tokens = bridge_tokens
         self.exact_at_home = exact_at_home
         n_layers = self.model.spec.num_layers
         self.probe_layer = min(probe_layer, n_layers - 1)
         self.mass_layers = max(1, min(n_layers, math.ceil(selection_depth * n_layers)))
         self._memo: tuple[Request, _ChunkIndex | None] | None = None  # apply's chunk token index
         self.metrics = metrics if metrics is not None else {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.first_tokens > 0 or self.ratio > 0 or self.bridge_tokens > 0
 
     def apply(self, r: Request) -> None:
         """Once the request's chunk KV is in the pool, rewrite its plan so that its prefill
@@ -69,7 +81,7 @@ class Recovery:
         plan = r.plan
         spans = plan.spans
         k, ratio = self.first_tokens, self.ratio
-        if not spans or (k <= 0 and ratio <= 0):
+        if not spans or not self.enabled:
             return
         self._memo = (r, None)  # the chunk token index is built once for this request
         try:
@@ -96,6 +108,8 @@ class Recovery:
         ix = self._index(r)
         span, tok = ix.host[_SPAN], ix.host[_TOK]
         chosen = (tok < k) & ~home[span]  # each chunk's first k tokens, unless at home
+        if self.bridge_tokens:  # a bridge packet's trailer, at each chunk's end
+            chosen |= (tok >= lens[span] - self.bridge_tokens) & ~home[span]
         chosen[picked] = True
         ch = np.flatnonzero(chosen)  # chunk order: by chunk, then by token
         ps = self.pool.page_size

@@ -343,7 +343,7 @@ def _request_stages(llm, context_tokens: int, gen: _Requests) -> list[tuple[str,
     out.append(("prefill", lambda: gen.run([gen.make(shared, long_q)])))
     many = max(ps, min(512, context_tokens // 8))  # a batched prefill of 8 chunks, as a cold request makes
     out.append(("prefill", lambda: gen.run([gen.make([gen.ids(many) for _ in range(8)], 8)])))
-    if engine.config.recovery_enabled:
+    if engine.recovery.enabled:
         out.append(("recovery", lambda: _on_engine(engine, lambda: _recovery_launches(engine))))
     V = llm.model.spec.vocab_size
     mixed = [dict(), dict(temperature=0.8, top_p=0.9, top_k=40, seed=1), dict(temperature=1.0, seed=2),
@@ -355,7 +355,7 @@ def _request_stages(llm, context_tokens: int, gen: _Requests) -> list[tuple[str,
     # chunks where they are not shared (block: re-rotated copies; full attention: its prompt;
     # recovery: private copies of the pages it recomputes)
     own = cdiv(len(gen.prefix) + 8 + DECODE_TOKENS, ps)
-    if engine.config.reuse != "lazy" or engine.config.recovery_enabled:
+    if engine.config.reuse != "lazy" or engine.recovery.enabled:
         own += sum(cdiv(len(c), ps) + 1 for c in shared)
     for B in runner.graphs.batch_buckets():
         if B * own > pool.num_pages // 2:

@@ -29,9 +29,10 @@ class InputProcessor:
     ``tokenizer``: the model's; ``prompts``: the prompt builder of the configuration
     (``prompt_builder``); ``max_context``, ``vocab_size``: the model's, in tokens."""
 
-    def __init__(self, tokenizer, prompts: PromptBuilder, *, max_context: int, vocab_size: int):
+    def __init__(self, tokenizer, prompts: PromptBuilder, *, max_context: int, vocab_size: int, config=None):
         self.tokenizer, self.prompts = tokenizer, prompts
         self.max_context, self.vocab_size = max_context, vocab_size
+        self.config = config  # the engine's options (the grammars' string bound)
         self._grammar_compiler = None
 
     # -- the requests --------------------------------------------------------------
@@ -49,7 +50,7 @@ class InputProcessor:
             raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout!r}")
         structured = self._structured(response_format, tools, tool_choice, parallel_tool_calls)
         segs = render_request(self.prompts, question, as_chunks(chunks), system, messages, structured)
-        self.check_fits(sum(len(s.ids) for s in segs))
+        self.check_fits(sum(len(s.ids) for s in segs), params.max_new_tokens)
         constraint = None
         if structured is not None and structured.grammar is not None:
             constraint = self.grammars.constraint(structured.grammar)
@@ -60,7 +61,7 @@ class InputProcessor:
         """A request that only computes and caches the KV of ``chunks`` and of the prefix."""
         segs = self.prompts.build("warm", as_chunks(chunks), system)[:-1] + [Segment("suffix", [])]
         params = SamplingParams(max_new_tokens=1)
-        self.check_fits(sum(len(s.ids) for s in segs))
+        self.check_fits(sum(len(s.ids) for s in segs), 1)
         return self._make(segs, params, streaming=False, warm_only=True)
 
     def scoring(self, question, chunks, system, continuation: Sequence[int] | str,
@@ -70,7 +71,7 @@ class InputProcessor:
         cont = self._continuation(continuation)
         params = SamplingParams(max_new_tokens=1)
         prompt = self.prompts.build(question, as_chunks(chunks), system)
-        self.check_fits(sum(len(s.ids) for s in prompt) + len(cont))
+        self.check_fits(sum(len(s.ids) for s in prompt) + len(cont), 1)
         segs = prompt[:-1] + [Segment("suffix", prompt[-1].ids + cont[:-1])]
         return self._make(segs, params, streaming=False, score=Scoring(cont, prompt, bool(return_logits)))
 
@@ -93,12 +94,15 @@ class InputProcessor:
                        detok=Detokenizer(self.tokenizer, params.stop), deadline=deadline, **fields)
 
     # -- checks and parts ------------------------------------------------------------
-    def check_fits(self, n_prompt: int) -> None:
-        """Raise ``ContextLengthError`` unless ``n_prompt`` prompt tokens leave room in the
-        model's context."""
-        if n_prompt >= self.max_context:
+    def check_fits(self, n_prompt: int, max_new_tokens: int) -> None:
+        """Raise ``ContextLengthError`` unless ``n_prompt`` prompt tokens and every one of the
+        ``max_new_tokens`` asked for fit the model's context (as OpenAI: refused before any
+        compute)."""
+        if n_prompt + max_new_tokens > self.max_context:
             raise ContextLengthError(
-                f"the request has {n_prompt} prompt tokens; the model's context is {self.max_context} tokens")
+                f"the request has {n_prompt} prompt tokens and asks for up to {max_new_tokens} new ones; the "
+                f"model's context is {self.max_context} tokens (shorten the prompt or lower max_new_tokens / "
+                "max_tokens)")
 
     def _continuation(self, continuation) -> list[int]:
         if isinstance(continuation, str):
@@ -119,7 +123,7 @@ class InputProcessor:
         if self._grammar_compiler is None:
             from ..structured import GrammarCompiler
 
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.config)
         return self._grammar_compiler
 
     def _structured(self, response_format, tools, tool_choice, parallel_tool_calls):

@@ -13,11 +13,19 @@ embedding rows (``base``): ``base + j`` is packet row ``j`` (header rows first, 
 trailer's). The model's embedding lookup maps those ids to the packet rows, so the rest of the
 engine (pages, positions, keys, recompute) handles a packet like any chunk token.
 
+A *bridge* packet (``bridge=True``) has a trailer that is recomputed for every request: the
+engine caches the chunk with its header and trailer as above, then recomputes the trailer's
+KV with attention over the prefix, every earlier chunk (and their bridges) and its own
+chunk, for that request only (quality recovery's recompute path). The bridge then carries
+how this chunk relates to the others, which a cached trailer cannot; the chunk bodies stay
+cached, isolated and shared. It costs ``k_trailer`` recomputed tokens per chunk per request.
+
 File format: safetensors with tensors ``header`` ``(k_header, hidden)`` and ``trailer``
 ``(k_trailer, hidden)`` (float32, in the space of the embedding table's rows, before any
 embedding scale the model applies) and string metadata ``format`` (``"lazyllm-packets"``),
 ``version``, ``model`` (``packet_model_id`` of the model it was trained for), ``k_header``,
-``k_trailer``, ``hidden_size`` and free-form ``info`` (JSON: how it was trained).
+``k_trailer``, ``hidden_size``, ``bridge`` (``"1"`` for a bridge packet; absent or ``"0"``
+otherwise) and free-form ``info`` (JSON: how it was trained).
 """
 from __future__ import annotations
 
@@ -43,12 +51,14 @@ class Packets:
     trailer : ``(k_trailer, hidden)`` float32, may have ``k_trailer == 0``.
     model : ``packet_model_id`` of the model the packet was trained for.
     info : free-form description (training data, steps, loss), stored in the file.
+    bridge : the trailer is recomputed per request (see the module docstring).
     """
 
     header: torch.Tensor
     trailer: torch.Tensor
     model: str
     info: dict = field(default_factory=dict)
+    bridge: bool = False
 
     def __post_init__(self):
         h, t = self.header, self.trailer
@@ -59,6 +69,8 @@ class Packets:
             raise InvalidRequestError("a packet needs at least one header or trailer embedding")
         if not (torch.isfinite(h).all() and torch.isfinite(t).all()):
             raise InvalidRequestError("packet embeddings must be finite")
+        if self.bridge and t.shape[0] == 0:
+            raise InvalidRequestError("a bridge packet needs at least one trailer embedding")
 
     @property
     def k_header(self) -> int:
@@ -78,10 +90,16 @@ class Packets:
         return torch.cat([self.header, self.trailer]).float()
 
     @property
+    def bridge_tokens(self) -> int:
+        """Trailer tokens recomputed per request (``k_trailer`` for a bridge packet, else 0)."""
+        return self.k_trailer if self.bridge else 0
+
+    @property
     def digest(self) -> str:
-        """Hash of the packet's values, sizes and model: part of every chunk key it touches."""
+        """Hash of the packet's values, sizes, kind and model: part of every chunk key it touches."""
         h = hashlib.blake2b(digest_size=12)
-        h.update(f"{FORMAT}:{VERSION}:{self.model}:{self.k_header}:{self.k_trailer}".encode())
+        kind = ":bridge" if self.bridge else ""
+        h.update(f"{FORMAT}:{VERSION}:{self.model}:{self.k_header}:{self.k_trailer}{kind}".encode())
         h.update(self.rows.detach().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()
 
@@ -97,16 +115,24 @@ class Packets:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         meta = dict(format=FORMAT, version=str(VERSION), model=self.model, k_header=str(self.k_header),
-                    k_trailer=str(self.k_trailer), hidden_size=str(self.hidden_size), info=json.dumps(self.info))
+                    k_trailer=str(self.k_trailer), hidden_size=str(self.hidden_size), bridge=str(int(self.bridge)),
+                    info=json.dumps(self.info))
         tmp = path.with_name(path.name + ".tmp")
         save_file({"header": self.header.detach().float().contiguous().cpu(),
                    "trailer": self.trailer.detach().float().contiguous().cpu()}, str(tmp), metadata=meta)
+        os.chmod(tmp, 0o666 & ~_umask())  # safetensors writes 0600; a packet is shared like any model file
         os.replace(tmp, path)
         return path
 
     def __repr__(self) -> str:
         return (f"Packets(k_header={self.k_header}, k_trailer={self.k_trailer}, hidden={self.hidden_size}, "
-                f"digest={self.digest})")
+                f"bridge={self.bridge}, digest={self.digest})")
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # the only way to read it is to set it
+    os.umask(mask)
+    return mask
 
 
 def load_packets(path: str | os.PathLike) -> Packets:
@@ -128,8 +154,10 @@ def load_packets(path: str | os.PathLike) -> Packets:
     if int(meta.get("version", -1)) > VERSION:
         raise InvalidRequestError(f"{str(path)!r} has packet format version {meta.get('version')}; this lazyllm "
                                   f"reads up to {VERSION}")
+    if meta.get("bridge", "0") not in ("0", "1"):
+        raise InvalidRequestError(f"{str(path)!r}: metadata bridge={meta.get('bridge')!r}, expected '0' or '1'")
     p = Packets(tensors["header"].float(), tensors["trailer"].float(), meta.get("model", ""),
-                json.loads(meta.get("info", "{}") or "{}"))
+                json.loads(meta.get("info", "{}") or "{}"), bridge=meta.get("bridge", "0") == "1")
     declared = (meta.get("k_header"), meta.get("k_trailer"), meta.get("hidden_size"))
     if declared != (str(p.k_header), str(p.k_trailer), str(p.hidden_size)):
         raise InvalidRequestError(f"{str(path)!r}: metadata sizes {declared} disagree with its tensors")

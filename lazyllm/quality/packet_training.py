@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from ..errors import InvalidRequestError
 from ..model.packets import Packets, packet_model_id
 
-__all__ = ["TrainCase", "embed_with_packets", "student_mask", "student_logits", "build_case",
+__all__ = ["TrainCase", "StudentLayout", "embed_with_packets", "student_layout", "student_mask", "student_logits",
+           "build_case",
            "build_cases", "init_packets", "train_packets", "case_loss", "mean_loss"]
 
 
@@ -89,17 +90,150 @@ def student_mask(segments: Sequence[tuple[str, Sequence[int]]], n_extra: int, k_
     return causal & allowed
 
 
+@dataclass
+class StudentLayout:
+    """The student's input for one case: isolated chunks with packets, some chunk tokens
+    recomputed per request (bridges, a recovery selection), then the question and answer.
+
+    A recomputed token appears twice, as the engine holds it: its cached, isolated copy in
+    its chunk (which the chunk's later tokens read, as they read the cache) and a
+    recomputed copy at the same position, placed after the chunks, that attends to
+    everything before its position (the prefix, the other chunks' cached tokens, the
+    earlier recomputed copies); the question and the answer read the recomputed copy
+    instead of the cached one. So no cached token ever reads a request-time state.
+
+    ids, positions : ``(n,)`` long; mask : ``(n, n)`` bool (True = may attend);
+    bridge_rows : ``(n,)`` bool, the recomputed copies of bridge tokens (where deep bridge
+    parameters are added); chunk_rows : ``(n,)`` bool, the cached chunk tokens. The
+    question's and answer's rows are the last ones.
+    """
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+    bridge_rows: torch.Tensor
+    chunk_rows: torch.Tensor
+
+
+def student_layout(segments: Sequence[tuple[str, Sequence[int]]], answer: Sequence[int], k_header: int,
+                   k_trailer: int, base: int, *, bridge: bool = False,
+                   recompute: Sequence[Sequence[int]] | None = None,
+                   question_sees_header: bool = True) -> StudentLayout:
+    """``StudentLayout`` of a case whose ``segments`` ``[(kind, ids)]`` have no packets yet
+    (each chunk gets ``k_header`` + ``k_trailer`` virtual ids from ``base``), followed by the
+    teacher-forced ``answer[:-1]``. ``bridge``: the trailer is recomputed per request.
+    ``recompute``: per chunk, the indices (in the chunk's ids with its packet) recomputed
+    per request as well."""
+    head = list(range(base, base + k_header))
+    tail = list(range(base + k_header, base + k_header + k_trailer))
+    ids: list[int] = []
+    pos: list[int] = []
+    kind: list[int] = []  # 0 prefix, 1 cached chunk token, 2 recomputed copy, 3 question/answer
+    chunk_of: list[int] = []
+    is_head: list[bool] = []
+    redone: list[bool] = []  # cached tokens that have a recomputed copy
+    copies: list[tuple[int, int, bool]] = []  # (id, position, is bridge)
+    p = 0
+    ci = 0
+    for k, s in segments:
+        if k == "chunk":
+            toks = head + list(s) + tail
+            again = set(recompute[ci]) if recompute is not None else set()
+            if bridge:
+                again |= set(range(len(toks) - k_trailer, len(toks)))
+            for i, t in enumerate(toks):
+                ids.append(t)
+                pos.append(p + i)
+                kind.append(1)
+                chunk_of.append(ci)
+                is_head.append(i < k_header)
+                redone.append(i in again)
+                if i in again:
+                    copies.append((t, p + i, bridge and i >= len(toks) - k_trailer))
+            ci += 1
+            p += len(toks)
+        else:
+            tail_kind = 0 if k == "prefix" else 3
+            if tail_kind == 3 and copies:
+                for t, q, b in copies:
+                    ids.append(t)
+                    pos.append(q)
+                    kind.append(2)
+                    chunk_of.append(-1)
+                    is_head.append(False)
+                    redone.append(b)  # marks the bridge copies, read below
+                copies = []
+            for t in s:
+                ids.append(t)
+                pos.append(p)
+                kind.append(tail_kind)
+                chunk_of.append(-1)
+                is_head.append(False)
+                redone.append(False)
+                p += 1
+    for t in answer[:-1]:
+        ids.append(t)
+        pos.append(p)
+        kind.append(3)
+        chunk_of.append(-1)
+        is_head.append(False)
+        redone.append(False)
+        p += 1
+    kd, P, C = torch.tensor(kind), torch.tensor(pos), torch.tensor(chunk_of)
+    R, H = torch.tensor(redone), torch.tensor(is_head)
+    cached = (kd == 1)
+    readable = (kd == 0) | (cached & ~R) | (kd == 2) | (kd == 3)  # what request-time rows read
+    before_eq = P[None, :] <= P[:, None]
+    before = P[None, :] < P[:, None]
+    mask = torch.zeros(len(ids), len(ids), dtype=torch.bool)
+    rows_prefix = (kd == 0)[:, None]
+    mask |= rows_prefix & (kd == 0)[None, :] & before_eq
+    mask |= cached[:, None] & cached[None, :] & (C[:, None] == C[None, :]) & before_eq
+    copy_rows = (kd == 2)[:, None]
+    mask |= copy_rows & ((readable & (kd != 2))[None, :] & before | (kd == 2)[None, :] & before_eq)
+    q_rows = (kd == 3)[:, None]
+    q_cols = readable
+    if not question_sees_header:
+        q_cols = q_cols & ~(cached & H)
+    mask |= q_rows & q_cols[None, :] & before_eq
+    return StudentLayout(torch.tensor(ids), P, mask, (kd == 2) & R, cached)
+
+
 def student_logits(hf_model, ids: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor | None, base: int,
-                   last: int) -> torch.Tensor:
+                   last: int, *, positions: torch.Tensor | None = None, deep: torch.Tensor | None = None,
+                   deep_rows: torch.Tensor | None = None, k_header: int = 0) -> torch.Tensor:
     """Float32 logits ``(last, vocab)`` of the final ``last`` positions of ``ids`` ``(n,)`` under
-    the boolean ``(n, n)`` ``mask`` at positions ``0..n-1``; differentiable in ``rows``."""
+    the boolean ``(n, n)`` ``mask`` at ``positions`` (default ``0..n-1``); differentiable in
+    ``rows`` and ``deep``. ``deep``: ``(layers, k_trailer, hidden)`` added to the output of
+    every decoder layer at the ``deep_rows`` (``(n,)`` bool: bridge tokens), trailer row
+    ``id - base - k_header`` each."""
     dev = ids.device
     n = ids.shape[0]
-    out = hf_model.model(inputs_embeds=embed_with_packets(hf_model, ids, rows, base),
-                         attention_mask=mask[None, None].to(dev), position_ids=torch.arange(n, device=dev)[None],
-                         use_cache=False)
+    pos = positions if positions is not None else torch.arange(n, device=dev)
+    hooks = []
+    if deep is not None and deep_rows is not None and bool(deep_rows.any()):
+        where = deep_rows.to(dev).nonzero().squeeze(1)
+        which = (ids[where] - base - k_header).to(dev)
+        for li, layer in enumerate(hf_model.model.layers):
+            hooks.append(layer.register_forward_hook(_add_at(where, deep[li][which])))
+    try:
+        out = hf_model.model(inputs_embeds=embed_with_packets(hf_model, ids, rows, base),
+                             attention_mask=mask[None, None].to(dev), position_ids=pos.to(dev)[None], use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
     h = out.last_hidden_state[0, n - last:]
     return hf_model.lm_head(h).float()
+
+
+def _add_at(where: torch.Tensor, delta: torch.Tensor):
+    """A forward hook adding ``delta`` ``(len(where), hidden)`` to a decoder layer's hidden
+    states at rows ``where`` (batch 1)."""
+    def hook(module, args, output):
+        hs = output[0] if isinstance(output, tuple) else output
+        hs = hs.index_add(1, where, delta.to(hs.dtype)[None])
+        return (hs, *output[1:]) if isinstance(output, tuple) else hs
+    return hook
 
 
 def _ids(segments, packets_ids=None) -> list[int]:
@@ -111,16 +245,18 @@ def _ids(segments, packets_ids=None) -> list[int]:
 
 
 def case_loss(hf_model, case: TrainCase, rows: torch.Tensor, k_header: int, base: int,
-              question_sees_header: bool = True) -> torch.Tensor:
+              question_sees_header: bool = True, *, bridge: bool = False, deep: torch.Tensor | None = None,
+              recompute: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
     """Mean KL(teacher || student) over the case's question and answer positions, nats per
-    token; differentiable in ``rows`` ``(k_header + k_trailer, hidden)``."""
+    token; differentiable in ``rows`` ``(k_header + k_trailer, hidden)`` and ``deep``
+    (``student_layout`` says what ``bridge`` and ``recompute`` mean)."""
     k_trailer = rows.shape[0] - k_header
-    pids = (list(range(base, base + k_header)), list(range(base + k_header, base + k_header + k_trailer)))
-    segs = [(k, (pids[0] + list(s) + pids[1]) if k == "chunk" else list(s)) for k, s in case.segments]
-    ids = torch.tensor(_ids(segs) + case.answer[:-1], dtype=torch.long, device=rows.device)
-    mask = student_mask(segs, len(case.answer) - 1, k_header, question_sees_header)
+    lay = student_layout(case.segments, case.answer, k_header, k_trailer, base, bridge=bridge, recompute=recompute,
+                         question_sees_header=question_sees_header)
     last = case.teacher_logp.shape[0]
-    logq = torch.log_softmax(student_logits(hf_model, ids, mask, rows, base, last), -1)
+    logits = student_logits(hf_model, lay.ids.to(rows.device), lay.mask, rows, base, last, positions=lay.positions,
+                            deep=deep, deep_rows=lay.bridge_rows, k_header=k_header)
+    logq = torch.log_softmax(logits, -1)
     logp = case.teacher_logp.to(logq.device).float()
     return (logp.exp() * (logp - logq)).sum(-1).mean()
 
@@ -166,14 +302,16 @@ def build_cases(llm_full, items: Sequence[dict], *, answer_tokens: int = 16, pro
 
 @torch.no_grad()
 def mean_loss(hf_model, cases: Sequence[TrainCase], rows: torch.Tensor | None, k_header: int = 0,
-              question_sees_header: bool = True) -> float:
+              question_sees_header: bool = True, *, bridge: bool = False, deep: torch.Tensor | None = None) -> float:
     """Mean ``case_loss`` over ``cases`` (``rows=None``: isolated chunks without a packet)."""
     base = int(hf_model.get_input_embeddings().weight.shape[0])
     dev = next(hf_model.parameters()).device
     if rows is None:
-        rows, k_header = torch.zeros(0, hf_model.config.hidden_size, device=dev), 0
+        rows, k_header, bridge, deep = torch.zeros(0, hf_model.config.hidden_size, device=dev), 0, False, None
     rows = rows.to(dev, torch.float32)
-    return sum(float(case_loss(hf_model, c, rows, k_header, base, question_sees_header)) for c in cases) / len(cases)
+    deep = deep.to(dev, torch.float32) if deep is not None else None
+    return sum(float(case_loss(hf_model, c, rows, k_header, base, question_sees_header, bridge=bridge, deep=deep))
+               for c in cases) / len(cases)
 
 
 @torch.no_grad()
@@ -197,9 +335,17 @@ def train_packets(hf_model, tokenizer, cases: Sequence[TrainCase], *, k_header: 
                   steps: int = 300, lr: float = 1e-2, batch: int = 1, seed: int = 0,
                   question_sees_header: bool = True, init: torch.Tensor | None = None,
                   time_limit_s: float | None = None, progress: bool = True, autocast: torch.dtype | None = None,
-                  on_step: Callable[[int, float], None] | None = None) -> tuple[Packets, dict]:
+                  on_step: Callable[[int, float], None] | None = None, bridge: bool = False, deep: bool = False,
+                  recompute: Sequence[Sequence[Sequence[int]] | None] | None = None) -> tuple[Packets, dict]:
     """Train a packet on ``cases`` with Adam; the model's weights stay frozen (their
     ``requires_grad`` is restored afterwards).
+
+    ``bridge``: the trailer is a bridge, recomputed per request over the prefix and every
+    earlier chunk (``student_layout``), as the engine runs a bridge packet. ``deep``: also
+    train per-layer bridge parameters ``(layers, k_trailer, hidden)`` added to each layer's
+    output at the bridge tokens (returned in the log as ``"deep"``; the engine does not run
+    them). ``recompute``: per case, the chunk tokens the engine's recovery will recompute
+    (``student_layout``), so the packet is trained with the recompute in the loop.
 
     Returns the ``Packets`` and a log ``{"losses": [...], "steps", "seconds", ...}``. Training
     stops after ``steps`` optimizer steps of ``batch`` cases each, or at ``time_limit_s``.
@@ -217,7 +363,13 @@ def train_packets(hf_model, tokenizer, cases: Sequence[TrainCase], *, k_header: 
     base = int(hf_model.get_input_embeddings().weight.shape[0])
     rows0 = init if init is not None else init_packets(hf_model, tokenizer, k_header, k_trailer, seed)
     rows = torch.nn.Parameter(rows0.to(dev, torch.float32).clone())
-    opt = torch.optim.Adam([rows], lr=lr)
+    if deep and not (bridge and k_trailer):
+        raise InvalidRequestError("deep bridge parameters need bridge=True and k_trailer > 0")
+    if recompute is not None and len(recompute) != len(cases):
+        raise InvalidRequestError(f"recompute has {len(recompute)} selections for {len(cases)} cases")
+    layers = len(hf_model.model.layers)
+    deep_p = torch.nn.Parameter(torch.zeros(layers, k_trailer, rows.shape[1], device=dev)) if deep else None
+    opt = torch.optim.Adam([rows] + ([deep_p] if deep_p is not None else []), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * 0.5 * (
         1 + math.cos(math.pi * min(s, steps) / max(steps, 1))))
     saved = [(p, p.requires_grad) for p in hf_model.parameters()]
@@ -236,8 +388,11 @@ def train_packets(hf_model, tokenizer, cases: Sequence[TrainCase], *, k_header: 
                     if not order:
                         order = list(range(len(cases)))
                         rng.shuffle(order)
+                    ci = order.pop()
                     with torch.autocast(dev.type, dtype=autocast or torch.float32, enabled=autocast is not None):
-                        loss = case_loss(hf_model, cases[order.pop()], rows, k_header, base, question_sees_header)
+                        loss = case_loss(hf_model, cases[ci], rows, k_header, base, question_sees_header,
+                                         bridge=bridge, deep=deep_p,
+                                         recompute=recompute[ci] if recompute is not None else None)
                     (loss / batch).backward()
                     total += float(loss.detach()) / batch
                 opt.step()
@@ -256,7 +411,11 @@ def train_packets(hf_model, tokenizer, cases: Sequence[TrainCase], *, k_header: 
     from ..model.llama import LlamaFamilyModel
 
     info = dict(chunk_context="isolated", question_sees_header=question_sees_header, steps=len(losses),
-                cases=len(cases), lr=lr, batch=batch, seed=seed)
+                cases=len(cases), lr=lr, batch=batch, seed=seed, recompute_in_loop=recompute is not None)
     packets = Packets(final[:k_header].clone(), final[k_header:].clone(),
-                      packet_model_id(LlamaFamilyModel(hf_model, fuse=False, fused_kernels=False)), info)
-    return packets, dict(losses=losses, steps=len(losses), seconds=time.perf_counter() - t0)
+                      packet_model_id(LlamaFamilyModel(hf_model, fuse=False, fused_kernels=False)), info,
+                      bridge=bridge)
+    log = dict(losses=losses, steps=len(losses), seconds=time.perf_counter() - t0)
+    if deep_p is not None:
+        log["deep"] = deep_p.detach().float().cpu()
+    return packets, log

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..api import LazyLLM
+from ..errors import InvalidRequestError
 from ..extras import require
 from ..presets import PRESETS, QUALITY_OPTIONS
 from .cases import Case, _as_cases
@@ -166,8 +167,21 @@ def _settings(settings: Any) -> list[tuple[str, dict]]:
             else:
                 raise ValueError(f"unknown setting {name!r}: a preset {tuple(PRESETS)}, 'default', or give "
                                  f"(name, LazyLLM kwargs)")
+        _check_setting(name, kw)
         out.append((name, dict(kw)))
     return out
+
+
+def _check_setting(name: str, kw: Any) -> None:
+    """Raise for a setting ``LazyLLM`` would refuse, before any model loads or case runs."""
+    from ..config import EngineConfig
+
+    if not isinstance(kw, Mapping):
+        raise InvalidRequestError(f"setting {name!r}: its options must be a dict of LazyLLM keyword arguments")
+    try:
+        EngineConfig.resolve(kw.get("quality"), **{k: v for k, v in kw.items() if k != "quality"})
+    except InvalidRequestError as e:
+        raise InvalidRequestError(f"setting {name!r}: {e}") from None
 
 
 def _score(llm: LazyLLM, cases: list[Case], conts: list[list[int]], workers: int):
@@ -194,6 +208,16 @@ def _warm(llm: LazyLLM, cases: list[Case]) -> None:
                 seen.append(d)
     for system, docs in by_system.items():
         llm.warm(list(reversed(docs)), system=system, progress=False)
+
+
+def _ttft(llm: LazyLLM, c: Case) -> float:
+    """TTFT of one case as a new request sees it: its documents cached where the setting
+    caches chunks (``_warm``), the prompt computed afresh where it reuses only an identical
+    prefix (the scoring passes just computed this very prompt, which a new question would not
+    find)."""
+    if not llm.engine.planner.caches_chunks:
+        llm.clear_cache()
+    return llm.generate(c.question, chunks=c.documents, system=c.system, max_new_tokens=1).ttft_s
 
 
 def _measure(llm: LazyLLM, name: str, kwargs: dict, cases: list[Case], refs: list[dict], *, same_n: int,
@@ -239,8 +263,7 @@ def _measure(llm: LazyLLM, name: str, kwargs: dict, cases: list[Case], refs: lis
     elif gens is not None:
         for pc, g in zip(per_case, gens):
             pc["text"] = g.text
-    ttft = [llm.generate(c.question, chunks=c.documents, system=c.system, max_new_tokens=1).ttft_s
-            for c in cases[:ttft_cases]]
+    ttft = [_ttft(llm, c) for c in cases[:ttft_cases]]
     em = [pc["exact_match"] for pc in per_case if pc.get("exact_match") is not None]
     cont = [pc["contains"] for pc in per_case if pc.get("contains") is not None]
     n_same = sum(pc["same_answer"] for pc in per_case)

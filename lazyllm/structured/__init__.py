@@ -13,10 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..types import GenerationOutput
-from .formats import ResponseFormat, format_instruction, normalize_response_format
+from ..types import GenerationOutput, ToolCall
+from .call_stream import ToolCallDeltas
+from .formats import DEFAULT_MAX_STRING_LENGTH, ResponseFormat, format_instruction, normalize_response_format
 from .grammar import GrammarCompiler, GrammarConstraint
-from .tools import Tool, normalize_tool_choice, normalize_tools, parse_tool_calls, tool_grammar
+from .schema_errors import check_refs
+from .tools import Tool, new_call_id, normalize_tool_choice, normalize_tools, parse_tool_calls, tool_grammar
 
 __all__ = ["GrammarCompiler", "GrammarConstraint", "StructuredRequest", "prepare", "normalize_response_format",
            "normalize_tools", "format_instruction", "Tool"]
@@ -42,9 +44,11 @@ class StructuredRequest:
         """Fill ``out.tool_calls`` (finish_reason ``"tool_calls"``) or ``out.parsed`` from the
         finished request's text."""
         if self.tools and self.choice != "none":
-            # the complete calls; cut short by length, the finish reason stays "length" (the
-            # last, partial call is dropped)
+            # the complete calls; cut short by length, the finish reason stays "length" and the
+            # last call comes as far as it was generated (OpenAI's answer)
             out.tool_calls = parse_tool_calls(out.text, self.tools)
+            if out.finish_reason == "length":
+                out.tool_calls += cut_call(out.text)
             if out.tool_calls:
                 if out.finish_reason != "length":
                     out.finish_reason = "tool_calls"
@@ -58,13 +62,17 @@ class StructuredRequest:
 
 
 def prepare(compiler: GrammarCompiler | None, response_format: Any = None, tools: Any = None,
-            tool_choice: Any = None, parallel_tool_calls: bool = False) -> StructuredRequest | None:
+            tool_choice: Any = None, parallel_tool_calls: bool = False,
+            max_string_length: int | None = DEFAULT_MAX_STRING_LENGTH) -> StructuredRequest | None:
     """Normalize and compile (into ``compiler``'s cache) what a request asked for; None when
-    it asked for nothing. Raises ``InvalidRequestError`` for any malformed or unsupported
-    part, before anything runs."""
+    it asked for nothing. JSON strings whose schema sets no ``maxLength`` are held to
+    ``max_string_length`` characters (None: unbounded; with a ``compiler``, its own bound).
+    Raises ``InvalidRequestError`` for any malformed or unsupported part, before anything runs."""
     if response_format is None and tools is None and tool_choice is None:
         return None
-    fmt = normalize_response_format(response_format)
+    if compiler is not None:  # the engine's own bound (LazyLLM(max_string_length=...))
+        max_string_length = compiler.max_string_length
+    fmt = normalize_response_format(response_format, max_string_length)
     tl = normalize_tools(tools)
     if tool_choice is not None and not tl:
         from ..errors import InvalidRequestError
@@ -72,9 +80,22 @@ def prepare(compiler: GrammarCompiler | None, response_format: Any = None, tools
         raise InvalidRequestError("tool_choice needs tools")
     choice = normalize_tool_choice(tool_choice, tl)
     if tl:
-        grammar = tool_grammar(tl, choice, fmt, parallel=bool(parallel_tool_calls))
+        grammar = tool_grammar(tl, choice, fmt, parallel=bool(parallel_tool_calls),
+                               max_string_length=max_string_length)
     else:
         grammar = fmt.grammar if fmt is not None else None
+    schemas = [t.parameters for t in tl] + ([fmt.schema] if fmt is not None and fmt.schema is not None else [])
+    check_refs(schemas)
     if grammar is not None and compiler is not None:
-        compiler.compile(grammar)
+        compiler.compile(grammar, schemas)
     return StructuredRequest(tl, choice, fmt, grammar)
+
+
+def cut_call(text: str) -> list[ToolCall]:
+    """The call the length limit cut off at the end of ``text`` (its arguments as far as
+    generated, ``ToolCall.partial``), as a list of one; empty when none was named."""
+    reader = ToolCallDeltas()
+    reader.feed(text)
+    reader.flush()
+    cut = reader.cut_call()
+    return [] if cut is None else [ToolCall(new_call_id(), cut[0], {}, partial=cut[1])]

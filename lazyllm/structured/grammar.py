@@ -13,7 +13,9 @@ from collections import OrderedDict
 
 import torch
 
+from ..config import DEFAULT_MAX_STRING_LENGTH
 from ..errors import InvalidRequestError
+from .schema_errors import grammar_error
 
 __all__ = ["GrammarCompiler", "GrammarConstraint"]
 
@@ -31,6 +33,10 @@ def _executor():
 
             _EXECUTOR = llguidance.LLExecutor()
         return _EXECUTOR
+
+
+class _Refused(Exception):
+    """llguidance refused a grammar (its full message, made one line by ``grammar_error``)."""
 
 
 class GrammarConstraint:
@@ -81,8 +87,10 @@ class GrammarCompiler:
     tokens past the tokenizer are never allowed. Thread-safe.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 256):
+    def __init__(self, tokenizer, vocab_size: int, config=None, cache_size: int = 256):
         self._hf_tok, self._vocab = tokenizer, int(vocab_size)
+        # the engine's bound on JSON strings, which every grammar built for it applies
+        self.max_string_length = DEFAULT_MAX_STRING_LENGTH if config is None else config.max_string_length
         self._ll_tok = None  # built on first use: seconds for a large vocabulary (BENCHMARKS.md)
         self._cache: OrderedDict[str, object] = OrderedDict()
         self._lock = threading.Lock()
@@ -100,11 +108,15 @@ class GrammarCompiler:
             self._ll_tok = llguidance.hf.from_tokenizer(self._hf_tok, n_vocab=self._vocab)
         return self._ll_tok
 
-    def compile(self, grammar: str) -> None:
+    def compile(self, grammar: str, schemas: list = ()) -> None:
         """Compile ``grammar`` (an llguidance grammar string) into the cache; raises
-        ``InvalidRequestError`` with the library's message when it is invalid or uses
-        something the library does not implement."""
-        self._compiled(grammar)
+        ``InvalidRequestError`` with a one-line reason when it is invalid or uses something
+        the library does not implement (``schemas``: the JSON Schemas it was built from,
+        which name the cause of a schema that describes no value)."""
+        try:
+            self._compiled(grammar)
+        except _Refused as e:
+            raise InvalidRequestError("unsupported or invalid grammar: " + grammar_error(str(e), schemas)) from None
 
     def _compiled(self, grammar: str):
         with self._lock:
@@ -119,14 +131,14 @@ class GrammarCompiler:
             tok = self._tokenizer()
             is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tok)
             if is_error:
-                raise InvalidRequestError("unsupported or invalid grammar: " + "; ".join(messages))
+                raise _Refused("\n".join(messages))
             # errors are read through get_error(), not printed
             m = llguidance.LLMatcher(tok, grammar, log_level=0)
             # the lexer over the vocabulary is built lazily at the first mask: build it now so
             # that every request's copy starts with it
             llguidance.torch.fill_next_token_bitmask(m, llguidance.torch.allocate_token_bitmask(1, self._vocab), 0)
             if m.is_error():
-                raise InvalidRequestError(f"unsupported or invalid grammar: {m.get_error()}")
+                raise _Refused(m.get_error())
             self._cache[grammar] = m
             self.stats["compiled"] += 1
             while len(self._cache) > self.cache_size:
@@ -135,7 +147,10 @@ class GrammarCompiler:
 
     def constraint(self, grammar: str) -> GrammarConstraint:
         """A fresh constraint for one request (a copy of the compiled matcher)."""
-        m = self._compiled(grammar)
+        try:
+            m = self._compiled(grammar)
+        except _Refused as e:
+            raise InvalidRequestError("unsupported or invalid grammar: " + grammar_error(str(e))) from None
         with self._lock:
             copy = m.deep_copy()
         return GrammarConstraint(copy, self._tokenizer().eos_token)

@@ -17,7 +17,8 @@ from typing import Any
 
 from ..errors import InvalidRequestError
 from ..types import ToolCall
-from .formats import JSON_STYLE, ResponseFormat, closed
+from .formats import DEFAULT_MAX_STRING_LENGTH, JSON_STYLE, ResponseFormat, bounded, closed
+from .schema_errors import has_ref
 
 __all__ = ["Tool", "normalize_tools", "normalize_tool_choice", "tool_grammar", "parse_tool_calls", "CALL_OPEN",
            "CALL_CLOSE"]
@@ -102,19 +103,49 @@ def normalize_tool_choice(choice: Any, tools: list[Tool]) -> str:
     return choice
 
 
-def call_schema(tools: list[Tool]) -> dict:
+def _rebased(schema: Any, base: str) -> Any:
+    """``schema`` with every local ``$ref`` (``#``, ``#/$defs/X``...) pointing under ``base``
+    instead of the document root."""
+    if isinstance(schema, list):
+        return [_rebased(x, base) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+            out[k] = base + v[1:]
+        elif k in ("const", "enum", "default", "examples"):
+            out[k] = v
+        else:
+            out[k] = _rebased(v, base)
+    return out
+
+
+def call_schema(tools: list[Tool], max_string_length: int | None = DEFAULT_MAX_STRING_LENGTH) -> dict:
     """JSON Schema of one call: ``{"name": <const>, "arguments": <that tool's parameters>}``
-    for any of ``tools``."""
+    for any of ``tools`` (strings without a ``maxLength`` bounded, ``formats.bounded``)."""
     # arguments closed to the listed parameters (as OpenAI's strict mode does): a tool's
     # function would reject or drop an invented one
-    alts = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": closed(t.parameters)},
-             "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    defs, alts = {}, []
+    for t in tools:
+        args = bounded(closed(t.parameters), max_string_length)
+        if has_ref(args):
+            # the parameters' $refs point into their own document ("#/$defs/Address", "#" for a
+            # recursive model), which is no longer the root once nested in the call: keep the
+            # whole parameter schema under the call's $defs and point its refs there
+            key = f"args_{t.name}"
+            defs[key] = _rebased(args, f"#/$defs/{key}")
+            args = {"$ref": f"#/$defs/{key}"}
+        alts.append({"type": "object", "properties": {"name": {"const": t.name}, "arguments": args},
+                     "required": ["name", "arguments"], "additionalProperties": False})
     schema = alts[0] if len(alts) == 1 else {"anyOf": alts}
+    if defs:
+        schema = {**schema, "$defs": defs}
     return {**schema, "x-guidance": JSON_STYLE}
 
 
 def tool_grammar(tools: list[Tool], choice: str, text_format: ResponseFormat | None,
-                 parallel: bool = False) -> str | None:
+                 parallel: bool = False, max_string_length: int | None = DEFAULT_MAX_STRING_LENGTH) -> str | None:
     """The llguidance (Lark) grammar of the answer under ``choice``; None when unconstrained
     (``"none"`` without a ``response_format``). ``parallel``: several calls, one per line
     (else exactly one: small models otherwise tend to repeat a call)."""
@@ -123,7 +154,7 @@ def tool_grammar(tools: list[Tool], choice: str, text_format: ResponseFormat | N
     if choice == "none":
         return text_format.grammar if text_format is not None else None
     chosen = tools if choice in ("auto", "required") else [t for t in tools if t.name == choice]
-    body = json.dumps(call_schema(chosen))
+    body = json.dumps(call_schema(chosen, max_string_length))
     rules = ['calls: call ("\\n" call)*' if parallel else "calls: call",
              f'call: "{CALL_OPEN}" call_json "{CALL_CLOSE}"', f"call_json: %json {body}"]
     if choice != "auto":
@@ -134,7 +165,8 @@ def tool_grammar(tools: list[Tool], choice: str, text_format: ResponseFormat | N
         rules.append(r"text: /[^<][\s\S]*/")
     elif text_format.schema is not None:
         start = "start: calls | answer"
-        rules.append(f"answer: %json {json.dumps({**text_format.schema, 'x-guidance': JSON_STYLE})}")
+        answer = bounded(text_format.schema, max_string_length)
+        rules.append(f"answer: %json {json.dumps({**answer, 'x-guidance': JSON_STYLE})}")
     else:
         raise InvalidRequestError("with tools, response_format must be a JSON Schema, a Pydantic model or json_object")
     return llguidance.grammar_from("lark", "\n".join([start, *rules]) + "\n")

@@ -86,6 +86,25 @@ def test_tool_choice_by_name_and_stream_chunks(chat):
     assert json.loads(tc["args"]) == full.tool_calls[0]["args"] and tc["id"] == full.tool_calls[0]["id"]
 
 
+def test_stream_gives_the_call_as_it_is_decoded(chat):
+    chunks = list(chat.bind_tools([WEATHER], tool_choice="weather").stream("weather?"))
+    named = [c for c in chunks if any(t["name"] for t in c.tool_call_chunks)]
+    pieces = [t["args"] for c in chunks for t in c.tool_call_chunks if t["args"]]
+    assert len(named) == 1 and chunks.index(named[0]) < len(chunks) - 1  # the name before the end
+    assert len(pieces) > 1 and all(c.content == "" for c in chunks)  # the arguments in pieces, no markup
+    full = chunks[0]
+    for c in chunks[1:]:
+        full = full + c
+    assert json.loads("".join(pieces)) == full.tool_calls[0]["args"]
+
+
+def test_call_cut_by_max_tokens_is_an_invalid_tool_call(chat):
+    msg = chat.bind_tools([WEATHER], tool_choice="weather").invoke("weather?", max_tokens=16)
+    assert msg.response_metadata["finish_reason"] == "length" and msg.content == "" and msg.tool_calls == []
+    [bad] = msg.invalid_tool_calls
+    assert bad["name"] == "weather" and bad["args"].startswith("{")
+
+
 def test_tool_message_round_trip(chat):
     bound = chat.bind_tools([multiply], tool_choice="any")
     first = bound.invoke([HumanMessage("3 times 4?")])

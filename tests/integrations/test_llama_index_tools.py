@@ -252,3 +252,14 @@ def test_chat_with_tools_refuses_blocks_it_cannot_read(li):
         with pytest.raises(InvalidRequestError, match="text and text document blocks"):
             call()
     assert li.chat([ChatMessage(content="Still serving?")], max_new_tokens=2).message.content is not None
+
+
+def test_call_cut_by_the_length_limit_stays_out_of_the_agent_memory(li):
+    tool = FunctionTool.from_defaults(fn=lookup)
+    resp = li.chat_with_tools([tool], user_msg="Paris population?", tool_required=True, max_new_tokens=16)
+    assert resp.raw.finish_reason == "length" and resp.raw.tool_calls[-1].partial is not None
+    assert resp.message.content == "" and resp.message.additional_kwargs["tool_calls"] == []
+    assert li.get_tool_calls_from_response(resp, error_on_no_tool_call=False) == []
+    # the next step of an agent sends the message back: it must not carry the unparsable call
+    history = [ChatMessage(role=MessageRole.USER, content="Paris population?"), resp.message]
+    assert li.chat([*history, ChatMessage(role=MessageRole.USER, content="Again.")], max_new_tokens=2).raw

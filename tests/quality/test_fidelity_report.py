@@ -121,3 +121,27 @@ def test_load_cases(tmp_path):
     p.write_text('{"question": "q"}\n')
     with pytest.raises(ValueError, match="documents"):
         q.load_cases(p)
+
+
+def test_full_attention_is_timed_on_a_cold_prompt(tokenizer):
+    """The scoring passes cache the very prompts the TTFT pass then sends: under full
+    attention (identical-prefix reuse) each timed request must compute its prompt afresh,
+    as a new question would; a chunk-caching setting keeps its documents cached."""
+    import importlib
+
+    from lazyllm import LazyLLM
+    from lazyllm.quality.cases import Case
+    from tests.conftest import make_tiny
+
+    report = importlib.import_module("lazyllm.quality.report")
+    case = Case(question="What is the code?", documents=["The code is 7. " * 10, "The door is red. " * 10])
+    for quality, cold in (("exact", True), (None, False)):
+        llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=16 << 20, quality=quality)
+        try:
+            llm.generate(case.question, chunks=case.documents, max_new_tokens=1)  # what scoring leaves behind
+            before = llm.cache_stats()["hits"]
+            report._ttft(llm, case)
+            reused = llm.cache_stats()["hits"] - before
+            assert (reused == 0) == cold, (quality, reused)
+        finally:
+            llm.close()

@@ -125,3 +125,43 @@ def test_adapt_cli_writes_a_packet(tokenizer, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "| packet |" in text and "LazyLLM(packets=" in text
     assert json.loads((tmp_path / "r.json").read_text())["split"]["train_documents"] == 6
+
+
+def test_bridge_training_with_recompute_in_the_loop_lowers_the_loss(tokenizer):
+    """A bridge packet (trailer recomputed per request) and per-layer bridge parameters train
+    under the recompute the engine will run; the saved packet is a bridge packet the engine
+    runs with the training forward's logits."""
+    from lazyllm.quality.packet_training import (
+        build_cases,
+        init_packets,
+        mean_loss,
+        student_layout,
+        student_logits,
+        train_packets,
+    )
+
+    model = make_tiny("llama", seed=4)
+    full = _llm(model, tokenizer, reuse="none")
+    items = [dict(question=QUESTION, documents=DOCS[i:i + 3], system=SYSTEM) for i in range(2)]
+    cases = build_cases(full, items, answer_tokens=6, progress=False)
+    init = init_packets(model, tokenizer, 1, 2)
+    before = mean_loss(model, cases, init, 1, bridge=True)
+    recompute = [[[0, 2]] * 3 for _ in cases]  # the engine's first tokens of every chunk, say
+    p, log = train_packets(model, tokenizer, cases, k_header=1, k_trailer=2, steps=25, lr=0.05, init=init,
+                           bridge=True, deep=True, recompute=recompute, progress=False)
+    assert p.bridge and log["deep"].shape == (model.config.num_hidden_layers, 2, model.config.hidden_size)
+    assert float(log["deep"].abs().max()) > 0  # the deep parameters trained
+    after = mean_loss(model, cases, p.rows, p.k_header, bridge=True)
+    assert after < 0.8 * before, (before, after, log["losses"])
+    llm = _llm(model, tokenizer, packets=p)
+    c = cases[0]
+    sc = llm.score(QUESTION, chunks=DOCS[0:3], system=SYSTEM, continuation=c.answer, return_logits=True)
+    base = llm.model.embed_rows
+    lay = student_layout(c.segments, c.answer, 1, 2, base, bridge=True)
+    with torch.no_grad():
+        ref = student_logits(model, lay.ids, lay.mask, p.rows, base, len(c.answer), positions=lay.positions)
+    torch.testing.assert_close(sc.logits, ref, rtol=1e-3, atol=1e-3)
+    with pytest.raises(InvalidRequestError, match="bridge"):
+        train_packets(model, tokenizer, cases, k_header=1, k_trailer=1, steps=1, deep=True, progress=False)
+    llm.close()
+    full.close()
