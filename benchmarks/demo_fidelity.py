@@ -5,10 +5,12 @@ attention's (``quality="exact"``)?
     python benchmarks/demo_fidelity.py                                  # defaults vs exact
     python benchmarks/demo_fidelity.py --settings default,balanced,no-packet --packets my.safetensors
     python benchmarks/demo_fidelity.py --settings default --with bridge=bridge.safetensors  # another packet beside
+    python benchmarks/demo_fidelity.py --with 'b+f4={"packets": "b.safetensors", "recompute_first_tokens": 4}'
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -49,8 +51,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--settings", default="default", help=f"comma separated, of {sorted(SETTINGS)}")
     ap.add_argument("--packets", default=None, help="a packet file for the 'default' setting (default: shipped)")
-    ap.add_argument("--with", dest="extra", action="append", default=[], metavar="NAME=PACKETS",
-                    help="also the default setting with this packet file, reported as NAME (repeatable)")
+    ap.add_argument("--with", dest="extra", action="append", default=[], metavar="NAME=PACKETS|JSON",
+                    help="also the default setting with this packet file, or with these LazyLLM options (a JSON "
+                         "object), reported as NAME (repeatable)")
     ap.add_argument("--tokens", type=int, default=8)
     a = ap.parse_args(argv)
     cases = [(q, o) for o in orders() for q in QUESTIONS]
@@ -65,7 +68,8 @@ def main(argv=None) -> None:
         if a.packets and name == "default":
             kw["packets"] = a.packets
         runs.append((name, kw))
-    runs += [(name, {"packets": path}) for name, path in (e.split("=", 1) for e in a.extra)]
+    for name, value in (e.split("=", 1) for e in a.extra):
+        runs.append((name, json.loads(value) if value.lstrip().startswith("{") else {"packets": value}))
     for name, kw in runs:
         llm = LazyLLM(progress=False, **kw)
         got = answers(llm, cases, a.tokens)
