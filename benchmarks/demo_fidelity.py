@@ -49,7 +49,7 @@ def answers(llm: LazyLLM, cases, n: int) -> list[list[int]]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--settings", default="default", help=f"comma separated, of {sorted(SETTINGS)}")
+    ap.add_argument("--settings", default="default", help=f"comma separated, of {sorted(SETTINGS)} (may be empty)")
     ap.add_argument("--packets", default=None, help="a packet file for the 'default' setting (default: shipped)")
     ap.add_argument("--with", dest="extra", action="append", default=[], metavar="NAME=PACKETS|JSON",
                     help="also the default setting with this packet file, or with these LazyLLM options (a JSON "
@@ -63,7 +63,7 @@ def main(argv=None) -> None:
     exact.close()
     print(f"{'setting':<12} same  answers (first {a.tokens} tokens; * = differs from exact)")
     runs = []
-    for name in a.settings.split(","):
+    for name in filter(None, a.settings.split(",")):
         kw = dict(SETTINGS[name])
         if a.packets and name == "default":
             kw["packets"] = a.packets
