@@ -40,8 +40,9 @@ from benchmarks._common import (  # noqa: E402
     shrink_to_tiny,
     text_of_tokens,
 )
+from lazyllm.model.identity import model_id  # noqa: E402
 from lazyllm.model.llama import LlamaFamilyModel  # noqa: E402
-from lazyllm.model.packets import Packets, packet_model_id  # noqa: E402
+from lazyllm.model.packets import Packets  # noqa: E402
 
 
 def _setup(args):
@@ -53,7 +54,7 @@ def _setup(args):
     model = random_model(cfg, device=args.device, dtype=dtype)
     g = torch.Generator().manual_seed(0)
     std = float(model.get_input_embeddings().weight.detach().float().std())
-    mid = packet_model_id(LlamaFamilyModel(model, fuse=False, fused_kernels=False))
+    mid = model_id(LlamaFamilyModel(model, fuse=False, fused_kernels=False))
     packets = Packets(torch.randn(8, cfg.hidden_size, generator=g) * std,
                       torch.randn(8, cfg.hidden_size, generator=g) * std, mid)
     return tok, cfg, model, packets

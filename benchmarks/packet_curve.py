@@ -299,7 +299,8 @@ def main(argv=None):
                 rows, losses = torch.zeros(0, hf.config.hidden_size), []
                 m = heldout(hf, held, held32, rows, 0, base)
             else:
-                from lazyllm.model.packets import Packets, load_packets, packet_model_id
+                from lazyllm.model.identity import model_id
+                from lazyllm.model.packets import Packets, load_packets
 
                 init = init_packets(hf, tok, kh, kt)
                 if a.init:  # the file's header and trailer where their sizes match
@@ -310,7 +311,7 @@ def main(argv=None):
                         init[kh:] = f.trailer
                 in_loop = None
                 if opts and a.in_loop:  # the engine's selections under the starting packet
-                    start = Packets(init[:kh], init[kh:], packet_model_id(llm_model(hf)), bridge=a.bridge)
+                    start = Packets(init[:kh], init[kh:], model_id(llm_model(hf)), bridge=a.bridge)
                     in_loop = engine_selections(hf, tok, train_items, train, start, opts)
                 packets, log = train_packets(hf, tok, train, k_header=kh, k_trailer=kt, steps=a.steps, lr=a.lr,
                                              autocast=torch.bfloat16, progress=False, bridge=a.bridge,

@@ -49,8 +49,9 @@ SETTINGS = {"default": {}, **{name: {"quality": name} for name in PRESETS},
 
 def _random_packets(spec: str, model):
     """``"random:8+8"`` / ``"random-bridge:8+8"`` -> a ``Packets`` of random rows for ``model``."""
+    from lazyllm.model.identity import model_id
     from lazyllm.model.llama import LlamaFamilyModel
-    from lazyllm.model.packets import Packets, packet_model_id
+    from lazyllm.model.packets import Packets
 
     kind, sizes = spec.split(":")
     kh, kt = (int(x) for x in sizes.split("+"))
@@ -58,7 +59,7 @@ def _random_packets(spec: str, model):
     std = float(model.get_input_embeddings().weight.detach().float().std())
     hidden = model.config.hidden_size
     return Packets(torch.randn(kh, hidden, generator=g) * std, torch.randn(kt, hidden, generator=g) * std,
-                   packet_model_id(LlamaFamilyModel(model, fuse=False, fused_kernels=False)),
+                   model_id(LlamaFamilyModel(model, fuse=False, fused_kernels=False)),
                    bridge=kind == "random-bridge")
 
 

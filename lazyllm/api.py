@@ -23,8 +23,9 @@ from .engine.warmup import Readiness
 from .errors import InvalidRequestError
 from .inputs import InputProcessor, prompt_builder
 from .model.attention import make_backend
+from .model.identity import fingerprint
 from .model.llama import LlamaFamilyModel
-from .model.loader import eos_token_ids, fingerprint, load_hf
+from .model.loader import eos_token_ids, load_hf
 from .model.packets import resolve_packets
 from .stream import TextStream
 from .types import Chunk, GenerationOutput, ScoreOutput, as_chunk

@@ -2,7 +2,7 @@
 
 A file is only ever returned when everything that determines its KV matches the running
 engine: the model fingerprint (architecture, weights hash, dtype, RoPE; computed by the
-caller, see ``lazyllm.model.loader.fingerprint``), the chunk-context settings, the on-disk
+caller, see ``lazyllm.model.identity.fingerprint``), the chunk-context settings, the on-disk
 format version, the key it was stored under, and a blake2b checksum over the metadata
 and the tensor bytes. Anything else (a missing, truncated, unparsable, bit-flipped or
 foreign file) is deleted, counted as a rejection and reported as a miss, so the caller
@@ -119,7 +119,7 @@ class DiskKVStore:
         reveals the documents it was computed from).
     max_bytes : cap on the total size of the files; least recently used files are
         deleted to stay under it.
-    fingerprint : identity of the model (``lazyllm.model.loader.fingerprint``).
+    fingerprint : identity of the model (``lazyllm.model.identity.fingerprint``).
     settings : JSON-serialisable dict of everything else the KV depends on, e.g.
         ``{"chunk_context": "isolated"}``. A file written under other settings is
         rejected. (The files hold per-token KV, not pages, so the page size does not

@@ -48,7 +48,6 @@ class ModelSpec:
     max_context: int
     rms_eps: float
     sm_scale: float
-    rope_scale: float
     qk_norm: bool
     gemma: bool = False  # Gemma 3: (1 + w) norms around attention and MLP, gelu-tanh, scaled embeddings
 
@@ -100,7 +99,8 @@ class LlamaFamilyModel:
         self.windows = [int(window) if (t == "sliding_attention" and window) else None for t in types]
         self.freq_index = [freq_of.get(t, 0) for t in types]
         # the global layers' RoPE: what the engine uses for single-frequency operations
-        self.inv_freq = self.inv_freqs[freq_of.get("full_attention", 0)]
+        self.global_freq = freq_of.get("full_attention", 0)
+        self.inv_freq = self.inv_freqs[self.global_freq]
         n_heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
         attn0 = base.layers[0].self_attn
@@ -115,7 +115,6 @@ class LlamaFamilyModel:
             max_context=int(getattr(cfg, "max_position_embeddings", 2048)),
             rms_eps=float(cfg.rms_norm_eps),
             sm_scale=float(getattr(attn0, "scaling", head_dim ** -0.5)),
-            rope_scale=self.rope_scales[freq_of.get("full_attention", 0)],
             qk_norm=hasattr(attn0, "q_norm"),
             gemma=gemma,
         )

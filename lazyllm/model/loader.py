@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -201,29 +200,6 @@ def check_source(source) -> None:
     path, _ = _resolve_source(source)
     if isinstance(path, str):
         check_hub(path)
-
-
-def fingerprint(model) -> str:
-    """Identity of a model for cache keys: architecture, shapes, RoPE, dtype and a hash of
-    a sample of its weights, so two different checkpoints never share KV, while the same
-    weights loaded from a GGUF file or a converted folder do.
-
-    ``model`` is a ``LlamaFamilyModel``.
-    """
-    import dataclasses
-
-    h = hashlib.blake2b(digest_size=16)
-    h.update(json.dumps(dataclasses.asdict(model.spec), sort_keys=True).encode())
-    h.update(str(model.dtype).encode())
-    for f in model.inv_freqs:
-        h.update(f.detach().cpu().numpy().tobytes())
-    h.update(json.dumps([model.windows, model.freq_index, model.rope_scales]).encode())
-    with torch.no_grad():
-        layer0, last = model.layers[0], model.layers[-1]
-        for t in (model.embed, model.lm_head, layer0["wk"], layer0["wq"], last["wd"], model.final_norm):
-            sample = t.detach().flatten()[:65536].to("cpu", torch.float32).contiguous()
-            h.update(sample.numpy().tobytes())
-    return h.hexdigest()
 
 
 def eos_token_ids(hf, tok) -> set[int]:

@@ -23,7 +23,7 @@ cached, isolated and shared. It costs ``k_trailer`` recomputed tokens per chunk 
 File format: safetensors with tensors ``header`` ``(k_header, hidden)`` and ``trailer``
 ``(k_trailer, hidden)`` (float32, in the space of the embedding table's rows, before any
 embedding scale the model applies) and string metadata ``format`` (``"lazyllm-packets"``),
-``version``, ``model`` (``packet_model_id`` of the model it was trained for), ``k_header``,
+``version``, ``model`` (``lazyllm.model.identity.model_id`` of the model it was trained for), ``k_header``,
 ``k_trailer``, ``hidden_size``, ``bridge`` (``"1"`` for a bridge packet; absent or ``"0"``
 otherwise) and free-form ``info`` (JSON: how it was trained).
 """
@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidRequestError
+from .identity import model_id
 
 FORMAT = "lazyllm-packets"
 VERSION = 1
@@ -49,7 +50,7 @@ class Packets:
 
     header : ``(k_header, hidden)`` float32, may have ``k_header == 0``.
     trailer : ``(k_trailer, hidden)`` float32, may have ``k_trailer == 0``.
-    model : ``packet_model_id`` of the model the packet was trained for.
+    model : ``lazyllm.model.identity.model_id`` of the model the packet was trained for.
     info : free-form description (training data, steps, loss), stored in the file.
     bridge : the trailer is recomputed per request (see the module docstring).
     """
@@ -164,25 +165,6 @@ def load_packets(path: str | os.PathLike) -> Packets:
     return p
 
 
-def packet_model_id(model) -> str:
-    """Identity of a model for packets: architecture, RoPE and a sample of the weights rounded
-    to bfloat16, so the same checkpoint loaded in float32 on a CPU or in bfloat16 on a GPU
-    shares its packets while another checkpoint does not. ``model`` is a ``LlamaFamilyModel``."""
-    import dataclasses
-
-    h = hashlib.blake2b(digest_size=16)
-    h.update(json.dumps(dataclasses.asdict(model.spec), sort_keys=True).encode())
-    for f in model.inv_freqs:
-        h.update(f.detach().cpu().numpy().tobytes())
-    h.update(json.dumps([model.windows, model.freq_index, model.rope_scales]).encode())
-    with torch.no_grad():
-        layer0, last = model.layers[0], model.layers[-1]
-        for t in (model.embed, model.lm_head, layer0["wk"], layer0["wq"], last["wd"], model.final_norm):
-            sample = t.detach().flatten()[:65536].to("cpu", torch.bfloat16).float().contiguous()
-            h.update(sample.numpy().tobytes())
-    return h.hexdigest()
-
-
 def as_packets(value) -> Packets | None:
     """``None``, a ``Packets`` or a path to a packet file, as ``Packets``."""
     if value is None or isinstance(value, Packets):
@@ -207,7 +189,7 @@ def shipped_packets(model, chunk_context: str, name: str | None = None) -> Packe
         if name is not None and path.stem != name:
             continue
         p = load_packets(path)
-        mine = mine or packet_model_id(model)
+        mine = mine or model_id(model)
         if p.model == mine and p.info.get("chunk_context", "isolated") == chunk_context \
                 and (name is not None or p.info.get("default")):
             return p
@@ -219,13 +201,13 @@ def check_packets_for(p: Packets, model) -> None:
     ``LlamaFamilyModel``)."""
     if p.hidden_size != model.spec.hidden_size:
         raise InvalidRequestError(f"the packet has hidden size {p.hidden_size}, the model {model.spec.hidden_size}")
-    mine = packet_model_id(model)
+    mine = model_id(model)
     if p.model != mine:
         raise InvalidRequestError(f"the packet was trained for another model (fingerprint {p.model[:12]}..., this "
                                   f"model's is {mine[:12]}...): train one for this model with `lazyllm adapt`")
 
 
-__all__ = ["Packets", "load_packets", "packet_model_id", "as_packets", "check_packets_for", "shipped_packets",
+__all__ = ["Packets", "load_packets", "as_packets", "check_packets_for", "shipped_packets",
            "FORMAT", "VERSION", "SHIPPED_DIR"]
 
 

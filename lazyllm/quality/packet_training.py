@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InvalidRequestError
-from ..model.packets import Packets, packet_model_id
+from ..model.identity import model_id
+from ..model.packets import Packets
 
 __all__ = ["TrainCase", "StudentLayout", "embed_with_packets", "student_layout", "student_mask", "student_logits",
            "build_case",
@@ -413,7 +414,7 @@ def train_packets(hf_model, tokenizer, cases: Sequence[TrainCase], *, k_header: 
     info = dict(chunk_context="isolated", question_sees_header=question_sees_header, steps=len(losses),
                 cases=len(cases), lr=lr, batch=batch, seed=seed, recompute_in_loop=recompute is not None)
     packets = Packets(final[:k_header].clone(), final[k_header:].clone(),
-                      packet_model_id(LlamaFamilyModel(hf_model, fuse=False, fused_kernels=False)), info,
+                      model_id(LlamaFamilyModel(hf_model, fuse=False, fused_kernels=False)), info,
                       bridge=bridge)
     log = dict(losses=losses, steps=len(losses), seconds=time.perf_counter() - t0)
     if deep_p is not None:

@@ -9,8 +9,9 @@ import torch
 
 from lazyllm import InvalidRequestError, LazyLLM
 from lazyllm.cache.store import chunk_key
+from lazyllm.model.identity import model_id
 from lazyllm.model.llama import LlamaFamilyModel
-from lazyllm.model.packets import Packets, load_packets, packet_model_id
+from lazyllm.model.packets import Packets, load_packets
 from lazyllm.quality.packet_training import embed_with_packets
 from tests.conftest import make_tiny
 from tests.hf_reference import semantic_mask
@@ -30,7 +31,7 @@ def random_packets(model, k_header=3, k_trailer=2, seed=0, scale=1.0) -> Packets
     g = torch.Generator().manual_seed(seed)
     hidden = model.config.hidden_size
     std = float(model.get_input_embeddings().weight.detach().std()) * scale
-    mid = packet_model_id(LlamaFamilyModel(model, fuse=False, fused_kernels=False))
+    mid = model_id(LlamaFamilyModel(model, fuse=False, fused_kernels=False))
     return Packets(torch.randn(k_header, hidden, generator=g) * std, torch.randn(k_trailer, hidden, generator=g) * std,
                    mid)
 
