@@ -17,7 +17,7 @@ the one before it (``Engine.async_decode``).
 ``PrefillGraphs`` does the same for short single-sequence prefills (a question over cached
 chunks).
 
-``PinnedTurns`` gives each step's argmax (and staged inputs) host buffers to copy through.
+``PinnedTurns`` (``pinned.py``) gives each step's staged inputs host buffers to copy through.
 
 ``SharedPlanBuffers`` holds a shared-chunk attention plan (``lazyllm.kernels.grouping``) on
 the device in fixed-size buffers, so a decode graph captured over its views replays any plan
@@ -35,6 +35,7 @@ from lazyllm.kernels.grouping import ITEM_FIELDS, MEMBER_FIELDS, PAGE_FIELDS, Gr
 
 from ..intmath import cdiv, next_pow2
 from ..model.attention import AttentionMetadata, SharedMeta
+from .pinned import PinnedTurns
 from .request import pack_tables
 
 _PAGE, _POS, _DELTA, _LEN = range(4)
@@ -60,33 +61,6 @@ def _capture_graph(forward, pool, reset=None):
     if reset is not None:
         reset()
     return g, out
-
-
-class PinnedTurns:
-    """Two host buffers (pinned on CUDA) used in turn for asynchronous copies, each with an
-    event recorded after the copy that uses it: ``take()`` hands out the next buffer once
-    its previous copy is done (two copies ago: normally long done), so the host never
-    rewrites or reads a buffer that a pending copy still uses."""
-
-    def __init__(self, n: int, device: torch.device, dtype: torch.dtype = torch.long):
-        cuda = device.type == "cuda"
-        self.bufs = [torch.zeros(n, dtype=dtype, pin_memory=cuda) for _ in range(2)]
-        self.arrays = [b.numpy() for b in self.bufs]
-        self.events = [torch.cuda.Event() for _ in range(2)] if cuda else [None, None]
-        self.turn = 0
-
-    def take(self) -> int:
-        """Index of the buffer to use now (``bufs[k]``, ``arrays[k]``, ``events[k]``)."""
-        k = self.turn
-        self.turn ^= 1
-        if self.events[k] is not None:
-            self.events[k].synchronize()
-        return k
-
-    def record(self, k: int) -> None:
-        """Mark the end of the copy just enqueued with buffer ``k``."""
-        if self.events[k] is not None:
-            self.events[k].record()
 
 
 class DecodeState:
@@ -118,7 +92,7 @@ class DecodeState:
         self._rows = torch.arange(max_batch, **i32)
         # ids, source rows, pos, slots (n each), B, 4 indices and 4 values per row
         n = 12 * max_batch + 1
-        self._host = PinnedTurns(n, device)
+        self._host = PinnedTurns(device, n=n)
         self._dev = torch.zeros(n, dtype=torch.long, device=device)
         self.rows: list = []  # requests, in row order
         self._epochs: list[int] = []  # per row, the epoch of the request's table copied there
@@ -246,7 +220,7 @@ class SharedPlanBuffers:
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         n = int(self.offsets[-1])
         self.dev = torch.zeros(n, dtype=torch.int32, device=device)
-        self._host = PinnedTurns(n, device, dtype=torch.int32)
+        self._host = PinnedTurns(device, torch.int32, n)
         self.part_o = torch.empty((self.slots_cap, num_heads, head_dim), dtype=torch.float32, device=device)
         self.part_lse = torch.empty((self.slots_cap, num_heads), dtype=torch.float32, device=device)
         o = self.offsets

@@ -23,7 +23,8 @@ from lazyllm.kernels.grouping import plan_groups
 from ..cache.store import PagePool
 from ..intmath import cdiv
 from ..model.attention import AttentionMetadata
-from .cuda_graphs import DecodeState, GraphRunner, PinnedTurns, PrefillGraphs, SharedPlanBuffers
+from .cuda_graphs import DecodeState, GraphRunner, PrefillGraphs, SharedPlanBuffers
+from .pinned import PinnedTurns
 from .request import Job, Request, TableEntry, entry_table, pack_tables, slot_of
 from .sampler import Sampler
 
@@ -85,7 +86,7 @@ class ModelRunner:
         self.prefill_graphs = PrefillGraphs(model, pool.k, pool.v, max_entries, self.device,
                                             pool.scratch_page * pool.page_size, enabled=graphs,
                                             ctx_ranges=self.calibrated)
-        self._picks = PinnedTurns(max_batch_size, self.device)  # each step's tokens, on their way to the host
+        self._picks = PinnedTurns(self.device, n=max_batch_size)  # each step's tokens, on their way to the host
         self.sampler = Sampler(self.device)
 
     def graph_stats(self) -> dict:

@@ -24,6 +24,7 @@ import torch
 
 from ..errors import LazyLLMError
 from ..intmath import cdiv
+from .pinned import PinnedTurns
 
 __all__ = ["TokenConstraint", "Sampler", "row_uniform", "bitmask_words", "apply_bitmask"]
 
@@ -102,33 +103,6 @@ def apply_bitmask(x: torch.Tensor, words: torch.Tensor, rows: torch.Tensor | Non
     return x.index_copy_(0, rows, x.index_select(0, rows).masked_fill_(forbidden, float("-inf")))
 
 
-class _Turns:
-    """Two host buffers used in turn for asynchronous copies to the device (pinned on CUDA),
-    each with an event after its copy, so the host never rewrites a buffer a pending copy
-    reads. Grown when a batch needs more room."""
-
-    def __init__(self, device: torch.device, dtype: torch.dtype):
-        self.device, self.dtype, self.cuda = device, dtype, device.type == "cuda"
-        self.bufs = [torch.zeros(0, dtype=dtype) for _ in range(2)]
-        self.events = [torch.cuda.Event() for _ in range(2)] if self.cuda else [None, None]
-        self.turn = 0
-
-    def take(self, n: int) -> tuple[int, torch.Tensor]:
-        k = self.turn
-        self.turn ^= 1
-        if self.events[k] is not None:
-            self.events[k].synchronize()
-        if self.bufs[k].numel() < n:
-            self.bufs[k] = torch.zeros(max(n, 2 * self.bufs[k].numel()), dtype=self.dtype, pin_memory=self.cuda)
-        return k, self.bufs[k][:n]
-
-    def send(self, k: int, host: torch.Tensor) -> torch.Tensor:
-        dev = host.to(self.device, non_blocking=True)
-        if self.events[k] is not None:
-            self.events[k].record()
-        return dev
-
-
 class Sampler:
     """Batched token picks (engine thread only).
 
@@ -141,8 +115,8 @@ class Sampler:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._params = _Turns(device, torch.float64)
-        self._masks = _Turns(device, torch.int32)
+        self._params = PinnedTurns(device, torch.float64)
+        self._masks = PinnedTurns(device, torch.int32)
         self.failed: list[tuple] = []  # (request, error)
 
     @staticmethod
@@ -165,7 +139,8 @@ class Sampler:
         live = [r is not None and not r.params.greedy and r.id not in failed for r in rows]
         if not any(live):
             return x.argmax(dim=-1)
-        k, buf = self._params.take(5 * B)
+        k = self._params.take(5 * B)
+        buf = self._params.bufs[k][:5 * B]
         h = buf.view(5, B).numpy()
         # temperature, top-k, top-p, u, sampled; greedy rows get values that change nothing
         h[0], h[1], h[2], h[3], h[4] = 1.0, V, 1.0, 0.5, 0.0
@@ -191,7 +166,9 @@ class Sampler:
     def _mask(self, x: torch.Tensor, cons: list, V: int) -> None:
         """Apply the constrained rows' masks to ``x`` in place (one copy, one masked fill)."""
         W = bitmask_words(V)
-        k, h = self._masks.take(len(cons) * W + len(cons))
+        n = len(cons) * W + len(cons)
+        k = self._masks.take(n)
+        h = self._masks.bufs[k][:n]
         words = h[:len(cons) * W].view(len(cons), W)
         words.zero_()
         errors: dict[int, Exception] = {}
