@@ -16,18 +16,18 @@ prefill or one decode token per sequence), their positions, where to write their
 """
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from lazyllm.kernels.reference import apply_rope, rope_cos_sin, write_kv_ref
+from lazyllm.kernels.reference import apply_rope, write_kv_ref
 
 from ..errors import UnsupportedModelError
 from .attention import AttentionBackend, AttentionMetadata, SharedMeta, TorchAttention
 from .linear import linear_rows
+from .passes import DensePass, FusedPass, LayerPass, PagedPass
 
 __all__ = ["AttentionMetadata", "SharedMeta", "LlamaFamilyModel", "ModelSpec"]  # the metadata: attention.py
 
@@ -275,34 +275,14 @@ class LlamaFamilyModel:
         sliding-window layers on a backend without windows)."""
         return self.attention.graph_capturable and not self.attention.window_fallback_layers(self.windows)
 
-    def _attend(self, q, meta: AttentionMetadata, k_cache, v_cache, li: int, plans: list) -> torch.Tensor:
-        """Layer ``li``'s attention, on the kernel its step plan names (``plans``: one per RoPE
-        frequency)."""
-        w = self.layers[li]
-        return self.attention.run(q, meta, k_cache[li], v_cache[li], self.inv_freqs[w["freq"]], self.spec.sm_scale,
-                                  plans[w["freq"]], window=w["window"])
-
-    def _layers(self, h, meta: AttentionMetadata, k_cache, v_cache, *, last: int | None = None,
-                mass: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The unfused layer loop: per layer q/k/v with RoPE, the K/V write, attention and the
-        rest of the layer, through layer ``last`` (``None``: all). Returns the hidden states
-        and, with ``mass``, the attention mass summed over those layers (``attention_mass``)."""
-        tables = [rope_cos_sin(meta.positions, f, sc) for f, sc in zip(self.inv_freqs, self.rope_scales)]
-        plans = [self.attention.plan(meta, f) for f in self.inv_freqs]
-        total = None
-        for li, w in enumerate(self.layers):
-            fi = w["freq"]
-            q, k, v = self._qkv(h, w, *tables[fi])
-            self.write_kv(k_cache[li], v_cache[li], meta.slot_mapping, k, v)
-            o = self._attend(q, meta, k_cache, v_cache, li, plans)
-            if mass:
-                m = self.attention.mass(q, meta, k_cache[li], v_cache[li], self.inv_freqs[fi], self.spec.sm_scale,
-                                        window=w["window"], plan=plans[fi])
-                total = m if total is None else total + m
-            h = self._finish_layer(h, o, w)
-            if li == last:
-                break
-        return h, total
+    def _run_layers(self, h: torch.Tensor, p: LayerPass, layers: int | None = None) -> torch.Tensor:
+        """The layer loop of every pass: hidden states ``h`` through the first ``layers``
+        layers (``None``: all), each computed and attended as the pass ``p`` says
+        (``lazyllm.model.passes``: dense, paged, fused)."""
+        step = p.layer
+        for li, w in enumerate(self.layers if layers is None else self.layers[:layers]):
+            h = step(h, li, w)
+        return h
 
     @torch.inference_mode()
     def probe_keys(self, input_ids: torch.Tensor, layer: int) -> torch.Tensor:
@@ -310,23 +290,10 @@ class LlamaFamilyModel:
         densely (no pages): what CacheBlend compares with cached keys to find the tokens
         whose KV deviates most. ``input_ids`` ``(n,)`` at positions ``0..n-1``; returns
         ``(n, num_kv_heads, head_dim)`` rotated at those positions."""
-        s = self.spec
-        n = input_ids.shape[0]
-        pos = torch.arange(n, device=input_ids.device)
-        tables = [rope_cos_sin(pos, f, sc) for f, sc in zip(self.inv_freqs, self.rope_scales)]
-        h = self._embed(input_ids)
-        for w in self.layers[:layer]:
-            q, k, v = self._qkv(h, w, *tables[w["freq"]])
-            if w["window"] is None:  # plain causal: SDPA's flash / cuDNN kernels, no (n, n) mask
-                mask, causal = None, True
-            else:
-                mask, causal = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < w["window"]), False
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
-                is_causal=causal, scale=s.sm_scale, enable_gqa=s.num_heads != s.num_kv_heads)[0].transpose(0, 1)
-            h = self._finish_layer(h, o, w)
+        p = DensePass(self, input_ids.shape[0], input_ids.device)
+        h = self._run_layers(self._embed(input_ids), p, layer)
         w = self.layers[layer]
-        return self._qkv(h, w, *tables[w["freq"]])[1]
+        return self._qkv(h, w, *p.tables[w["freq"]])[1]
 
     @torch.inference_mode()
     def probe_keys_paged(self, input_ids: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
@@ -338,10 +305,10 @@ class LlamaFamilyModel:
         ``(n, num_kv_heads, head_dim)`` rotated at their positions. Equal to ``probe_keys``'s
         rows where the cached K/V of the layers below are full attention's: for ``layer``
         1, always (layer 0's K/V depend on the token and its position only)."""
-        h, _ = self._layers(self._embed(input_ids), meta, k_cache, v_cache, last=layer - 1)
+        p = PagedPass(self, meta, k_cache, v_cache)
+        h = self._run_layers(self._embed(input_ids), p, layer)
         w = self.layers[layer]
-        cos, sin = rope_cos_sin(meta.positions, self.inv_freqs[w["freq"]], self.rope_scales[w["freq"]])
-        return self._qkv(h, w, cos, sin)[1]
+        return self._qkv(h, w, *p.tables[w["freq"]])[1]
 
     @torch.inference_mode()
     def attention_mass(self, input_ids: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
@@ -353,15 +320,15 @@ class LlamaFamilyModel:
         ``(batch, max_blocks, page_size)`` float32 (``paged_attention_mass_ref``): what
         attention-guided recompute selection reads. Attention and mass run on the kernels the
         backend's step plan names (``AttentionBackend.mass``: the Triton kernel on the Triton
-        backend)."""
+        backend), with the forward's own fused kernels where it has them; the rest of the
+        last of those layers is skipped."""
         n_layers = len(self.layers)
         layers = n_layers if layers is None else layers
         if not 1 <= layers <= n_layers:
             raise ValueError(f"layers must be in [1, {n_layers}], got {layers}")
-        h = self._embed(input_ids)
-        if self.fused is not None:  # the forward's own kernels, with the mass pass beside each attention
-            return self._forward_fused(h, meta, k_cache, v_cache, None, mass=layers)
-        return self._layers(h, meta, k_cache, v_cache, last=layers - 1, mass=True)[1]
+        p = (FusedPass if self.fused is not None else PagedPass)(self, meta, k_cache, v_cache, mass=layers)
+        self._run_layers(self._embed(input_ids), p, layers)
+        return p.total
 
     def set_packets(self, rows: torch.Tensor | None) -> None:
         """Packet embeddings (``lazyllm.model.packets``): ``(k, hidden)`` rows that the virtual
@@ -408,66 +375,13 @@ class LlamaFamilyModel:
         s = self.spec
         h = self._embed(input_ids)
         if self.fused is not None and stop_after_layer is None:
-            return self._forward_fused(h, meta, k_cache, v_cache, logits_index)
-        h, _ = self._layers(h, meta, k_cache, v_cache, last=stop_after_layer)
-        if stop_after_layer in range(len(self.layers)):  # stopped there: its hidden states
+            p = FusedPass(self, meta, k_cache, v_cache)
+            return p.logits(self._run_layers(h, p), logits_index)
+        stop = stop_after_layer in range(len(self.layers))
+        h = self._run_layers(h, PagedPass(self, meta, k_cache, v_cache), stop_after_layer + 1 if stop else None)
+        if stop:  # stopped there: its hidden states
             return h
         if logits_index is not None:
             h = h[logits_index]
         h = self._norm(h, self.final_norm, s.rms_eps)
         return self._linear(h, self.lm_head).float()
-
-    def _forward_fused(self, h, meta, k_cache, v_cache, logits_index, mass: int = 0):
-        """``forward`` with the fused kernels: per layer one RMSNorm (+ residual add), the
-        QKV GEMM, one RoPE + K/V write (with the per-head q/k norms of Qwen3 and Gemma 3),
-        attention, the output GEMM, one add + RMSNorm, the gate/up GEMM, one SiLU (Gemma:
-        gelu-tanh) * up, the down GEMM (its residual add is fused into the next layer's
-        norm). Gemma's sandwich norms (after attention, after the MLP) are fused into the
-        add + RMSNorm that follows them. For a single token (decode at batch 1) the
-        projections are split-K GEMVs whose partial sums the next fused kernel adds up
-        (``gemv_parts``), unless ``batch_invariant``. ``mass`` > 0: return ``attention_mass``'s
-        sum over the first ``mass`` layers instead of logits (the rest is skipped, from the
-        last of those layers' MLP on)."""
-        s, fk = self.spec, self.fused
-        n = h.shape[0]
-        tables = [rope_cos_sin(meta.positions, f, sc) for f, sc in zip(self.inv_freqs, self.rope_scales)]
-        plans = [self.attention.plan(meta, f) for f in self.inv_freqs]
-        proj = self._linear if self.batch_invariant else functools.partial(fk.linear_or_parts, linear=self._linear)
-        gemma = s.gemma
-        g = dict(gemma=True) if gemma else {}
-        pending = post_ff = total = None
-        for li, w in enumerate(self.layers):
-            fi = w["freq"]
-            if pending is None:
-                x = fk.rms_norm(h, w["ln1"], s.rms_eps, **g)
-            elif gemma:
-                h, x = fk.add_rms_norm(h, pending, w["ln1"], s.rms_eps, gemma=True, y_weight=post_ff)
-            else:
-                h, x = fk.add_rms_norm(h, pending, w["ln1"], s.rms_eps)
-            qkv = proj(x, w["wqkv"], w["bqkv"])
-            qk = dict(q_norm=w["qn"], k_norm=w["kn"], eps=s.rms_eps, **g) if s.qk_norm else {}
-            q = fk.rope_qkv_write(qkv, *tables[fi], k_cache[li], v_cache[li], meta.slot_mapping,
-                                  s.num_heads, s.num_kv_heads, **qk)
-            o = self._attend(q, meta, k_cache, v_cache, li, plans)
-            if mass:
-                m = self.attention.mass(q, meta, k_cache[li], v_cache[li], self.inv_freqs[fi], s.sm_scale,
-                                        window=w["window"], plan=plans[fi])
-                total = m if total is None else total + m
-                if li == mass - 1:
-                    return total
-            y = proj(o.reshape(n, -1), w["wo"], w["bo"])
-            if gemma:  # h + post_attn(y), then pre_ff: one kernel
-                h, x = fk.add_rms_norm(h, y, w["pre_ff"], s.rms_eps, gemma=True, y_weight=w["post_attn"])
-                pending = proj(fk.silu_mul(proj(x, w["wgu"]), h.dtype, gelu_tanh=True), w["wd"])
-                post_ff = w["post_ff"]
-            else:
-                h, x = fk.add_rms_norm(h, y, w["ln2"], s.rms_eps)
-                pending = proj(fk.silu_mul(proj(x, w["wgu"]), h.dtype), w["wd"])
-        if logits_index is not None:
-            h = h[logits_index]
-            pending = pending[:, logits_index] if pending.dim() == 3 else pending[logits_index]
-        if gemma:
-            _, x = fk.add_rms_norm(h, pending, self.final_norm, s.rms_eps, gemma=True, y_weight=post_ff)
-        else:
-            _, x = fk.add_rms_norm(h, pending, self.final_norm, s.rms_eps)
-        return self._linear(x, self.lm_head).float()

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from ..intmath import cdiv
 from .attention import AttentionMetadata
 from .llama import LlamaFamilyModel, _rms_norm
+from .passes import PagedPass
 
 # NVLink multicast (NVLS) off in NCCL, PyTorch's symmetric memory and NVSHMEM: set in every
 # process that takes part, the library's own workers included.
@@ -224,7 +225,7 @@ class TensorParallelModel(LlamaFamilyModel):
 
     def _shard_forward(self, input_ids, meta, k_cache, v_cache, logits_index):
         s = self.spec
-        h, _ = self._layers(self._embed(input_ids), meta, k_cache, v_cache)  # this rank's heads
+        h = self._run_layers(self._embed(input_ids), PagedPass(self, meta, k_cache, v_cache))  # this rank's heads
         if logits_index is not None:
             h = h[logits_index]
         part = self._linear(self._norm(h, self.final_norm, s.rms_eps), self.lm_head).float().contiguous()

@@ -330,7 +330,7 @@ def test_layer1_key_deviation_from_cached_layer0_equals_dense_probe_on_triton(ti
 @pytest.mark.parametrize("depth", [1.0, 0.25])
 def test_fused_attention_mass_equals_unfused_layers(tiny_cuda, tokenizer, monkeypatch, depth):
     """The question's mass pass runs on the forward's fused kernels; it gives the mass of
-    the unfused layer loop (``_layers(mass=True)``), over every layer or the first ones."""
+    the unfused layers (``PagedPass`` with ``mass``), over every layer or the first ones."""
     from lazyllm.engine.recovery import Recovery
 
     seen = []
