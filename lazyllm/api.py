@@ -269,7 +269,9 @@ class LazyLLM:
         - ``messages``: the conversation so far, OpenAI-shaped (``role`` system / user /
           assistant with ``tool_calls`` / tool with ``tool_call_id``); ``question``, when given,
           is appended as the last user turn. ``chunks`` attach to the first user message (or a
-          message may carry its own ``"chunks"``), so an agent's steps reuse their KV.
+          message may carry its own ``"chunks"``), so an agent's steps reuse their KV. Earlier
+          turns are chat-template turns with tools or tool turns, else folded into the question
+          (``lazyllm.inputs.conversation.keeps_turns``, the rule the adapters and server follow).
 
         When ``max_new_tokens`` ends the answer first, ``finish_reason`` is ``"length"``,
         ``parsed`` is None and ``text`` holds the partial output.
