@@ -108,7 +108,7 @@ class LazyLLM:
         # process: stop it first (weakly referenced, so the LazyLLM can still be freed)
         _LIVE_ENGINES.add(self.engine)
         self._readiness = Readiness()
-        self._readiness.begin(self)  # the warm-up where config.warmup, else ready at once
+        self._readiness.begin(self.warmup if config.warmup else None)  # the warm-up, else ready at once
 
     # the options as the running configuration holds them (``llm.config``)
     quality = _from_config("quality")
@@ -379,7 +379,8 @@ class LazyLLM:
         before the first request (``lazyllm.engine.warmup``; skipped on CPU). Runs once
         (``LazyLLM(warmup=True)`` calls it); returns its report: ``seconds``, ``kernels_compiled``,
         ``decode_graphs``, ``prefill_graphs``, ``capture_s``, ``requests``, ``skipped``."""
-        return self._readiness.warm(self, self.config.progress if progress is None else progress)
+        return self._readiness.warm(self.engine, self.inputs.synthetic,
+                                    self.config.progress if progress is None else progress)
 
     @property
     def ready(self) -> bool:
