@@ -3,10 +3,10 @@
 Triton compiles a kernel the first time it meets a new specialization: a new value of a
 ``constexpr`` (the launcher's key-tile loop, tiles, split-K on or off, a sliding window...), an
 integer argument that starts or stops being 1 or a multiple of 16 (split counts, table widths,
-strides), or a pointer of another dtype or alignment. A compile takes seconds (a load from
-Triton's disk cache, much less), and a CUDA graph captured for a new batch or width bucket
-costs a forward and the capture. Without a warm-up the first requests pay for all of it while
-they wait.
+strides), or a pointer of another dtype or alignment. A compile is slow (a load from Triton's
+disk cache much less so; BENCHMARKS.md, time to ready), and a CUDA graph captured for a new
+batch or width bucket costs a forward and the capture. Without a warm-up the first requests
+pay for all of it while they wait.
 
 ``warm_up(engine, make_request)`` (``LazyLLM.warmup``) runs, on CUDA, everything the engine can
 launch for this model and pool before the first request. It chooses no shape itself; it asks
