@@ -234,8 +234,8 @@ class LlamaIndexLLM(FunctionCallingLLM):
         tools = {k: kwargs.pop(k) for k in TOOL_KWARGS if k in kwargs}
         sys_text = join_system([p for p in (self.system_prompt, system) if p])
         if keeps_turns(turn_kinds(messages), tools.get("tools")):  # tools or tool turns: real turns
-            messages_ = openai_messages(messages, sys_text)
-            return RagRequest(None, extra), {**self._sampling(kwargs), **tools, "messages": messages_}
+            turns = openai_messages(messages, sys_text)
+            return RagRequest(None, extra), {**self._sampling(kwargs), **tools, "messages": turns}
         req = chat_to_request(messages, sys_text)
         req.chunks = extra + req.chunks
         return req, {**self._sampling(kwargs), **tools}
