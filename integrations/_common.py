@@ -6,20 +6,11 @@ types into a :class:`RagRequest` and back.
 
 Conversation history
 --------------------
-The engine renders one request as a single user turn of the model's chat template:
-``[system][documents...][question]``, where the documents are cached chunks. Chat
-frameworks send whole conversations, so earlier turns are folded into the question text,
-after the question itself, like this::
-
-    <latest user message>
-
-    Conversation so far:
-    User: <earlier user message>
-    Assistant: <earlier assistant message>
-
-The latest message comes first so that the ``Question:`` label the engine puts in front
-of the question text stays attached to the actual question. Documents are never folded
-into this text: they always travel as chunks, whichever message carried them.
+Whether earlier turns stay chat-template turns or are folded into the question text is one
+rule, ``lazyllm.inputs.conversation.keeps_turns`` (turns with tools or tool turns, folded
+otherwise, as ``fold_history`` writes them); every adapter and the server decide with it.
+Documents are never folded into the text: they always travel as chunks, whichever message
+carried them.
 """
 from __future__ import annotations
 
@@ -29,13 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lazyllm import Chunk, GenerationOutput, InvalidRequestError, LazyLLM
+from lazyllm.inputs.conversation import fold_turns
 from lazyllm.presets import QUALITY_OPTIONS
 from lazyllm.stream import TextStream
 
 from .remote_tools import RemoteAsk, StreamedCalls, request_fields
-
-HISTORY_HEADER = "Conversation so far:"
-ROLE_LABELS = {"user": "User", "assistant": "Assistant", "tool": "Tool", "system": "System"}
 
 
 @dataclass
@@ -46,16 +35,6 @@ class RagRequest:
     question: str
     chunks: list[Chunk] = field(default_factory=list)
     system: str | None = None
-
-
-def fold_history(question: str, history: list[tuple[str, str]]) -> str:
-    """The question text with earlier turns ``(role, text)`` appended as a transcript
-    (see the module docstring). ``role`` is ``user``, ``assistant`` or ``tool``."""
-    turns = [(r, t.strip()) for r, t in history if t and t.strip()]
-    if not turns:
-        return question
-    lines = [f"{ROLE_LABELS.get(r, r.title())}: {t}" for r, t in turns]
-    return f"{question.strip()}\n\n{HISTORY_HEADER}\n" + "\n".join(lines)
 
 
 def request_from_messages(messages: Iterable[tuple[str, str, list[Chunk]]], system_parts: list[str] | None = None,
@@ -80,11 +59,7 @@ def request_from_turns(turns: list[tuple[str, str]], chunks: list[Chunk], system
                        user: str = "user") -> RagRequest:
     """The request a chat transcript asks: the last ``user`` turn is the question, the
     other turns are folded into it (``fold_history``), system texts are joined."""
-    last_user = max((i for i, (r, _) in enumerate(turns) if r == "user"), default=None)
-    if last_user is None:
-        raise InvalidRequestError(f"the messages need a {user} message with text (the question)")
-    history = turns[:last_user] + turns[last_user + 1:]
-    return RagRequest(fold_history(turns[last_user][1], history), chunks, join_system(system_parts))
+    return RagRequest(fold_turns(turns, user), chunks, join_system(system_parts))
 
 
 def join_system(parts: list[str]) -> str | None:

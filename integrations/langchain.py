@@ -67,6 +67,7 @@ from langchain_core.prompt_values import ChatPromptValue, PromptValue, StringPro
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from lazyllm import GenerationOutput, InvalidRequestError, LazyLLM
+from lazyllm.inputs.conversation import keeps_turns
 
 from ._common import (
     GenerationStream,
@@ -98,7 +99,7 @@ from .langchain_tools import (
     last_chunk_message,
     pop_structured,
     to_openai_messages,
-    uses_tools,
+    turn_kinds,
     with_structured_output,
 )
 from .minilm_langchain import BundledMiniLMEmbeddings
@@ -290,13 +291,14 @@ class ChatLazyLLM(_EngineParams, BaseChatModel):
         return with_structured_output(self, schema, method=method, include_raw=include_raw, **kwargs)
 
     def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]):
-        """``(RagRequest, options)`` of a call: with tools or a response format, the
-        conversation goes as real turns (``messages=``) with its documents as chunks."""
+        """``(RagRequest, options)`` of a call: where ``keeps_turns`` says so (tools, tool
+        turns) the conversation goes as real turns (``messages=``) with its documents as
+        chunks; otherwise it is folded into the question."""
         extra = pop_structured(kwargs)
-        options = self._sampling(stop, kwargs)
-        if not extra and not uses_tools(messages):
+        options = {**self._sampling(stop, kwargs), **extra}
+        if not keeps_turns(turn_kinds(messages), extra.get("tools")):
             return messages_to_request(messages), options
-        options.update(extra, messages=to_openai_messages(messages, message_parts))
+        options["messages"] = to_openai_messages(messages, message_parts)
         return RagRequest(None), options
 
     @property

@@ -40,9 +40,10 @@ def pop_structured(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: kwargs.pop(k) for k in STRUCTURED_KWARGS if k in kwargs}
 
 
-def uses_tools(messages: Sequence[BaseMessage]) -> bool:
-    """Whether the conversation has tool calls or results (then it needs real turns)."""
-    return any(isinstance(m, ToolMessage) or (isinstance(m, AIMessage) and m.tool_calls) for m in messages)
+def turn_kinds(messages: Sequence[BaseMessage]) -> list[dict]:
+    """Each message's role and tool calls, OpenAI-shaped, for ``keeps_turns``."""
+    return [{"role": "tool" if isinstance(m, ToolMessage) else m.type,
+             "tool_calls": m.tool_calls if isinstance(m, AIMessage) else None} for m in messages]
 
 
 def _artifact_chunks(m: BaseMessage) -> list[Chunk]:

@@ -74,6 +74,7 @@ from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, Query
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
 from lazyllm import Chunk, GenerationOutput, InvalidRequestError, LazyLLM
+from lazyllm.inputs.conversation import keeps_turns
 
 from ._common import (
     GenerationStream,
@@ -97,6 +98,7 @@ from .llama_index_tools import (
     openai_messages,
     prepare_chat_with_tools,
     tool_selections,
+    turn_kinds,
 )
 from .minilm_llama_index import BundledMiniLMEmbedding, MiniLMEmbedding
 
@@ -230,13 +232,13 @@ class LlamaIndexLLM(FunctionCallingLLM):
         extra = list(kwargs.pop("chunks", None) or [])
         system = kwargs.pop("system", None)
         tools = {k: kwargs.pop(k) for k in TOOL_KWARGS if k in kwargs}
-        if tools or any(m.role == MessageRole.TOOL for m in messages):
-            sys_text = join_system([p for p in (self.system_prompt, system) if p])
-            tools["messages"] = openai_messages(messages, sys_text)
-            return RagRequest(None, extra), {**self._sampling(kwargs), **tools}
-        req = chat_to_request(messages, join_system([p for p in (self.system_prompt, system) if p]))
+        sys_text = join_system([p for p in (self.system_prompt, system) if p])
+        if keeps_turns(turn_kinds(messages), tools.get("tools")):  # tools or tool turns: real turns
+            turns = openai_messages(messages, sys_text)
+            return RagRequest(None, extra), {**self._sampling(kwargs), **tools, "messages": turns}
+        req = chat_to_request(messages, sys_text)
         req.chunks = extra + req.chunks
-        return req, self._sampling(kwargs)
+        return req, {**self._sampling(kwargs), **tools}
 
     @staticmethod
     def _completion(out: GenerationOutput) -> CompletionResponse:

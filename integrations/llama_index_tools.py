@@ -143,6 +143,12 @@ def openai_messages(messages: Sequence[ChatMessage], system: str | None) -> list
     return out
 
 
+def turn_kinds(messages: Sequence[ChatMessage]) -> list[dict]:
+    """Each message's role and tool calls, OpenAI-shaped, for ``keeps_turns``."""
+    return [{"role": m.role.value if isinstance(m.role, MessageRole) else str(m.role),
+             "tool_calls": m.additional_kwargs.get("tool_calls")} for m in messages]
+
+
 def chat_message(out: GenerationOutput) -> ChatMessage:
     """The assistant message of a result (calls in ``additional_kwargs["tool_calls"]``)."""
     if out.tool_calls or out.text.startswith(CALL_OPEN):  # calls (maybe cut off): never markup as content

@@ -109,7 +109,7 @@ class LazyLLM:
         # process: stop it first (weakly referenced, so the LazyLLM can still be freed)
         _LIVE_ENGINES.add(self.engine)
         self._readiness = Readiness()
-        self._readiness.begin(self)  # the warm-up where config.warmup, else ready at once
+        self._readiness.begin(self.warmup if config.warmup else None)  # the warm-up, else ready at once
 
     # the options as the running configuration holds them (``llm.config``)
     quality = _from_config("quality")
@@ -270,7 +270,9 @@ class LazyLLM:
         - ``messages``: the conversation so far, OpenAI-shaped (``role`` system / user /
           assistant with ``tool_calls`` / tool with ``tool_call_id``); ``question``, when given,
           is appended as the last user turn. ``chunks`` attach to the first user message (or a
-          message may carry its own ``"chunks"``), so an agent's steps reuse their KV.
+          message may carry its own ``"chunks"``), so an agent's steps reuse their KV. Earlier
+          turns are chat-template turns with tools or tool turns, else folded into the question
+          (``lazyllm.inputs.conversation.keeps_turns``, the rule the adapters and server follow).
 
         When ``max_new_tokens`` ends the answer first, ``finish_reason`` is ``"length"``,
         ``parsed`` is None and ``text`` holds the partial output.
@@ -378,7 +380,8 @@ class LazyLLM:
         before the first request (``lazyllm.engine.warmup``; skipped on CPU). Runs once
         (``LazyLLM(warmup=True)`` calls it); returns its report: ``seconds``, ``kernels_compiled``,
         ``decode_graphs``, ``prefill_graphs``, ``capture_s``, ``requests``, ``skipped``."""
-        return self._readiness.warm(self, self.config.progress if progress is None else progress)
+        return self._readiness.warm(self.engine, self.inputs.synthetic,
+                                    self.config.progress if progress is None else progress)
 
     @property
     def ready(self) -> bool:

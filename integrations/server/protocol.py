@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lazyllm import Chunk, GenerationOutput
 from lazyllm.errors import InvalidRequestError
+from lazyllm.inputs.conversation import keeps_turns
 from lazyllm.structured.tools import CALL_OPEN
 
 from .._common import request_from_messages
@@ -223,9 +224,10 @@ def _content_text(m: ChatMessageIn, i: int) -> str:
 
 def _needs_conversation(body: ChatCompletionRequest) -> bool:
     """Tools, or a conversation with tool calls or results, go to the engine as messages (the
-    calls and results are rendered in the model's tool format, not folded into a question)."""
-    return bool(body.tools) or any(m.role in ("tool", "function") or (m.model_extra or {}).get("tool_calls")
-                                   for m in body.messages)
+    calls and results are rendered in the model's tool format, not folded into a question):
+    ``keeps_turns``, the rule every entry point follows."""
+    return keeps_turns([{"role": m.role, "tool_calls": (m.model_extra or {}).get("tool_calls")}
+                        for m in body.messages], body.tools)
 
 
 def conversation_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:

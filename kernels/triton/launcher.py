@@ -29,7 +29,7 @@ from .decode import _merge_splits, _paged_decode_fwd
 from .prefill import _paged_attn_fwd
 from .rope import delta_runs, rope_table
 
-__all__ = ["paged_attention_triton", "LaunchPlan", "specialization"]
+__all__ = ["paged_attention_triton", "LaunchPlan", "specialization", "launch_variants", "first_of_each_variant"]
 
 _DEFAULT_OPTIONS = KernelOptions()
 _NUM_SMS: dict = {}
@@ -123,6 +123,42 @@ def specialization(plan: LaunchPlan, width: int, row_stride: int, plane: int) ->
     parts = plan.num_splits * (plan.ppt if plan.decode_kernel else 1) * (2 if plan.ape else 1)
     return chosen + (_int_class(plan.num_splits), _int_class(width), _int_class(row_stride),
                      next_pow2(parts, 2) if parts > 1 else 0, plane % 4 == 0, plane % 2 == 0)
+
+
+def launch_variants(model, k_cache, v_cache, batch: int, max_seqlen_q: int, width: int, row_stride: int,
+                    plane: int | None = None) -> frozenset:
+    """The launcher's variants for one attention launch shape: the ``specialization`` of the
+    ``LaunchPlan`` that ``plan_launch`` (the function each launch calls) makes, for every layer
+    kind (sliding window, RoPE table) of ``model`` (a ``LlamaFamilyModel``) over the caches of
+    one layer. The page, position, delta and length tables are the planes of one int32 tensor,
+    ``plane`` entries apart (default ``batch * width``, an eager step's packed tables). Two
+    shapes with the same variants run the same compiled kernels."""
+    plane = batch * width if plane is None else plane
+    att, spec = model.attention, model.spec
+    q = torch.empty((1, spec.num_heads, spec.head_dim), device=k_cache.device, dtype=k_cache.dtype)
+    table = torch.zeros((batch, width), dtype=torch.int32, device=k_cache.device)
+    opts = att.options or KernelOptions()
+    keys = set()
+    for window, fi in sorted({(w or 0, fi) for w, fi in zip(model.windows, model.freq_index)}):
+        inv = model.inv_freqs[fi]
+        p = plan_launch(q, k_cache[0], v_cache[0], table, inv, batch, max_seqlen_q, inv.numel() > 0,
+                        att.batch_invariant, att.padding_finite, opts, window, att.calibrated)
+        keys.add(specialization(p, width, row_stride, plane))
+    return frozenset(keys)
+
+
+def first_of_each_variant(points, variants_of) -> list:
+    """The first point (in the order given: cheapest first) of each new set of launch variants
+    (``variants_of(point)``, e.g. ``launch_variants``): the points that compile something the
+    earlier ones did not."""
+    seen: set = set()
+    out = []
+    for p in points:
+        new = variants_of(p) - seen
+        if new:
+            seen |= new
+            out.append(p)
+    return out
 
 
 def _validate(q, k_cache, v_cache, inv_freq) -> None:

@@ -165,6 +165,19 @@ class Engine:
         """Run ``fn()`` on the engine thread between steps and return its result."""
         return self.submit(_Call(fn)).wait()
 
+    def when_idle(self, fn: Callable[[], bool], timeout_s: float = 600.0) -> None:
+        """Run ``fn()`` on the engine thread once no request waits or runs (requests served
+        meanwhile come first), again until it returns True (it could run)."""
+        deadline = time.perf_counter() + timeout_s
+
+        def idle() -> bool:
+            return not self.scheduler.running and not self.scheduler.waiting and fn()
+
+        while not self.call(idle):
+            if time.perf_counter() > deadline:
+                raise TimeoutError("the engine never became idle for a warm-up step")
+            time.sleep(0.01)
+
     @contextmanager
     def scratch(self) -> Iterator[Callable[[], None]]:
         """Work that leaves no trace (the warm-up's synthetic requests): nothing it computes

@@ -13,9 +13,11 @@ reuse mode holds that mode's behaviour:
   prefix (as vLLM), and hands the prompt's full pages to the store after the prefill.
 * ``NonePolicy``: full attention, nothing reused.
 
-Work for entries that several requests of one admission round need is gathered once per
-key (``pending_prefixes`` then ``pending_chunks``: a chunk encoded after the prefix needs
-the prefix's KV first) and run by the engine's prefill.
+A policy writes no planner state: its ``plan`` returns a ``Reservation`` (what it found
+cached and what the request must compute), and the planner applies it. Work for entries that
+several requests of one admission round need is gathered once per key (``pending_prefixes``
+then ``pending_chunks``: a chunk encoded after the prefix needs the prefix's KV first) and run
+by the engine's prefill.
 
 A request's pages and page table live in its ``Allocation`` (``page_table.py``), the one object that edits
 table entries: the policies build the table, the scheduler asks it for a new page
@@ -25,7 +27,7 @@ it for private copies (``privatize``), and the decode state's device mirror only
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..cache.disk_tier import DiskTier
 from ..cache.store import ChunkStore, Entry, segment_keys
@@ -37,8 +39,32 @@ from .request import ChunkSpan, Job, PrefillPlan, Request, TableEntry, entry_tab
 
 @dataclass
 class PendingEntry:
+    """A cache entry being computed in this round and the prefill job that computes it."""
+
     entry: Entry
     job: Job
+
+
+@dataclass
+class Reservation:
+    """What a policy's ``plan`` found and reserved for one request, for the planner to apply.
+
+    ok : whether everything the request needs was reserved (else the planner undoes it).
+    lookups : ``(hit, tokens)`` of each cache lookup, counted once the request is admitted.
+    prefixes, chunks : entries this request created and must compute, by key.
+    disk_hits : entries found in the disk tier (loaded, counted whether or not ``ok``).
+    """
+
+    ok: bool = True
+    lookups: list[tuple[bool, int]] = field(default_factory=list)
+    prefixes: dict[bytes, PendingEntry] = field(default_factory=dict)
+    chunks: dict[bytes, PendingEntry] = field(default_factory=dict)
+    disk_hits: int = 0
+
+    def failed(self) -> Reservation:
+        """This reservation, marked as not enough (the pool could not hold the request)."""
+        self.ok = False
+        return self
 
 
 class KVPlanner:
@@ -57,7 +83,6 @@ class KVPlanner:
         # prefill work gathered while admitting one round: key -> pending entry
         self.pending_prefixes: dict[bytes, PendingEntry] = {}
         self.pending_chunks: dict[bytes, PendingEntry] = {}
-        self.lookups: list[tuple[bool, int]] = []  # (hit, tokens) of the plan being made
 
     # -- planning ---------------------------------------------------------------------
     def plan(self, r: Request) -> bool:
@@ -65,17 +90,19 @@ class KVPlanner:
         decode_pages = cdiv(r.params.max_new_tokens + 1, self.page_size)
         self.allocation(r)
         r.plan = PrefillPlan()
-        self.lookups = []
-        ok = self.policy.plan(self, r, decode_pages)
-        if not ok:
+        found = self.policy.plan(self, r, decode_pages)
+        if found.disk_hits:
+            self.metrics["disk_hits"] = self.metrics.get("disk_hits", 0) + found.disk_hits
+        if not found.ok:
             self.unplan(r)
-        else:
-            # a request waiting for pages is planned again every step: its lookups count
-            # once, when it is admitted, or cache_stats' hit rate would count the waiting
-            for hit, n in self.lookups:
-                self.store.record(hit, n)
-        self.lookups = []
-        return ok
+            return False
+        self.pending_prefixes.update(found.prefixes)
+        self.pending_chunks.update(found.chunks)
+        # a request waiting for pages is planned again every step: its lookups count
+        # once, when it is admitted, or cache_stats' hit rate would count the waiting
+        for hit, n in found.lookups:
+            self.store.record(hit, n)
+        return True
 
     def unplan(self, r: Request) -> None:
         """Give back what planning reserved and forget what it counted, so the request can
@@ -131,13 +158,13 @@ class KVPlanner:
                                         [c.ids for c in segs[1:-1]])
         return r.alloc.keys
 
-    def lookup_or_create(self, r: Request, key: bytes, n: int, stored_pos: int, kind: str):
+    def lookup_or_create(self, r: Request, key: bytes, n: int, stored_pos: int, kind: str, found: Reservation):
         """Pinned entry for ``key`` and whether ``r`` must compute it; ``(None, False)`` when
-        the pool cannot hold it."""
+        the pool cannot hold it. The lookup is noted in ``found``, not in the planner."""
         e = self.store.acquire(key, pending_ok=True)
         if e is not None:
             r.alloc.hold(e)
-            self.lookups.append((True, n))
+            found.lookups.append((True, n))
             return e, False  # ready, or computed once in this round for whoever created it
         e = self.store.create(key, n, stored_pos, kind)
         if e is None:
@@ -145,11 +172,11 @@ class KVPlanner:
         r.alloc.hold(e)
         if self.disk is not None and self.disk.load(e):
             self.store.mark_ready(e)
-            self.lookups.append((True, n))
-            self.metrics["disk_hits"] = self.metrics.get("disk_hits", 0) + 1
+            found.lookups.append((True, n))
+            found.disk_hits += 1
             return e, False
         r.plan.computed_tokens += n
-        self.lookups.append((False, n))
+        found.lookups.append((False, n))
         return e, True
 
 
@@ -162,7 +189,9 @@ class ReusePolicy:
     def prefill_cost(self, planner: KVPlanner, r: Request) -> int:
         return r.num_prompt_tokens
 
-    def plan(self, planner: KVPlanner, r: Request, decode_pages: int) -> bool:
+    def plan(self, planner: KVPlanner, r: Request, decode_pages: int) -> Reservation:
+        """Reserve what ``r`` needs (in ``r.alloc`` and ``r.plan``) and return what was found
+        and reserved; the planner applies it (policies write no planner state)."""
         raise NotImplementedError
 
     def after_prefill(self, planner: KVPlanner, r: Request) -> None:
@@ -184,19 +213,20 @@ class LazyPolicy(ReusePolicy):
                 cost += len(seg.ids)
         return cost
 
-    def plan(self, planner: KVPlanner, r: Request, decode_pages: int) -> bool:
+    def plan(self, planner: KVPlanner, r: Request, decode_pages: int) -> Reservation:
         ps = planner.page_size
         segs = r.prefill_segments
         prefix, chunks, suffix = segs[0], segs[1:-1], segs[-1]
         P = len(prefix.ids)
         table: list[TableEntry] = []
+        found = Reservation()
         # the shared prefix (system prompt and template header), positions 0..P-1
         pkey, chunk_keys = planner.segment_keys(r)
-        pe, need = planner.lookup_or_create(r, pkey, P, 0, "prefix")
+        pe, need = planner.lookup_or_create(r, pkey, P, 0, "prefix", found)
         if pe is None:
-            return False
+            return found.failed()
         if need:
-            planner.pending_prefixes[pkey] = PendingEntry(pe, Job(prefix.ids, 0, pe.pages, []))
+            found.prefixes[pkey] = PendingEntry(pe, Job(prefix.ids, 0, pe.pages, []))
         else:
             r.plan.cached_tokens += P
         prefix_entries = entry_table(pe.pages, pe.num_tokens, 0, 0, ps)
@@ -208,12 +238,12 @@ class LazyPolicy(ReusePolicy):
         for c, key in zip(chunks, chunk_keys):
             n = len(c.ids)
             stored = P if after_prefix else 0
-            ce, need = planner.lookup_or_create(r, key, n, stored, "chunk")
+            ce, need = planner.lookup_or_create(r, key, n, stored, "chunk", found)
             if ce is None:
-                return False
+                return found.failed()
             if need:
                 ctx = prefix_entries if after_prefix else []
-                planner.pending_chunks[key] = PendingEntry(ce, Job(c.ids, stored, ce.pages, ctx))
+                found.chunks[key] = PendingEntry(ce, Job(c.ids, stored, ce.pages, ctx))
             else:
                 r.plan.cached_tokens += n
                 r.plan.cached_chunk_tokens += n
@@ -222,17 +252,17 @@ class LazyPolicy(ReusePolicy):
             table += entries
             pos += n
         if r.warm_only:
-            return True
+            return found
         # the suffix in private pages
         S = len(suffix.ids)
         own = r.alloc.take_private(cdiv(S, ps))
         if own is None:
-            return False
+            return found.failed()
         plan = r.plan
         plan.spans, plan.own, plan.suffix_ids, plan.suffix_pos = spans, own, list(suffix.ids), pos
         r.alloc.set_table(table)
         if not self.place(r, plan) or not planner.has_decode_room(decode_pages):
-            return False
+            return found.failed()
         table = list(r.alloc.table)
         plan.ctx_range = (spans[0].start, pos) if spans else None
         plan.job = Job(suffix.ids, pos, own, list(table), logit_rows=r.logit_rows, ctx=plan.ctx_range)
@@ -240,7 +270,7 @@ class LazyPolicy(ReusePolicy):
         plan.computed_tokens += S
         r.alloc.extend_table(planner.own_table(own, pos, S))
         r.state.next_pos = pos + S
-        return True
+        return found
 
     def place(self, r: Request, plan: PrefillPlan) -> bool:
         """Make the cached part of the request's table (``r.alloc``) what its attention
@@ -265,24 +295,25 @@ class FullPromptPolicy(ReusePolicy):
     """Full attention: the request computes its whole prompt, less what ``reuse_prefix``
     finds cached (the base of ``NonePolicy`` and ``PrefixPolicy``)."""
 
-    def reuse_prefix(self, planner: KVPlanner, r: Request, ids: list[int]):
-        """``(table of reused pages, tokens reused, chain keys)``."""
+    def reuse_prefix(self, planner: KVPlanner, r: Request, ids: list[int], found: Reservation):
+        """``(table of reused pages, tokens reused, chain keys)``; lookups noted in ``found``."""
         raise NotImplementedError
 
-    def plan(self, planner: KVPlanner, r: Request, decode_pages: int) -> bool:
+    def plan(self, planner: KVPlanner, r: Request, decode_pages: int) -> Reservation:
         ids = r.prompt_ids
         N = len(ids)
-        table, m, keys = self.reuse_prefix(planner, r, ids)
+        found = Reservation()
+        table, m, keys = self.reuse_prefix(planner, r, ids, found)
         rest = ids[m:]
         own = r.alloc.take_private(cdiv(len(rest), planner.page_size))
         if own is None or not planner.has_decode_room(decode_pages):
-            return False
+            return found.failed()
         r.plan.job = Job(rest, m, own, list(table), logit_rows=r.logit_rows)
         r.plan.chain = (keys, m // planner.page_size)
         r.plan.computed_tokens = len(rest)
         r.alloc.set_table(table + planner.own_table(own, m, len(rest)))
         r.state.next_pos = N
-        return True
+        return found
 
 
 class NonePolicy(FullPromptPolicy):
@@ -290,7 +321,7 @@ class NonePolicy(FullPromptPolicy):
 
     name = "none"
 
-    def reuse_prefix(self, planner: KVPlanner, r: Request, ids: list[int]):
+    def reuse_prefix(self, planner: KVPlanner, r: Request, ids: list[int], found: Reservation):
         return [], 0, []
 
 
@@ -299,7 +330,7 @@ class PrefixPolicy(FullPromptPolicy):
 
     name = "prefix"
 
-    def reuse_prefix(self, planner: KVPlanner, r: Request, ids: list[int]):
+    def reuse_prefix(self, planner: KVPlanner, r: Request, ids: list[int], found: Reservation):
         ps = planner.page_size
         N = len(ids)
         keys = []
@@ -318,8 +349,8 @@ class PrefixPolicy(FullPromptPolicy):
             table.append(TableEntry(e.pages[0], m * ps, 0, ps))
             m += 1
         if m:
-            planner.lookups.append((True, m * ps))
-        planner.lookups.append((False, N - m * ps))
+            found.lookups.append((True, m * ps))
+        found.lookups.append((False, N - m * ps))
         r.plan.cached_tokens = m * ps
         return table, m * ps, keys
 

@@ -26,6 +26,7 @@ from ..model.attention import AttentionMetadata
 from .cuda_graphs import DecodeState, GraphRunner, PrefillGraphs, SharedPlanBuffers
 from .pinned import PinnedTurns
 from .request import Job, Request, TableEntry, entry_table, pack_tables, slot_of
+from .runner_warm import RunnerWarmUp
 from .sampler import Sampler
 
 
@@ -46,8 +47,9 @@ class DecodeStep:
     picks: tuple | None = None
 
 
-class ModelRunner:
-    """Forwards of one model over one page pool (engine thread only)."""
+class ModelRunner(RunnerWarmUp):
+    """Forwards of one model over one page pool (engine thread only); its warm-up steps and
+    shapes in ``RunnerWarmUp``."""
 
     supports_shared = True  # shared-chunk decode (a runner that ships metadata elsewhere says no)
     SHARED_EXTEND = 4  # pages a row may grow by before its shared-chunk plan is made again
@@ -204,23 +206,19 @@ class ModelRunner:
         pos = list(range(W * ps, W * ps + T))
         self.prefill_graphs.run([0] * T, pos, [scratch * ps] * T, table, mass=mass)
 
-    def dummy_copies(self) -> None:
-        """Page copies of 1, 16 and 17 pages (Triton specializes an integer argument on being
-        1 and on being a multiple of 16), scratch page to scratch page, rotated by 0."""
+    def dummy_copy(self, n: int) -> None:
+        """A re-rotated copy of ``n`` pages, scratch page to scratch page, rotated by 0."""
         scratch = self.pool.scratch_page
-        for n in (1, 16, 17):
-            self.copy_pages([(scratch, scratch, 0)] * n)
+        self.copy_pages([(scratch, scratch, 0)] * n)
 
-    def dummy_key_probes(self, layer: int) -> None:
-        """The key-deviation probe of ``layer`` (quality recovery's) over the scratch page at
-        short and long shortlists and at table widths on and off a multiple of 16."""
+    def dummy_key_probe(self, layer: int, W: int, n: int) -> None:
+        """The key-deviation probe of ``layer`` (quality recovery's) over a ``W``-entry table
+        naming the scratch page, for a shortlist of ``n`` tokens."""
         ps, scratch = self.pool.page_size, self.pool.scratch_page
-        for W in (64, 65):
-            table = [TableEntry(scratch, i * ps, 0, ps) for i in range(W)]
-            for n in (16, 17, 200, 1100):
-                pos = list(range(W * ps, W * ps + n))
-                ids_t, _, meta = self.metadata([0] * n, pos, [scratch * ps] * n, [0, n], [table], n, [])
-                self.model.probe_keys_paged(ids_t, meta, self.pool.k, self.pool.v, layer)
+        table = [TableEntry(scratch, i * ps, 0, ps) for i in range(W)]
+        pos = list(range(W * ps, W * ps + n))
+        ids_t, _, meta = self.metadata([0] * n, pos, [scratch * ps] * n, [0, n], [table], n, [])
+        self.model.probe_keys_paged(ids_t, meta, self.pool.k, self.pool.v, layer)
 
     # -- decode --------------------------------------------------------------------------
     def launch_decode(self, reqs: list[Request], pending: dict[int, int], dead: set[int]) -> DecodeStep:

@@ -70,6 +70,27 @@ class Recovery:
     def enabled(self) -> bool:
         return self.first_tokens > 0 or self.ratio > 0 or self.bridge_tokens > 0
 
+    # -- its warm-up: the launches whose shapes requests leave open -------------------------
+    def mass_passes(self) -> list[int]:
+        """Layers of the prefill graphs' attention-mass passes recovery replays: 0 (the plain
+        graph), and ``mass_layers`` where it selects tokens by the question's attention."""
+        by_attention = self.ratio > 0 and self.selection in ("attention", "two-stage")
+        return [0, self.mass_layers] if by_attention else [0]
+
+    def warm_launches(self) -> bool:
+        """Run recovery's eager launches at the shapes the warm-up's requests do not pin down
+        (engine thread, while no request runs): page copies of 1, 16 and 17 pages (Triton
+        specializes an integer argument on being 1 and on being a multiple of 16), and where it
+        selects by key deviation the layer-1 probe at short and long shortlists over tables on
+        and off a multiple of 16 entries wide."""
+        for n in (1, 16, 17):
+            self.runner.dummy_copy(n)
+        if self.ratio > 0 and self.probe_layer == 1 and hasattr(self.model, "probe_keys_paged"):
+            for W in (64, 65):
+                for n in (16, 17, 200, 1100):
+                    self.runner.dummy_key_probe(1, W, n)
+        return True
+
     def apply(self, r: Request) -> None:
         """Once the request's chunk KV is in the pool, rewrite its plan so that its prefill
         also recomputes the chosen chunk tokens. If the pool cannot give the page copies,

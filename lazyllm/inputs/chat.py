@@ -23,7 +23,7 @@ from ..types import Chunk, ToolCall
 from .prompt import _MARK, DOC_HEADER, PromptBuilder
 from .prompt import check_text as _check_text
 
-__all__ = ["build_conversation", "FALLBACK_TOOL_PROMPT"]
+__all__ = ["build_conversation", "normalize_messages", "FALLBACK_TOOL_PROMPT"]
 
 FALLBACK_TOOL_PROMPT = (
     "You can call these tools (JSON Schema of each one's arguments):\n<tools>\n{tools}\n</tools>\n"
@@ -72,8 +72,10 @@ def _calls(i: int, m: dict) -> list[ToolCall]:
     return out
 
 
-def _normalize(messages: list, native: bool) -> tuple[list[dict], int | None, list[Chunk]]:
-    """Messages for the template, the index of the one that carries its own chunks, those."""
+def normalize_messages(messages: list, native: bool = False) -> tuple[list[dict], int | None, list[Chunk]]:
+    """Messages for the template (``native``: tool calls and results in the template's own
+    format), the index of the one that carries its own chunks, those; raises
+    ``InvalidRequestError`` for a malformed message."""
     out, at, chunks, ids = [], None, [], set()
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
@@ -136,7 +138,7 @@ def build_conversation(prompts: PromptBuilder, messages: list, chunks: list[Chun
         raise InvalidRequestError("messages must be a non-empty list of message dicts")
     tok = prompts.tok
     native = bool(tools) and _template_takes_tools(tok)
-    msgs, at, own = _normalize(list(messages), native)
+    msgs, at, own = normalize_messages(list(messages), native)
     if own and chunks:
         raise InvalidRequestError("give chunks either as the argument or in one message, not both")
     chunks = own or chunks
@@ -166,6 +168,6 @@ def build_conversation(prompts: PromptBuilder, messages: list, chunks: list[Chun
             raise InvalidRequestError(f"the model's chat template refused the messages: {e}") from None
     pre, post = rendered.split(_MARK)
     segs = [Segment("prefix", prompts.encode(pre))]
-    segs += [Segment("chunk", prompts.encode(prompts.chunk_text(c)), c) for c in chunks]
+    segs += [Segment("chunk", prompts.chunk_ids(c), c) for c in chunks]  # keyed as in every other request
     segs.append(Segment("suffix", prompts.encode(post)))
     return segs

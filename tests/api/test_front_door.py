@@ -79,3 +79,37 @@ def test_warming_and_scoring_requests(door):
 def test_structured_requests_carry_their_constraint_and_finalize(door):
     r = door.generation("Pick one.", response_format=["yes", "no"])
     assert r.constraint is not None and r.finalize is not None
+
+
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+
+
+def test_a_chunk_has_one_cache_key_whatever_renders_the_request(tokenizer):
+    """A chunk's segment, and so its cache key, is the same in a plain request, a conversation
+    and a tool request, and equals what a router's ``ChunkKeyer`` computes: packet ids included
+    (here the shipped packet of the default model)."""
+    from lazyllm.cache.store import segment_keys
+    from lazyllm.inputs import ChunkKeyer
+    from lazyllm.model.packets import SHIPPED_DIR, load_packets
+
+    packet = next(p for p in map(load_packets, sorted(SHIPPED_DIR.glob("*.safetensors"))) if p.info.get("default"))
+    ids = packet.ids(len(tokenizer))
+    assert ids[0] or ids[1]  # the shipped packet puts virtual ids around each chunk
+    door = InputProcessor(tokenizer, PromptBuilder(tokenizer, ids), max_context=2048, vocab_size=len(tokenizer))
+    doc = Chunk("Paris is the capital of France.")
+    requests = {
+        "plain": door.generation("Which city?", [doc]),
+        "conversation": door.generation(None, [doc], messages=[
+            {"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."},
+            {"role": "user", "content": "Which city?"}]),
+        "tools": door.generation("Which city?", [doc], tools=[WEATHER]),
+        "response_format": door.generation(None, [doc], messages=[{"role": "user", "content": "Which city?"}],
+                                           response_format=["Paris", "Rome"]),
+    }
+    router = ChunkKeyer(tokenizer, "fp", "isolated", packet_ids=ids).keys([doc])[0]
+    for how, r in requests.items():
+        (seg,) = [s for s in r.segments if s.kind == "chunk"]
+        assert seg.ids[:len(ids[0])] == ids[0] and seg.ids[len(seg.ids) - len(ids[1]):] == ids[1], how
+        assert segment_keys("fp", "isolated", [], [seg.ids])[1][0] == router[0], how

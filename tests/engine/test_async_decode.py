@@ -139,8 +139,7 @@ def test_randomized_mix_equals_one_step_at_a_time(tokenizer):
             batch.append(req)
         outs = {}
         for overlap in (False, True):
-            llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=90 * page_bytes)
-            llm.engine.async_decode = overlap
+            llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=90 * page_bytes, overlap_decode=overlap)
             got = [None] * len(batch)
 
             def work(i, llm=llm, got=got, batch=batch):

@@ -60,8 +60,7 @@ def test_pool_pressure_preempts_and_outputs_stay_identical(tokenizer, overlap):
     solo = [big.generate(q, chunks=c, max_new_tokens=n).token_ids for q, c, n in reqs]
     spec = big.model.spec
     page_bytes = 2 * spec.num_layers * 16 * spec.num_kv_heads * spec.head_dim * 4
-    small = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=60 * page_bytes)
-    small.engine.async_decode = overlap
+    small = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=60 * page_bytes, overlap_decode=overlap)
     assert _run_concurrently(small, reqs, 10) == solo
     m = small.engine.metrics
     assert m["preemptions"] > 0 or small.cache_stats()["evictions"] > 0

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from lazyllm.engine.kv_planner import KVPlanner, NonePolicy, PrefixPolicy
+from lazyllm.engine.kv_planner import KVPlanner, NonePolicy, PrefixPolicy, Reservation
 from lazyllm.engine.page_table import Allocation
 from lazyllm.engine.request import TableEntry
 from tests.engine.fakes import make_request, make_store
@@ -145,6 +145,36 @@ def test_unfinished_reservations_are_dropped_with_their_last_holder():
     assert planner.pending_chunks  # b still waits for it
     planner.release(b)
     assert not planner.pending_chunks and not planner.pending_prefixes and not planner.store.entries
+
+
+@pytest.mark.parametrize("reuse", ["lazy", "block", "prefix", "none"])
+def test_a_policy_returns_what_it_found_and_writes_no_planner_state(reuse):
+    planner = _planner(reuse)
+    first = make_request(P, [A, B], [40], max_new_tokens=2)
+    assert planner.plan(first)
+    _finish_prefill(planner, first)
+    r = make_request(P, [B, A], [41], max_new_tokens=2)  # the prefix and chunks now cached
+    before = {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(planner).items()}
+    planner.allocation(r)
+    r.plan = type(first.plan)()
+    found = planner.policy.plan(planner, r, decode_pages=1)
+    after = {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(planner).items()}
+    assert after == before  # nothing of the planner's written: the policy only returned
+    assert isinstance(found, Reservation) and found.ok and found.disk_hits == 0
+    if planner.caches_chunks:  # prefix, B, A: every lookup a hit, nothing to compute
+        assert found.lookups == [(True, len(P)), (True, len(B)), (True, len(A))]
+        assert not found.prefixes and not found.chunks
+    elif reuse == "prefix":  # the first full page of the identical prefix is reused
+        assert found.lookups[0] == (True, PS) and found.lookups[-1][0] is False
+    else:
+        assert found.lookups == []
+    # a request with new chunks: what it must compute comes back, for the planner to gather
+    fresh = make_request(P, [list(range(50, 57))], [42], max_new_tokens=2)
+    planner.allocation(fresh)
+    fresh.plan = type(first.plan)()
+    got = planner.policy.plan(planner, fresh, decode_pages=1)
+    assert got.ok and not planner.pending_chunks and not planner.pending_prefixes
+    assert list(got.chunks) == ([planner.segment_keys(fresh)[1][0]] if planner.caches_chunks else [])
 
 
 # -- the allocation: the one writer of a request's table -----------------------------------

@@ -3,8 +3,11 @@ after ready (fed with Triton's hook events directly: nothing compiles on CPU), a
 warm-up's synthetic requests through a real engine on CPU, which must leave no trace."""
 from __future__ import annotations
 
+import ast
+import inspect
 import logging
 import os
+from pathlib import Path
 
 import pytest
 
@@ -110,7 +113,7 @@ def test_warm_up_requests_leave_no_trace(tokenizer, tmp_path, kw, caplog):
         # read between engine steps (the step that answered adds its time after the answer)
         stats, metrics = llm.engine.call(lambda: (llm.cache_stats(), dict(llm.engine.metrics)))
         with caplog.at_level("WARNING", logger="lazyllm"):
-            report = wu.warm_up(llm, progress=False, on_cpu=True)
+            report = wu.warm_up(llm.engine, llm.inputs.synthetic, progress=False, on_cpu=True)
         assert report["skipped"] is None and report["requests"] > 20
         assert not [r.getMessage() for r in caplog.records if "warm-up" in r.getMessage()]
         llm.engine.flush_disk()
@@ -124,10 +127,11 @@ def test_warm_up_requests_leave_no_trace(tokenizer, tmp_path, kw, caplog):
 
 
 def test_prefill_lengths_cover_every_launch_plan_of_a_dense_sweep(tokenizer):
-    """The chunk lengths the warm-up prefills reach every launch plan (constexprs and integer
-    and pointer specializations, from the launcher's own ``plan_launch``) that any length up
-    to the longest does."""
+    """The chunk lengths the runner gives the warm-up reach every launch plan (constexprs and
+    integer and pointer specializations, from the launcher's own ``plan_launch``) that any
+    length up to the longest does."""
     from lazyllm.intmath import cdiv
+    from lazyllm.kernels.triton.launcher import launch_variants
 
     model = make_tiny("llama", hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=128)
     llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=1 << 26, attention_backend="triton", page_size=64)
@@ -135,13 +139,14 @@ def test_prefill_lengths_cover_every_launch_plan_of_a_dense_sweep(tokenizer):
         r = llm.engine.runner
 
         def keys(n):
-            return wu._launch_keys(r.model, r.pool, 1, n, cdiv(n, 64), cdiv(n, 64))
+            return launch_variants(r.model, r.pool.k, r.pool.v, 1, n, cdiv(n, 64), cdiv(n, 64))
 
-        lengths = wu._prefill_lengths(r, 3000)
+        shapes = r.warm_shapes(3064)  # the longest prefill: 3000 tokens
+        lengths = shapes.prefill_lengths
         reached = set().union(*(keys(n) for n in lengths))
-        assert len(lengths) < 40 and reached == set().union(*(keys(n) for n in range(2, 3001)))
-        points = wu._question_points(r, 64)
-        assert points and all(b * n <= r.max_batch_tokens for b, n, _ in points)
+        assert max(lengths) <= 3000 and len(lengths) < 40
+        assert reached == set().union(*(keys(n) for n in range(2, 3001)))
+        assert shapes.questions and all(b * n <= r.max_batch_tokens for b, n, _ in shapes.questions)
     finally:
         llm.close()
 
@@ -154,7 +159,8 @@ def test_padded_decode_steps_leave_answers_unchanged(tokenizer, backend):
     try:
         before = llm.generate("Where?", chunks=["The lamp is in room 7."], max_new_tokens=5).token_ids
         e = llm.engine
-        assert all(e.call(lambda B=B, W=W: wu._empty_decode(e, B, W)) for B, W in ((1, 16), (4, 32), (16, 16)))
+        for B, W in ((1, 16), (4, 32), (16, 16)):
+            e.call(lambda B=B, W=W: e.runner.dummy_decode(B, W))
         assert llm.generate("Where?", chunks=["The lamp is in room 7."], max_new_tokens=5).token_ids == before
     finally:
         llm.close()
@@ -180,3 +186,27 @@ def test_every_compiled_launch_choice_is_in_the_launch_specialization():
         changed = specialization(replace(base, **{f.name: other}), 8, 8, 64) != key
         assert changed == (f.name not in _NOT_COMPILED or f.name == "num_splits"), f.name
     assert specialization(base, 16, 8, 64) != key and specialization(base, 8, 8, 66) != key
+
+
+def _foreign_private_attributes(tree) -> list[str]:
+    """``x._name`` read or written where ``x`` is not ``self`` / ``cls`` (a class's own)."""
+    out = []
+    for node in ast.walk(tree):
+        private = isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+        if private and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            out.append(f"{ast.unparse(node)} (line {node.lineno})")
+    return out
+
+
+def test_the_warm_up_driver_reaches_no_private_attribute_of_another_part():
+    """The driver only asks the owners (runner, recovery, engine, the front door's request
+    maker); it reaches into none of them."""
+    src = Path(wu.__file__).read_text()
+    assert _foreign_private_attributes(ast.parse(src)) == []
+    assert _foreign_private_attributes(ast.parse("e.runner._graphs.run()")) == ["e.runner._graphs (line 1)"]
+    assert "plan_launch" not in src and "LaunchPlan" not in src  # the shapes are the runner's and launcher's
+
+
+def test_the_warm_up_takes_the_engine_and_the_front_doors_request_maker():
+    params = list(inspect.signature(wu.warm_up).parameters)
+    assert params[:2] == ["engine", "make_request"]

@@ -135,9 +135,10 @@ def test_batch_invariant_8b_layer_shapes_equal_solo(tokenizer, overlap):
     with torch.device("cuda"):
         model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     reqs = _requests(64, seed=5)
-    llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=2 << 30, batch_invariant=True)
+    # overlapped decode (the default on CUDA) or one step at a time
+    llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=2 << 30, batch_invariant=True,
+                  overlap_decode=overlap)
     llm.engine.output.eos_ids = set()  # random weights: every request runs to its length
-    llm.engine.async_decode = overlap  # overlapped decode (the default on CUDA) or one step at a time
     solo = [llm.generate(q, chunks=c, max_new_tokens=n).token_ids for q, c, n in reqs]
     llm.clear_cache()
     steps_before = llm.engine.metrics["decode_steps"]

@@ -32,7 +32,7 @@ from llama_index.core.base.response.schema import StreamingResponse
 from llama_index.core.schema import MetadataMode, TextNode
 
 from lazyllm import Chunk, InvalidRequestError, LazyLLM
-from lazyllm.integrations._common import HISTORY_HEADER
+from lazyllm.inputs.conversation import HISTORY_HEADER
 from lazyllm.integrations.chroma import BundledMiniLM, ChromaRetriever, as_llama_index, ingest
 from lazyllm.integrations.langchain import (
     BundledMiniLMEmbeddings,

@@ -1,7 +1,7 @@
 """The quality benchmark's --quick slice: sanity of its measurements, and the configured
 default setting against the benchmark's quality targets (``quality.THRESHOLDS``).
 
-Runs the real default model on CPU (about a minute and a half on 2 cores)."""
+Runs the real default model on CPU (marked slow)."""
 import math
 
 import pytest

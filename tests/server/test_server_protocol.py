@@ -170,7 +170,7 @@ def test_a_non_streaming_client_that_leaves_cancels_its_request(server, llm, htt
     before = http.get("/metrics").text
     with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=1.0) as c, \
             pytest.raises(httpx.ReadTimeout):
-        # 2000 tokens take the tiny model about 15 s on this CPU; the client gives up after 1 s
+        # 2000 tokens take the tiny model far longer than the client's 1 s before it gives up
         c.post("/v1/chat/completions", json=_body(max_tokens=2000, documents=["A document to pin."]))
     deadline = time.monotonic() + 5
     while llm.engine.metrics["cancelled"] == cancelled:
