@@ -71,7 +71,6 @@ from lazyllm import GenerationOutput, InvalidRequestError, LazyLLM
 from ._common import (
     GenerationStream,
     RagRequest,
-    RemoteLazyLLM,
     build_engine,
     call_sampling,
     device_from_hf,
@@ -102,6 +101,7 @@ from .langchain_tools import (
     with_structured_output,
 )
 from .minilm_langchain import BundledMiniLMEmbeddings
+from .remote import RemoteLazyLLM
 from .tagged import decode_prompt, encode_prompt
 
 PROVIDER = "lazyllm"

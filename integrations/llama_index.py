@@ -78,7 +78,6 @@ from lazyllm import Chunk, GenerationOutput, InvalidRequestError, LazyLLM
 from ._common import (
     GenerationStream,
     RagRequest,
-    RemoteLazyLLM,
     build_engine,
     call_sampling,
     device_from_hf,
@@ -99,6 +98,7 @@ from .llama_index_tools import (
     tool_selections,
 )
 from .minilm_llama_index import BundledMiniLMEmbedding, MiniLMEmbedding
+from .remote import RemoteLazyLLM
 
 dispatcher = instrument.get_dispatcher(__name__)
 
