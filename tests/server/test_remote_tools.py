@@ -13,7 +13,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 from tests.server.conftest import KEY, MODEL  # noqa: E402
-from tests.tool_models import Node, Person  # noqa: E402
+from tests.tool_models import SAVED, Node, Person, save  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -89,15 +89,6 @@ def test_remote_langchain_with_structured_output(remote_chat, method):
         assert isinstance(out["parsed"], dict)
     else:
         assert isinstance(out["parsed"], Person)
-
-
-SAVED: list = []
-
-
-def save(person: Person) -> str:
-    """Save a person."""
-    SAVED.append(Person.model_validate(person))
-    return "saved"
 
 
 def test_remote_llama_index_function_tool_with_a_model_argument(server):
