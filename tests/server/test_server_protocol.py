@@ -129,6 +129,8 @@ def test_429_carries_retry_after():
         assert r.status_code == 429, r.text
         assert int(r.headers["retry-after"]) >= 1
         assert r.json()["error"]["type"] == "rate_limit_error"
+        # the limit and what fills it, not "serving 0 requests, its limit"
+        assert "its limit of 1 requests at once (1 running" in r.json()["error"]["message"], r.text
 
 
 def test_health_answers_while_a_near_limit_body_is_refused(server, http):
