@@ -29,9 +29,10 @@ DOCS = [
 # what the test wants):
 # - structured output with the Pydantic Joke (field descriptions in the schema): the model
 #   repeats "I'm a cat, ..." inside "setup" until max_tokens, so the JSON is cut ("length");
-#   in process the TypedDict and JSON Schema variants pass, through the server they repeat
-#   too. On Gemma 3 270M (base) the Pydantic case and the optional-parameter one pass
-#   unchanged (tests/integrations/test_model_choice_gemma.py).
+#   in process and through the remote ChatLazyLLM the TypedDict and JSON Schema variants pass,
+#   through ChatOpenAI they repeat too (last run: docs/server.md). On Gemma 3 270M (base) the
+#   Pydantic case and the optional-parameter one pass unchanged
+#   (tests/integrations/test_model_choice_gemma.py).
 # - pydantic_2_v1: the v1 Joke repeats the same way. Gemma 3 270M writes a complete Joke for
 #   the class, but for its schema dict (no "additionalProperties", so other keys are allowed)
 #   it copies the schema's keys ("type", "properties") after the two fields until max_tokens.
