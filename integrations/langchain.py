@@ -72,7 +72,6 @@ from lazyllm.inputs.conversation import keeps_turns
 from ._common import (
     GenerationStream,
     RagRequest,
-    RemoteLazyLLM,
     build_engine,
     call_sampling,
     device_from_hf,
@@ -103,6 +102,7 @@ from .langchain_tools import (
     with_structured_output,
 )
 from .minilm_langchain import BundledMiniLMEmbeddings
+from .remote import RemoteLazyLLM
 from .tagged import decode_prompt, encode_prompt
 
 PROVIDER = "lazyllm"

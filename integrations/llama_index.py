@@ -79,7 +79,6 @@ from lazyllm.inputs.conversation import keeps_turns
 from ._common import (
     GenerationStream,
     RagRequest,
-    RemoteLazyLLM,
     build_engine,
     call_sampling,
     device_from_hf,
@@ -101,6 +100,7 @@ from .llama_index_tools import (
     turn_kinds,
 )
 from .minilm_llama_index import BundledMiniLMEmbedding, MiniLMEmbedding
+from .remote import RemoteLazyLLM
 
 dispatcher = instrument.get_dispatcher(__name__)
 

@@ -4,8 +4,15 @@
 >>> llm = LazyLLM()                               # embedded default model, offline
 >>> out = llm.generate("Who wrote it?", chunks=["doc one ...", Chunk("doc two ...", id="d2")])
 >>> out.text, out.usage.cached_tokens, out.ttft_s
+
+``LazyLLM`` is imported on first use (it brings torch and transformers): the ``lazyllm``
+command checks its arguments before paying for them.
 """
-from .api import LazyLLM
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     CacheCapacityError,
     ContextLengthError,
@@ -18,7 +25,20 @@ from .errors import (
 from .stream import TextStream
 from .types import Chunk, GenerationOutput, Grammar, Regex, SamplingParams, ScoreOutput, ToolCall, Usage
 
+if TYPE_CHECKING:
+    from .api import LazyLLM
+
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """Import ``LazyLLM`` on first access (PEP 562)."""
+    if name == "LazyLLM":
+        value = importlib.import_module(".api", __name__).LazyLLM
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "LazyLLM", "TextStream", "Chunk", "GenerationOutput", "SamplingParams", "ScoreOutput", "Usage", "Regex",

@@ -4,6 +4,11 @@
   OpenAI-compatible server (``lazyllm serve --help`` lists the options).
 - ``lazyllm adapt DOCUMENTS --out PACKET [--model M] ...``: train a chunk packet on your
   documents and print the fidelity report before and after (``lazyllm adapt --help``).
+- ``lazyllm quality CASES [--settings ...]``: the fidelity report
+  (``python -m lazyllm.quality``).
+
+Each command checks its arguments with light imports only: a bad flag is a one-line usage
+error in well under a second, before torch, transformers or the engine are imported.
 """
 from __future__ import annotations
 
@@ -15,10 +20,12 @@ USAGE = """usage: lazyllm <command> [options]
 commands:
   serve    serve a model over an OpenAI-compatible HTTP API (lazyllm serve --help)
   adapt    train a chunk packet on your documents for fidelity without recompute (lazyllm adapt --help)
+  quality  the fidelity report of reuse settings on your cases (lazyllm quality --help)
 """
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``lazyllm <command> [options]``: the exit status."""
     args = sys.argv[1:] if argv is None else list(argv)
     if not args:  # no command is a usage error, as argparse makes it for a subcommand's arguments
         print(USAGE, end="", file=sys.stderr)
@@ -46,21 +53,22 @@ def main(argv: list[str] | None = None) -> int:
         return serve(rest)
     if command == "adapt":
         return adapt_main(rest)
+    if command == "quality":
+        from lazyllm.quality.cli import main as quality
+
+        quality(rest, prog="lazyllm quality")
+        return 0
     print(f"lazyllm: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2
 
 
-def adapt_main(argv: list[str]) -> int:
-    """``lazyllm adapt``: arguments of ``lazyllm.quality.adapt``."""
+def adapt_parser():
+    """``lazyllm adapt``'s arguments, with ``adapt``'s defaults (so the two entry points train
+    the same recipe)."""
     import argparse
-    import inspect
-    import json
-    from pathlib import Path
 
-    from lazyllm.quality.adapt import adapt
+    from lazyllm.quality.checks import ADAPT_DEFAULTS as dflt
 
-    # the notebook function's defaults, so the two entry points train the same recipe
-    dflt = {k: p.default for k, p in inspect.signature(adapt).parameters.items()}
     ap = argparse.ArgumentParser(prog="lazyllm adapt", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                  description="Train a learned chunk packet on your documents "
                                  "(self-distillation from full attention, no labels) and report fidelity on "
@@ -82,11 +90,21 @@ def adapt_main(argv: list[str]) -> int:
     ap.add_argument("--no-report", action="store_true", help="skip the fidelity report")
     ap.add_argument("--json", default=None, help="write the report and the training log here")
     ap.add_argument("--seed", type=int, default=0, help="seed of the document split, the cases and the training")
-    a = ap.parse_args(argv)
-    from lazyllm import InvalidRequestError, LazyLLM
-    from lazyllm.quality.adapt import check_recipe
+    return ap
 
-    # every argument checked before the model loads and training starts (minutes)
+
+def adapt_main(argv: list[str]) -> int:
+    """``lazyllm adapt``: arguments of ``lazyllm.quality.adapt``."""
+    import json
+    from pathlib import Path
+
+    from lazyllm.errors import InvalidRequestError
+    from lazyllm.quality.checks import ADAPT_DEFAULTS as dflt
+    from lazyllm.quality.checks import check_recipe
+
+    ap = adapt_parser()
+    a = ap.parse_args(argv)
+    # every argument checked before torch is imported, the model loads and training starts (minutes)
     try:
         check_recipe(k_header=a.k_header, k_trailer=a.k_trailer, cases=a.cases, heldout=a.heldout,
                      heldout_cases=a.heldout_cases, docs_per_case=dflt["docs_per_case"], steps=a.steps,
@@ -95,6 +113,9 @@ def adapt_main(argv: list[str]) -> int:
         ap.error(str(e))
     if not Path(a.documents).expanduser().exists():
         ap.error(f"documents: {a.documents!r} does not exist")
+    from lazyllm import LazyLLM
+    from lazyllm.quality.adapt import adapt
+
     try:
         llm = LazyLLM(a.model, device=a.device, reuse="none", packets=None, kv_cache_bytes=256 << 20)
         res = adapt(llm, a.documents, out=a.out, questions=a.questions, k_header=a.k_header, k_trailer=a.k_trailer,

@@ -12,29 +12,40 @@ Each field's ``metadata`` carries ``help`` and, where the values are a fixed set
 Quality recovery's token selections are a registry (``register_selection``): the engine
 registers its own, a benchmark may register more, and ``recompute_selection`` is checked
 against the names registered.
+
+Light to import (no torch: the module imports it where a device or dtype is resolved), so a
+command line checks its flags before it pays for torch and transformers.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import os
+import re
+import sys
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidRequestError
-from .kernels.options import KernelOptions
+from .option_docs import OPTION_DOCS
 from .presets import PRESETS, QUALITY_OPTIONS
+
+if TYPE_CHECKING:
+    import torch
+
+    from .kernels.options import KernelOptions
 
 REUSE_MODES = ("lazy", "block", "prefix", "none")
 CHUNK_CACHING_MODES = ("lazy", "block")  # the modes that cache chunk KV
 CHUNK_CONTEXTS = ("isolated", "prefix")
 BACKENDS = ("auto", "torch", "triton")
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+# dtype option names -> the torch dtype's name (``getattr(torch, ...)``)
+DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+          "bfloat16": "bfloat16", "bf16": "bfloat16"}
+# the device strings checked without torch; any other string is checked by ``torch.device``
+_DEVICE = re.compile(r"(cpu|cuda|mps|xpu|meta)(:\d+)?")
 BUILTIN_SELECTIONS = ("deviation", "attention", "two-stage")
 # a JSON string's length bound under constrained decoding, where the schema sets none
 # (characters): long enough for names, sentences and short paragraphs, short enough that a
@@ -77,142 +88,8 @@ def selection(name: str) -> Callable:
 
 
 # -- the configuration ------------------------------------------------------------------
-# what each option does, in full: LazyLLM's docstring (``options_docstring``) and the README's option
-# table (``options_markdown``) are made from it; a key names one field, or several that share a text
-OPTION_DOCS: dict[str, str] = {
-    "device": (
-        '``"auto"`` (CUDA when present), ``"cpu"``, ``"cuda"``, ``"cuda:1"``...'
-    ),
-    "dtype": (
-        "``None`` for float32 on CPU and bfloat16 on CUDA, or a torch dtype / name."
-    ),
-    "reuse": (
-        '``"lazy"`` (zero-copy chunk reuse, positions applied in the attention kernel), ``"block"`` '
-        '(Block-Attention baseline: per-request re-rotated copy), ``"prefix"`` (full attention, '
-        'identical-prefix reuse, as vLLM), ``"none"``.'
-    ),
-    "chunk_context": (
-        '``"isolated"`` (a chunk attends to itself only) or ``"prefix"`` (to the shared system prefix and '
-        "itself)."
-    ),
-    "kv_cache_bytes": (
-        "byte budget of the KV page pool (default: 1 GiB on CPU, 40% of free memory on CUDA)."
-    ),
-    "page_size": (
-        "tokens per KV page (default: 64 with the Triton kernels on CUDA, where a key tile then lies in one "
-        "page and the kernels rotate the query once per chunk instead of every key tile; 16 otherwise)."
-    ),
-    "attention_backend": (
-        '``"auto"`` (Triton on CUDA, torch reference on CPU), ``"torch"`` or ``"triton"`` (on CPU, the '
-        "kernels run in Triton's interpreter: for tests)."
-    ),
-    "max_batch_tokens": (
-        "the prefill token budget of one engine step: requests are admitted together until their prompts "
-        "reach it (a longer request is admitted alone)."
-    ),
-    "recompute_first_tokens": (
-        "quality recovery: at query time, recompute the first this many tokens of every chunk with full "
-        "context (their KV replaces the cached one for that request only; the cache stays reusable). 0 "
-        "switches it off. Only meaningful with ``reuse`` ``lazy`` or ``block``."
-    ),
-    "recompute_ratio": (
-        "quality recovery: also recompute, with full context, this fraction of the chunk tokens whose keys at "
-        "an early layer deviate most from full attention (CacheBlend-style selection). 0 switches it off."
-    ),
-    "recompute_selection": (
-        'how ``recompute_ratio`` picks its tokens: ``"deviation"`` (default, CacheBlend: layer-1 keys '
-        'farthest from full attention\'s), ``"attention"`` (the tokens the question attends to most in a first '
-        'pass over the cached KV; one extra forward of the question; more faithful than ``"deviation"`` on '
-        'the default model) or ``"two-stage"`` (ProphetKV-style: that attention shortlists twice the budget, '
-        "ranked then by attention times key deviation; the ``balanced`` preset's choice)."
-    ),
-    "recompute_selection_depth": (
-        'the leading fraction of the layers the ``"attention"`` and ``"two-stage"`` first pass runs (1, '
-        "default and ``balanced``'s: all; less is cheaper)."
-    ),
-    "context_temperature, context_lse_scale": (
-        "APE-style calibration of how the question and the generated tokens read the retrieved documents, "
-        "without recompute and without touching the cached KV: the documents' logits are divided by the "
-        "temperature and their log-sum-exp multiplied by the scale (``reference.paged_attention_ref``'s "
-        "``ctx_temperature`` / ``ctx_lse_scale``; fused into the Triton kernels). 1 and 1 (default): off. "
-        "Decode steps with it run the per-request kernel (no shared-chunk decode); not with "
-        "``tensor_parallel`` yet."
-    ),
-    "quality": (
-        "a named fidelity preset (``lazyllm.presets.PRESETS``), measured on the default model (README, "
-        '"Answer fidelity"): ``"fast"`` (``chunk_context="prefix"``, nothing recomputed), ``"balanced"`` '
-        "(``fast`` plus the first 4 tokens of each chunk and 14% of chunk tokens, chosen by the question's "
-        'attention and key deviation, recomputed with full context, per request), ``"exact"`` '
-        '(``reuse="prefix"``: full attention), or ``"block-ft"`` for Block-Attention fine-tuned checkpoints '
-        "(isolated chunks in the prompt layout they were trained with, ``lazyllm.inputs.prompt_blockft``). "
-        '``None`` (default): each option\'s own default (``reuse="lazy"``, ``chunk_context="isolated"``, no '
-        "recovery). Options passed explicitly (``reuse``, ``chunk_context``, ``recompute_*``) override the "
-        "preset's. ``lazyllm.quality.compare`` measures them on your own data."
-    ),
-    "kv_disk_dir, kv_disk_bytes": (
-        "an optional persistent tier for chunk KV (safetensors files, validated against the model "
-        "fingerprint, settings and a checksum; atomic writes; LRU size cap): chunks computed once survive "
-        "restarts. Written in the background; ``close()`` waits for pending writes."
-    ),
-    "trust_remote_code": (
-        "passed to transformers; off unless you ask."
-    ),
-    "progress": (
-        "show progress bars while the model downloads and loads, and during the warm-up."
-    ),
-    "batch_invariant": (
-        "compute every token exactly as it would be computed alone: projections in fixed blocks of 128 rows "
-        "and one attention launch configuration for prefill and decode (no split-K). In bfloat16/float16, "
-        "GEMM libraries otherwise pick kernels by batch size, so a greedy answer can change in rare near-ties "
-        "depending on what else runs in the same step. Costs speed (decode at batch 1 and long prefills are "
-        "slower); off by default. float32 answers were batch-independent in our tests without it."
-    ),
-    "overlap_decode": (
-        "launch decode step ``n + 1`` (its tokens fed from step ``n``'s picks on the device) before the host "
-        "reads step ``n``, so the GPU never waits for the host's per-step work. Greedy, sampled and "
-        "constrained batches; token for token the same as stepping one at a time. ``None`` (default): on "
-        "where decode runs from CUDA graphs."
-    ),
-    "kernel_options": (
-        "a ``lazyllm.kernels.KernelOptions`` for the Triton launch choices (prefill kernel, key-tile loop, "
-        "tiles, splits), for A/B measurements; ``None``: the measured defaults."
-    ),
-    "tensor_parallel": (
-        "shard the model over this many processes, one per GPU (torch.distributed: NCCL on CUDA, gloo on "
-        "CPU): attention and KV heads, the MLP and the LM head's vocabulary split across ranks, an all-reduce "
-        "after the output and down projections. This process is rank 0 and runs the engine; the library "
-        "starts and stops the others (``close()``). Must divide the model's attention heads, KV heads and MLP "
-        "size, and on CUDA be at most the GPUs present. A checkpoint is loaded on the CPU by every rank, "
-        "which keeps only its shard on its GPU; ``kv_cache_bytes`` is per rank. Not yet with it: CUDA graphs "
-        "and the fused kernels (the forward runs eagerly), ``recompute_ratio`` and ``kv_disk_dir``. The "
-        "workers are spawned and re-import the main module: guard a script's work with ``if __name__ == "
-        '"__main__":``. Default 1 (one process). NVLink multicast stays off (``NCCL_NVLS_ENABLE=0``, '
-        "``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1``)."
-    ),
-    "warmup": (
-        "before the first request, launch every kernel specialization and capture the CUDA graphs this engine "
-        "uses for its model and pool (``warmup()``, with a progress bar; CUDA only: on CPU nothing compiles "
-        "and it is skipped). ``False``: return at once, and the first requests wait for the compiles "
-        '(``cache_stats()["kernels_compiled_after_ready"]``).'
-    ),
-    "packets": (
-        "learned chunk packets (``lazyllm.model.packets``): a packet file trained for this model (``lazyllm "
-        "adapt``) or a ``Packets``; its embeddings are placed around every chunk when the chunk's KV is "
-        "computed and cached with it (each chunk gets ``k_header + k_trailer`` more tokens), which brings "
-        'reused chunks closer to full attention without recomputing anything per request. ``"auto"`` '
-        "(default): the packet shipped for this model and chunk context when there is one (the default "
-        "model's), in the modes that cache chunks; ``None``: none. A packet of another model raises "
-        '``InvalidRequestError``; so does one with ``reuse`` ``"prefix"``/``"none"`` (full attention has no '
-        'chunks to carry it), ``quality="block-ft"`` or ``tensor_parallel``. The packet\'s tokens appear in '
-        "``prompt_segments`` as virtual ids at and past the embedding table's size (not text). A bridge "
-        "packet (``Packets(bridge=True)``) recomputes its trailer per request over the earlier chunks."
-    ),
-    "max_string_length": (
-        "under a JSON ``response_format`` or tools, the longest string (characters) the model may write "
-        "where the schema sets no ``maxLength``, so a weak model closes its strings; the schema's "
-        "``maxLength`` wins. ``None``: unbounded. Default 256."
-    ),
-}
+# what each option does, in full (``lazyllm.option_docs``): LazyLLM's docstring (``options_docstring``)
+# and the README's option table (``options_markdown``) are made from it
 
 
 def _opt(default: Any, help: str, choices: tuple | None = None, **kw) -> Any:
@@ -394,7 +271,8 @@ def _problems(c: EngineConfig) -> list[str]:
 def _value_problems(c: EngineConfig) -> list[str]:
     bad = _choice("reuse", c.reuse, REUSE_MODES) + _choice("chunk_context", c.chunk_context, CHUNK_CONTEXTS)
     bad += _choice("attention_backend", c.attention_backend, BACKENDS)
-    bad += _choice("recompute_selection", c.recompute_selection, selection_names())
+    # the built-in names are valid before the engine (which registers them) is imported
+    bad += _choice("recompute_selection", c.recompute_selection, (*BUILTIN_SELECTIONS, *selection_names()))
     bad += _choice("quality", c.quality, (None, *PRESETS))
     bad += _device_problems(c.device) + _dtype_problems(c.dtype)
     for name in ("context_temperature", "context_lse_scale"):
@@ -425,7 +303,8 @@ def _value_problems(c: EngineConfig) -> list[str]:
             bad.append(f"{name} must be a bool, got {getattr(c, name)!r}")
     if c.overlap_decode is not None and not isinstance(c.overlap_decode, bool):
         bad.append(f"overlap_decode must be a bool or None, got {c.overlap_decode!r}")
-    if c.kernel_options is not None and not isinstance(c.kernel_options, KernelOptions):
+    options = sys.modules.get("lazyllm.kernels.options")  # not imported: no KernelOptions was made
+    if c.kernel_options is not None and (options is None or not isinstance(c.kernel_options, options.KernelOptions)):
         bad.append(f"kernel_options must be a lazyllm.kernels.KernelOptions, got {type(c.kernel_options).__name__}")
     if c.kv_disk_dir is not None and not isinstance(c.kv_disk_dir, (str, os.PathLike)):
         bad.append(f"kv_disk_dir must be a path, got {type(c.kv_disk_dir).__name__}")
@@ -433,8 +312,12 @@ def _value_problems(c: EngineConfig) -> list[str]:
 
 
 def _device_problems(device) -> list[str]:
-    if device is None or device == "auto" or isinstance(device, torch.device):
+    if device is None or device == "auto" or _is_torch(device, "device"):
         return []
+    if isinstance(device, str) and _DEVICE.fullmatch(device):
+        return []
+    import torch
+
     try:
         torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -442,11 +325,17 @@ def _device_problems(device) -> list[str]:
     return []
 
 
+def _is_torch(value, kind: str) -> bool:
+    """Whether ``value`` is a ``torch.<kind>`` (no torch imported: it cannot be one)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, getattr(torch, kind))
+
+
 def _dtype_problems(dtype) -> list[str]:
     if dtype is None or dtype == "auto" or (isinstance(dtype, str) and dtype in DTYPES):
         return []
-    if isinstance(dtype, torch.dtype):
-        ok = dtype in (torch.float32, torch.float16, torch.bfloat16)
+    if _is_torch(dtype, "dtype"):
+        ok = str(dtype).removeprefix("torch.") in DTYPES.values()
         return [] if ok else [f"unsupported dtype {dtype}"]
     return [f"unsupported dtype {dtype!r}; use float32, float16 or bfloat16"]
 
@@ -464,6 +353,8 @@ def warm_skipped(reuse: str, quality: str | None, n_chunks: int) -> dict:
 
 def resolve_device(device) -> torch.device:
     """The torch device of a ``device`` option (``"auto"``: CUDA when present)."""
+    import torch
+
     bad = _device_problems(device)
     if bad:
         raise InvalidRequestError(bad[0])
@@ -477,12 +368,14 @@ def resolve_device(device) -> torch.device:
 
 def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     """The torch dtype of a ``dtype`` option on ``device``."""
+    import torch
+
     bad = _dtype_problems(dtype)
     if bad:
         raise InvalidRequestError(bad[0])
     if dtype is None or dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return dtype if isinstance(dtype, torch.dtype) else DTYPES[dtype]
+    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, DTYPES[dtype])
 
 
 __all__ = ["EngineConfig", "register_selection", "selection_names", "selection", "options_docstring",

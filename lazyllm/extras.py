@@ -6,6 +6,7 @@ project), installed from a clone: ``pip install -e ".[server]"``.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 # extra -> what it enables (for the message)
 EXTRAS = {
@@ -27,11 +28,15 @@ def install_hint(extra: str) -> str:
             f'"pip install lazyllm" installs an unrelated project)')
 
 
-def require(extra: str, *modules: str) -> None:
-    """Import ``modules``; raise ``MissingExtraError`` naming ``extra`` when one is missing."""
+def require(extra: str, *modules: str, load: bool = True) -> None:
+    """Import ``modules`` (``load=False``: only find them, which costs no import time); raise
+    ``MissingExtraError`` naming ``extra`` when one is missing."""
     for name in modules:
         try:
-            importlib.import_module(name)
+            if load:
+                importlib.import_module(name)
+            elif importlib.util.find_spec(name) is None:
+                raise ImportError(f"no module named {name!r}")
         except ImportError as e:
             raise MissingExtraError(f"{EXTRAS.get(extra, extra)} needs the {name!r} package: "
                                     f"{install_hint(extra)}") from e

@@ -42,35 +42,65 @@ functions: ``validate_body`` (bytes -> ``ChatCompletionRequest``), ``parse_chat_
 Streams, one per boundary: ``lazyllm.TextStream`` carries a request's deltas from the engine
 thread to its caller (here, the event loop, woken by the engine thread); ``ray_serve.RayStream``
 from a Ray replica to the ingress; the app's ``_Relay`` from either (a ``GenerationStream``)
-to the HTTP response; ``_common.RemoteStream`` from the HTTP response to a Python client.
+to the HTTP response; ``remote.RemoteStream`` from the HTTP response to a Python client.
+
+The package imports its modules on first use of a name (``from lazyllm.integrations.server
+import create_app``): ``lazyllm serve`` checks its flags (``cli``, ``preflight``) before the
+app, the protocol and the engine are imported.
 """
-# ruff: noqa: E402  (the extra is checked before its modules are imported)
 from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from lazyllm.extras import require
 
-require("server", "fastapi", "uvicorn", "prometheus_client")
+# found, not imported: ``lazyllm serve`` checks its flags before it pays for them
+require("server", "fastapi", "uvicorn", "prometheus_client", load=False)
 
-from lazyllm.structured.call_stream import ToolCallDeltas
+if TYPE_CHECKING:
+    from lazyllm.structured.call_stream import ToolCallDeltas
 
-from .app import create_app
-from .backends import Backend, GenerationStream, LocalBackend, as_backend
-from .cli import build_parser, main
-from .errors import APIError, error_body, error_from_exception
-from .metrics import ServerMetrics
-from .protocol import (
-    ChatCompletionRequest,
-    ChatRequest,
-    DocumentIn,
-    completion_response,
-    documents_to_chunks,
-    new_request_id,
-    parse_chat_request,
-    sse,
-    stream_chunk,
-    usage_json,
-    validate_body,
-)
+    from .app import create_app
+    from .backends import Backend, GenerationStream, LocalBackend, as_backend
+    from .cli import build_parser, main
+    from .errors import APIError, error_body, error_from_exception
+    from .metrics import ServerMetrics
+    from .protocol import (
+        ChatCompletionRequest,
+        ChatRequest,
+        DocumentIn,
+        completion_response,
+        documents_to_chunks,
+        new_request_id,
+        parse_chat_request,
+        sse,
+        stream_chunk,
+        usage_json,
+        validate_body,
+    )
+
+# each export's module
+_EXPORTS = {
+    "ToolCallDeltas": "lazyllm.structured.call_stream", "create_app": ".app",
+    **dict.fromkeys(("Backend", "GenerationStream", "LocalBackend", "as_backend"), ".backends"),
+    **dict.fromkeys(("build_parser", "main"), ".cli"),
+    **dict.fromkeys(("APIError", "error_body", "error_from_exception"), ".errors"),
+    "ServerMetrics": ".metrics",
+    **dict.fromkeys(("ChatCompletionRequest", "ChatRequest", "DocumentIn", "completion_response",
+                     "documents_to_chunks", "new_request_id", "parse_chat_request", "sse", "stream_chunk",
+                     "usage_json", "validate_body"), ".protocol"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import an export's module on first access (PEP 562)."""
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "create_app", "main", "build_parser", "Backend", "GenerationStream", "LocalBackend", "as_backend",

@@ -26,11 +26,13 @@ from lazyllm.structured.call_stream import ToolCallDeltas
 from .backends import Backend, GenerationStream, as_backend
 from .errors import APIError, error_from_exception
 from .metrics import ServerMetrics
-from .protocol import (
+from .preflight import (
     DEFAULT_MAX_CONCURRENCY,
     DEFAULT_MAX_NEW_TOKENS_LIMIT,
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_MAX_TOKENS,
+)
+from .protocol import (
     ChatCompletionRequest,
     completion_response,
     emits_tool_calls,

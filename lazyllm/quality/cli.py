@@ -1,4 +1,7 @@
-"""``python -m lazyllm.quality``: the fidelity report from a shell."""
+"""``python -m lazyllm.quality`` (or ``lazyllm quality``): the fidelity report from a shell.
+
+Every argument is checked with light imports only (no torch, no engine): a bad one is a
+usage error in well under a second, before the model loads or a case is measured."""
 from __future__ import annotations
 
 import argparse
@@ -6,13 +9,16 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from ..api import LazyLLM
 from ..extras import MissingExtraError, require
 from ..presets import PRESETS
 from .cases import load_cases
+from .checks import DEFAULT_SETTINGS, check_settings
 from .metrics import parse_target
-from .report import DEFAULT_SETTINGS, FidelityReport, _settings, compare
+
+if TYPE_CHECKING:
+    from .report import FidelityReport
 
 
 def _parse_settings(text: str) -> list:
@@ -25,8 +31,9 @@ def _parse_settings(text: str) -> list:
     return settings
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m lazyllm.quality",
+def build_parser(prog: str = "python -m lazyllm.quality") -> argparse.ArgumentParser:
+    """The fidelity report's arguments."""
+    ap = argparse.ArgumentParser(prog=prog,
                                  description="Fidelity of lazyllm's reuse settings to full attention on your cases.")
     ap.add_argument("cases", help="JSONL: question, documents, optional system and reference")
     ap.add_argument("--model", default=None, help="model folder / .gguf / hub id (default: the embedded model)")
@@ -49,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: Sequence[str] | None = None) -> FidelityReport:
-    ap = build_parser()
+def main(argv: Sequence[str] | None = None, prog: str = "python -m lazyllm.quality") -> FidelityReport:
+    """Check the arguments, then measure and print the report (and write the files asked for)."""
+    ap = build_parser(prog)
     a = ap.parse_args(argv)
     # everything that can be wrong with the arguments is found before the model loads
     try:
@@ -60,10 +68,14 @@ def main(argv: Sequence[str] | None = None) -> FidelityReport:
         if not cases:
             raise ValueError(f"{a.cases}: no cases")
         settings = _parse_settings(a.settings)
-        _settings(settings)
+        check_settings(settings)
         target = parse_target(a.target)
     except (OSError, ValueError, TypeError, MissingExtraError) as e:
         ap.error(str(e))
+    from lazyllm import LazyLLM
+
+    from .report import compare
+
     t0 = time.perf_counter()
     llm = LazyLLM(a.model, device=a.device, reuse="none", kv_cache_bytes=256 << 20, progress=not a.no_progress)
     try:

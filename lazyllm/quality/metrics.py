@@ -5,8 +5,10 @@ from __future__ import annotations
 import re
 import string
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where used: parse_target serves the command line before torch loads
+    import torch
 
 # what a setting must reach to be recommended when the caller names no target
 DEFAULT_TARGET: dict[str, float] = {"top1": 0.97, "kl": 0.01, "same_answer": 0.9}
@@ -22,6 +24,8 @@ _ALIASES = {"same": "same_answer", "em": "exact_match", "exact": "exact_match", 
 def kl_and_agreement(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[list[float], list[bool]]:
     """Per position: KL(softmax(ref) || softmax(logits)) in nats (float64), and whether the
     two argmaxes agree. Both ``(positions, vocab)``."""
+    import torch
+
     lp = torch.log_softmax(ref_logits.double(), dim=-1)
     lq = torch.log_softmax(logits.double(), dim=-1)
     kl = (lp.exp() * (lp - lq)).sum(-1).clamp_min(0.0)  # >= 0 up to float64 rounding

@@ -12,14 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..api import LazyLLM
-from ..errors import InvalidRequestError
 from ..extras import require
-from ..presets import PRESETS, QUALITY_OPTIONS
+from ..presets import QUALITY_OPTIONS
 from .cases import Case, _as_cases
+from .checks import check_settings as _settings
 from .metrics import _METRICS, _meets, contains_answer, exact_match, kl_and_agreement, parse_target
 
 # the candidates compared when the caller names none: the default and the presets
-DEFAULT_SETTINGS: tuple[str, ...] = ("default", "fast", "balanced", "exact")
 REFERENCE_NAME = "full attention"
 # what recommend() answers when no setting meets the target: full attention's answers, as a
 # preset LazyLLM(quality=...) takes
@@ -148,42 +147,6 @@ class FidelityReport:
 
 
 # -- measurement -------------------------------------------------------------------------
-def _settings(settings: Any) -> list[tuple[str, dict]]:
-    if settings is None:
-        settings = DEFAULT_SETTINGS
-    if isinstance(settings, Mapping):
-        items = list(settings.items())
-    else:
-        items = []
-        for s in settings:
-            items.append((s, None) if isinstance(s, str) else tuple(s))
-    out = []
-    for name, kw in items:
-        if kw is None:
-            if name == "default":
-                kw = {}
-            elif name in PRESETS:
-                kw = {"quality": name}
-            else:
-                raise ValueError(f"unknown setting {name!r}: a preset {tuple(PRESETS)}, 'default', or give "
-                                 f"(name, LazyLLM kwargs)")
-        _check_setting(name, kw)
-        out.append((name, dict(kw)))
-    return out
-
-
-def _check_setting(name: str, kw: Any) -> None:
-    """Raise for a setting ``LazyLLM`` would refuse, before any model loads or case runs."""
-    from ..config import EngineConfig
-
-    if not isinstance(kw, Mapping):
-        raise InvalidRequestError(f"setting {name!r}: its options must be a dict of LazyLLM keyword arguments")
-    try:
-        EngineConfig.resolve(kw.get("quality"), **{k: v for k, v in kw.items() if k != "quality"})
-    except InvalidRequestError as e:
-        raise InvalidRequestError(f"setting {name!r}: {e}") from None
-
-
 def _score(llm: LazyLLM, cases: list[Case], conts: list[list[int]], workers: int):
     def one(i):
         c = cases[i]

@@ -13,34 +13,9 @@ from pydantic import BaseModel, Field
 from lazyllm import InvalidRequestError, LazyLLM
 from lazyllm.structured.formats import DEFAULT_MAX_STRING_LENGTH, bounded
 from tests.conftest import make_tiny
+from tests.tool_models import Node, Person, tool
 
 pytestmark = pytest.mark.timeout(300)
-
-
-class Address(BaseModel):
-    street: str = Field(max_length=12)
-    city: str = Field(max_length=10)
-
-
-class Person(BaseModel):
-    """Save a person."""
-
-    name: str = Field(max_length=10)
-    home: Address
-
-
-class Node(BaseModel):
-    """A tree of numbers."""
-
-    value: int = Field(ge=0, le=9)
-    children: list[Node] = Field(default_factory=list, max_length=2)
-
-
-def tool(name: str, model: type[BaseModel]) -> dict:
-    """An OpenAI function tool whose parameters are the model's own schema, $defs and $refs
-    as Pydantic writes them (what openai.pydantic_function_tool sends)."""
-    return {"type": "function", "function": {"name": name, "description": model.__doc__ or "",
-                                             "parameters": model.model_json_schema()}}
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from pydantic.v1 import Field as FieldV1
 
 from lazyllm import LazyLLM
 from lazyllm.integrations.langchain import ChatLazyLLM, documents_to_messages
+from tests import tool_models
 from tests.conftest import make_tiny
 
 DOCS = [Document("Paris is the capital of France and has 2.1 million inhabitants.", id="d1"),
@@ -73,6 +74,19 @@ def test_bind_tools_every_shape_forced(chat, shape):
     assert msg.response_metadata["finish_reason"] == "tool_calls" and msg.content == ""
     assert [c["name"] for c in msg.tool_calls] == [spec["name"]]
     _args_valid(msg.tool_calls[0], spec["parameters"])
+
+
+@pytest.mark.parametrize("model", [tool_models.Person, tool_models.Node], ids=["nested", "recursive"])
+def test_bind_tools_nested_and_recursive_pydantic(chat, model):
+    """Pydantic puts the nested model in ``$defs`` (and the recursive one refers to itself):
+    the call still follows the whole schema."""
+    for seed in range(2):
+        msg = chat.bind_tools([model], tool_choice="any").invoke("save it", max_tokens=300, seed=seed,
+                                                                 temperature=1.0)
+        assert msg.response_metadata["finish_reason"] == "tool_calls" and msg.content == ""
+        [call] = msg.tool_calls
+        assert call["name"] == model.__name__
+        model.model_validate(call["args"])
 
 
 def test_tool_choice_by_name_and_stream_chunks(chat):

@@ -25,6 +25,7 @@ from lazyllm.integrations.llama_index import (
     ChunkSynthesizer,
     LlamaIndexLLM,
 )
+from tests import tool_models
 from tests.conftest import make_tiny
 
 
@@ -61,6 +62,24 @@ def li(tokenizer):
     llm = LazyLLM(model=make_tiny("llama", seed=5), tokenizer=tokenizer, kv_cache_bytes=32 << 20)
     yield LlamaIndexLLM(llm=llm, max_new_tokens=60)
     llm.close()
+
+
+def test_function_tool_with_a_model_argument(tokenizer):
+    """A ``FunctionTool`` taking a Pydantic argument (its schema has ``$defs``) gives a call
+    that validates and runs."""
+    tool = FunctionTool.from_defaults(fn=tool_models.save)
+    assert "$defs" in tool.metadata.to_openai_tool()["function"]["parameters"]
+    llm = LazyLLM(model=make_tiny("llama", seed=5), tokenizer=tokenizer, kv_cache_bytes=32 << 20)
+    try:
+        li = LlamaIndexLLM(llm=llm, max_new_tokens=300)
+        resp = li.chat_with_tools([tool], user_msg="Save Ann.", tool_required=True)
+        [sel] = li.get_tool_calls_from_response(resp)
+        assert sel.tool_name == "save"
+        tool_models.Person.model_validate(sel.tool_kwargs["person"])
+        assert tool.call(**sel.tool_kwargs).content == "saved"
+        assert isinstance(tool_models.SAVED[-1], tool_models.Person)
+    finally:
+        llm.close()
 
 
 def test_chat_with_tools_round_trip(li):

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+import lazyllm
 from lazyllm import quality as q
 from lazyllm.config import EngineConfig
 from lazyllm.quality import cli
@@ -20,7 +21,7 @@ def no_model(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the model was loaded before the arguments were checked")
 
-    monkeypatch.setattr(cli, "LazyLLM", refuse)
+    monkeypatch.setattr(lazyllm, "LazyLLM", refuse)  # the command imports it after its checks
 
 
 def _usage_error(argv, capsys) -> str:

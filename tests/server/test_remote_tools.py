@@ -6,7 +6,6 @@ call cut off by max_tokens, streamed and not, and the OpenAI refusals."""
 import json
 
 import pytest
-from pydantic import BaseModel, Field
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -14,27 +13,9 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 from tests.server.conftest import KEY, MODEL  # noqa: E402
+from tests.tool_models import SAVED, Node, Person, save  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
-
-
-class Address(BaseModel):
-    street: str = Field(max_length=12)
-    city: str = Field(max_length=10)
-
-
-class Person(BaseModel):
-    """Save a person."""
-
-    name: str = Field(max_length=10)
-    home: Address
-
-
-class Node(BaseModel):
-    """A tree of numbers."""
-
-    value: int = Field(ge=0, le=9)
-    children: list["Node"] = Field(default_factory=list, max_length=2)
 
 
 @pytest.fixture(scope="module")
@@ -108,15 +89,6 @@ def test_remote_langchain_with_structured_output(remote_chat, method):
         assert isinstance(out["parsed"], dict)
     else:
         assert isinstance(out["parsed"], Person)
-
-
-SAVED: list = []
-
-
-def save(person: Person) -> str:
-    """Save a person."""
-    SAVED.append(Person.model_validate(person))
-    return "saved"
 
 
 def test_remote_llama_index_function_tool_with_a_model_argument(server):

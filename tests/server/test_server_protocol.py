@@ -129,6 +129,8 @@ def test_429_carries_retry_after():
         assert r.status_code == 429, r.text
         assert int(r.headers["retry-after"]) >= 1
         assert r.json()["error"]["type"] == "rate_limit_error"
+        # the limit and what fills it, not "serving 0 requests, its limit"
+        assert "its limit of 1 requests at once (1 running" in r.json()["error"]["message"], r.text
 
 
 def test_health_answers_while_a_near_limit_body_is_refused(server, http):
@@ -185,3 +187,24 @@ def test_a_non_streaming_client_that_leaves_cancels_its_request(server, llm, htt
         return float(next(x for x in text.splitlines() if x.startswith("lazyllm_client_disconnects_total ")).split()[1])
 
     assert disconnects(after) - disconnects(before) == 1
+
+
+def test_prompt_plus_max_tokens_beyond_the_context_is_a_400_before_compute(server, http, llm):
+    """A prompt that fits the context alone but not with its ``max_tokens`` gets OpenAI's 400
+    ``context_length_exceeded``, streamed or not, before any token is computed; the same
+    prompt asking for what fits is served."""
+    context = llm.model.spec.max_context
+    doc = "word " * (context - 1000)  # fits alone, not with 2000 new tokens
+    before = llm.cache_stats()
+    for stream in (False, True):
+        t0 = time.perf_counter()
+        r = http.post("/v1/chat/completions", json=_body(documents=[doc], max_tokens=2000, stream=stream))
+        took = time.perf_counter() - t0
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and str(context) in err["message"], err
+        assert took < 2.0, took
+    after = llm.cache_stats()
+    assert (after["misses"], after["hits"]) == (before["misses"], before["hits"])  # nothing was planned
+    r = http.post("/v1/chat/completions", json=_body(documents=[doc], max_tokens=2))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
