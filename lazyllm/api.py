@@ -22,6 +22,7 @@ from .engine.request import Request
 from .engine.warmup import Readiness
 from .errors import InvalidRequestError
 from .inputs import InputProcessor, prompt_builder
+from .inputs.encodings import ChunkEncodings
 from .model.attention import make_backend
 from .model.llama import LlamaFamilyModel
 from .model.loader import eos_token_ids, fingerprint, load_hf
@@ -163,9 +164,11 @@ class LazyLLM:
         self.fingerprint = self.model_fingerprint + (f":packets:{self.packets.digest}" if self.packets else "")
         kv_cache_bytes = self._make_store(page_size, config.kv_cache_bytes)
         self.prompts = prompt_builder(tok, "auto" if config.block_ft else None,
-                                      self.packets.ids(self.model.embed_rows) if self.packets else None)
+                                      self.packets.ids(self.model.embed_rows) if self.packets else None,
+                                      encodings=ChunkEncodings())
         self.inputs = InputProcessor(tok, self.prompts, max_context=self.model.spec.max_context,
-                                     vocab_size=self.model.spec.vocab_size, config=config)
+                                     vocab_size=self.model.spec.vocab_size, config=config,
+                                     fingerprint=self.fingerprint)
         self.eos_token_ids = eos_token_ids(hf, tok)
         self.config = config.replace(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
                                      attention_backend=backend.name, page_size=page_size,

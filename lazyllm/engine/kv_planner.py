@@ -128,7 +128,7 @@ class KVPlanner:
         if self.allocation(r).keys is None:
             segs = r.prefill_segments
             r.alloc.keys = segment_keys(self.fingerprint, self.chunk_context, segs[0].ids,
-                                        [c.ids for c in segs[1:-1]])
+                                        [c.ids for c in segs[1:-1]], [s.memo for s in segs[:-1]])
         return r.alloc.keys
 
     def lookup_or_create(self, r: Request, key: bytes, n: int, stored_pos: int, kind: str):

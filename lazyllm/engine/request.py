@@ -37,6 +37,9 @@ class Segment:
     kind: str  # "prefix", "chunk" or "suffix"
     ids: list[int]
     chunk: Chunk | None = None
+    # the memo of these ids' cache keys, shared by every segment of one cached encoding
+    # (``lazyllm.inputs.encodings``; read and filled by ``cache.store.segment_keys``)
+    memo: dict | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass

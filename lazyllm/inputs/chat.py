@@ -166,6 +166,6 @@ def build_conversation(prompts: PromptBuilder, messages: list, chunks: list[Chun
             raise InvalidRequestError(f"the model's chat template refused the messages: {e}") from None
     pre, post = rendered.split(_MARK)
     segs = [Segment("prefix", prompts.encode(pre))]
-    segs += [Segment("chunk", prompts.encode(prompts.chunk_text(c)), c) for c in chunks]
+    segs += [prompts.chunk_segment(c, packets=False) for c in chunks]
     segs.append(Segment("suffix", prompts.encode(post)))
     return segs

@@ -15,6 +15,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..cache.store import segment_keys
+from ..config import CHUNK_CACHING_MODES
 from ..engine.detokenizer import Detokenizer
 from ..engine.request import Request, Scoring, Segment
 from ..errors import ContextLengthError, InvalidRequestError
@@ -27,12 +29,17 @@ class InputProcessor:
     """Turns a caller's arguments into engine ``Request`` values for one model.
 
     ``tokenizer``: the model's; ``prompts``: the prompt builder of the configuration
-    (``prompt_builder``); ``max_context``, ``vocab_size``: the model's, in tokens."""
+    (``prompt_builder``); ``max_context``, ``vocab_size``: the model's, in tokens;
+    ``fingerprint``: the engine's cache-key fingerprint, given to hash a request's prefix and
+    chunk keys here, off the engine thread, into its cached encodings (``None``: the planner
+    hashes them)."""
 
-    def __init__(self, tokenizer, prompts: PromptBuilder, *, max_context: int, vocab_size: int, config=None):
+    def __init__(self, tokenizer, prompts: PromptBuilder, *, max_context: int, vocab_size: int, config=None,
+                 fingerprint: str | None = None):
         self.tokenizer, self.prompts = tokenizer, prompts
         self.max_context, self.vocab_size = max_context, vocab_size
         self.config = config  # the engine's options (the grammars' string bound)
+        self.fingerprint = fingerprint
         self._grammar_compiler = None
 
     # -- the requests --------------------------------------------------------------
@@ -89,9 +96,21 @@ class InputProcessor:
         """The one ``Request`` constructor call: the seed drawn now when the caller gave none, so a
         sampled request draws the same tokens whatever it is batched with."""
         seed = params.seed if params.seed is not None else secrets.randbits(64)
+        self._hash_keys(segs)
         deadline = None if timeout is None else time.perf_counter() + timeout
         return Request(segments=segs, params=params, events=queue.Queue(), streaming=streaming, seed=seed,
                        detok=Detokenizer(self.tokenizer, params.stop), deadline=deadline, **fields)
+
+    def _hash_keys(self, segs: list[Segment]) -> None:
+        """Fill the cached encodings' key memos (``Segment.memo``) with this request's keys, so
+        the planner finds them: a chunk is hashed once, here, not per request on the engine
+        thread."""
+        c = self.config
+        if self.fingerprint is None or c is None or c.reuse not in CHUNK_CACHING_MODES or len(segs) < 2:
+            return
+        if any(s.memo is not None for s in segs[:-1]):
+            segment_keys(self.fingerprint, c.chunk_context, segs[0].ids, [s.ids for s in segs[1:-1]],
+                         [s.memo for s in segs[:-1]])
 
     # -- checks and parts ------------------------------------------------------------
     def check_fits(self, n_prompt: int, max_new_tokens: int) -> None:
