@@ -23,7 +23,8 @@ cache happen before measuring. Each (alpha, rate) point then serves its own N re
 previous point left: the steady state of a server that runs this workload (``--cold`` clears
 the cache before each point instead, counting every first use as a miss).
 
-Metrics per point: TTFT p50/p95, TPOT (median), req/s and output tok/s over the wall time
+Metrics per point: TTFT p50/p95 (``ttft_s``: from the call to the first token),
+TPOT (median), req/s and output tok/s over the wall time
 (start to last completion), finish rate (completions per second: 1 / the least-squares slope
 of the sorted completion times against their rank; the service rate, insensitive to the
 latency of the first and last requests), **chunk hit rate** (chunk tokens served

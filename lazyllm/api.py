@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import dataclasses
 import os
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -248,12 +249,14 @@ class LazyLLM:
                  seed: int | None = None, stop: str | Sequence[str] | None = None,
                  timeout: float | None = None, response_format: Any = None, tools: Sequence[dict] | None = None,
                  tool_choice: str | dict | None = None, messages: Sequence[dict] | None = None,
-                 parallel_tool_calls: bool = False) -> GenerationOutput:
+                 parallel_tool_calls: bool = False, received_at: float | None = None) -> GenerationOutput:
         """Answer ``question`` over ``chunks`` (each a ``str`` or ``Chunk``).
 
         Returns a ``GenerationOutput`` with ``text``, ``token_ids``, ``prompt_segments``,
         ``usage`` (``prompt_tokens``, ``cached_tokens``, ``completion_tokens``) and
-        ``ttft_s``. Raises ``InvalidRequestError`` for bad input, ``ContextLengthError``
+        ``ttft_s`` (from this call, or from ``received_at``, a ``time.perf_counter()`` value such as a
+        server's receipt of the request, to the first token; ``engine_ttft_s`` is the engine's
+        part). Raises ``InvalidRequestError`` for bad input, ``ContextLengthError``
         when the request does not fit the model's context, ``RequestCancelled`` when
         ``timeout`` (seconds) passes first.
 
@@ -280,7 +283,8 @@ class LazyLLM:
         req = self.inputs.generation(question, chunks, system, max_new_tokens=max_new_tokens, temperature=temperature,
                                      top_p=top_p, top_k=top_k, seed=seed, stop=stop, timeout=timeout,
                                      response_format=response_format, tools=tools, tool_choice=tool_choice,
-                                     messages=messages, parallel_tool_calls=parallel_tool_calls, streaming=False)
+                                     messages=messages, parallel_tool_calls=parallel_tool_calls, streaming=False,
+                                     received_at=time.perf_counter() if received_at is None else received_at)
         self.engine.submit(req)
         try:
             return self._wait(req)
@@ -318,6 +322,7 @@ class LazyLLM:
         Bad input in any item raises before anything runs."""
         if isinstance(requests, (str, dict)) or not isinstance(requests, Sequence):
             raise InvalidRequestError("generate_batch takes a list of questions or of dicts")
+        common.setdefault("received_at", time.perf_counter())  # every TTFT counts from this call
         reqs = []
         for i, item in enumerate(requests):
             args = dict(common)

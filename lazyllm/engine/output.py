@@ -20,6 +20,12 @@ from .request import Request
 __all__ = ["OutputProcessor"]
 
 
+def _start(r: Request) -> float:
+    """Where the caller's figures count from: the call (or the server's receipt of the
+    request), else the engine's receipt."""
+    return r.submit_time if r.received_at is None else r.received_at
+
+
 class OutputProcessor:
     """Tokens, text and results of requests (engine thread only)."""
 
@@ -76,10 +82,11 @@ class OutputProcessor:
             usage=Usage(prompt_tokens=sum(len(s.ids) for s in segs), cached_tokens=r.plan.cached_tokens,
                         completion_tokens=len(r.state.generated), cached_chunk_tokens=r.plan.cached_chunk_tokens),
             finish_reason=r.state.finish_reason or "stop",
-            ttft_s=r.state.first_token_time - r.submit_time,
-            total_s=now - r.submit_time,
+            ttft_s=r.state.first_token_time - _start(r),
+            total_s=now - _start(r),
             queue_s=r.state.admit_time - r.submit_time,
             chunk_ids=[s.chunk.id for s in r.segments if s.kind == "chunk"],
+            engine_ttft_s=r.state.first_token_time - r.submit_time,
         )
         if r.finalize is not None:
             try:
@@ -106,7 +113,7 @@ class OutputProcessor:
             usage=Usage(prompt_tokens=sum(len(sg.ids) for sg in segs), cached_tokens=r.plan.cached_tokens,
                         completion_tokens=0, cached_chunk_tokens=r.plan.cached_chunk_tokens),
             prefilled_tokens=r.plan.computed_tokens,
-            ttft_s=r.state.first_token_time - r.submit_time)
+            ttft_s=r.state.first_token_time - _start(r), engine_ttft_s=r.state.first_token_time - r.submit_time)
 
     def done_score(self, r: Request, result: ScoreOutput) -> None:
         self.metrics["requests"] += 1

@@ -25,6 +25,15 @@ from .conversation import render_request
 from .prompt import PromptBuilder, check_text
 
 
+def _received(received_at) -> float:
+    """``received_at`` checked, or now."""
+    if received_at is None:
+        return time.perf_counter()
+    if not isinstance(received_at, (int, float)) or isinstance(received_at, bool):
+        raise InvalidRequestError(f"received_at must be a time.perf_counter() value, got {received_at!r}")
+    return float(received_at)
+
+
 class InputProcessor:
     """Turns a caller's arguments into engine ``Request`` values for one model.
 
@@ -45,9 +54,13 @@ class InputProcessor:
     # -- the requests --------------------------------------------------------------
     def generation(self, question, chunks=None, system=None, *, max_new_tokens=64, temperature=0.0, top_p=1.0,
                    top_k=0, seed=None, stop=None, timeout=None, response_format=None, tools=None,
-                   tool_choice=None, messages=None, parallel_tool_calls=False, streaming=True) -> Request:
+                   tool_choice=None, messages=None, parallel_tool_calls=False, streaming=True,
+                   received_at=None) -> Request:
         """A request to answer ``question`` over ``chunks`` (``LazyLLM.generate``'s arguments);
-        raises ``InvalidRequestError`` / ``ContextLengthError`` for what cannot run."""
+        raises ``InvalidRequestError`` / ``ContextLengthError`` for what cannot run.
+        ``received_at``: the ``time.perf_counter()`` of the caller's call or of the server's
+        receipt of the request, where its ``ttft_s`` counts from (``None``: now)."""
+        received_at = _received(received_at)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, seed=seed, stop=() if stop is None else stop)
         if params.max_new_tokens > self.max_context:
@@ -62,7 +75,7 @@ class InputProcessor:
         if structured is not None and structured.grammar is not None:
             constraint = self.grammars.constraint(structured.grammar)
         return self._make(segs, params, streaming=streaming, timeout=timeout, constraint=constraint,
-                          finalize=structured.finalize if structured is not None else None)
+                          finalize=structured.finalize if structured is not None else None, received_at=received_at)
 
     def warming(self, chunks: Sequence[Chunk], system: str | None) -> Request:
         """A request that only computes and caches the KV of ``chunks`` and of the prefix."""
@@ -72,15 +85,17 @@ class InputProcessor:
         return self._make(segs, params, streaming=False, warm_only=True)
 
     def scoring(self, question, chunks, system, continuation: Sequence[int] | str,
-                return_logits: bool = False) -> Request:
+                return_logits: bool = False, received_at: float | None = None) -> Request:
         """A request for the teacher-forced log-probabilities of ``continuation`` (token ids
         or a text) after the prompt of ``question`` over ``chunks``."""
+        received_at = _received(received_at)
         cont = self._continuation(continuation)
         params = SamplingParams(max_new_tokens=1)
         prompt = self.prompts.build(question, as_chunks(chunks), system)
         self.check_fits(sum(len(s.ids) for s in prompt) + len(cont), 1)
         segs = prompt[:-1] + [Segment("suffix", prompt[-1].ids + cont[:-1])]
-        return self._make(segs, params, streaming=False, score=Scoring(cont, prompt, bool(return_logits)))
+        return self._make(segs, params, streaming=False, score=Scoring(cont, prompt, bool(return_logits)),
+                          received_at=received_at)
 
     def synthetic(self, prefix: list[int], chunks: list[list[int]], question: list[int], chunk: Chunk,
                   max_new_tokens: int = 1, *, constraint=None, **sampling) -> Request:
@@ -97,9 +112,11 @@ class InputProcessor:
         sampled request draws the same tokens whatever it is batched with."""
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         self._hash_keys(segs)
-        deadline = None if timeout is None else time.perf_counter() + timeout
+        now = time.perf_counter()
+        deadline = None if timeout is None else now + timeout
+        fields.setdefault("received_at", now)
         return Request(segments=segs, params=params, events=queue.Queue(), streaming=streaming, seed=seed,
-                       detok=Detokenizer(self.tokenizer, params.stop), deadline=deadline, **fields)
+                       detok=Detokenizer(self.tokenizer, params.stop), deadline=deadline, submit_time=now, **fields)
 
     def _hash_keys(self, segs: list[Segment]) -> None:
         """Fill the cached encodings' key memos (``Segment.memo``) with this request's keys, so

@@ -1,5 +1,8 @@
-"""The host path of a request: cached chunks are tokenized and hashed once (``inputs.encodings``)."""
+"""The host path of a request: cached chunks are tokenized and hashed once (``inputs.encodings``), and
+``ttft_s`` counts from the call (tokenizing included) while ``engine_ttft_s`` is the engine's part."""
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -124,3 +127,51 @@ def test_a_chunk_over_the_whole_bound_is_encoded_but_not_kept(tokenizer):
     door = _door(tokenizer, encodings=cache)
     r = door.generation("q?", DOCS[:1], streaming=False)
     assert len(r.segments[1].ids) > 10 and cache.tokens <= 10
+
+
+class SlowTokenizer(CountingTokenizer):
+    """A tokenizer that takes ``delay`` seconds per text it encodes."""
+
+    delay = 0.0
+
+    def __call__(self, text, **kw):
+        time.sleep(self.delay)
+        return super().__call__(text, **kw)
+
+
+@pytest.fixture(scope="module")
+def slow_llm(default_llm_parts):
+    from lazyllm import LazyLLM
+
+    hf, tok = default_llm_parts
+    slow = SlowTokenizer(tok)
+    llm = LazyLLM(model=hf, tokenizer=slow, packets=None, warmup=False, progress=False)
+    yield llm, slow
+    llm.close()
+
+
+def test_ttft_counts_from_the_call_tokenizing_included(slow_llm):
+    llm, tok = slow_llm
+    tok.delay = 0.0
+    fast = llm.generate("Which capital?", ["Madrid is in Spain."], max_new_tokens=1)
+    assert fast.ttft_s >= fast.engine_ttft_s > 0
+    tok.delay = 0.05
+    try:  # new chunk texts: each one is tokenized (slowly) before the engine sees the request
+        slow = llm.generate("Which capital?", ["Lisbon is in Portugal.", "Oslo is in Norway."], max_new_tokens=1)
+        batch = llm.generate_batch([{"question": "Where?", "chunks": ["Vienna is in Austria."]},
+                                    {"question": "Where else?", "chunks": ["Prague is in Czechia."]}],
+                                   max_new_tokens=1)
+    finally:
+        tok.delay = 0.0
+    assert slow.ttft_s >= slow.engine_ttft_s + 0.15  # prefix, two chunks and the suffix: 4 slow encodes
+    assert slow.engine_ttft_s < slow.ttft_s - 0.1
+    assert slow.total_s >= slow.ttft_s
+    assert all(o.ttft_s >= o.engine_ttft_s for o in batch)
+    assert batch[1].ttft_s >= 0.2  # the batch's second request counts from the call, before the first was built
+
+
+def test_received_at_sets_where_ttft_counts_from(slow_llm):
+    llm, _ = slow_llm
+    earlier = time.perf_counter() - 0.5
+    out = llm.generate("Which capital?", ["Madrid is in Spain."], max_new_tokens=1, received_at=earlier)
+    assert out.ttft_s >= 0.5 > out.engine_ttft_s
