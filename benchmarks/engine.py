@@ -271,7 +271,7 @@ def main(argv=None):
     m = llm.engine.metrics
     print(f"shared decode {'on' if args.shared_decode else 'off'}: {m['shared_decode_steps']} of "
           f"{m['decode_steps']} decode steps shared, {m['shared_plans']} plans")
-    results["metrics"] = m
+    results["metrics"] = dict(m)
     _print_table(llm, args, results)
     if args.json:
         with open(args.json, "w") as fh:

@@ -353,7 +353,7 @@ class LazyRunner:
         m, c = llm.engine.metrics, llm.store.counters
         m0, c0 = dict(m), dict(c.__dict__)
         g0 = llm.engine.graph_stats()
-        m["peak_pages"] = 0
+        m.peak_pages = 0
         res, wall = drive(lambda r: self.one(r, docs), reqs, rate, a.concurrency, f"{a.seed}/{alpha}/{rate}")
         g1 = llm.engine.graph_stats()
         lookups = (c.hits - c0["hits"]) + (c.misses - c0["misses"])

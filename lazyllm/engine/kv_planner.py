@@ -31,6 +31,7 @@ from ..cache.disk_tier import DiskTier
 from ..cache.store import ChunkStore, Entry, segment_keys
 from ..config import CHUNK_CACHING_MODES, REUSE_MODES
 from ..intmath import cdiv
+from .metrics import EngineMetrics
 from .page_table import Allocation
 from .request import ChunkSpan, Job, PrefillPlan, Request, TableEntry, entry_table
 
@@ -46,14 +47,14 @@ class KVPlanner:
     ``chunk_context`` come validated (``lazyllm.config.EngineConfig``)."""
 
     def __init__(self, store: ChunkStore, reuse: str, chunk_context: str, fingerprint: str,
-                 disk: DiskTier | None = None, metrics: dict | None = None):
+                 disk: DiskTier | None = None, metrics: EngineMetrics | None = None):
         self.store, self.pool = store, store.pool
         self.page_size = self.pool.page_size
         self.policy: ReusePolicy = _POLICIES[reuse]()
         self.chunk_context = chunk_context
         self.fingerprint = fingerprint
         self.disk = disk
-        self.metrics = metrics if metrics is not None else {}
+        self.metrics = metrics if metrics is not None else EngineMetrics()
         # prefill work gathered while admitting one round: key -> pending entry
         self.pending_prefixes: dict[bytes, PendingEntry] = {}
         self.pending_chunks: dict[bytes, PendingEntry] = {}
@@ -146,7 +147,7 @@ class KVPlanner:
         if self.disk is not None and self.disk.load(e):
             self.store.mark_ready(e)
             self.lookups.append((True, n))
-            self.metrics["disk_hits"] = self.metrics.get("disk_hits", 0) + 1
+            self.metrics.disk_hits += 1
             return e, False
         r.plan.computed_tokens += n
         self.lookups.append((False, n))

@@ -15,6 +15,7 @@ import torch
 
 from ..errors import LazyLLMError, RequestCancelled
 from ..types import GenerationOutput, ScoreOutput, Usage
+from .metrics import EngineMetrics
 from .request import Request
 
 __all__ = ["OutputProcessor"]
@@ -29,7 +30,7 @@ def _start(r: Request) -> float:
 class OutputProcessor:
     """Tokens, text and results of requests (engine thread only)."""
 
-    def __init__(self, tokenizer, eos_ids: set[int], max_context: int, metrics: dict):
+    def __init__(self, tokenizer, eos_ids: set[int], max_context: int, metrics: EngineMetrics):
         self.tok, self.eos_ids, self.max_context, self.metrics = tokenizer, eos_ids, max_context, metrics
 
     def emit(self, r: Request, tok: int) -> bool:
@@ -67,7 +68,10 @@ class OutputProcessor:
 
     def fail(self, r: Request, error: Exception) -> None:
         """Hand the caller the request's error."""
-        self.metrics["cancelled" if isinstance(error, RequestCancelled) else "failed"] += 1
+        if isinstance(error, RequestCancelled):
+            self.metrics.cancelled += 1
+        else:
+            self.metrics.failed += 1
         r.events.put(("error", error))
 
     def done(self, r: Request) -> None:
@@ -94,7 +98,7 @@ class OutputProcessor:
             except Exception as e:  # the caller's parser: its error is the request's, not the engine's
                 self.fail(r, e)
                 return
-        self.metrics["requests"] += 1
+        self.metrics.requests += 1
         r.events.put(("done", out))
 
     def score(self, r: Request, logits: torch.Tensor) -> ScoreOutput:
@@ -116,5 +120,5 @@ class OutputProcessor:
             ttft_s=r.state.first_token_time - _start(r), engine_ttft_s=r.state.first_token_time - r.submit_time)
 
     def done_score(self, r: Request, result: ScoreOutput) -> None:
-        self.metrics["requests"] += 1
+        self.metrics.requests += 1
         r.events.put(("done", result))
