@@ -9,6 +9,7 @@ import os
 import time
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -69,6 +70,8 @@ class LazyLLM:
     options passed explicitly override it:
 
     """
+
+    _pool: ThreadPoolExecutor | None = None  # generate_batch's request builders, made on first use
 
     def __init__(
         self,
@@ -323,7 +326,7 @@ class LazyLLM:
         if isinstance(requests, (str, dict)) or not isinstance(requests, Sequence):
             raise InvalidRequestError("generate_batch takes a list of questions or of dicts")
         common.setdefault("received_at", time.perf_counter())  # every TTFT counts from this call
-        reqs = []
+        items = []
         for i, item in enumerate(requests):
             args = dict(common)
             if isinstance(item, str):
@@ -332,13 +335,25 @@ class LazyLLM:
                 args.update(item)
             else:
                 raise InvalidRequestError(f"requests[{i}] must be a str or dict, got {type(item).__name__}")
-            q = args.pop("question", None)
-            ch = args.pop("chunks", None)
-            sy = args.pop("system", None)
-            reqs.append(self.inputs.generation(q, ch, sy, **args, streaming=False))
+            items.append(args)
+
+        def build(args: dict) -> Request:
+            return self.inputs.generation(args.pop("question", None), args.pop("chunks", None),
+                                          args.pop("system", None), **args, streaming=False)
+
+        # tokenizers release the GIL: a large batch's requests are built on a few threads (in order;
+        # the first bad item raises, before anything is submitted)
+        reqs = list(self._builders().map(build, items)) if len(items) >= 8 else [build(a) for a in items]
         for r in reqs:
             self.engine.submit(r)
         return [self._wait(r) for r in reqs]
+
+    def _builders(self) -> ThreadPoolExecutor:
+        """The threads that build a batch's requests (made on first use)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                                            thread_name_prefix="lazyllm-inputs")
+        return self._pool
 
     def score(self, question: str, chunks: Sequence[str | Chunk] | None = None, system: str | None = None, *,
               continuation: Sequence[int] | str, return_logits: bool = False) -> ScoreOutput:
@@ -420,6 +435,8 @@ class LazyLLM:
         with ``LazyLLMError``."""
         self.engine.close()
         self._readiness.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
         if self._tp is not None:
             self._tp.close()
 

@@ -175,3 +175,16 @@ def test_received_at_sets_where_ttft_counts_from(slow_llm):
     earlier = time.perf_counter() - 0.5
     out = llm.generate("Which capital?", ["Madrid is in Spain."], max_new_tokens=1, received_at=earlier)
     assert out.ttft_s >= 0.5 > out.engine_ttft_s
+
+
+def test_a_large_batch_is_built_in_order_and_a_bad_item_runs_nothing(slow_llm):
+    from lazyllm import InvalidRequestError
+
+    llm, _ = slow_llm
+    items = [{"question": f"Question {i}?", "chunks": ["Madrid is in Spain."]} for i in range(10)]
+    before = llm.engine.metrics["requests"]
+    with pytest.raises(InvalidRequestError):
+        llm.generate_batch(items[:7] + [{"question": ""}] + items[7:], max_new_tokens=1)
+    assert llm.engine.metrics["requests"] == before
+    outs = llm.generate_batch(items, max_new_tokens=1)
+    assert all(f"Question {i}?" in llm.tokenizer.decode(o.prompt_segments[-1][1]) for i, o in enumerate(outs))
