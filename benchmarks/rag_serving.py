@@ -31,7 +31,10 @@ latency of the first and last requests), **chunk hit rate** (chunk tokens served
 from the cache / chunk tokens requested; the system prefix and the question are excluded, as
 the prefix is always a hit and the question never is), prompt hit rate (cached prompt tokens /
 prompt tokens, the prefix included), prefilled tokens, peak KV pool use, pages copied
-re-rotated (block), evictions, preemptions.
+re-rotated (block), evictions, preemptions, and for the engine's systems the point's **floor**
+(``benchmarks/_floor.py``: its prefilled tokens at the dense per-token time plus its decode steps
+at the weight-read time, both measured on the same engine in the same run), the point's
+fraction of it, and where the rest of the wall went (prefill, decode, selection, host).
 
 A system **sustains** a Poisson rate ``r`` when (1) every request completed, (2) its finish
 rate is at least 90% of ``r`` (a stable queue drains as fast as it fills; an overloaded one
@@ -71,6 +74,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks._common import llama31_8b_config, random_model, run_to_length  # noqa: E402
+from benchmarks._floor import floor, floor_line, measure_rates  # noqa: E402
 
 PRESETS = {
     "ci": dict(docs=12, doc_tokens=48, k=2, requests=6, output_tokens=3, budgets="0.6,1.0", rates="0",
@@ -323,6 +327,10 @@ class LazyRunner:
                            kv_cache_bytes=max(int(budget_frac * pool_bytes), 1 << 20), page_size=args.page_size,
                            kernel_options=KernelOptions(shared_decode=args.shared_decode))
         run_to_length(self.llm)  # every request runs to its length: same work for every system
+        # the floor's rates, measured on this engine (two fresh chunks, dropped again)
+        self.rates = measure_rates(self.llm, min(args.doc_tokens, 1024))
+        self.llm.clear_cache()
+        print(f"  {system}: {self.rates.line()}", flush=True)
         self.page_bytes = pool_bytes / max(args.docs * args.doc_tokens, 1) * self.llm.page_size
 
     def one(self, r, docs):
@@ -368,8 +376,10 @@ class LazyRunner:
                      # reported it (then inflated: each re-planning of a waiting request counted)
                      store_lookup_hit_rate=(c.hits - c0["hits"]) / max(lookups, 1))
         extra["profile"] = engine_profile(m0, m, wall)
+        extra["floor"] = floor(self.rates, m0, dict(m), wall)
         print(f"  {self.system} alpha={alpha:g} rate={rate:g}: " +
               ", ".join(f"{k} {v:.3g}" for k, v in extra["profile"].items()), flush=True)
+        print(f"  {self.system} alpha={alpha:g} rate={rate:g}: {floor_line(extra['floor'])}", flush=True)
         return summarize_point(self.system, self.budget, rate, alpha, res, wall, extra)
 
     def close(self):
