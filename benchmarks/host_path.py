@@ -4,7 +4,9 @@ engine's own figures.
 Single request: ``generate(question, chunks, max_new_tokens=1)`` over ``--chunks`` cached chunks
 of ``--doc-tokens`` tokens with a ``--question-tokens`` question (a new one each time), ``--repeats``
 times: the median wall time from the call to its return, the median ``ttft_s`` (from the call
-to the first token) and the median ``engine_ttft_s`` (from the engine's receipt of the request).
+to the first token) and the median ``engine_ttft_s`` (from the engine's receipt of the request);
+and the median time the front door takes to build that request (``llm.inputs.generation``:
+templating, tokenizing, chunk encodings and keys), without running it.
 
 Hot loop: ``generate_batch`` of ``--requests`` requests, each over ``--chunks`` of ``--docs``
 cached documents (seeded), ``--output-tokens`` tokens each (no end-of-sequence token): req/s
@@ -50,9 +52,12 @@ def single(llm, docs: list[str], args) -> dict:
     """Medians of one ``generate(..., max_new_tokens=1)`` over the first ``--chunks`` docs."""
     chunks = docs[:args.chunks]
     rng = random.Random(args.seed)
-    walls, ttfts, engine = [], [], []
+    walls, ttfts, engine, builds = [], [], [], []
     for i in range(args.repeats + 2):  # the first two: warm-up
         q = text_of_tokens(llm, args.question_tokens, rng.randrange(1 << 30)) + "?"
+        t0 = time.perf_counter()
+        llm.inputs.generation(q, chunks, max_new_tokens=1, streaming=False)  # built, not submitted
+        builds.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         out = llm.generate(q, chunks, max_new_tokens=1)
         wall = time.perf_counter() - t0
@@ -60,8 +65,8 @@ def single(llm, docs: list[str], args) -> dict:
             walls.append(wall)
             ttfts.append(out.ttft_s)
             engine.append(_engine_ttft(out))
-    return dict(wall_ms=1e3 * _p50(walls), ttft_ms=1e3 * _p50(ttfts), engine_ttft_ms=1e3 * _p50(engine),
-                wall_over_engine=_p50(walls) / _p50(engine))
+    return dict(build_ms=1e3 * _p50(builds[2:]), wall_ms=1e3 * _p50(walls), ttft_ms=1e3 * _p50(ttfts),
+                engine_ttft_ms=1e3 * _p50(engine), wall_over_engine=_p50(walls) / _p50(engine))
 
 
 def hot_loop(llm, docs: list[str], args, rates) -> dict:
@@ -125,7 +130,7 @@ def main(argv=None) -> dict:
     print(f"{name} on {llm.device}: {args.chunks} cached chunks of {args.doc_tokens} tokens")
     print(f"single generate (1 token, median of {args.repeats}): wall {one['wall_ms']:.2f} ms, ttft_s (from the "
           f"call) {one['ttft_ms']:.2f} ms, engine_ttft_s {one['engine_ttft_ms']:.2f} ms, wall / engine "
-          f"{one['wall_over_engine']:.2f}x")
+          f"{one['wall_over_engine']:.2f}x; building the request alone {one['build_ms']:.2f} ms")
     print(f"hot loop ({args.requests} requests, {args.output_tokens} tokens): {loop['req_per_s']:.1f} req/s, "
           f"ttft_s p50 {loop['ttft_p50_ms']:.1f} ms, engine_ttft_s p50 {loop['engine_ttft_p50_ms']:.1f} ms")
     print(rates.line())
