@@ -254,7 +254,8 @@ def main(argv=None) -> dict:
     print(f"\nModel families on {results['device']}, random {'float32' if args.dry_run else 'bf16'} weights, "
           f"{args.chunks} cached chunks x ~{args.chunk_tokens} tokens + ~{args.question_tokens}-token question, "
           f"{results['date']}")
-    print(f"| shape | warm TTFT | decode b={b1} | decode b={bn} | full prefill, ours / transformers | fast path |")
+    print(f"| shape | warm TTFT (from the call) | decode b={b1} | decode b={bn} | full prefill, ours / "
+          "transformers | fast path |")
     print("| --- | ---: | ---: | ---: | ---: | --- |")
     for fam in models:
         r = results[fam]

@@ -190,7 +190,8 @@ def _spawn(args, child: list[str], cache_dir: str) -> dict:
 
 
 def _print_ready(rows) -> None:
-    print("\n| shape | cache | time to ready | warm-up (kernels, graphs) | first / steady TTFT, cold chunks "
+    print("\n| shape | cache | time to ready | warm-up (kernels, graphs) "
+          "| first / steady TTFT (from the call), cold chunks "
           "| first / steady TTFT, cached chunks | compiled after ready | graphs after ready |")
     print("| --- | --- | ---: | --- | ---: | ---: | ---: | ---: |")
     for r in rows:
@@ -210,7 +211,7 @@ def _print_loop(r) -> None:
     w = r["warmup"]
     print(f"\nClosed loop, Llama shapes, empty Triton cache: ready in {r['ready_s']:.1f} s (warm-up "
           f"{w['seconds']:.1f} s, {w['kernels_compiled']} kernels, {w['decode_graphs']}+{w['prefill_graphs']} graphs)")
-    print("| pass | requests/s | TTFT p50 | chunk hit rate | compiled | graphs captured (s) |")
+    print("| pass | requests/s | TTFT p50 (from the call) | chunk hit rate | compiled | graphs captured (s) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for p in r["passes"]:
         print(f"| {p['label']} | {p['req_per_s']:.2f} | {p['ttft_p50_ms']:.0f} ms | {p['chunk_hit_rate']:.2f} "

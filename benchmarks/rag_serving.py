@@ -23,14 +23,18 @@ cache happen before measuring. Each (alpha, rate) point then serves its own N re
 previous point left: the steady state of a server that runs this workload (``--cold`` clears
 the cache before each point instead, counting every first use as a miss).
 
-Metrics per point: TTFT p50/p95, TPOT (median), req/s and output tok/s over the wall time
+Metrics per point: TTFT p50/p95 (``ttft_s``: from the call to the first token),
+TPOT (median), req/s and output tok/s over the wall time
 (start to last completion), finish rate (completions per second: 1 / the least-squares slope
 of the sorted completion times against their rank; the service rate, insensitive to the
 latency of the first and last requests), **chunk hit rate** (chunk tokens served
 from the cache / chunk tokens requested; the system prefix and the question are excluded, as
 the prefix is always a hit and the question never is), prompt hit rate (cached prompt tokens /
 prompt tokens, the prefix included), prefilled tokens, peak KV pool use, pages copied
-re-rotated (block), evictions, preemptions.
+re-rotated (block), evictions, preemptions, and for the engine's systems the point's **floor**
+(``benchmarks/_floor.py``: its prefilled tokens at the dense per-token time plus its decode steps
+at the weight-read time, both measured on the same engine in the same run), the point's
+fraction of it, and where the rest of the wall went (prefill, decode, selection, host).
 
 A system **sustains** a Poisson rate ``r`` when (1) every request completed, (2) its finish
 rate is at least 90% of ``r`` (a stable queue drains as fast as it fills; an overloaded one
@@ -70,6 +74,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks._common import llama31_8b_config, random_model, run_to_length  # noqa: E402
+from benchmarks._floor import floor, floor_line, measure_rates  # noqa: E402
 
 PRESETS = {
     "ci": dict(docs=12, doc_tokens=48, k=2, requests=6, output_tokens=3, budgets="0.6,1.0", rates="0",
@@ -322,6 +327,10 @@ class LazyRunner:
                            kv_cache_bytes=max(int(budget_frac * pool_bytes), 1 << 20), page_size=args.page_size,
                            kernel_options=KernelOptions(shared_decode=args.shared_decode))
         run_to_length(self.llm)  # every request runs to its length: same work for every system
+        # the floor's rates, measured on this engine (two fresh chunks, dropped again)
+        self.rates = measure_rates(self.llm, min(args.doc_tokens, 1024))
+        self.llm.clear_cache()
+        print(f"  {system}: {self.rates.line()}", flush=True)
         self.page_bytes = pool_bytes / max(args.docs * args.doc_tokens, 1) * self.llm.page_size
 
     def one(self, r, docs):
@@ -352,7 +361,7 @@ class LazyRunner:
         m, c = llm.engine.metrics, llm.store.counters
         m0, c0 = dict(m), dict(c.__dict__)
         g0 = llm.engine.graph_stats()
-        m["peak_pages"] = 0
+        m.peak_pages = 0
         res, wall = drive(lambda r: self.one(r, docs), reqs, rate, a.concurrency, f"{a.seed}/{alpha}/{rate}")
         g1 = llm.engine.graph_stats()
         lookups = (c.hits - c0["hits"]) + (c.misses - c0["misses"])
@@ -367,8 +376,10 @@ class LazyRunner:
                      # reported it (then inflated: each re-planning of a waiting request counted)
                      store_lookup_hit_rate=(c.hits - c0["hits"]) / max(lookups, 1))
         extra["profile"] = engine_profile(m0, m, wall)
+        extra["floor"] = floor(self.rates, m0, dict(m), wall)
         print(f"  {self.system} alpha={alpha:g} rate={rate:g}: " +
               ", ".join(f"{k} {v:.3g}" for k, v in extra["profile"].items()), flush=True)
+        print(f"  {self.system} alpha={alpha:g} rate={rate:g}: {floor_line(extra['floor'])}", flush=True)
         return summarize_point(self.system, self.budget, rate, alpha, res, wall, extra)
 
     def close(self):

@@ -55,7 +55,8 @@ def main():
     dev = str(base.device)
     print(f"\nTTFT, same request cold vs warm ({base.model_name}, {dev}, {base.dtype}, median of {args.trials}; "
           f"{time.strftime('%Y-%m-%d')})")
-    print("| reuse | prompt tokens | cached when warm | cold TTFT ms | warm TTFT ms | cold/warm |")
+    print("| reuse | prompt tokens | cached when warm | cold TTFT ms (from the call) | warm TTFT ms (from the call) "
+          "| cold/warm |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['mode']} | {r['prompt_tokens']} | {r['cached_tokens']} | {r['cold_ttft_ms']:.1f} | "

@@ -24,7 +24,6 @@ from lazyllm.presets import QUALITY_OPTIONS
 from lazyllm.stream import TextStream
 
 
-
 @dataclass
 class RagRequest:
     """What one call to the engine needs: the question, the documents as chunks (in

@@ -6,8 +6,10 @@ import atexit
 import contextlib
 import dataclasses
 import os
+import time
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -22,6 +24,7 @@ from .engine.request import Request
 from .engine.warmup import Readiness
 from .errors import InvalidRequestError
 from .inputs import InputProcessor, prompt_builder
+from .inputs.encodings import ChunkEncodings
 from .model.attention import make_backend
 from .model.identity import fingerprint
 from .model.llama import LlamaFamilyModel
@@ -68,6 +71,8 @@ class LazyLLM:
     options passed explicitly override it:
 
     """
+
+    _pool: ThreadPoolExecutor | None = None  # generate_batch's request builders, made on first use
 
     def __init__(
         self,
@@ -164,9 +169,11 @@ class LazyLLM:
         self.fingerprint = self.model_fingerprint + (f":packets:{self.packets.digest}" if self.packets else "")
         kv_cache_bytes = self._make_store(page_size, config.kv_cache_bytes)
         self.prompts = prompt_builder(tok, "auto" if config.block_ft else None,
-                                      self.packets.ids(self.model.embed_rows) if self.packets else None)
+                                      self.packets.ids(self.model.embed_rows) if self.packets else None,
+                                      encodings=ChunkEncodings())
         self.inputs = InputProcessor(tok, self.prompts, max_context=self.model.spec.max_context,
-                                     vocab_size=self.model.spec.vocab_size, config=config)
+                                     vocab_size=self.model.spec.vocab_size, config=config,
+                                     fingerprint=self.fingerprint)
         self.eos_token_ids = eos_token_ids(hf, tok)
         self.config = config.replace(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
                                      attention_backend=backend.name, page_size=page_size,
@@ -246,12 +253,14 @@ class LazyLLM:
                  seed: int | None = None, stop: str | Sequence[str] | None = None,
                  timeout: float | None = None, response_format: Any = None, tools: Sequence[dict] | None = None,
                  tool_choice: str | dict | None = None, messages: Sequence[dict] | None = None,
-                 parallel_tool_calls: bool = False) -> GenerationOutput:
+                 parallel_tool_calls: bool = False, received_at: float | None = None) -> GenerationOutput:
         """Answer ``question`` over ``chunks`` (each a ``str`` or ``Chunk``).
 
         Returns a ``GenerationOutput`` with ``text``, ``token_ids``, ``prompt_segments``,
         ``usage`` (``prompt_tokens``, ``cached_tokens``, ``completion_tokens``) and
-        ``ttft_s``. Raises ``InvalidRequestError`` for bad input, ``ContextLengthError``
+        ``ttft_s`` (from this call, or from ``received_at``, a ``time.perf_counter()`` value such as a
+        server's receipt of the request, to the first token; ``engine_ttft_s`` is the engine's
+        part). Raises ``InvalidRequestError`` for bad input, ``ContextLengthError``
         when the request does not fit the model's context, ``RequestCancelled`` when
         ``timeout`` (seconds) passes first.
 
@@ -280,7 +289,8 @@ class LazyLLM:
         req = self.inputs.generation(question, chunks, system, max_new_tokens=max_new_tokens, temperature=temperature,
                                      top_p=top_p, top_k=top_k, seed=seed, stop=stop, timeout=timeout,
                                      response_format=response_format, tools=tools, tool_choice=tool_choice,
-                                     messages=messages, parallel_tool_calls=parallel_tool_calls, streaming=False)
+                                     messages=messages, parallel_tool_calls=parallel_tool_calls, streaming=False,
+                                     received_at=time.perf_counter() if received_at is None else received_at)
         self.engine.submit(req)
         try:
             return self._wait(req)
@@ -318,7 +328,8 @@ class LazyLLM:
         Bad input in any item raises before anything runs."""
         if isinstance(requests, (str, dict)) or not isinstance(requests, Sequence):
             raise InvalidRequestError("generate_batch takes a list of questions or of dicts")
-        reqs = []
+        common.setdefault("received_at", time.perf_counter())  # every TTFT counts from this call
+        items = []
         for i, item in enumerate(requests):
             args = dict(common)
             if isinstance(item, str):
@@ -327,13 +338,25 @@ class LazyLLM:
                 args.update(item)
             else:
                 raise InvalidRequestError(f"requests[{i}] must be a str or dict, got {type(item).__name__}")
-            q = args.pop("question", None)
-            ch = args.pop("chunks", None)
-            sy = args.pop("system", None)
-            reqs.append(self.inputs.generation(q, ch, sy, **args, streaming=False))
+            items.append(args)
+
+        def build(args: dict) -> Request:
+            return self.inputs.generation(args.pop("question", None), args.pop("chunks", None),
+                                          args.pop("system", None), **args, streaming=False)
+
+        # tokenizers release the GIL: a large batch's requests are built on a few threads (in order;
+        # the first bad item raises, before anything is submitted)
+        reqs = list(self._builders().map(build, items)) if len(items) >= 8 else [build(a) for a in items]
         for r in reqs:
             self.engine.submit(r)
         return [self._wait(r) for r in reqs]
+
+    def _builders(self) -> ThreadPoolExecutor:
+        """The threads that build a batch's requests (made on first use)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                                            thread_name_prefix="lazyllm-inputs")
+        return self._pool
 
     def score(self, question: str, chunks: Sequence[str | Chunk] | None = None, system: str | None = None, *,
               continuation: Sequence[int] | str, return_logits: bool = False) -> ScoreOutput:
@@ -416,6 +439,8 @@ class LazyLLM:
         with ``LazyLLMError``."""
         self.engine.close()
         self._readiness.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
         if self._tp is not None:
             self._tp.close()
 

@@ -174,8 +174,10 @@ class GenerationOutput:
 
     ``prompt_segments`` is a list of ``(kind, token_ids)`` with kind in
     ``prefix``/``chunk``/``suffix``; concatenated, they are exactly the logical token
-    sequence the model saw. ``ttft_s`` is the time from submission to the first token,
-    ``queue_s`` the part of it spent waiting to be scheduled.
+    sequence the model saw. ``ttft_s`` is the time from the caller's call (or the server's
+    receipt of the request) to the first token: tokenizing and building the request included;
+    ``engine_ttft_s`` the part from the engine's receipt of the built request, and ``queue_s``
+    the part of that spent waiting to be scheduled. ``total_s`` counts from the call too.
     """
 
     text: str
@@ -193,6 +195,7 @@ class GenerationOutput:
     # with ``tools``: the calls the model made (finish_reason "tool_calls"); ``text`` keeps
     # the generated text they were parsed from
     tool_calls: list[ToolCall] = field(default_factory=list)
+    engine_ttft_s: float = 0.0
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -210,7 +213,8 @@ class ScoreOutput:
     """Teacher-forced scores of a continuation: ``logprobs[i]`` is the log-probability of
     ``token_ids[i]`` given everything before it; ``logits`` is ``(len(token_ids), vocab)``
     when asked for. ``prefilled_tokens`` counts the prompt and continuation tokens computed
-    (not reused)."""
+    (not reused). ``ttft_s``: from the call to the scores; ``engine_ttft_s``: from the engine's
+    receipt of the request."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -219,3 +223,4 @@ class ScoreOutput:
     usage: Usage
     prefilled_tokens: int
     ttft_s: float
+    engine_ttft_s: float = 0.0

@@ -249,11 +249,15 @@ class _Server:
                 check_length(len(req.question or "") + len(req.system or "") + sum(map(len, texts))
                              + sum(len(c.text) for c in req.chunks))
             # a backend that validates here raises bad input before anything is sent
-            return body, self.backend.stream(req.question, req.chunks, req.system, **req.sampling)
+            received = getattr(request.state, "received_at", None)
+            timed = {"received_at": received} if received is not None and getattr(
+                self.backend, "takes_received_at", False) else {}
+            return body, self.backend.stream(req.question, req.chunks, req.system, **req.sampling, **timed)
         except Exception as e:
             raise error_from_exception(e) from None
 
     async def chat(self, request: Request) -> Response:
+        request.state.received_at = time.perf_counter()  # where the request's TTFT counts from
         self.check_auth(request)
         raw = await self.read_body(request)
         await self.model_info()

@@ -57,7 +57,9 @@ class Backend(Protocol):
     is ``parse_chat_request``'s: ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
     ``seed``, ``stop``, and where the request sets them ``response_format``, ``tools``,
     ``tool_choice``, ``parallel_tool_calls`` and ``messages`` (then ``question`` is None):
-    ``LazyLLM.generate``'s arguments. The stream's ``output`` carries ``tool_calls``."""
+    ``LazyLLM.generate``'s arguments. The stream's ``output`` carries ``tool_calls``. A backend
+    whose ``takes_received_at`` is true also gets ``received_at``, the ``time.perf_counter()`` of
+    the server's receipt of the request, so that its ``ttft_s`` counts from there."""
 
     model_name: str
 
@@ -73,6 +75,8 @@ class LocalBackend:
     """The ``Backend`` of one ``LazyLLM`` in this process. Its streams are the engine's own
     ``TextStream``s, whose events wake the event loop from the engine thread (no thread is
     held per request). The ``LazyLLM`` stays open: its owner closes it."""
+
+    takes_received_at = True  # same process: the server's receipt time is the engine's clock
 
     def __init__(self, llm: LazyLLM):
         self.llm = llm

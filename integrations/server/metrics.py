@@ -65,11 +65,16 @@ class ServerMetrics:
     def __init__(self, backend: Backend):
         self.registry = CollectorRegistry()
         self.registry.register(_CacheCollector(backend))
-        self.ttft = Histogram("lazyllm_ttft_seconds", "time from submission to the first token",
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.queue = Histogram("lazyllm_queue_seconds", "time waiting to be scheduled", buckets=_LATENCY_BUCKETS,
-                               registry=self.registry)
-        self.duration = Histogram("lazyllm_request_duration_seconds", "engine time of a request",
+        self.ttft = Histogram("lazyllm_ttft_seconds", "time from the server's receipt of the request to the first "
+                              "token (reading, tokenizing and queueing included)", buckets=_LATENCY_BUCKETS,
+                              registry=self.registry)
+        self.engine_ttft = Histogram("lazyllm_engine_ttft_seconds", "time from the engine's receipt of the "
+                                     "tokenized request to the first token", buckets=_LATENCY_BUCKETS,
+                                     registry=self.registry)
+        self.queue = Histogram("lazyllm_queue_seconds", "time the engine held a request before scheduling it",
+                               buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.duration = Histogram("lazyllm_request_duration_seconds", "time from the server's receipt of a "
+                                  "request to its last token",
                                   buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.requests = Counter("lazyllm_http_requests", "chat completion requests by status and mode",
                                 ["status", "stream"], registry=self.registry)
@@ -81,6 +86,8 @@ class ServerMetrics:
 
     def observe(self, out: GenerationOutput) -> None:
         self.ttft.observe(out.ttft_s)
+        if out.engine_ttft_s > 0:  # a backend that reports it
+            self.engine_ttft.observe(out.engine_ttft_s)
         self.queue.observe(out.queue_s)
         self.duration.observe(out.total_s)
         self.tokens.labels("prompt").inc(out.usage.prompt_tokens)

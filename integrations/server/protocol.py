@@ -366,7 +366,7 @@ def usage_json(out: GenerationOutput) -> dict[str, Any]:
 
 
 def _timings(out: GenerationOutput) -> dict[str, Any]:
-    return {"ttft_s": out.ttft_s, "queue_s": out.queue_s, "total_s": out.total_s,
+    return {"ttft_s": out.ttft_s, "engine_ttft_s": out.engine_ttft_s, "queue_s": out.queue_s, "total_s": out.total_s,
             "cached_chunk_tokens": out.usage.cached_chunk_tokens, "chunk_ids": list(out.chunk_ids)}
 
 

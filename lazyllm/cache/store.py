@@ -37,15 +37,38 @@ def chunk_key(fingerprint: str, context: str, tokens: list[int], prefix_key: byt
 
 
 def segment_keys(fingerprint: str, chunk_context: str, prefix_ids: list[int],
-                 chunk_ids: Sequence[list[int]]) -> tuple[bytes, list[bytes]]:
+                 chunk_ids: Sequence[list[int]], memos: Sequence[dict | None] | None = None
+                 ) -> tuple[bytes, list[bytes]]:
     """Cache keys of a prompt's prefix segment and of each of its chunk segments (token ids
     as prefilled, packet ids included): the planner's keys and the router's are this one
     function, so a router finds the chunks a replica holds. Under ``chunk_context="prefix"``
-    a chunk's key includes its prefix's key (its KV was computed after that prefix)."""
-    pkey = chunk_key(fingerprint, f"prefix-segment:{chunk_context}", prefix_ids)
-    if chunk_context == "prefix":
-        return pkey, [chunk_key(fingerprint, "prefix", ids, pkey) for ids in chunk_ids]
-    return pkey, [chunk_key(fingerprint, "isolated", ids) for ids in chunk_ids]
+    a chunk's key includes its prefix's key (its KV was computed after that prefix).
+
+    ``memos``: one per segment (the prefix's first) or ``None``, each a dict kept with a cached
+    encoding of those ids (``Segment.memo``): a key found there is not hashed again, and one
+    hashed here is stored there."""
+    memos = memos or [None] * (1 + len(chunk_ids))
+    pkey = _memo_key(memos[0], (fingerprint, "prefix-segment", chunk_context),
+                     lambda: chunk_key(fingerprint, f"prefix-segment:{chunk_context}", prefix_ids))
+    ctx = "prefix" if chunk_context == "prefix" else "isolated"
+    after = pkey if ctx == "prefix" else None
+    return pkey, [_memo_key(m, (fingerprint, ctx, after), lambda ids=ids: chunk_key(fingerprint, ctx, ids, after))
+                  for m, ids in zip(memos[1:], chunk_ids)]
+
+
+_MEMO_SIZE = 8  # keys kept per encoding (one per fingerprint, context and, for "prefix", prefix)
+
+
+def _memo_key(memo: dict | None, what: tuple, compute) -> bytes:
+    if memo is None:
+        return compute()
+    key = memo.get(what)
+    if key is None:
+        key = compute()
+        if len(memo) >= _MEMO_SIZE:
+            memo.clear()
+        memo[what] = key
+    return key
 
 
 @dataclass

@@ -39,6 +39,7 @@ from ..cache.store import ChunkStore
 from ..config import EngineConfig
 from ..errors import LazyLLMError, RequestCancelled
 from .kv_planner import KVPlanner
+from .metrics import EngineMetrics
 from .model_runner import DecodeStep, ModelRunner
 from .output import OutputProcessor
 from .recovery import Recovery
@@ -102,14 +103,7 @@ class Engine:
         self.store = store
         self.pool = store.pool
         self.device = model.device
-        self.metrics = {"requests": 0, "failed": 0, "cancelled": 0, "preemptions": 0, "prefill_retries": 0,
-                        "recovery_skipped": 0, "disk_hits": 0, "prefill_tokens": 0, "decode_steps": 0,
-                        "decode_tokens": 0, "peak_pages": 0,
-                        "copied_pages": 0,  # pages copied re-rotated (block copies, recovery)
-                        "overlapped_steps": 0,
-                        "prefill_s": 0.0, "decode_s": 0.0,  # engine-thread seconds in prefill and decode steps
-                        "shared_decode_steps": 0,  # decode steps that read shared pages once (grouped)
-                        "shared_plans": 0}  # decode batches found sharing pages (a plan made when the rows changed)
+        self.metrics = EngineMetrics()  # every part counts into it; readers may index it like a dict
         self.disk = disk  # optional DiskKVStore: chunk KV that survives restarts
         self.disk_tier = DiskTier(disk, self.pool) if disk is not None else None
         self.save_to_disk = True  # off inside ``scratch`` (synthetic chunks never reach the disk tier)
@@ -185,7 +179,7 @@ class Engine:
         counters, metrics and decode step log are as before. Yields a function that drops
         what it cached so far (so that it evicts none of the callers' entries)."""
         store = self.store
-        saved = self.call(lambda: (set(store.entries), copy.deepcopy(store.counters), dict(self.metrics),
+        saved = self.call(lambda: (set(store.entries), copy.deepcopy(store.counters), self.metrics.snapshot(),
                                    list(self.decode_step_log)))
         self.save_to_disk = False
         try:
@@ -198,7 +192,7 @@ class Engine:
         keys, counters, metrics, steps = saved
         self.store.drop_except(keys)
         self.store.reset_counters(counters)
-        self.metrics.update(metrics)
+        self.metrics.restore(metrics)
         self.decode_step_log.clear()
         self.decode_step_log.extend(steps)
 
@@ -286,13 +280,13 @@ class Engine:
         # where the engine thread's time goes (a prefill waits for its first tokens; a decode
         # step, with overlap, for the step before it)
         m, t2 = self.metrics, time.perf_counter()
-        m["prefill_s"] += t1 - t0 if admitted else 0.0
-        m["decode_s"] += t2 - t1 if decoding else 0.0
+        m.prefill_s += t1 - t0 if admitted else 0.0
+        m.decode_s += t2 - t1 if decoding else 0.0
 
     def _note_peak_pages(self) -> None:
         used = self.pool.num_pages - self.pool.num_free
-        if used > self.metrics["peak_pages"]:
-            self.metrics["peak_pages"] = used
+        if used > self.metrics.peak_pages:
+            self.metrics.peak_pages = used
 
     def _drop_cancelled(self) -> None:
         now = time.perf_counter()
@@ -387,7 +381,7 @@ class Engine:
             return
         step = self.runner.launch_decode(reqs, pending, dead)
         if inflight is not None:
-            self.metrics["overlapped_steps"] += 1
+            self.metrics.overlapped_steps += 1
             self._inflight = None
             self._read_step(inflight)  # step n's tokens, while step n + 1 runs
         for r, e in self.runner.pick(step):

@@ -33,6 +33,7 @@ from ..cache.disk_tier import DiskTier
 from ..cache.store import ChunkStore, Entry, segment_keys
 from ..config import CHUNK_CACHING_MODES, REUSE_MODES
 from ..intmath import cdiv
+from .metrics import EngineMetrics
 from .page_table import Allocation
 from .request import ChunkSpan, Job, PrefillPlan, Request, TableEntry, entry_table
 
@@ -72,14 +73,14 @@ class KVPlanner:
     ``chunk_context`` come validated (``lazyllm.config.EngineConfig``)."""
 
     def __init__(self, store: ChunkStore, reuse: str, chunk_context: str, fingerprint: str,
-                 disk: DiskTier | None = None, metrics: dict | None = None):
+                 disk: DiskTier | None = None, metrics: EngineMetrics | None = None):
         self.store, self.pool = store, store.pool
         self.page_size = self.pool.page_size
         self.policy: ReusePolicy = _POLICIES[reuse]()
         self.chunk_context = chunk_context
         self.fingerprint = fingerprint
         self.disk = disk
-        self.metrics = metrics if metrics is not None else {}
+        self.metrics = metrics if metrics is not None else EngineMetrics()
         # prefill work gathered while admitting one round: key -> pending entry
         self.pending_prefixes: dict[bytes, PendingEntry] = {}
         self.pending_chunks: dict[bytes, PendingEntry] = {}
@@ -92,7 +93,7 @@ class KVPlanner:
         r.plan = PrefillPlan()
         found = self.policy.plan(self, r, decode_pages)
         if found.disk_hits:
-            self.metrics["disk_hits"] = self.metrics.get("disk_hits", 0) + found.disk_hits
+            self.metrics.disk_hits += found.disk_hits
         if not found.ok:
             self.unplan(r)
             return False
@@ -155,7 +156,7 @@ class KVPlanner:
         if self.allocation(r).keys is None:
             segs = r.prefill_segments
             r.alloc.keys = segment_keys(self.fingerprint, self.chunk_context, segs[0].ids,
-                                        [c.ids for c in segs[1:-1]])
+                                        [c.ids for c in segs[1:-1]], [s.memo for s in segs[:-1]])
         return r.alloc.keys
 
     def lookup_or_create(self, r: Request, key: bytes, n: int, stored_pos: int, kind: str, found: Reservation):

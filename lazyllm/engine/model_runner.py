@@ -24,6 +24,7 @@ from ..cache.store import PagePool
 from ..intmath import cdiv
 from ..model.attention import AttentionMetadata
 from .cuda_graphs import DecodeState, GraphRunner, PrefillGraphs, SharedPlanBuffers
+from .metrics import EngineMetrics
 from .pinned import PinnedTurns
 from .request import Job, Request, TableEntry, entry_table, pack_tables, slot_of
 from .runner_warm import RunnerWarmUp
@@ -60,7 +61,7 @@ class ModelRunner(RunnerWarmUp):
     SHARED_MIN_SAVED = 0.6
 
     def __init__(self, model, pool: PagePool, *, rerotate_copy, max_batch_tokens: int, max_batch_size: int,
-                 cuda_graphs: bool, metrics: dict):
+                 cuda_graphs: bool, metrics: EngineMetrics):
         self.model, self.pool = model, pool
         self.device = model.device
         self.rerotate_copy = rerotate_copy
@@ -130,7 +131,7 @@ class ModelRunner(RunnerWarmUp):
                 tables.append(j.context + entry_table(j.own_pages, n, j.start_pos, 0, ps))
             cu.append(cu[-1] + n)
             logit_rows += range(cu[-1] - j.logit_rows, cu[-1])
-        self.metrics["prefill_tokens"] += len(ids)
+        self.metrics.prefill_tokens += len(ids)
         if len(jobs) == 1 and self.prefill_graphs.accepts(len(ids), len(tables[0]), jobs[0].logit_rows):
             # a short single-sequence prefill (a question over cached chunks): one graph replay
             out = self.prefill_graphs.run(ids, pos, slots, tables[0], ctx[0])
@@ -187,7 +188,7 @@ class ModelRunner(RunnerWarmUp):
         else:
             for li, fi in enumerate(m.freq_index):
                 self.rerotate_copy(pool.k[li:li + 1], pool.v[li:li + 1], src, dst, delta, m.inv_freqs[fi])
-        self.metrics["copied_pages"] += len(copies)
+        self.metrics.copied_pages += len(copies)
 
     # -- the warm-up's steps (scratch page only; while no request runs) --------------------
     def dummy_decode(self, B: int, W: int) -> None:
@@ -254,9 +255,9 @@ class ModelRunner(RunnerWarmUp):
         # the graph loads the staged inputs, runs the forward and the argmax
         state.stage(updates, ids, pos, slots, Bp, scratch, src=src if pending else None)
         logits, argmax = self.graphs.run(Bp, Wp, S)
-        self.metrics["decode_steps"] += 1
-        self.metrics["shared_decode_steps"] += S > 0
-        self.metrics["decode_tokens"] += B
+        self.metrics.decode_steps += 1
+        self.metrics.shared_decode_steps += S > 0
+        self.metrics.decode_tokens += B
         return DecodeStep(reqs, logits[:B], argmax[:B], t_step, overlapped=bool(pending), dead=frozenset(dead))
 
     def pick(self, step: DecodeStep) -> list[tuple[Request, Exception]]:
@@ -301,7 +302,7 @@ class ModelRunner(RunnerWarmUp):
         plan = plan_groups(tables, members_per_item=self.shared.members_per_item,
                            pages_per_item=self.shared.pages_per_item, extend=self.SHARED_EXTEND,
                            width=st.max_entries)
-        self.metrics["shared_plans"] += plan is not None
+        self.metrics.shared_plans += plan is not None
         if plan is not None and plan.saved_reads < self.SHARED_MIN_SAVED * sum(len(t) for t in tables):
             plan = None
         if plan is None:  # nothing (worth) sharing: valid until the rows change

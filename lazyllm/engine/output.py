@@ -15,15 +15,22 @@ import torch
 
 from ..errors import LazyLLMError, RequestCancelled
 from ..types import GenerationOutput, ScoreOutput, Usage
+from .metrics import EngineMetrics
 from .request import Request
 
 __all__ = ["OutputProcessor"]
 
 
+def _start(r: Request) -> float:
+    """Where the caller's figures count from: the call (or the server's receipt of the
+    request), else the engine's receipt."""
+    return r.submit_time if r.received_at is None else r.received_at
+
+
 class OutputProcessor:
     """Tokens, text and results of requests (engine thread only)."""
 
-    def __init__(self, tokenizer, eos_ids: set[int], max_context: int, metrics: dict):
+    def __init__(self, tokenizer, eos_ids: set[int], max_context: int, metrics: EngineMetrics):
         self.tok, self.eos_ids, self.max_context, self.metrics = tokenizer, eos_ids, max_context, metrics
 
     def emit(self, r: Request, tok: int) -> bool:
@@ -61,7 +68,10 @@ class OutputProcessor:
 
     def fail(self, r: Request, error: Exception) -> None:
         """Hand the caller the request's error."""
-        self.metrics["cancelled" if isinstance(error, RequestCancelled) else "failed"] += 1
+        if isinstance(error, RequestCancelled):
+            self.metrics.cancelled += 1
+        else:
+            self.metrics.failed += 1
         r.events.put(("error", error))
 
     def done(self, r: Request) -> None:
@@ -76,10 +86,11 @@ class OutputProcessor:
             usage=Usage(prompt_tokens=sum(len(s.ids) for s in segs), cached_tokens=r.plan.cached_tokens,
                         completion_tokens=len(r.state.generated), cached_chunk_tokens=r.plan.cached_chunk_tokens),
             finish_reason=r.state.finish_reason or "stop",
-            ttft_s=r.state.first_token_time - r.submit_time,
-            total_s=now - r.submit_time,
+            ttft_s=r.state.first_token_time - _start(r),
+            total_s=now - _start(r),
             queue_s=r.state.admit_time - r.submit_time,
             chunk_ids=[s.chunk.id for s in r.segments if s.kind == "chunk"],
+            engine_ttft_s=r.state.first_token_time - r.submit_time,
         )
         if r.finalize is not None:
             try:
@@ -87,7 +98,7 @@ class OutputProcessor:
             except Exception as e:  # the caller's parser: its error is the request's, not the engine's
                 self.fail(r, e)
                 return
-        self.metrics["requests"] += 1
+        self.metrics.requests += 1
         r.events.put(("done", out))
 
     def score(self, r: Request, logits: torch.Tensor) -> ScoreOutput:
@@ -106,8 +117,8 @@ class OutputProcessor:
             usage=Usage(prompt_tokens=sum(len(sg.ids) for sg in segs), cached_tokens=r.plan.cached_tokens,
                         completion_tokens=0, cached_chunk_tokens=r.plan.cached_chunk_tokens),
             prefilled_tokens=r.plan.computed_tokens,
-            ttft_s=r.state.first_token_time - r.submit_time)
+            ttft_s=r.state.first_token_time - _start(r), engine_ttft_s=r.state.first_token_time - r.submit_time)
 
     def done_score(self, r: Request, result: ScoreOutput) -> None:
-        self.metrics["requests"] += 1
+        self.metrics.requests += 1
         r.events.put(("done", result))

@@ -17,6 +17,7 @@ bridges, and their own chunk, for this request only.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,7 @@ from ..config import register_selection, selection_names
 from ..config import selection as scorer_of
 from ..intmath import cdiv
 from .kv_planner import KVPlanner
+from .metrics import EngineMetrics
 from .model_runner import ModelRunner
 from .request import ChunkSpan, Job, Request, slot_of
 
@@ -44,7 +46,7 @@ class Recovery:
 
     def __init__(self, runner: ModelRunner, planner: KVPlanner, *, first_tokens: int = 0, ratio: float = 0.0,
                  selection: str = "deviation", selection_depth: float = 1.0, probe_layer: int = 1,
-                 metrics: dict | None = None, exact_at_home: bool = False, bridge_tokens: int = 0):
+                 metrics: EngineMetrics | None = None, exact_at_home: bool = False, bridge_tokens: int = 0):
         """``selection_depth``: the question's attention (``question_attention``) is summed over
         the first ``ceil(selection_depth * layers)`` layers.
 
@@ -64,7 +66,7 @@ class Recovery:
         self.probe_layer = min(probe_layer, n_layers - 1)
         self.mass_layers = max(1, min(n_layers, math.ceil(selection_depth * n_layers)))
         self._memo: tuple[Request, _ChunkIndex | None] | None = None  # apply's chunk token index
-        self.metrics = metrics if metrics is not None else {}
+        self.metrics = metrics if metrics is not None else EngineMetrics()
 
     @property
     def enabled(self) -> bool:
@@ -105,10 +107,12 @@ class Recovery:
         if not spans or not self.enabled:
             return
         self._memo = (r, None)  # the chunk token index is built once for this request
+        t0 = time.perf_counter()
         try:
             self._apply(r, plan, spans, k, ratio)
         finally:
             self._memo = None
+            self.metrics.selection_s += time.perf_counter() - t0
 
     def _apply(self, r: Request, plan, spans: list[ChunkSpan], k: int, ratio: float) -> None:
         # a chunk at home (exact_at_home) already has full attention's KV: the budget goes elsewhere
@@ -141,7 +145,7 @@ class Recovery:
         # those that are shared: this request's private copies
         copies = alloc.privatize([c for c in cols if not alloc.owns(alloc.table[c].page)])
         if copies is None:
-            self.metrics["recovery_skipped"] += 1
+            self.metrics.recovery_skipped += 1
             return
         table = alloc.table
         page_of = np.array([table[c].page for c in cols], dtype=np.int64)[np.searchsorted(cols, col_of)]
@@ -200,7 +204,7 @@ class Recovery:
         slots = [slot_of(plan.own, i, ps) for i in range(S)]
         table = probe + self.planner.own_table(plan.own, pos0, S)
         ids, pos = list(plan.suffix_ids), list(range(pos0, pos0 + S))
-        self.metrics["prefill_tokens"] += S
+        self.metrics.prefill_tokens += S
         mass = None
         graphs = getattr(self.runner, "prefill_graphs", None)
         if graphs is not None and graphs.accepts(S, len(table), 1):

@@ -37,6 +37,9 @@ class Segment:
     kind: str  # "prefix", "chunk" or "suffix"
     ids: list[int]
     chunk: Chunk | None = None
+    # the memo of these ids' cache keys, shared by every segment of one cached encoding
+    # (``lazyllm.inputs.encodings``; read and filled by ``cache.store.segment_keys``)
+    memo: dict | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -138,7 +141,10 @@ class Request:
     segments: list[Segment]
     params: SamplingParams
     events: queue.Queue
+    # when the engine's side of the request began (made, its prompt tokenized): ``engine_ttft_s``
     submit_time: float = field(default_factory=time.perf_counter)
+    # when the caller's call began, or the server received the request: ``ttft_s``, ``total_s``
+    received_at: float | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     deadline: float | None = None
     warm_only: bool = False  # compute prefix and chunk KV, generate nothing

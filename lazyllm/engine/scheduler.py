@@ -15,6 +15,7 @@ import time
 from ..errors import CacheCapacityError, LazyLLMError
 from .cuda_graphs import DecodeState
 from .kv_planner import KVPlanner
+from .metrics import EngineMetrics
 from .request import Request, Segment
 
 
@@ -22,7 +23,7 @@ class Scheduler:
     """Waiting and running requests and the pages they hold (engine thread only)."""
 
     def __init__(self, planner: KVPlanner, decode_state: DecodeState, *, max_batch_tokens: int,
-                 max_batch_size: int, metrics: dict):
+                 max_batch_size: int, metrics: EngineMetrics):
         self.planner, self.pool = planner, planner.pool
         self.decode_state = decode_state
         self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
@@ -87,7 +88,7 @@ class Scheduler:
         self.waiting.insert(0, r)
         if solo:
             r.state.solo = True
-            self.metrics["prefill_retries"] += 1
+            self.metrics.prefill_retries += 1
 
     def preempt(self, r: Request) -> None:
         """Give back everything ``r`` holds and queue it again; when readmitted, its
@@ -97,7 +98,7 @@ class Scheduler:
         base = r.segments
         r.state.resumed = base[:-1] + [Segment("suffix", base[-1].ids + r.state.generated)]
         r.state.preempted = True
-        self.metrics["preemptions"] += 1
+        self.metrics.preemptions += 1
 
     def grow_decode_pages(self, pending: dict[int, int], dead: set[int]) -> None:
         """Give every decoding request room for its next token and claim that token's slot

@@ -12,7 +12,6 @@ Each process starts with NVLink multicast off (``MULTICAST_OFF_ENV``).
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import datetime
 import os
@@ -36,6 +35,7 @@ from ..model.tensor_parallel import (
     TensorParallelModel,
     tensor_parallel_error,
 )
+from .metrics import EngineMetrics
 from .model_runner import ModelRunner
 
 START_TIMEOUT_S = 600.0
@@ -255,7 +255,7 @@ def _serve(model: TensorParallelModel, backend) -> None:
             pool = PagePool(s.num_layers, s.num_kv_heads, s.head_dim, page_size=h[2], num_pages=h[1],
                             dtype=model.dtype, device=model.device)
             runner = ModelRunner(model, pool, rerotate_copy=backend.rerotate_copy, max_batch_tokens=1,
-                                 max_batch_size=1, cuda_graphs=False, metrics=collections.Counter())
+                                 max_batch_size=1, cuda_graphs=False, metrics=EngineMetrics())
         elif cmd == STOP:
             return
         else:

@@ -15,6 +15,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..cache.store import segment_keys
+from ..config import CHUNK_CACHING_MODES
 from ..engine.detokenizer import Detokenizer
 from ..engine.request import Request, Scoring, Segment
 from ..errors import ContextLengthError, InvalidRequestError
@@ -23,24 +25,42 @@ from .conversation import render_request
 from .prompt import PromptBuilder, check_text
 
 
+def _received(received_at) -> float:
+    """``received_at`` checked, or now."""
+    if received_at is None:
+        return time.perf_counter()
+    if not isinstance(received_at, (int, float)) or isinstance(received_at, bool):
+        raise InvalidRequestError(f"received_at must be a time.perf_counter() value, got {received_at!r}")
+    return float(received_at)
+
+
 class InputProcessor:
     """Turns a caller's arguments into engine ``Request`` values for one model.
 
     ``tokenizer``: the model's; ``prompts``: the prompt builder of the configuration
-    (``prompt_builder``); ``max_context``, ``vocab_size``: the model's, in tokens."""
+    (``prompt_builder``); ``max_context``, ``vocab_size``: the model's, in tokens;
+    ``fingerprint``: the engine's cache-key fingerprint, given to hash a request's prefix and
+    chunk keys here, off the engine thread, into its cached encodings (``None``: the planner
+    hashes them)."""
 
-    def __init__(self, tokenizer, prompts: PromptBuilder, *, max_context: int, vocab_size: int, config=None):
+    def __init__(self, tokenizer, prompts: PromptBuilder, *, max_context: int, vocab_size: int, config=None,
+                 fingerprint: str | None = None):
         self.tokenizer, self.prompts = tokenizer, prompts
         self.max_context, self.vocab_size = max_context, vocab_size
         self.config = config  # the engine's options (the grammars' string bound)
+        self.fingerprint = fingerprint
         self._grammar_compiler = None
 
     # -- the requests --------------------------------------------------------------
     def generation(self, question, chunks=None, system=None, *, max_new_tokens=64, temperature=0.0, top_p=1.0,
                    top_k=0, seed=None, stop=None, timeout=None, response_format=None, tools=None,
-                   tool_choice=None, messages=None, parallel_tool_calls=False, streaming=True) -> Request:
+                   tool_choice=None, messages=None, parallel_tool_calls=False, streaming=True,
+                   received_at=None) -> Request:
         """A request to answer ``question`` over ``chunks`` (``LazyLLM.generate``'s arguments);
-        raises ``InvalidRequestError`` / ``ContextLengthError`` for what cannot run."""
+        raises ``InvalidRequestError`` / ``ContextLengthError`` for what cannot run.
+        ``received_at``: the ``time.perf_counter()`` of the caller's call or of the server's
+        receipt of the request, where its ``ttft_s`` counts from (``None``: now)."""
+        received_at = _received(received_at)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, seed=seed, stop=() if stop is None else stop)
         if params.max_new_tokens > self.max_context:
@@ -55,7 +75,7 @@ class InputProcessor:
         if structured is not None and structured.grammar is not None:
             constraint = self.grammars.constraint(structured.grammar)
         return self._make(segs, params, streaming=streaming, timeout=timeout, constraint=constraint,
-                          finalize=structured.finalize if structured is not None else None)
+                          finalize=structured.finalize if structured is not None else None, received_at=received_at)
 
     def warming(self, chunks: Sequence[Chunk], system: str | None) -> Request:
         """A request that only computes and caches the KV of ``chunks`` and of the prefix."""
@@ -65,15 +85,17 @@ class InputProcessor:
         return self._make(segs, params, streaming=False, warm_only=True)
 
     def scoring(self, question, chunks, system, continuation: Sequence[int] | str,
-                return_logits: bool = False) -> Request:
+                return_logits: bool = False, received_at: float | None = None) -> Request:
         """A request for the teacher-forced log-probabilities of ``continuation`` (token ids
         or a text) after the prompt of ``question`` over ``chunks``."""
+        received_at = _received(received_at)
         cont = self._continuation(continuation)
         params = SamplingParams(max_new_tokens=1)
         prompt = self.prompts.build(question, as_chunks(chunks), system)
         self.check_fits(sum(len(s.ids) for s in prompt) + len(cont), 1)
         segs = prompt[:-1] + [Segment("suffix", prompt[-1].ids + cont[:-1])]
-        return self._make(segs, params, streaming=False, score=Scoring(cont, prompt, bool(return_logits)))
+        return self._make(segs, params, streaming=False, score=Scoring(cont, prompt, bool(return_logits)),
+                          received_at=received_at)
 
     def synthetic(self, prefix: list[int], chunks: list[list[int]], question: list[int], chunk: Chunk,
                   max_new_tokens: int = 1, *, constraint=None, **sampling) -> Request:
@@ -89,9 +111,23 @@ class InputProcessor:
         """The one ``Request`` constructor call: the seed drawn now when the caller gave none, so a
         sampled request draws the same tokens whatever it is batched with."""
         seed = params.seed if params.seed is not None else secrets.randbits(64)
-        deadline = None if timeout is None else time.perf_counter() + timeout
+        self._hash_keys(segs)
+        now = time.perf_counter()
+        deadline = None if timeout is None else now + timeout
+        fields.setdefault("received_at", now)
         return Request(segments=segs, params=params, events=queue.Queue(), streaming=streaming, seed=seed,
-                       detok=Detokenizer(self.tokenizer, params.stop), deadline=deadline, **fields)
+                       detok=Detokenizer(self.tokenizer, params.stop), deadline=deadline, submit_time=now, **fields)
+
+    def _hash_keys(self, segs: list[Segment]) -> None:
+        """Fill the cached encodings' key memos (``Segment.memo``) with this request's keys, so
+        the planner finds them: a chunk is hashed once, here, not per request on the engine
+        thread."""
+        c = self.config
+        if self.fingerprint is None or c is None or c.reuse not in CHUNK_CACHING_MODES or len(segs) < 2:
+            return
+        if any(s.memo is not None for s in segs[:-1]):
+            segment_keys(self.fingerprint, c.chunk_context, segs[0].ids, [s.ids for s in segs[1:-1]],
+                         [s.memo for s in segs[:-1]])
 
     # -- checks and parts ------------------------------------------------------------
     def check_fits(self, n_prompt: int, max_new_tokens: int) -> None:

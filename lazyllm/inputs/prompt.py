@@ -11,6 +11,7 @@ from __future__ import annotations
 from ..engine.request import Segment
 from ..errors import InvalidRequestError
 from ..types import Chunk
+from .encodings import ChunkEncodings, tokenizer_identity
 
 _MARK = "\u2063LAZYLLM_DOCUMENTS\u2063"
 DOC_HEADER = "Answer the question using the documents below.\n\nDocuments:\n\n"
@@ -33,11 +34,16 @@ def check_text(text: str, what: str) -> None:
 class PromptBuilder:
     """Splits a RAG request into prefix / chunk / suffix token segments."""
 
-    def __init__(self, tokenizer, packet_ids: tuple[list[int], list[int]] | None = None):
+    def __init__(self, tokenizer, packet_ids: tuple[list[int], list[int]] | None = None,
+                 encodings: ChunkEncodings | None = None):
         self.tok = tokenizer
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
         # learned chunk packets (lazyllm.model.packets): virtual ids around every chunk
         self.packet_ids = packet_ids
+        # the cache of chunk (and prefix) encodings (None: every segment tokenized anew)
+        self.encodings = encodings
+        self._identity = (tokenizer_identity(tokenizer), type(self).__name__)
+        self._packet_identity = None if packet_ids is None else tuple(map(tuple, packet_ids))
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
@@ -58,8 +64,27 @@ class PromptBuilder:
     def chunk_ids(self, chunk: Chunk) -> list[int]:
         """The token ids of ``chunk``'s segment: its text, between the packet's header and
         trailer ids when there is a packet."""
-        head, tail = self.packet_ids or ([], [])
-        return head + self.encode(self.chunk_text(chunk)) + tail
+        return self.chunk_segment(chunk).ids
+
+    def chunk_segment(self, chunk: Chunk, packets: bool = True) -> Segment:
+        """``chunk``'s segment: its ids (``chunk_ids``; without the packet's ids when not
+        ``packets``) from the encodings cache when there is one, tokenized once per text, id,
+        tokenizer and packet."""
+        text = self.chunk_text(chunk)
+        head, tail = (self.packet_ids if packets else None) or ([], [])
+        if self.encodings is None:
+            return Segment("chunk", head + self.encode(text) + tail, chunk)
+        key = (text, chunk.id, self._identity, self._packet_identity if packets else None)
+        enc = self.encodings.get(key, lambda: head + self.encode(text) + tail)
+        return Segment("chunk", enc.ids, chunk, enc.memo)
+
+    def prefix_segment(self, text: str) -> Segment:
+        """The ``prefix`` segment of a rendered ``text``, from the encodings cache when there
+        is one (a system prompt is shared by many requests)."""
+        if self.encodings is None:
+            return Segment("prefix", self.encode(text))
+        enc = self.encodings.get((text, None, self._identity, "prefix"), lambda: self.encode(text))
+        return Segment("prefix", enc.ids, None, enc.memo)
 
     def build(self, question: str, chunks: list[Chunk], system: str | None) -> list[Segment]:
         check_text(question, "question")
@@ -75,7 +100,7 @@ class PromptBuilder:
         header = DOC_HEADER if chunks else ""
         rendered = self._render(system, f"{header}{_MARK}{QUESTION_HEADER}{question.strip()}")
         pre, post = rendered.split(_MARK)
-        segs = [Segment("prefix", self.encode(pre))]
-        segs += [Segment("chunk", self.chunk_ids(c), c) for c in chunks]
+        segs = [self.prefix_segment(pre)]
+        segs += [self.chunk_segment(c) for c in chunks]
         segs.append(Segment("suffix", self.encode(post)))
         return segs

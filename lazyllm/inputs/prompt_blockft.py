@@ -70,8 +70,8 @@ def detect_layout(tokenizer) -> str:
 class BlockFTPromptBuilder(PromptBuilder):
     """Prefix / chunk / suffix segments in the Block-Attention training layout."""
 
-    def __init__(self, tokenizer, layout: str | None = None):
-        super().__init__(tokenizer)
+    def __init__(self, tokenizer, layout: str | None = None, encodings=None):
+        super().__init__(tokenizer, encodings=encodings)
         self.layout = layout or detect_layout(tokenizer)
         if self.layout not in LAYOUTS:
             raise InvalidRequestError(f"unknown block-ft layout {self.layout!r}; one of {tuple(LAYOUTS)}")
@@ -96,20 +96,21 @@ class BlockFTPromptBuilder(PromptBuilder):
         for i, c in enumerate(chunks):
             check_text(c.text, f"chunks[{i}].text")
         head, mid, tail = LAYOUTS[self.layout]
-        segs = [Segment("prefix", self.encode(f"{head}{system.strip()}\n\n"))]
-        segs += [Segment("chunk", self.chunk_ids(c), c) for c in chunks]
+        segs = [self.prefix_segment(f"{head}{system.strip()}\n\n")]
+        segs += [self.chunk_segment(c) for c in chunks]
         segs.append(Segment("suffix", self.encode(f"{mid}{INSTRUCTION}\nQuestion: {question.strip()}{tail}")))
         return segs
 
 
 def prompt_builder(tokenizer, layout: str | None = None,
-                   packet_ids: tuple[list[int], list[int]] | None = None) -> PromptBuilder:
+                   packet_ids: tuple[list[int], list[int]] | None = None, encodings=None) -> PromptBuilder:
     """The prompt builder of a configuration: ``layout`` ``None`` for the model's chat
     template (with the packet's virtual ids around each chunk, if any), or a Block-Attention
-    training layout (a ``LAYOUTS`` name, or ``"auto"``: the tokenizer's)."""
+    training layout (a ``LAYOUTS`` name, or ``"auto"``: the tokenizer's); ``encodings``: its
+    cache of chunk encodings (``inputs.encodings.ChunkEncodings``) or ``None``."""
     if layout is None:
-        return PromptBuilder(tokenizer, packet_ids)
-    return BlockFTPromptBuilder(tokenizer, None if layout == "auto" else layout)
+        return PromptBuilder(tokenizer, packet_ids, encodings)
+    return BlockFTPromptBuilder(tokenizer, None if layout == "auto" else layout, encodings)
 
 
 __all__ = ["BlockFTPromptBuilder", "LAYOUTS", "SYSTEM", "INSTRUCTION", "detect_layout", "prompt_builder"]

@@ -3,6 +3,7 @@ no model (logits are made up, the tokenizer is a fake)."""
 import pytest
 import torch
 
+from lazyllm.engine.metrics import EngineMetrics
 from lazyllm.engine.output import OutputProcessor
 from lazyllm.engine.request import PrefillPlan, Scoring
 from lazyllm.errors import LazyLLMError, RequestCancelled
@@ -10,8 +11,7 @@ from tests.engine.fakes import EOS, VOCAB, FakeTokenizer, make_request
 
 
 def _out(max_context=100):
-    metrics = {"requests": 0, "failed": 0, "cancelled": 0}
-    return OutputProcessor(FakeTokenizer(), {EOS}, max_context, metrics)
+    return OutputProcessor(FakeTokenizer(), {EOS}, max_context, EngineMetrics())
 
 
 def _events(r):

@@ -4,6 +4,7 @@ import pytest
 
 from lazyllm.engine.cuda_graphs import DecodeState
 from lazyllm.engine.kv_planner import KVPlanner
+from lazyllm.engine.metrics import EngineMetrics
 from lazyllm.engine.request import pack_tables
 from lazyllm.engine.scheduler import Scheduler
 from lazyllm.errors import CacheCapacityError
@@ -14,7 +15,7 @@ PS = 4
 
 def _scheduler(num_pages=64, max_batch_tokens=64, max_batch_size=8, reuse="none"):
     planner = KVPlanner(make_store(num_pages, PS), reuse, "isolated", "fp")
-    metrics = {"preemptions": 0, "prefill_retries": 0}
+    metrics = EngineMetrics()
     state = DecodeState(max_batch_size, 32, planner.pool.k.device)
     return Scheduler(planner, state, max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size,
                      metrics=metrics)
