@@ -49,6 +49,7 @@ class ModelRunner:
     """Forwards of one model over one page pool (engine thread only)."""
 
     supports_shared = True  # shared-chunk decode (a runner that ships metadata elsewhere says no)
+    supports_mixed = True  # mixed steps (``run_mixed``; the same)
     SHARED_EXTEND = 4  # pages a row may grow by before its shared-chunk plan is made again
     # the shared-chunk path runs a step only where it saves at least this share of the step's
     # page reads: below it the per-request kernel's repeated reads hit L2 and it is the faster
@@ -141,6 +142,45 @@ class ModelRunner:
             out.append(logits[i:i + j.logit_rows] if j.logit_rows else None)
             i += j.logit_rows
         return out
+
+    def run_mixed(self, decode: list[Request], pieces: list) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """One forward over decode rows and prefill pieces (``mixed.Piece``): the decode rows'
+        logits ``(len(decode), vocab)`` and each piece's logit rows (``None`` for none). Every
+        decode row has its next token's slot claimed; its table's last entry is copied to the
+        decode state on the device as a decode step would, so decode steps can follow. With no
+        decode row and whole jobs only, it is the prefill forward of ``run_jobs`` (a short
+        single job replays its CUDA graph); the decode logits are then ``None``."""
+        if not decode and all(p.start == 0 and p.last for p in pieces):
+            return None, self._forward_jobs([p.job for p in pieces])
+        ps = self.pool.page_size
+        updates = [self.decode_state.row_update(r) for r in decode]
+        ids = [r.state.generated[-1] for r in decode]
+        pos = [r.state.next_pos for r in decode]
+        slots = [u[2] * ps + u[5] - 1 for u in updates]
+        tables = [list(r.alloc.table) for r in decode]
+        ctx = [r.plan.ctx_range or (0, 0) for r in decode]
+        cu, rows, max_q = list(range(len(decode) + 1)), list(range(len(decode))), 1
+        for p in pieces:
+            p_ids, p_pos, p_slots, table = p.inputs(ps)
+            ids += p_ids
+            pos += p_pos
+            slots += p_slots
+            tables.append(table)
+            ctx.append(p.job.ctx or (0, 0))
+            cu.append(cu[-1] + len(p_ids))
+            rows += range(cu[-1] - p.logit_rows, cu[-1])
+            max_q = max(max_q, len(p_ids))
+        self.decode_state.copy_tails(updates)
+        self.metrics["prefill_tokens"] += cu[-1] - len(decode)
+        self.metrics["decode_tokens"] += len(decode)
+        ids_t, rows_t, meta = self.metadata(ids, pos, slots, cu, tables, max_q, rows,
+                                            ctx=ctx if self.calibrated else None)
+        logits = self.model.forward(ids_t, meta, self.pool.k, self.pool.v, logits_index=rows_t)
+        out, i = [], len(decode)
+        for p in pieces:
+            out.append(logits[i:i + p.logit_rows] if p.logit_rows else None)
+            i += p.logit_rows
+        return logits[:len(decode)], out
 
     def metadata(self, ids, pos, slots, cu, tables: list[list[TableEntry]], max_q: int, logit_rows, ctx=None):
         """Token ids, logit rows and attention metadata of a prefill step, sent to the
