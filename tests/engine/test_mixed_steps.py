@@ -169,9 +169,9 @@ def test_triton_kernels_in_the_interpreter(tokenizer):
     off, on = _pair(model, tokenizer, budget, attention_backend="triton")
     batch = [{"question": "Which?", "chunks": [DOCS[1], DOCS[4]], "max_new_tokens": 3},
              {"question": "Why?", "chunks": [LONG_DOC[:200]], "max_new_tokens": 3}]
-    ref_long = off.generate("Tell me everything.", chunks=DOCS[5:7], max_new_tokens=12).token_ids
+    ref_long = off.generate("Tell me everything.", chunks=DOCS[5:7], max_new_tokens=8).token_ids
     ref = [o.token_ids for o in off.generate_batch(batch)]
-    long, outs = _while_decoding(on, batch, long_new=12)
+    long, outs = _while_decoding(on, batch, long_new=8)
     assert long == ref_long and outs == ref
     _mixed_steps_ok(on.engine.mixed.trace, budget)
     _clean(on)
