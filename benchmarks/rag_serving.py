@@ -321,8 +321,15 @@ class LazyRunner:
         # packets=None: the budgets are fractions of the corpus's own tokens and the systems are
         # compared as they reuse KV; a learned packet (shipped for the default model) would add
         # its tokens to every chunk of lazy and block only
-        # `balanced`: lazy reuse with the balanced fidelity preset (selective recompute)
-        kw = dict(quality="balanced") if system == "balanced" else dict(reuse=system)
+        # `balanced`: lazy reuse with the balanced fidelity preset (selective recompute); a
+        # `+mixed` variant (`lazy+mixed`) runs the same system with mixed steps on
+        base, _, variant = system.partition("+")
+        if variant not in ("", "mixed"):
+            raise SystemExit(f"unknown system variant {system!r} (known: +mixed)")
+        self.base = base
+        kw = dict(quality="balanced") if base == "balanced" else dict(reuse=base)
+        if variant == "mixed":
+            kw.update(mixed_steps=True, step_token_budget=args.step_token_budget)
         self.llm = LazyLLM(model=hf, tokenizer=tok, packets=None, warmup=args.warmup, **kw,
                            kv_cache_bytes=max(int(budget_frac * pool_bytes), 1 << 20), page_size=args.page_size,
                            kernel_options=KernelOptions(shared_decode=args.shared_decode))
@@ -342,7 +349,7 @@ class LazyRunner:
         except LazyLLMError as e:  # e.g. a budget too small for this system: reported, not fatal
             return dict(error=str(e))
         segs = out.prompt_segments
-        if self.system in ("lazy", "block", "balanced"):
+        if self.base in ("lazy", "block", "balanced"):
             cached_chunk = out.usage.cached_chunk_tokens
         else:
             cached_chunk = cached_chunk_tokens_of_prefix(segs, out.usage.cached_tokens)
@@ -627,7 +634,10 @@ def main(argv=None):
                     help="KV budget as a fraction of the document pool's KV; per alpha: '2.1=0.2,0.33;0=0.33'")
     ap.add_argument("--systems", default="lazy,block,prefix,none,hf",
                     help="comma-separated: lazy, block, prefix, none (the engine's reuse modes), balanced "
-                         "(lazy with quality='balanced'), hf (transformers generate)")
+                         "(lazy with quality='balanced'), hf (transformers generate); an engine system with "
+                         "'+mixed' (lazy+mixed, balanced+mixed) runs with mixed_steps=True")
+    ap.add_argument("--step-token-budget", type=int, default=2048,
+                    help="tokens per mixed step of the '+mixed' systems (LazyLLM(step_token_budget=...))")
     ap.add_argument("--warm-requests", type=int, default=None, help="warm-up requests per alpha (2 x concurrency)")
     ap.add_argument("--warm-concurrency", type=int, default=None, help="(default: --concurrency)")
     ap.add_argument("--cold", action="store_true", help="clear the cache before each measured point")

@@ -88,6 +88,8 @@ class LazyLLM:
         page_size: int | None = None,
         attention_backend: str = "auto",
         max_batch_tokens: int = 8192,
+        mixed_steps: bool = False,
+        step_token_budget: int = 2048,
         recompute_first_tokens: int | None = None,
         recompute_ratio: float | None = None,
         recompute_selection: str | None = None,

@@ -126,6 +126,8 @@ class EngineConfig:
                                        "else 16)")
     attention_backend: str = _opt("auto", "attention kernels: 'auto' (Triton on CUDA, torch on CPU)", BACKENDS)
     max_batch_tokens: int = _opt(8192, "prefill tokens per forward")
+    mixed_steps: bool = _opt(False, "one forward per step carries the decode tokens and the next prefill work")
+    step_token_budget: int = _opt(2048, "tokens per mixed step, decode rows included (mixed_steps)")
     recompute_first_tokens: int = _opt(QUALITY_OPTIONS["recompute_first_tokens"],
                                        "recompute this many first tokens of every chunk with full context")
     recompute_ratio: float = _opt(QUALITY_OPTIONS["recompute_ratio"],
@@ -290,7 +292,7 @@ def _value_problems(c: EngineConfig) -> list[str]:
     if not _is_number(d) or not 0.0 < d <= 1.0:
         bad.append(f"recompute_selection_depth must be in (0, 1], got {d!r}")
     for name, v in (("kv_cache_bytes", c.kv_cache_bytes), ("kv_disk_bytes", c.kv_disk_bytes),
-                    ("max_batch_tokens", c.max_batch_tokens)):
+                    ("max_batch_tokens", c.max_batch_tokens), ("step_token_budget", c.step_token_budget)):
         if (v is not None or name != "kv_cache_bytes") and (not _is_int(v) or v <= 0):
             bad.append(f"{name} must be a positive int, got {v!r}")
     m = c.max_string_length
@@ -298,7 +300,7 @@ def _value_problems(c: EngineConfig) -> list[str]:
         bad.append(f"max_string_length must be an int >= 1 or None, got {m!r}")
     if not _is_int(c.tensor_parallel) or c.tensor_parallel < 1:
         bad.append(f"tensor_parallel must be an int >= 1, got {c.tensor_parallel!r}")
-    for name in ("trust_remote_code", "progress", "batch_invariant", "warmup"):
+    for name in ("trust_remote_code", "progress", "batch_invariant", "warmup", "mixed_steps"):
         if not isinstance(getattr(c, name), bool):
             bad.append(f"{name} must be a bool, got {getattr(c, name)!r}")
     if c.overlap_decode is not None and not isinstance(c.overlap_decode, bool):

@@ -35,6 +35,18 @@ OPTION_DOCS: dict[str, str] = {
         "the prefill token budget of one engine step: requests are admitted together until their prompts "
         "reach it (a longer request is admitted alone)."
     ),
+    "mixed_steps": (
+        "schedule mixed steps: each engine step is one forward carrying the running requests' next tokens "
+        "and the next prefill work (cold chunks, questions, recomputed tokens), up to ``step_token_budget`` "
+        "tokens, so decoding never waits for a whole prefill round; a chunk or question longer than the "
+        "budget is prefilled in pieces over several steps (the same KV as one pass). Steps with nothing to "
+        "prefill are the ordinary decode steps (CUDA graphs); mixed steps run eagerly. Not with "
+        "``tensor_parallel``. Off by default."
+    ),
+    "step_token_budget": (
+        "with ``mixed_steps``, the tokens of one step: one per decoding request, the rest prefill work. A "
+        "job that cannot be cut (recomputed tokens, scoring) runs whole when it is a step's only prefill work."
+    ),
     "recompute_first_tokens": (
         "quality recovery: at query time, recompute the first this many tokens of every chunk with full "
         "context (their KV replaces the cached one for that request only; the cache stays reusable). 0 "

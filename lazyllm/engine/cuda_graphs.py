@@ -141,6 +141,14 @@ class DecodeState:
             raise RuntimeError("a decoding request's page table was rebuilt; its device copy is stale")
         return (row, *alloc.tail())
 
+    def copy_tails(self, updates: list[tuple[int, int, int, int, int, int]]) -> None:
+        """Copy each row's last table entry (``row_update``'s ``(row, col, page, pos, delta,
+        len)``) to the device, as a decode step's ``load`` does, for a step that runs outside
+        the decode graphs (a mixed step)."""
+        if updates:
+            u = torch.tensor(updates, dtype=torch.long).to(self.device)
+            self.tables[:, u[:, 0], u[:, 1]] = u[:, 2:].T.to(torch.int32)
+
     def stage(self, updates: list[tuple[int, int, int, int, int, int]], ids, pos, slots, pad_to: int,
               scratch_slot: int, src=None) -> None:
         """Stage this step's inputs for ``load(pad_to)`` and enqueue their copy to the device:

@@ -16,6 +16,10 @@ queue. Each step of the worker:
 5. retires finished requests (``Scheduler.retire``: unpin, free) before handing out their
    results.
 
+With ``mixed_steps`` on, steps 3 and 4 become one forward under a token budget: the decode
+rows and the next pieces of the admitted round's prefill (``mixed.py``); steps with nothing
+to prefill are the decode steps of 4.
+
 The parts, each in its own module: ``scheduler`` (admission, preemption, decode pages),
 ``kv_planner`` (one policy per reuse mode), ``model_runner`` (forwards, metadata, decode
 launch), ``cuda_graphs``, ``recovery``, ``output`` (tokens, text, results), ``request``.
@@ -40,6 +44,7 @@ from ..config import EngineConfig
 from ..errors import LazyLLMError, RequestCancelled
 from .kv_planner import KVPlanner
 from .metrics import EngineMetrics
+from .mixed import MixedSteps
 from .model_runner import DecodeStep, ModelRunner
 from .output import OutputProcessor
 from .recovery import Recovery
@@ -136,6 +141,9 @@ class Engine:
         self.async_decode = self.graphs.enabled if config.overlap_decode is None else config.overlap_decode
         self._inflight: DecodeStep | None = None
         self._last_read: tuple[float, int] | None = None
+        # mixed steps (``mixed.py``): decode rows and prefill pieces in one forward per step
+        self.mixed = (MixedSteps(self, config.step_token_budget)
+                      if config.mixed_steps and self.runner.supports_mixed else None)
 
     # -- public, any thread ----------------------------------------------------------
     @property
@@ -248,6 +256,10 @@ class Engine:
 
     def _step(self) -> None:
         self._drop_cancelled()
+        if self.mixed is not None:
+            self.mixed.step()
+            self._note_peak_pages()
+            return
         admitted, failed = self.scheduler.admit()
         for r, e in failed:
             self._finish(r, error=e)
@@ -260,13 +272,7 @@ class Engine:
                 log.exception("prefill failed")
                 if self.device.type == "cuda" and isinstance(e, torch.cuda.OutOfMemoryError):
                     torch.cuda.empty_cache()
-                for r in admitted:
-                    if r.state.row is not None or r.state.finish_reason is not None or r not in self.scheduler.running:
-                        continue  # already prefilled and decoding, or finished
-                    if len(admitted) > 1:
-                        self.scheduler.requeue(r, solo=True)  # retry alone: a bad request fails only itself
-                    else:
-                        self._finish(r, error=e)
+                self._prefill_failed(admitted, e)
         t1 = time.perf_counter()
         decoding = list(self.decode_state.rows)
         if decoding:
@@ -283,6 +289,17 @@ class Engine:
         m.prefill_s += t1 - t0 if admitted else 0.0
         m.decode_s += t2 - t1 if decoding else 0.0
 
+    def _prefill_failed(self, reqs: list[Request], e: Exception) -> None:
+        """The prefill of ``reqs`` failed: each one not yet decoding is retried alone (a bad
+        request then fails only itself), or fails when it was alone."""
+        for r in reqs:
+            if r.state.row is not None or r.state.finish_reason is not None or r not in self.scheduler.running:
+                continue  # already prefilled and decoding, or finished
+            if len(reqs) > 1:
+                self.scheduler.requeue(r, solo=True)
+            else:
+                self._finish(r, error=e)
+
     def _note_peak_pages(self) -> None:
         used = self.pool.num_pages - self.pool.num_free
         if used > self.metrics.peak_pages:
@@ -294,7 +311,7 @@ class Engine:
             if r.deadline is not None and now > r.deadline and not r.cancelled.is_set():
                 r.cancelled.set()
                 r.state.finish_reason = "timeout"
-            if r.cancelled.is_set():
+            if r.cancelled.is_set() and not (self.mixed is not None and self.mixed.holds(r)):
                 timed_out = r.state.finish_reason == "timeout"
                 self._finish(r, error=RequestCancelled("timed out" if timed_out else "cancelled"))
 
@@ -310,6 +327,12 @@ class Engine:
                     self.store.mark_ready(p.entry)
                 if self.disk_tier is not None and self.save_to_disk:
                     self.disk_tier.save([p.entry for p in stage])
+        own = self._before_own(reqs)
+        self._after_own(own, self.runner.run_jobs([r.plan.job for r in own]) if own else [])
+
+    def _before_own(self, reqs: list[Request]) -> list[Request]:
+        """Once the entries ``reqs`` read are in the pool: quality recovery and re-rotated
+        copies; warm-only requests are done. Returns the requests whose own job runs next."""
         if self.recovery.enabled:
             for r in reqs:
                 if not r.warm_only:
@@ -322,8 +345,11 @@ class Engine:
                 r.state.first_token_time = time.perf_counter()
                 r.state.finish_reason = "warm"
                 self._finish(r)
-        own = [r for r in reqs if not r.warm_only]
-        logits = self.runner.run_jobs([r.plan.job for r in own]) if own else []
+        return [r for r in reqs if not r.warm_only]
+
+    def _after_own(self, own: list[Request], logits: list) -> None:
+        """The own jobs of ``own`` ran (``logits``: each one's logit rows): pick every
+        generating request's first token, score the scoring ones, start decoding."""
         gen = [(r, lg[-1]) for r, lg in zip(own, logits) if r.score is None]
         # every generating request's first token, in one batched pick
         firsts = dict(zip((r.id for r, _ in gen), self.runner.first_picks(*zip(*gen)))) if gen else {}

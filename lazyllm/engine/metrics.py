@@ -35,6 +35,7 @@ class EngineMetrics(Mapping):
     shared_decode_steps: int = 0  # decode steps that read shared pages once (grouped)
     shared_plans: int = 0  # decode batches found sharing pages (a plan made when the rows changed)
     selection_s: float = 0.0  # engine-thread seconds choosing the tokens to recompute (within prefill_s)
+    mixed_steps: int = 0  # forwards of mixed steps: prefill pieces, with the decode rows if any
 
     # -- the read-only mapping view ------------------------------------------------------
     def __getitem__(self, name: str):

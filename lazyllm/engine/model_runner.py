@@ -53,6 +53,7 @@ class ModelRunner(RunnerWarmUp):
     shapes in ``RunnerWarmUp``."""
 
     supports_shared = True  # shared-chunk decode (a runner that ships metadata elsewhere says no)
+    supports_mixed = True  # mixed steps (``run_mixed``; the same)
     SHARED_EXTEND = 4  # pages a row may grow by before its shared-chunk plan is made again
     # the shared-chunk path runs a step only where it saves at least this share of the step's
     # page reads: below it the per-request kernel's repeated reads hit L2 and it is the faster
@@ -146,11 +147,57 @@ class ModelRunner(RunnerWarmUp):
             i += j.logit_rows
         return out
 
-    def metadata(self, ids, pos, slots, cu, tables: list[list[TableEntry]], max_q: int, logit_rows, ctx=None):
+    def run_mixed(self, decode: list[Request], pieces: list) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """One forward over decode rows and prefill pieces (``mixed.Piece``): the decode rows'
+        logits ``(len(decode), vocab)`` and each piece's logit rows (``None`` for none). Every
+        decode row has its next token's slot claimed; its table's last entry is copied to the
+        decode state on the device as a decode step would (so decode steps can follow), and the
+        step reads the decode rows' tables there: host work O(rows + prefill tokens). With no
+        decode row and whole jobs only, it is the prefill forward of ``run_jobs`` (a short
+        single job replays its CUDA graph); the decode logits are then ``None``."""
+        if not decode and all(p.start == 0 and p.last for p in pieces):
+            return None, self._forward_jobs([p.job for p in pieces])
+        ps = self.pool.page_size
+        updates = [self.decode_state.row_update(r) for r in decode]
+        ids = [r.state.generated[-1] for r in decode]
+        pos = [r.state.next_pos for r in decode]
+        slots = [u[2] * ps + u[5] - 1 for u in updates]
+        tables = []
+        ctx = [r.plan.ctx_range or (0, 0) for r in decode]
+        cu, rows, max_q = list(range(len(decode) + 1)), list(range(len(decode))), 1
+        for p in pieces:
+            p_ids, p_pos, p_slots, table = p.inputs(ps)
+            ids += p_ids
+            pos += p_pos
+            slots += p_slots
+            tables.append(table)
+            ctx.append(p.job.ctx or (0, 0))
+            cu.append(cu[-1] + len(p_ids))
+            rows += range(cu[-1] - p.logit_rows, cu[-1])
+            max_q = max(max_q, len(p_ids))
+        self.decode_state.copy_tails(updates)
+        self.metrics.prefill_tokens += cu[-1] - len(decode)
+        self.metrics.decode_tokens += len(decode)
+        head = (len(decode), max((u[1] + 1 for u in updates), default=0))
+        ids_t, rows_t, meta = self.metadata(ids, pos, slots, cu, tables, max_q, rows,
+                                            ctx=ctx if self.calibrated else None, head=head)
+        logits = self.model.forward(ids_t, meta, self.pool.k, self.pool.v, logits_index=rows_t)
+        out, i = [], len(decode)
+        for p in pieces:
+            out.append(logits[i:i + p.logit_rows] if p.logit_rows else None)
+            i += p.logit_rows
+        return logits[:len(decode)], out
+
+    def metadata(self, ids, pos, slots, cu, tables: list[list[TableEntry]], max_q: int, logit_rows, ctx=None,
+                 head: tuple[int, int] = (0, 0)):
         """Token ids, logit rows and attention metadata of a prefill step, sent to the
-        device in one copy (``ctx``: each sequence's document range, for calibration)."""
-        B = len(tables)
-        W = max(1, max(len(t) for t in tables))
+        device in one copy (``ctx``: each sequence's document range, for calibration).
+        ``head = (rows, width)``: the first ``rows`` sequences' tables are the decode state's
+        rows on the device (``width`` columns used), ``tables`` those of the others."""
+        Bd, Wd = head
+        Bh = len(tables)
+        B = Bd + Bh
+        W = max(1, Wd, max((len(t) for t in tables), default=0))
         n, nr = len(ids), len(logit_rows)
         host = torch.from_numpy(np.concatenate([
             np.asarray(ids, dtype=np.int64), np.asarray(pos, dtype=np.int64), np.asarray(slots, dtype=np.int64),
@@ -167,7 +214,9 @@ class ModelRunner(RunnerWarmUp):
             return dev[o - k:o]
 
         ids_t, pos_t, slots_t, cu_t, rows_t = take(n), take(n), take(n), take(B + 1), take(nr)
-        tab_t = take(4 * B * W).view(4, B, W).to(torch.int32)
+        tab_t = take(4 * Bh * W).view(4, Bh, W).to(torch.int32)
+        if Bd:
+            tab_t = torch.cat([self.decode_state.tables[:, :Bd, :W], tab_t], dim=1)
         meta = AttentionMetadata(
             positions=pos_t.to(torch.int32), cu_seqlens_q=cu_t.to(torch.int32), slot_mapping=slots_t,
             block_table=tab_t[0], block_pos=tab_t[1], block_delta=tab_t[2], block_len=tab_t[3], max_seqlen_q=max_q,

@@ -45,6 +45,7 @@ class TensorParallelRunner(ModelRunner):
     """Rank 0's runner: the forwards broadcast through the lead model; copies here."""
 
     supports_shared = False  # the broadcast metadata carries no shared-chunk plan
+    supports_mixed = False  # nor mixed steps: they run in one process
 
     def copy_pages(self, copies: list[tuple[int, int, int]]) -> None:
         if not copies:

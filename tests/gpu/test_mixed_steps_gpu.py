@@ -1,0 +1,45 @@
+"""Mixed steps on CUDA (the CPU checks are in ``tests/engine/test_mixed_steps.py``, whose
+requests this uses): the compiled Triton kernels, decode steps from CUDA graphs between the
+mixed steps, overlapped decode on."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lazyllm import LazyLLM
+from tests.conftest import make_tiny
+from tests.engine.test_concurrency import DOCS
+from tests.engine.test_mixed_steps import LONG_DOC, _batch, _mixed_steps_ok, _while_decoding
+
+
+@pytest.mark.gpu
+def test_mixed_steps_on_gpu_give_the_same_tokens_and_kv(tokenizer):
+    """float32 tiny model (answers batch-independent): the tokens and the chunk KV of the
+    engine without mixed steps, with decode and prefill rows in the same forwards."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = make_tiny("llama", seed=21).to("cuda")
+    budget = 48
+    off = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=256 << 20)
+    on = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=256 << 20, mixed_steps=True,
+                 step_token_budget=budget)
+    assert on.engine.async_decode and on.engine.graphs.enabled
+    on.engine.mixed.trace = []
+    batch = _batch(8)
+    ref_long = off.generate("Tell me everything.", chunks=DOCS[5:7], max_new_tokens=40).token_ids
+    ref = [o.token_ids for o in off.generate_batch(batch)]
+    for _ in range(2):  # cold chunks, then cached ones
+        long, outs = _while_decoding(on, batch)
+        assert long == ref_long and outs == ref
+    _mixed_steps_ok(on.engine.mixed.trace, budget)
+    assert on.engine.metrics["decode_steps"] > 0 and on.engine.graphs.graphs  # graph decode steps between
+    for llm in (off, on):
+        llm.warm([LONG_DOC * 3])
+    assert set(off.store.entries) == set(on.store.entries)
+    for key, e in off.store.entries.items():
+        f = on.store.entries[key]
+        for a, b in ((off.store.pool.k, on.store.pool.k), (off.store.pool.v, on.store.pool.v)):
+            torch.testing.assert_close(b[:, f.pages].flatten(1, 2)[:, :f.num_tokens],
+                                       a[:, e.pages].flatten(1, 2)[:, :e.num_tokens], rtol=1e-4, atol=1e-4)
+    off.close()
+    on.close()
