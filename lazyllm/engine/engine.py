@@ -36,7 +36,7 @@ import torch
 from ..cache.disk import DiskKVStore
 from ..cache.disk_tier import DiskTier
 from ..cache.store import ChunkStore
-from ..config import CHUNK_CONTEXTS, REUSE_MODES, EngineConfig
+from ..config import EngineConfig
 from ..errors import LazyLLMError, RequestCancelled
 from .kv_planner import KVPlanner
 from .model_runner import DecodeStep, ModelRunner
@@ -45,7 +45,7 @@ from .recovery import Recovery
 from .request import Request
 from .scheduler import Scheduler
 
-__all__ = ["Engine", "Request", "REUSE_MODES", "CHUNK_CONTEXTS"]
+__all__ = ["Engine"]
 
 log = logging.getLogger("lazyllm")
 

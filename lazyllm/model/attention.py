@@ -96,7 +96,6 @@ class AttentionBackend:
 
     name = ""
     graph_capturable = False  # whether a forward through it can be captured in a CUDA graph
-    supports_window = False  # whether its kernels take a sliding window (else the reference serves those layers)
     # APE-style context calibration, (temperature, LSE scale): queries past a sequence's
     # documents (``meta.ctx_range``) read the documents' logits divided by the temperature and
     # their log-sum-exp scaled (``reference.paged_attention_ref``); (1, 1): off
@@ -106,12 +105,6 @@ class AttentionBackend:
     @property
     def calibrated(self) -> bool:
         return self.calibration != (1.0, 1.0)
-
-    def window_fallback_layers(self, windows: list[int | None]) -> int:
-        """How many of the layers (their sliding windows, ``None`` for none) leave the
-        backend's kernels for the torch reference: sliding-window layers on a backend
-        without windows (which also rules out CUDA graphs)."""
-        return 0 if self.supports_window else sum(w is not None for w in windows)
 
     def shared_decode(self, head_dim: int, page_size: int) -> bool:
         """Whether decode steps whose requests hold the same pages can read each shared page
@@ -127,8 +120,7 @@ class AttentionBackend:
         full = self.kernel
         if full is Kernel.PAGED and meta.shared is not None and not ctx:  # a decode step whose rows share pages
             full = Kernel.GROUPED
-        windowed = self.kernel if self.supports_window else Kernel.REFERENCE
-        return StepPlan(full=full, windowed=windowed, ctx=ctx, launch=self.launch_settings(meta, inv_freq))
+        return StepPlan(full=full, windowed=self.kernel, ctx=ctx, launch=self.launch_settings(meta, inv_freq))
 
     def launch_settings(self, meta: AttentionMetadata, inv_freq: torch.Tensor) -> dict:
         """What every paged launch of the step shares (``StepPlan.launch``)."""
@@ -175,7 +167,6 @@ class TorchAttention(AttentionBackend):
 
     name = "torch"
     graph_capturable = False
-    supports_window = True
     kernel = Kernel.REFERENCE
 
     def rerotate_copy(self, k_cache, v_cache, src, dst, delta, inv_freq) -> None:
@@ -187,7 +178,6 @@ class TritonAttention(AttentionBackend):
 
     name = "triton"
     graph_capturable = True
-    supports_window = True
 
     def __init__(self, device: torch.device, *, batch_invariant: bool = False, options=None):
         from lazyllm.kernels import triton_kernels

@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from lazyllm.kernels.reference import apply_rope, write_kv_ref
 
 from ..errors import UnsupportedModelError
-from .attention import AttentionBackend, AttentionMetadata, SharedMeta, TorchAttention
+from .attention import AttentionBackend, AttentionMetadata, TorchAttention
 from .linear import linear_rows
 from .passes import DensePass, FusedPass, LayerPass, PagedPass
 
-__all__ = ["AttentionMetadata", "SharedMeta", "LlamaFamilyModel", "ModelSpec"]  # the metadata: attention.py
+__all__ = ["LlamaFamilyModel", "ModelSpec"]
 
 log = logging.getLogger("lazyllm")
 
@@ -136,11 +136,6 @@ class LlamaFamilyModel:
         # the attention backend: plan() once per forward and RoPE frequency (it chooses every
         # layer's kernel), run() per layer
         self.attention = attention or TorchAttention()
-        fallback = self.attention.window_fallback_layers(self.windows)
-        if fallback:
-            log.warning("%s: the %s attention backend has no sliding window; %d of %d layers run on the torch "
-                        "reference (a Python loop with host syncs, no CUDA graphs)", mt, self.attention.name,
-                        fallback, len(self.windows))
         self.write_kv = write_kv_ref
         self._setup_fusion(fuse, fused_kernels, mt)
 
@@ -271,9 +266,8 @@ class LlamaFamilyModel:
     @property
     def graph_capturable(self) -> bool:
         """Whether a forward can be captured in a CUDA graph: no layer runs the torch reference
-        attention, which reads the batch layout on the host (the torch backend, and
-        sliding-window layers on a backend without windows)."""
-        return self.attention.graph_capturable and not self.attention.window_fallback_layers(self.windows)
+        attention, which reads the batch layout on the host."""
+        return self.attention.graph_capturable
 
     def _run_layers(self, h: torch.Tensor, p: LayerPass, layers: int | None = None) -> torch.Tensor:
         """The layer loop of every pass: hidden states ``h`` through the first ``layers``

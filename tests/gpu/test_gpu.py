@@ -158,7 +158,8 @@ def test_gemv_decode_step_matches_plain_forward(dtype):
     import transformers
 
     from lazyllm.kernels import fused
-    from lazyllm.model.llama import AttentionMetadata, LlamaFamilyModel
+    from lazyllm.model.attention import AttentionMetadata
+    from lazyllm.model.llama import LlamaFamilyModel
     from tests.conftest import forward_pair
 
     cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
@@ -245,8 +246,8 @@ def test_fused_families_match_plain_forward(family, dtype):
     import transformers
 
     from lazyllm.kernels import fused
-    from lazyllm.model.attention import make_backend
-    from lazyllm.model.llama import AttentionMetadata, LlamaFamilyModel
+    from lazyllm.model.attention import AttentionMetadata, make_backend
+    from lazyllm.model.llama import LlamaFamilyModel
     from tests.conftest import forward_pair
 
     torch.manual_seed(1)

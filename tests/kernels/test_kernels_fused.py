@@ -137,7 +137,8 @@ def test_model_forward_with_fused_kernels(family):
     """The model's fused forward (kernels/fused.py in the interpreter) gives the logits and
     K/V of the plain forward, on a varlen batch over pages: the Llama layer, Qwen3's q/k
     norms, Gemma 3's (1 + w) and sandwich norms, q/k norms and gelu-tanh."""
-    from lazyllm.model.llama import AttentionMetadata, LlamaFamilyModel
+    from lazyllm.model.attention import AttentionMetadata
+    from lazyllm.model.llama import LlamaFamilyModel
     from tests.conftest import make_tiny
 
     hf = make_tiny(family, seed=3)
@@ -227,7 +228,8 @@ def test_model_decode_one_token_with_gemv(family):
     GEMVs (Qwen3 and Gemma 3 too: the single-token projection path); its logits and K/V
     match the plain forward's to float16 accuracy; under ``batch_invariant`` it keeps the
     row-blocked GEMMs (no GEMV call)."""
-    from lazyllm.model.llama import AttentionMetadata, LlamaFamilyModel
+    from lazyllm.model.attention import AttentionMetadata
+    from lazyllm.model.llama import LlamaFamilyModel
     from tests.conftest import forward_pair, make_tiny
 
     hf = make_tiny(family, seed=4).to(torch.float16)
@@ -259,11 +261,10 @@ def test_model_decode_one_token_with_gemv(family):
 def test_fallback_warnings(caplog):
     """Every supported family, on the Triton attention backend with the fused kernels, runs
     no layer on a slow fallback and logs nothing; a model that does logs one warning naming
-    the reason: q/k/v projections left unfused, a sliding window on a backend without one
-    (which also rules out CUDA graphs)."""
+    the reason: q/k/v projections left unfused."""
     import logging
 
-    from lazyllm.model.attention import AttentionBackend, make_backend
+    from lazyllm.model.attention import make_backend
     from lazyllm.model.llama import LlamaFamilyModel
     from tests.conftest import FAMILIES, make_tiny
 
@@ -279,15 +280,3 @@ def test_fallback_warnings(caplog):
     with caplog.at_level(logging.WARNING, logger="lazyllm"):
         LlamaFamilyModel(models["qwen3"], fuse=False, fused_kernels=fk)
     assert len(caplog.records) == 1 and "unfused q/k/v" in caplog.records[0].getMessage()
-
-    class NoWindow(AttentionBackend):
-        name = "nowindow"
-        graph_capturable = True
-
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="lazyllm"):
-        m = LlamaFamilyModel(models["gemma3"], attention=NoWindow())
-        assert not m.graph_capturable
-        assert LlamaFamilyModel(models["llama"], attention=NoWindow()).graph_capturable
-    msgs = [r.getMessage() for r in caplog.records]
-    assert len(msgs) == 1 and "no sliding window" in msgs[0] and "2 of 3 layers" in msgs[0], msgs

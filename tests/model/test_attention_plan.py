@@ -40,7 +40,7 @@ def test_torch_backend_runs_the_reference_everywhere():
     assert isinstance(b, TorchAttention)
     p = b.plan(_meta(shared=True), INV)
     assert (p.full, p.windowed, p.ctx, p.launch) == (Kernel.REFERENCE, Kernel.REFERENCE, {}, {})
-    assert not b.shared_decode(64, 16) and b.window_fallback_layers([None, 8]) == 0
+    assert not b.shared_decode(64, 16)
 
 
 def test_calibration_arguments_only_where_the_step_has_document_ranges():
@@ -77,14 +77,13 @@ def test_shared_decode_applies_where_the_grouped_kernel_does(d, ps, kw, want):
     assert make_backend("triton", torch.device("cpu"), **kw).shared_decode(d, ps) is want
 
 
-def test_a_backend_without_windows_sends_window_layers_to_the_reference():
-    class NoWindow(AttentionBackend):
-        name = "nowindow"
+def test_a_backend_without_its_own_kernels_runs_only_what_the_reference_serves():
+    class Bare(AttentionBackend):
+        name = "bare"
 
-    b = NoWindow()
+    b = Bare()
     p = b.plan(_meta(shared=True), INV)
-    assert (p.full, p.windowed) == (Kernel.GROUPED, Kernel.REFERENCE)
-    assert b.window_fallback_layers([8, None, 8]) == 2
+    assert (p.full, p.windowed) == (Kernel.GROUPED, Kernel.PAGED)
     # the reference path needs nothing of the backend; its own kernel it must launch itself
     q = torch.randn(2, 2, 16)
     k = v = torch.randn(4, 16, 1, 16)
