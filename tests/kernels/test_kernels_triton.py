@@ -44,8 +44,7 @@ from triton.runtime.interpreter import InterpretedFunction
 assert not isinstance(compiled.prefill._paged_attn_fwd, InterpretedFunction)
 from lazyllm.kernels import triton_kernels
 from lazyllm.kernels.reference import paged_attention_ref
-from lazyllm.model.attention import make_backend
-from lazyllm.model.attention import AttentionMetadata
+from lazyllm.model.attention import AttentionMetadata, make_backend
 backend = make_backend("triton", torch.device("cpu"))
 assert backend.name == "triton" and isinstance(backend.kernels.prefill._paged_attn_fwd, InterpretedFunction)
 assert triton_kernels() is compiled and "TRITON_INTERPRET" not in os.environ
