@@ -51,7 +51,7 @@ for w in $what; do
       python3 - "$OUT" "$rounds" <<'EOF'
 import json, statistics, sys
 out, rounds = sys.argv[1], int(sys.argv[2])
-keys = ["warm_ttft_ms", "cold_ttft_ms", "decode_b1_step_ms", "decode_b64_step_ms", "decode_b64_distinct_step_ms",
+keys = ["warm_engine_ttft_ms", "warm_wall_ms", "warm_ttft_ms", "cold_ttft_ms", "decode_b1_step_ms", "decode_b64_step_ms", "decode_b64_distinct_step_ms",
         "decode_b32_sampled_step_ms"]
 runs = {s: [json.load(open(f"{out}/engine_{s}_{i}.json")) for i in range(1, rounds + 1)] for s in ("old", "new")}
 print("| figure | old runs (ms) | new runs (ms) | new/old (medians) |")

@@ -118,14 +118,20 @@ def _ttft(llm, model, chunks, question, results) -> None:
     """Warm TTFT (the chunks cached by an earlier request in another order), cold TTFT of the
     same prompt, and transformers' own full prefill of it."""
     llm.generate("warm-up " + question, chunks=chunks[::-1], max_new_tokens=2)
-    warm = []
+    warm, engine_side, wall = [], [], []
     for i in range(10):
+        t = time.perf_counter()
         out = llm.generate(f"{i} {question}", chunks=chunks, max_new_tokens=1)
+        wall.append(time.perf_counter() - t)
         warm.append(out.ttft_s)
+        # a tree before ``engine_ttft_s`` counted ``ttft_s`` from the engine's receipt
+        engine_side.append(getattr(out, "engine_ttft_s", None) or out.ttft_s)
     results["prompt_tokens"] = out.usage.prompt_tokens
     results["suffix_tokens"] = len(out.prompt_segments[-1][1])
     results["cached_tokens"] = out.usage.cached_tokens
     results["warm_ttft_ms"] = statistics.median(warm) * 1e3
+    results["warm_engine_ttft_ms"] = statistics.median(engine_side) * 1e3
+    results["warm_wall_ms"] = statistics.median(wall) * 1e3  # the whole call, one output token
     cold = []
     for i in range(3):
         llm.clear_cache()
@@ -209,6 +215,8 @@ def _print_table(llm, args, results) -> None:
     print(f"| TTFT from the call, {results['cached_tokens']} cached chunk tokens + "
           f"{results['suffix_tokens']}-token suffix | "
           f"{results['warm_ttft_ms']:.2f} ms | target <= 8 ms |")
+    print(f"| same, the engine's part (``engine_ttft_s``) / the whole call's wall | "
+          f"{results['warm_engine_ttft_ms']:.2f} / {results['warm_wall_ms']:.2f} ms | |")
     print(f"| TTFT from the call, same prompt cold ({results['prompt_tokens']} tokens prefilled) | "
           f"{results['cold_ttft_ms']:.1f} ms | |")
     print(f"| transformers prefill of the same prompt | {results['transformers_prefill_ms']:.1f} ms | |")
