@@ -66,7 +66,8 @@ def _mixed_steps_ok(trace, budget, whole_jobs=False):
 
 
 @pytest.mark.parametrize("extra", [{}, {"recompute_first_tokens": 2}, {"reuse": "block"},
-                                   {"chunk_context": "prefix"}])
+                                   {"chunk_context": "prefix"},
+                                   {"context_temperature": 1.3, "context_lse_scale": 0.7}])
 def test_mixed_steps_give_the_same_tokens(tokenizer, extra):
     """Requests arriving while another decodes, over cold then cached chunks (a long chunk
     and a long question cut into pieces): the tokens of the engine without mixed steps."""
