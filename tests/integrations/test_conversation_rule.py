@@ -15,9 +15,9 @@ from llama_index.core.base.llms.types import ChatMessage, MessageRole  # noqa: E
 
 from lazyllm.inputs import InputProcessor, PromptBuilder  # noqa: E402
 from lazyllm.inputs.conversation import HISTORY_HEADER, keeps_turns  # noqa: E402
-from lazyllm.integrations.remote import RemoteLazyLLM  # noqa: E402
 from lazyllm.integrations.langchain import ChatLazyLLM  # noqa: E402
 from lazyllm.integrations.llama_index import LlamaIndexLLM  # noqa: E402
+from lazyllm.integrations.remote import RemoteLazyLLM  # noqa: E402
 from lazyllm.integrations.server.protocol import parse_chat_request  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
