@@ -10,8 +10,7 @@ command checks its arguments before paying for them.
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .errors import (
     CacheCapacityError,
@@ -22,6 +21,7 @@ from .errors import (
     RequestCancelled,
     UnsupportedModelError,
 )
+from .extras import lazy_exports
 from .stream import TextStream
 from .types import Chunk, GenerationOutput, Grammar, Regex, SamplingParams, ScoreOutput, ToolCall, Usage
 
@@ -31,14 +31,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> Any:
-    """Import ``LazyLLM`` on first access (PEP 562)."""
-    if name == "LazyLLM":
-        value = importlib.import_module(".api", __name__).LazyLLM
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+__getattr__ = lazy_exports(__name__, {"LazyLLM": ".api"})  # torch is imported on first use
 
 __all__ = [
     "LazyLLM", "TextStream", "Chunk", "GenerationOutput", "SamplingParams", "ScoreOutput", "Usage", "Regex",

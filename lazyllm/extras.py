@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
+from collections.abc import Callable
+from typing import Any
 
 # extra -> what it enables (for the message)
 EXTRAS = {
@@ -43,3 +46,18 @@ def require(extra: str, *modules: str, load: bool = True) -> None:
 
 
 __all__ = ["EXTRAS", "MissingExtraError", "install_hint", "require"]
+
+
+def lazy_exports(package: str, exports: dict[str, str]) -> Callable[[str], Any]:
+    """A package's ``__getattr__`` (PEP 562) that imports each name of ``exports`` from its
+    module (``exports[name]``, relative to ``package`` when it starts with a dot) on first
+    access and keeps it in the package, so importing the package imports none of them."""
+
+    def __getattr__(name: str) -> Any:
+        if name in exports:
+            value = getattr(importlib.import_module(exports[name], package), name)
+            setattr(sys.modules[package], name, value)
+            return value
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__

@@ -50,10 +50,9 @@ app, the protocol and the engine are imported.
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from lazyllm.extras import require
+from lazyllm.extras import lazy_exports, require
 
 # found, not imported: ``lazyllm serve`` checks its flags before it pays for them
 require("server", "fastapi", "uvicorn", "prometheus_client", load=False)
@@ -93,13 +92,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Import an export's module on first access (PEP 562)."""
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 __all__ = [

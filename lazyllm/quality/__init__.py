@@ -39,10 +39,11 @@ The names below are imported on first use (``adapt`` and ``compare`` bring torch
 """
 from __future__ import annotations
 
-import importlib
 import sys
 import types
 from typing import TYPE_CHECKING, Any
+
+from lazyllm.extras import lazy_exports
 
 if TYPE_CHECKING:
     from .adapt import AdaptResult, adapt
@@ -61,23 +62,14 @@ if TYPE_CHECKING:
 
 # each export's module
 _EXPORTS = {
-    "adapt": "adapt", "AdaptResult": "adapt",
-    "Case": "cases", "cases_from_retriever": "cases", "document_text": "cases", "load_cases": "cases",
-    "main": "cli", "DEFAULT_SETTINGS": "checks",
-    "DEFAULT_TARGET": "metrics", "contains_answer": "metrics", "exact_match": "metrics",
-    "kl_and_agreement": "metrics", "normalize_answer": "metrics", "parse_target": "metrics",
-    "REFERENCE_NAME": "report", "FidelityReport": "report", "compare": "report",
+    "adapt": ".adapt", "AdaptResult": ".adapt",
+    "Case": ".cases", "cases_from_retriever": ".cases", "document_text": ".cases", "load_cases": ".cases",
+    "main": ".cli", "DEFAULT_SETTINGS": ".checks",
+    "DEFAULT_TARGET": ".metrics", "contains_answer": ".metrics", "exact_match": ".metrics",
+    "kl_and_agreement": ".metrics", "normalize_answer": ".metrics", "parse_target": ".metrics",
+    "REFERENCE_NAME": ".report", "FidelityReport": ".report", "compare": ".report",
 }
-
-
-def __getattr__(name: str) -> Any:
-    """Import an export's module on first access (PEP 562)."""
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 class _Package(types.ModuleType):
