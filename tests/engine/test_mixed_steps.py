@@ -58,6 +58,28 @@ def _while_decoding(llm, batch, long_new=40):
     return stream.output.token_ids, [o.token_ids for o in outs["b"]]
 
 
+def _same_tokens_while_decoding(off, on, batch):
+    """``on`` (mixed steps) answers ``batch`` and a long request, arriving while others
+    decode, over cold chunks and then cached ones, with ``off``'s tokens."""
+    ref_long = off.generate("Tell me everything.", chunks=DOCS[5:7], max_new_tokens=40).token_ids
+    ref = [o.token_ids for o in off.generate_batch(batch)]
+    for _ in range(2):  # cold chunks, then cached ones
+        long, outs = _while_decoding(on, batch)
+        assert long == ref_long and outs == ref
+
+
+def _same_chunk_kv(off, on, tol):
+    """Every cached entry of ``on`` holds ``off``'s tokens and KV."""
+    assert set(off.store.entries) == set(on.store.entries)
+    for key, e in off.store.entries.items():
+        f = on.store.entries[key]
+        assert e.num_tokens == f.num_tokens
+        for pool_a, pool_b in ((off.store.pool.k, on.store.pool.k), (off.store.pool.v, on.store.pool.v)):
+            a = pool_a[:, e.pages].flatten(1, 2)[:, :e.num_tokens]
+            b = pool_b[:, f.pages].flatten(1, 2)[:, :f.num_tokens]
+            torch.testing.assert_close(b, a, rtol=tol, atol=tol)
+
+
 def _mixed_steps_ok(trace, budget, whole_jobs=False):
     """``whole_jobs``: jobs that are never cut (recomputation) may pass the budget."""
     assert trace, "no mixed step ran"
@@ -74,12 +96,7 @@ def test_mixed_steps_give_the_same_tokens(tokenizer, extra):
     model = make_tiny("llama", seed=21)
     budget = 24
     off, on = _pair(model, tokenizer, budget, **extra)
-    batch = _batch(8)
-    ref_long = off.generate("Tell me everything.", chunks=DOCS[5:7], max_new_tokens=40).token_ids
-    ref = [o.token_ids for o in off.generate_batch(batch)]
-    for _ in range(2):  # cold chunks, then cached ones
-        long, outs = _while_decoding(on, batch)
-        assert long == ref_long and outs == ref
+    _same_tokens_while_decoding(off, on, _batch(8))
     _mixed_steps_ok(on.engine.mixed.trace, budget, whole_jobs="recompute_first_tokens" in extra)
     m = on.engine.metrics
     assert m["mixed_steps"] == len(on.engine.mixed.trace) and m["decode_steps"] > 0  # plain decode steps too
@@ -120,14 +137,8 @@ def test_chunked_prefill_writes_the_kv_of_one_pass(tokenizer):
         llm.warm([LONG_DOC, DOCS[1]], system="Be brief.")
     trace = on.engine.mixed.trace
     assert len(trace) >= 4 and all(p <= budget for _, p in trace)
-    assert set(off.store.entries) == set(on.store.entries) and len(on.store.entries) >= 3
-    for key, e in off.store.entries.items():
-        f = on.store.entries[key]
-        assert e.num_tokens == f.num_tokens
-        for pool_a, pool_b in ((off.store.pool.k, on.store.pool.k), (off.store.pool.v, on.store.pool.v)):
-            a = pool_a[:, e.pages].flatten(1, 2)[:, :e.num_tokens]
-            b = pool_b[:, f.pages].flatten(1, 2)[:, :f.num_tokens]
-            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert len(on.store.entries) >= 3
+    _same_chunk_kv(off, on, 1e-5)
     for llm in (off, on):  # a long question over them, prefilled in pieces with mixed steps
         llm.result = llm.generate(LONG_Q, chunks=[LONG_DOC, DOCS[1]], system="Be brief.", max_new_tokens=6)
     assert on.result.token_ids == off.result.token_ids

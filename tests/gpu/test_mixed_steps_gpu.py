@@ -8,8 +8,7 @@ import torch
 
 from lazyllm import LazyLLM
 from tests.conftest import make_tiny
-from tests.engine.test_concurrency import DOCS
-from tests.engine.test_mixed_steps import LONG_DOC, _batch, _mixed_steps_ok, _while_decoding
+from tests.engine.test_mixed_steps import LONG_DOC, _batch, _mixed_steps_ok, _same_chunk_kv, _same_tokens_while_decoding
 
 
 @pytest.mark.gpu
@@ -25,21 +24,11 @@ def test_mixed_steps_on_gpu_give_the_same_tokens_and_kv(tokenizer):
                  step_token_budget=budget)
     assert on.engine.async_decode and on.engine.graphs.enabled
     on.engine.mixed.trace = []
-    batch = _batch(8)
-    ref_long = off.generate("Tell me everything.", chunks=DOCS[5:7], max_new_tokens=40).token_ids
-    ref = [o.token_ids for o in off.generate_batch(batch)]
-    for _ in range(2):  # cold chunks, then cached ones
-        long, outs = _while_decoding(on, batch)
-        assert long == ref_long and outs == ref
+    _same_tokens_while_decoding(off, on, _batch(8))
     _mixed_steps_ok(on.engine.mixed.trace, budget)
     assert on.engine.metrics["decode_steps"] > 0 and on.engine.graphs.graphs  # graph decode steps between
     for llm in (off, on):
         llm.warm([LONG_DOC * 3])
-    assert set(off.store.entries) == set(on.store.entries)
-    for key, e in off.store.entries.items():
-        f = on.store.entries[key]
-        for a, b in ((off.store.pool.k, on.store.pool.k), (off.store.pool.v, on.store.pool.v)):
-            torch.testing.assert_close(b[:, f.pages].flatten(1, 2)[:, :f.num_tokens],
-                                       a[:, e.pages].flatten(1, 2)[:, :e.num_tokens], rtol=1e-4, atol=1e-4)
+    _same_chunk_kv(off, on, 1e-4)
     off.close()
     on.close()
