@@ -66,15 +66,14 @@ class PromptBuilder:
         trailer ids when there is a packet."""
         return self.chunk_segment(chunk).ids
 
-    def chunk_segment(self, chunk: Chunk, packets: bool = True) -> Segment:
-        """``chunk``'s segment: its ids (``chunk_ids``; without the packet's ids when not
-        ``packets``) from the encodings cache when there is one, tokenized once per text, id,
-        tokenizer and packet."""
+    def chunk_segment(self, chunk: Chunk) -> Segment:
+        """``chunk``'s segment: its ids (``chunk_ids``) from the encodings cache when there is
+        one, tokenized once per text, id, tokenizer and packet."""
         text = self.chunk_text(chunk)
-        head, tail = (self.packet_ids if packets else None) or ([], [])
+        head, tail = self.packet_ids or ([], [])
         if self.encodings is None:
             return Segment("chunk", head + self.encode(text) + tail, chunk)
-        key = (text, chunk.id, self._identity, self._packet_identity if packets else None)
+        key = (text, chunk.id, self._identity, self._packet_identity)
         enc = self.encodings.get(key, lambda: head + self.encode(text) + tail)
         return Segment("chunk", enc.ids, chunk, enc.memo)
 
