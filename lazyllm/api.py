@@ -292,7 +292,7 @@ class LazyLLM:
                                      top_p=top_p, top_k=top_k, seed=seed, stop=stop, timeout=timeout,
                                      response_format=response_format, tools=tools, tool_choice=tool_choice,
                                      messages=messages, parallel_tool_calls=parallel_tool_calls, streaming=False,
-                                     received_at=time.perf_counter() if received_at is None else received_at)
+                                     received_at=received_at)  # None: the front door stamps this call
         self.engine.submit(req)
         try:
             return self._wait(req)
