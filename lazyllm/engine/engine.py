@@ -274,20 +274,25 @@ class Engine:
                     torch.cuda.empty_cache()
                 self._prefill_failed(admitted, e)
         t1 = time.perf_counter()
-        decoding = list(self.decode_state.rows)
+        decoding = bool(self.decode_state.rows)
         if decoding:
-            try:
-                self._decode()
-            except Exception as e:
-                log.exception("decode failed")
-                for r in decoding:
-                    self._finish(r, error=e)
+            self._decode_or_fail()
         self._note_peak_pages()
         # where the engine thread's time goes (a prefill waits for its first tokens; a decode
         # step, with overlap, for the step before it)
         m, t2 = self.metrics, time.perf_counter()
         m.prefill_s += t1 - t0 if admitted else 0.0
         m.decode_s += t2 - t1 if decoding else 0.0
+
+    def _decode_or_fail(self) -> None:
+        """One decode step; when it fails, every request it decoded fails with the error."""
+        decoding = list(self.decode_state.rows)
+        try:
+            self._decode()
+        except Exception as e:
+            log.exception("decode failed")
+            for r in decoding:
+                self._finish(r, error=e)
 
     def _prefill_failed(self, reqs: list[Request], e: Exception) -> None:
         """The prefill of ``reqs`` failed: each one not yet decoding is retried alone (a bad

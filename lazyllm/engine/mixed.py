@@ -166,12 +166,7 @@ class MixedSteps:
         t0 = time.perf_counter()
         if not pieces:
             if e.decode_state.rows:
-                try:
-                    e._decode()
-                except Exception as err:
-                    log.exception("decode failed")
-                    for r in list(e.decode_state.rows):
-                        e._finish(r, error=err)
+                e._decode_or_fail()
                 e.metrics.decode_s += time.perf_counter() - t0
             return
         self._mixed(pieces)
