@@ -102,6 +102,7 @@ class LazyLLM:
         trust_remote_code: bool = False,
         progress: bool = True,
         batch_invariant: bool = False,
+        cuda_graphs: bool = True,
         overlap_decode: bool | None = None,
         kernel_options: Any = None,
         tensor_parallel: int = 1,
@@ -150,7 +151,7 @@ class LazyLLM:
         if page_size is None:
             page_size = 64 if self.device.type == "cuda" and backend.name == "triton" else 16
         self.hf_model, self.tokenizer = hf, tok
-        runner = {}
+        runner = {"cuda_graphs": config.cuda_graphs}
         if config.tensor_parallel > 1:
             from .engine.tp_runner import TensorParallelRunner, start_group
 
@@ -162,7 +163,7 @@ class LazyLLM:
                 config.tensor_parallel, hf, source, backend, self.device, self.dtype, live=_LIVE_TP_GROUPS,
                 attention_backend=config.attention_backend, batch_invariant=config.batch_invariant,
                 kernel_options=config.kernel_options)
-            runner = {"runner_cls": TensorParallelRunner}
+            runner["runner_cls"] = TensorParallelRunner
         else:
             self.model = LlamaFamilyModel(hf, attention=backend, batch_invariant=config.batch_invariant)
         self.model_fingerprint = fingerprint(self.model)

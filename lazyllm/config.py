@@ -148,6 +148,8 @@ class EngineConfig:
     trust_remote_code: bool = _opt(False, "let transformers run the checkpoint's own code")
     progress: bool = _opt(True, "show loading progress")
     batch_invariant: bool = _opt(False, "compute every token as it would be computed alone (slower)")
+    cuda_graphs: bool = _opt(True, "replay decode steps and short prefills from CUDA graphs (CUDA only); False runs "
+                             "every step eagerly")
     overlap_decode: bool | None = _opt(None, "launch decode step n+1 before reading step n (None: where decode "
                                              "runs from CUDA graphs)")
     kernel_options: KernelOptions | None = _opt(None, "lazyllm.kernels.KernelOptions for the Triton launches")
@@ -300,7 +302,7 @@ def _value_problems(c: EngineConfig) -> list[str]:
         bad.append(f"max_string_length must be an int >= 1 or None, got {m!r}")
     if not _is_int(c.tensor_parallel) or c.tensor_parallel < 1:
         bad.append(f"tensor_parallel must be an int >= 1, got {c.tensor_parallel!r}")
-    for name in ("trust_remote_code", "progress", "batch_invariant", "warmup", "mixed_steps"):
+    for name in ("trust_remote_code", "progress", "batch_invariant", "warmup", "mixed_steps", "cuda_graphs"):
         if not isinstance(getattr(c, name), bool):
             bad.append(f"{name} must be a bool, got {getattr(c, name)!r}")
     if c.overlap_decode is not None and not isinstance(c.overlap_decode, bool):

@@ -104,6 +104,11 @@ OPTION_DOCS: dict[str, str] = {
         "depending on what else runs in the same step. Costs speed (decode at batch 1 and long prefills are "
         "slower); off by default. float32 answers were batch-independent in our tests without it."
     ),
+    "cuda_graphs": (
+        "replay decode steps and short prefills (questions, recompute passes) from CUDA graphs captured per "
+        "batch and width bucket (CUDA only; the torch reference backend never captures). ``False`` runs every "
+        "step eagerly: for debugging and for comparing against the graphs; token for token the same answers."
+    ),
     "overlap_decode": (
         "launch decode step ``n + 1`` (its tokens fed from step ``n``'s picks on the device) before the host "
         "reads step ``n``, so the GPU never waits for the host's per-step work. Greedy, sampled and "

@@ -287,18 +287,18 @@ def test_recompute_pass_over_256_tokens_runs_from_a_graph_as_eager(tiny_cuda, to
     chosen chunk tokens) replays a prefill graph of a bucket above 256 and answers as the
     eager forward does."""
     long_docs = [d * 6 for d in DOCS[:4]]
-    llm = LazyLLM(model=tiny_cuda, tokenizer=tokenizer, chunk_context="prefix", recompute_first_tokens=10_000,
-                  kv_cache_bytes=256 << 20, attention_backend="triton")
-    graphs = llm.engine.runner.prefill_graphs
-    llm.warm(long_docs, system="Be brief.")
-    out = llm.generate("Which was completed in 1889?", chunks=long_docs[::-1], system="Be brief.", max_new_tokens=6)
-    assert out.usage.prompt_tokens - out.usage.cached_tokens > 256
-    assert any(k[0] > 256 for k in graphs.graphs), sorted(graphs.graphs)
-    graphs.enabled = False
-    eager = llm.generate("Which was completed in 1889?", chunks=long_docs[::-1], system="Be brief.",
-                         max_new_tokens=6)
-    assert eager.token_ids == out.token_ids
-    llm.close()
+    outs = []
+    for cuda_graphs in (True, False):
+        llm = LazyLLM(model=tiny_cuda, tokenizer=tokenizer, chunk_context="prefix", recompute_first_tokens=10_000,
+                      kv_cache_bytes=256 << 20, attention_backend="triton", cuda_graphs=cuda_graphs)
+        graphs = llm.engine.runner.prefill_graphs
+        llm.warm(long_docs, system="Be brief.")
+        outs.append(llm.generate("Which was completed in 1889?", chunks=long_docs[::-1], system="Be brief.",
+                                 max_new_tokens=6))
+        assert outs[-1].usage.prompt_tokens - outs[-1].usage.cached_tokens > 256
+        assert any(k[0] > 256 for k in graphs.graphs) == cuda_graphs, sorted(graphs.graphs)
+        llm.close()
+    assert outs[0].token_ids == outs[1].token_ids
 
 
 def test_layer1_key_deviation_from_cached_layer0_equals_dense_probe_on_triton(tiny_cuda, tokenizer):
@@ -339,27 +339,24 @@ def test_fused_attention_mass_equals_unfused_layers(tiny_cuda, tokenizer, monkey
     orig = Recovery.question_attention
 
     def both(self, r):
-        graphs, model = self.runner.prefill_graphs, self.model
-        graphs.enabled = False
+        model = self.model
+        fused = orig(self, r).clone()
+        kept, model.fused = model.fused, None
         try:
-            fused = orig(self, r).clone()
-            kept, model.fused = model.fused, None
-            try:
-                plain = orig(self, r)
-            finally:
-                model.fused = kept
+            plain = orig(self, r)
         finally:
-            graphs.enabled = True
+            model.fused = kept
         assert kept is not None, "the model runs without the fused kernels: nothing compared"
         torch.testing.assert_close(fused, plain, rtol=2e-2, atol=2e-2 * float(plain.abs().max()))
         seen.append(fused.numel())
         return fused
 
     monkeypatch.setattr(Recovery, "question_attention", both)
-    # warmup=False: the patched pass above runs on this test's request only, not on the warm-up's
+    # warmup=False: the patched pass above runs on this test's request only, not on the warm-up's;
+    # eager steps: both passes run the model's layers, not a graph
     llm = LazyLLM(model=tiny_cuda, tokenizer=tokenizer, chunk_context="prefix", recompute_ratio=0.2,
                   recompute_selection="attention", recompute_selection_depth=depth, kv_cache_bytes=256 << 20,
-                  attention_backend="triton", warmup=False)
+                  attention_backend="triton", warmup=False, cuda_graphs=False)
     docs = DOCS[:4]
     llm.warm(docs, system="Be brief.")
     # one token: no decode graph is captured after the unfused pass (on CUDA the model never
@@ -372,32 +369,32 @@ def test_fused_attention_mass_equals_unfused_layers(tiny_cuda, tokenizer, monkey
 @pytest.mark.parametrize("selection,depth", [("attention", 1.0), ("two-stage", 1.0), ("two-stage", 0.25)])
 def test_question_attention_pass_from_cuda_graph_equals_eager(tiny_cuda, tokenizer, selection, depth, monkeypatch):
     """Attention-guided recompute selection runs the question's first pass (the attention
-    mass over the cached chunks) from a CUDA graph; it gives the mass of the eager pass."""
+    mass over the cached chunks) from a CUDA graph; it gives the mass of the eager pass (an
+    engine with ``cuda_graphs=False``, same request)."""
     from lazyllm.engine.recovery import Recovery
 
-    seen = []
+    seen: dict[bool, list] = {True: [], False: []}
     orig = Recovery.question_attention
 
-    def both(self, r):
+    def record(self, r):
+        mass = orig(self, r)
         graphs = self.runner.prefill_graphs
-        from_graph = orig(self, r).clone()
-        assert any(k[2] == self.mass_layers for k in graphs.graphs), "the mass pass did not run from a graph"
-        graphs.enabled = False
-        try:
-            eager = orig(self, r)
-        finally:
-            graphs.enabled = True
-        torch.testing.assert_close(from_graph, eager, rtol=1e-3, atol=1e-3)
-        seen.append(from_graph.numel())
-        return from_graph
+        seen[graphs.enabled].append((mass.clone(), any(k[2] == self.mass_layers for k in graphs.graphs)))
+        return mass
 
-    monkeypatch.setattr(Recovery, "question_attention", both)
-    llm = LazyLLM(model=tiny_cuda, tokenizer=tokenizer, chunk_context="prefix", recompute_ratio=0.2,
-                  recompute_selection=selection, recompute_selection_depth=depth, kv_cache_bytes=256 << 20,
-                  attention_backend="triton", warmup=False)  # the patched pass runs on this test's request only
+    monkeypatch.setattr(Recovery, "question_attention", record)
     docs = DOCS[:4]
-    llm.warm(docs, system="Be brief.")
-    out = llm.generate("Which was completed in 1889?", chunks=docs[::-1], system="Be brief.", max_new_tokens=4)
-    chunk_tokens = sum(len(ids) for kind, ids in out.prompt_segments if kind == "chunk")
-    assert seen and out.usage.cached_chunk_tokens < chunk_tokens  # some chunk tokens were recomputed
-    llm.close()
+    for cuda_graphs in (True, False):
+        llm = LazyLLM(model=tiny_cuda, tokenizer=tokenizer, chunk_context="prefix", recompute_ratio=0.2,
+                      recompute_selection=selection, recompute_selection_depth=depth, kv_cache_bytes=256 << 20,
+                      attention_backend="triton", cuda_graphs=cuda_graphs,
+                      warmup=False)  # the recorded pass is this test's request only
+        llm.warm(docs, system="Be brief.")
+        out = llm.generate("Which was completed in 1889?", chunks=docs[::-1], system="Be brief.", max_new_tokens=4)
+        chunk_tokens = sum(len(ids) for kind, ids in out.prompt_segments if kind == "chunk")
+        assert out.usage.cached_chunk_tokens < chunk_tokens  # some chunk tokens were recomputed
+        llm.close()
+    (from_graph, captured), = seen[True]
+    (eager, eager_captured), = seen[False]
+    assert captured and not eager_captured, "the mass pass did not run from a graph on one side only"
+    torch.testing.assert_close(from_graph, eager, rtol=1e-3, atol=1e-3)

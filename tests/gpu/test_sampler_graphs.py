@@ -33,8 +33,7 @@ def test_graph_decode_with_sampled_and_constrained_rows(tokenizer):
     got = {}
     for graphs, overlap in ((False, False), (True, False), (True, True)):
         llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=256 << 20, attention_backend="triton",
-                      overlap_decode=overlap)
-        llm.engine.graphs.enabled = llm.engine.runner.prefill_graphs.enabled = graphs  # False: eager steps
+                      cuda_graphs=graphs, overlap_decode=overlap)
         llm.engine.output.eos_ids = set()
         specs = _specs()
         outs = _run(llm, specs)
@@ -43,8 +42,7 @@ def test_graph_decode_with_sampled_and_constrained_rows(tokenizer):
         assert set(outs[2].token_ids) <= set(range(3000, 3100)) and len(outs[2].token_ids) == 9
         assert outs[4].token_ids == [5, 77, 5, 901] and outs[4].finish_reason == "stop"
         assert specs[1][1].seen == outs[1].token_ids
-        if graphs:
-            assert llm.engine.graph_stats()["decode_graphs"] > 0
+        assert (llm.engine.graph_stats()["decode_graphs"] > 0) == graphs
         assert (llm.engine.metrics["overlapped_steps"] > 0) == overlap
         # greedy rows of a batch with sampled and constrained rows equal their solo runs
         assert llm.generate("d?", max_new_tokens=12).token_ids == outs[3].token_ids
