@@ -6,7 +6,7 @@
 # standing engine attributes, so the two sides are measured by the same code); each tree runs
 # its own kernels.py (it calls the kernels' internals).
 #
-#   bash benchmarks/compare_trees.sh OLD_DIR NEW_DIR TOKENIZER_DIR [engine] [kernels] [rounds=N]
+#   bash benchmarks/compare_trees.sh OLD_DIR NEW_DIR TOKENIZER_DIR [engine] [kernels] [ready] [rounds=N]
 #
 # OLD_DIR and NEW_DIR hold a checkout each (e.g. `git archive REF | tar -x -C DIR`), carried to
 # the GPU machine next to the tokenizer files (`python benchmarks/engine.py --save-tokenizer
@@ -90,6 +90,42 @@ for r in rows["old"]:
     print(f"| {name} | {t} | {r[t]:.4f} | {n[t]:.4f} | {n[t] / r[t]:.3f} | {rc[0]} | {rc[1]} |")
 EOF
       ;;
-    *) echo "unknown: $w (engine | kernels | rounds=N)"; exit 2 ;;
+    ready)
+      # time to ready, Llama-3.1-8B shapes: each tree's own first_request.py child (its model build,
+      # LazyLLM with its warm-up, its first requests), once on an empty Triton cache of its own, then
+      # `rounds` times on that cache (warm), alternating old, new, new, old...
+      for side in old new; do rm -rf "/tmp/triton_$side"; done
+      ready() {  # side, cache label
+        local side=$1 label=$2
+        echo "== ready $side ($label Triton cache)"
+        (cd "/tmp/tree_$side" && TRITON_CACHE_DIR="/tmp/triton_$side" PYTHONPATH="/tmp/tree_$side" python3 \
+          benchmarks/first_request.py --child ready:llama --tokenizer "$TOK" >"$OUT/ready_${side}_$label.log" 2>&1) \
+          || tail -20 "$OUT/ready_${side}_$label.log"
+        grep '^FIRST_REQUEST_RESULT ' "$OUT/ready_${side}_$label.log" | cut -d' ' -f2- >"$OUT/ready_${side}_$label.json"
+      }
+      ready old empty; ready new empty
+      for i in $(seq 1 "$rounds"); do
+        if [ $((i % 2)) = 1 ]; then order="old new"; else order="new old"; fi
+        for side in $order; do ready $side "warm$i"; done
+      done
+      python3 - "$OUT" "$rounds" <<'EOF'
+import json, statistics, sys
+out, rounds = sys.argv[1], int(sys.argv[2])
+def load(side, label):
+    with open(f"{out}/ready_{side}_{label}.json") as fh:
+        return json.load(fh)
+print("| Triton cache | old: ready s (warm-up s; kernels, graphs) | new | new/old (medians) |")
+print("| --- | --- | --- | ---: |")
+def cell(r):
+    w = r.get("warmup") or {}
+    return (f"{r['ready_s']:.2f} ({w.get('seconds', float('nan')):.1f}; {w.get('kernels_compiled', '?')}, "
+            f"{w.get('decode_graphs', '?')} + {w.get('prefill_graphs', '?')})")
+for labels in (["empty"], [f"warm{i}" for i in range(1, rounds + 1)]):
+    o, n = [load("old", x) for x in labels], [load("new", x) for x in labels]
+    ratio = statistics.median(r["ready_s"] for r in n) / statistics.median(r["ready_s"] for r in o)
+    print(f"| {labels[0].rstrip('0123456789')} | {'; '.join(map(cell, o))} | {'; '.join(map(cell, n))} | {ratio:.3f} |")
+EOF
+      ;;
+    *) echo "unknown: $w (engine | kernels | ready | rounds=N)"; exit 2 ;;
   esac
 done

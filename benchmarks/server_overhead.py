@@ -1,5 +1,6 @@
 """Server overhead: the time of one chat completion through ``lazyllm serve``'s HTTP app (uvicorn
-on 127.0.0.1, a keep-alive client) minus the in-process ``LazyLLM.generate`` of the same request.
+on 127.0.0.1, a keep-alive client) minus the in-process ``LazyLLM.generate`` of the same request;
+with ``--streams N``, the request rate of N concurrent streams over HTTP against N in process.
 
 The server runs in a process of its own (as ``lazyllm serve`` does) over the same model as the
 in-process engine. Each repeat runs the in-process call and the HTTP request back to back, in
@@ -9,14 +10,28 @@ median of the per-pair differences, and the medians of each side.
 
     .venv/bin/python benchmarks/server_overhead.py                 # tiny random model (engine ~ms)
     .venv/bin/python benchmarks/server_overhead.py --model default # the embedded SmolLM2-135M
+    # GPU, Llama-3.1-8B shapes (random bf16 weights): 32 concurrent streams, in process and over HTTP
+    python3 benchmarks/server_overhead.py --model random-8b --tokenizer DIR --streams 32
+
+``--streams N``: ``--requests`` requests, each over ``--k`` of ``--docs`` cached documents of
+``--doc-tokens`` tokens (seeded) with a new ~40-token question and ``--max-tokens`` output tokens
+(random weights: no end-of-sequence token, every request runs to its length), run by N client
+threads that each stream one request at a time: ``LazyLLM.stream`` in process, then SSE chat
+completions against the server (its own process, same model and options). Both sides run one
+untimed pass of other requests over the same documents first. Prints req/s, output tokens/s,
+time to first token (p50, the client's stopwatch) and the HTTP/in-process rate ratio.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import multiprocessing
+import os
+import random
 import socket
 import statistics
+import sys
+import threading
 import time
 
 import httpx
@@ -44,33 +59,139 @@ def tiny_llm() -> LazyLLM:
     return LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=64 << 20)
 
 
-def build(model: str) -> LazyLLM:
+def random_8b_llm(tokenizer: str | None) -> LazyLLM:
+    """Llama-3.1-8B shapes with random bf16 weights on CUDA; no end-of-sequence token."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks._common import llama31_8b_config, load_tokenizer, random_model, run_to_length
+
+    llm = LazyLLM(model=random_model(llama31_8b_config(32)), tokenizer=load_tokenizer(tokenizer), packets=None,
+                  kv_cache_bytes=16 << 30, progress=False)
+    run_to_length(llm)
+    return llm
+
+
+def build(model: str, tokenizer: str | None = None) -> LazyLLM:
+    if model == "random-8b":
+        return random_8b_llm(tokenizer)
     torch.set_num_threads(1)
     if model == "tiny":
         return tiny_llm()
     return LazyLLM(None if model == "default" else model, device="cpu", progress=False)
 
 
-def serve(model: str, port: int) -> None:
+def serve(model: str, port: int, tokenizer: str | None = None) -> None:
     """The server, in a process of its own (as ``lazyllm serve`` runs)."""
-    llm = build(model)
+    llm = build(model, tokenizer)
     uvicorn.run(create_app(llm, model_name="m"), host="127.0.0.1", port=port, log_level="warning",
                 access_log=False)
 
 
+def _rate(n_streams: int, jobs: list, run_one) -> dict:
+    """``jobs`` run by ``n_streams`` threads, one at a time each: req/s, output tokens/s, TTFT p50."""
+    lock, it, res = threading.Lock(), iter(jobs), []
+
+    def client():
+        while True:
+            with lock:
+                job = next(it, None)
+            if job is None:
+                return
+            res.append(run_one(job))
+
+    threads = [threading.Thread(target=client) for _ in range(n_streams)]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t
+    assert len(res) == len(jobs), "a request failed"
+    return dict(wall_s=wall, req_per_s=len(res) / wall, tok_per_s=sum(n for _, n in res) / wall,
+                ttft_p50_ms=1e3 * statistics.median(t for t, _ in res))
+
+
+def streams(args, llm: LazyLLM, port: int) -> dict:
+    """N concurrent streams in process, then over HTTP: the request rates side by side."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks._common import text_of_tokens
+
+    docs = [text_of_tokens(llm, args.doc_tokens, 1000 + i) for i in range(args.docs)]
+    rng = random.Random(0)
+
+    def jobs(n):
+        return [(text_of_tokens(llm, 40, rng.randrange(1 << 30)) + "?", rng.sample(docs, args.k)) for _ in range(n)]
+
+    def local(job):
+        q, chunks = job
+        t0, first = time.perf_counter(), None
+        s = llm.stream(q, chunks, max_new_tokens=args.max_tokens)
+        for _ in s:
+            first = first or time.perf_counter() - t0
+        return first, s.output.usage.completion_tokens
+
+    pool = httpx.Limits(max_connections=2 * args.streams, max_keepalive_connections=2 * args.streams)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=pool)
+
+    def remote(job):
+        q, chunks = job
+        body = {"model": "m", "messages": [{"role": "user", "content": q}], "documents": chunks,
+                "max_tokens": args.max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+        t0, first, n = time.perf_counter(), None, 0
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                ev = json.loads(line[6:])
+                if first is None and any(c.get("delta", {}).get("content") for c in ev.get("choices", [])):
+                    first = time.perf_counter() - t0
+                if ev.get("usage"):
+                    n = ev["usage"]["completion_tokens"]
+        return first, n
+
+    out = {}
+    for name, fn in (("in process", local), ("HTTP (SSE)", remote)):
+        _rate(args.streams, jobs(args.requests), fn)  # untimed: the documents cached, kernels and graphs ready
+        out[name] = _rate(args.streams, jobs(args.requests), fn)
+    client.close()
+    a, b = out["in process"], out["HTTP (SSE)"]
+    print(f"model: {args.model} ({llm.model_name}) on {llm.device}; {args.streams} concurrent streams, "
+          f"{args.requests} requests of {args.k} cached documents of {args.doc_tokens} tokens, a ~40-token question, "
+          f"{args.max_tokens} output tokens")
+    print(f"{'path':<12} {'req/s':>8} {'tokens/s':>9} {'TTFT p50 ms':>12} {'wall s':>7}")
+    for name, r in out.items():
+        print(f"{name:<12} {r['req_per_s']:>8.1f} {r['tok_per_s']:>9.0f} {r['ttft_p50_ms']:>12.1f} {r['wall_s']:>7.2f}")
+    print(f"in process / HTTP request rate: {a['req_per_s'] / b['req_per_s']:.2f}x")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny", help="tiny (random 2-layer), default (embedded SmolLM2) or a path")
+    ap.add_argument("--model", default="tiny",
+                    help="tiny (random 2-layer), default (embedded SmolLM2), random-8b (GPU) or a path")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder for random-8b (default: the default model's)")
     ap.add_argument("--repeats", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--streams", type=int, default=0, help="concurrent streams: measure request rates instead")
+    ap.add_argument("--requests", type=int, default=128, help="--streams: requests per measured pass")
+    ap.add_argument("--docs", type=int, default=20)
+    ap.add_argument("--doc-tokens", type=int, default=1024)
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    llm = build(args.model)  # the in-process engine; the server builds the same one in its process
+    llm = build(args.model, args.tokenizer)  # the in-process engine; the server builds the same one in its process
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = multiprocessing.get_context("spawn").Process(target=serve, args=(args.model, port), daemon=True)
+    proc = multiprocessing.get_context("spawn").Process(target=serve, args=(args.model, port, args.tokenizer),
+                                                        daemon=True)
     proc.start()
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 600
     while True:
         try:
             httpx.get(f"http://127.0.0.1:{port}/health").raise_for_status()
@@ -78,6 +199,15 @@ def main() -> None:
         except httpx.HTTPError:
             assert time.monotonic() < deadline and proc.is_alive(), "the server did not start"
             time.sleep(0.1)
+    if args.streams:
+        out = streams(args, llm, port)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(dict(args=vars(args), results=out), fh, indent=2)
+        proc.terminate()
+        proc.join(timeout=10)
+        llm.close()
+        return
 
     question, system = "Where is the lamp?", "Answer from the documents."
     body = {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
