@@ -16,7 +16,7 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 
 from lazyllm import LazyLLM
 from lazyllm.integrations.langchain import ChatLazyLLM, documents_to_messages
-from tests.standard_suite import MODEL_CHOICE, Capabilities, IntegrationCases
+from tests.standard_suite import Capabilities, IntegrationCases
 
 # The suites' async tests are plain ``async def``s, written for pytest-asyncio's "auto"
 # mode; this module-wide mark runs them in strict mode too. (Overriding them to mark
@@ -56,11 +56,7 @@ class TestChatLazyLLMUnit(_Config, Capabilities, ChatModelUnitTests):
 class TestChatLazyLLMIntegration(_Config, IntegrationCases, ChatModelIntegrationTests):
     # JSON mode without tools is folded into the RAG template (keeps_turns), as through the
     # server: the default model then leaves out the punchline, as through ChatOpenAI and
-    # RemoteLazyLLM. Greedy on CPU, so strict: a model that writes it fails this mark.
-    @pytest.mark.xfail(reason=MODEL_CHOICE, strict=True)
-    def test_json_mode(self, model) -> None:
-        super().test_json_mode(model)
-
+    # RemoteLazyLLM (``IntegrationCases.model_choice``).
     def documents_request(self, docs, question):
         """Documents as messages (``documents_to_messages``): they travel as chunks."""
         return documents_to_messages(docs, question), {}

@@ -27,6 +27,11 @@ pytestmark = [
 
 
 class TestChatOpenAIAgainstLazyLLMServer(ServedCases, ChatModelIntegrationTests):
+    # through ChatOpenAI every structured-output case runs to max_tokens (tests/standard_suite.py)
+    model_choice = ServedCases.model_choice | {
+        f"test_structured_output{a}[{t}]" for a in ("", "_async") for t in ("typeddict", "json_schema")} | {
+        "test_structured_output_pydantic_2_v1", "test_structured_output_optional_param"}
+
     @property
     def chat_model_class(self) -> type[ChatOpenAI]:
         return ChatOpenAI
