@@ -127,12 +127,10 @@ def student_layout(segments: Sequence[tuple[str, Sequence[int]]], answer: Sequen
     per request as well."""
     head = list(range(base, base + k_header))
     tail = list(range(base + k_header, base + k_header + k_trailer))
-    ids: list[int] = []
-    pos: list[int] = []
-    kind: list[int] = []  # 0 prefix, 1 cached chunk token, 2 recomputed copy, 3 question/answer
-    chunk_of: list[int] = []
-    is_head: list[bool] = []
-    redone: list[bool] = []  # cached tokens that have a recomputed copy
+    # per row: id, position, kind (0 prefix, 1 cached chunk token, 2 recomputed copy, 3
+    # question/answer), chunk (-1 outside), a packet header, a cached token with a recomputed
+    # copy (on copies: a bridge copy, read below)
+    rows: list[tuple[int, int, int, int, bool, bool]] = []
     copies: list[tuple[int, int, bool]] = []  # (id, position, is bridge)
     p = 0
     ci = 0
@@ -143,12 +141,7 @@ def student_layout(segments: Sequence[tuple[str, Sequence[int]]], answer: Sequen
             if bridge:
                 again |= set(range(len(toks) - k_trailer, len(toks)))
             for i, t in enumerate(toks):
-                ids.append(t)
-                pos.append(p + i)
-                kind.append(1)
-                chunk_of.append(ci)
-                is_head.append(i < k_header)
-                redone.append(i in again)
+                rows.append((t, p + i, 1, ci, i < k_header, i in again))
                 if i in again:
                     copies.append((t, p + i, bridge and i >= len(toks) - k_trailer))
             ci += 1
@@ -156,37 +149,30 @@ def student_layout(segments: Sequence[tuple[str, Sequence[int]]], answer: Sequen
         else:
             tail_kind = 0 if k == "prefix" else 3
             if tail_kind == 3 and copies:
-                for t, q, b in copies:
-                    ids.append(t)
-                    pos.append(q)
-                    kind.append(2)
-                    chunk_of.append(-1)
-                    is_head.append(False)
-                    redone.append(b)  # marks the bridge copies, read below
+                rows += [(t, q, 2, -1, False, b) for t, q, b in copies]
                 copies = []
-            for t in s:
-                ids.append(t)
-                pos.append(p)
-                kind.append(tail_kind)
-                chunk_of.append(-1)
-                is_head.append(False)
-                redone.append(False)
-                p += 1
-    for t in answer[:-1]:
-        ids.append(t)
-        pos.append(p)
-        kind.append(3)
-        chunk_of.append(-1)
-        is_head.append(False)
-        redone.append(False)
-        p += 1
-    kd, P, C = torch.tensor(kind), torch.tensor(pos), torch.tensor(chunk_of)
-    R, H = torch.tensor(redone), torch.tensor(is_head)
+            rows += [(t, p + i, tail_kind, -1, False, False) for i, t in enumerate(s)]
+            p += len(s)
+    rows += [(t, p + i, 3, -1, False, False) for i, t in enumerate(answer[:-1])]
+    ids, pos, kind, chunk_of, is_head, redone = zip(*rows) if rows else ((),) * 6
+    kd, P, C = torch.tensor(kind, dtype=torch.long), torch.tensor(pos, dtype=torch.long), \
+        torch.tensor(chunk_of, dtype=torch.long)
+    R, H = torch.tensor(redone, dtype=torch.bool), torch.tensor(is_head, dtype=torch.bool)
+    mask = _student_mask(kd, P, C, R, H, question_sees_header)
+    return StudentLayout(torch.tensor(ids, dtype=torch.long), P, mask, (kd == 2) & R, kd == 1)
+
+
+def _student_mask(kd: torch.Tensor, P: torch.Tensor, C: torch.Tensor, R: torch.Tensor, H: torch.Tensor,
+                  question_sees_header: bool) -> torch.Tensor:
+    """Which row reads which (``student_layout``'s rows: kinds ``kd``, positions ``P``, chunks
+    ``C``, recomputed ``R``, packet headers ``H``): the prefix and each cached chunk causally
+    within themselves, recomputed copies over what a request reads, the question and answer
+    over all of it."""
     cached = (kd == 1)
     readable = (kd == 0) | (cached & ~R) | (kd == 2) | (kd == 3)  # what request-time rows read
     before_eq = P[None, :] <= P[:, None]
     before = P[None, :] < P[:, None]
-    mask = torch.zeros(len(ids), len(ids), dtype=torch.bool)
+    mask = torch.zeros(len(kd), len(kd), dtype=torch.bool)
     rows_prefix = (kd == 0)[:, None]
     mask |= rows_prefix & (kd == 0)[None, :] & before_eq
     mask |= cached[:, None] & cached[None, :] & (C[:, None] == C[None, :]) & before_eq
@@ -197,7 +183,7 @@ def student_layout(segments: Sequence[tuple[str, Sequence[int]]], answer: Sequen
     if not question_sees_header:
         q_cols = q_cols & ~(cached & H)
     mask |= q_rows & q_cols[None, :] & before_eq
-    return StudentLayout(torch.tensor(ids), P, mask, (kd == 2) & R, cached)
+    return mask
 
 
 def student_logits(hf_model, ids: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor | None, base: int,
@@ -332,6 +318,18 @@ def init_packets(hf_model, tokenizer, k_header: int, k_trailer: int, seed: int =
     return (rows + noise).contiguous()
 
 
+def _check_training(cases, k_header: int, k_trailer: int, *, bridge: bool, deep: bool, recompute) -> None:
+    """``train_packets``' arguments that cannot train, refused before anything is made."""
+    if not cases:
+        raise InvalidRequestError("no training cases")
+    if k_header < 0 or k_trailer < 0 or k_header + k_trailer == 0:
+        raise InvalidRequestError(f"k_header={k_header}, k_trailer={k_trailer}: need at least one packet token")
+    if deep and not (bridge and k_trailer):
+        raise InvalidRequestError("deep bridge parameters need bridge=True and k_trailer > 0")
+    if recompute is not None and len(recompute) != len(cases):
+        raise InvalidRequestError(f"recompute has {len(recompute)} selections for {len(cases)} cases")
+
+
 def train_packets(hf_model, tokenizer, cases: Sequence[TrainCase], *, k_header: int = 4, k_trailer: int = 4,
                   steps: int = 300, lr: float = 1e-2, batch: int = 1, seed: int = 0,
                   question_sees_header: bool = True, init: torch.Tensor | None = None,
@@ -356,18 +354,11 @@ def train_packets(hf_model, tokenizer, cases: Sequence[TrainCase], *, k_header: 
     """
     from tqdm.auto import tqdm
 
-    if not cases:
-        raise InvalidRequestError("no training cases")
-    if k_header < 0 or k_trailer < 0 or k_header + k_trailer == 0:
-        raise InvalidRequestError(f"k_header={k_header}, k_trailer={k_trailer}: need at least one packet token")
+    _check_training(cases, k_header, k_trailer, bridge=bridge, deep=deep, recompute=recompute)
     dev = next(hf_model.parameters()).device
     base = int(hf_model.get_input_embeddings().weight.shape[0])
     rows0 = init if init is not None else init_packets(hf_model, tokenizer, k_header, k_trailer, seed)
     rows = torch.nn.Parameter(rows0.to(dev, torch.float32).clone())
-    if deep and not (bridge and k_trailer):
-        raise InvalidRequestError("deep bridge parameters need bridge=True and k_trailer > 0")
-    if recompute is not None and len(recompute) != len(cases):
-        raise InvalidRequestError(f"recompute has {len(recompute)} selections for {len(cases)} cases")
     layers = len(hf_model.model.layers)
     deep_p = torch.nn.Parameter(torch.zeros(layers, k_trailer, rows.shape[1], device=dev)) if deep else None
     opt = torch.optim.Adam([rows] + ([deep_p] if deep_p is not None else []), lr=lr)
