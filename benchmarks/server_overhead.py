@@ -31,15 +31,19 @@ import random
 import socket
 import statistics
 import sys
-import threading
 import time
 
 import httpx
 import torch
 import uvicorn
 
-from lazyllm import LazyLLM
-from lazyllm.integrations.server import create_app
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks._common import sibling  # noqa: E402
+from lazyllm import LazyLLM  # noqa: E402
+from lazyllm.integrations.server import create_app  # noqa: E402
 
 DOCS = [f"Document {i}: the {w} is kept in room {i * 7}, next to the {v}." for i, (w, v) in enumerate(
     zip(["lamp", "chair", "table", "clock", "vase", "piano"], ["door", "window", "shelf", "bed", "desk", "sofa"]))]
@@ -61,9 +65,6 @@ def tiny_llm() -> LazyLLM:
 
 def random_8b_llm(tokenizer: str | None) -> LazyLLM:
     """Llama-3.1-8B shapes with random bf16 weights on CUDA; no end-of-sequence token."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if root not in sys.path:
-        sys.path.insert(0, root)
     from benchmarks._common import llama31_8b_config, load_tokenizer, random_model, run_to_length
 
     # no warm-up: the untimed pass compiles and captures what the measured one runs
@@ -90,34 +91,18 @@ def serve(model: str, port: int, tokenizer: str | None = None) -> None:
 
 
 def _rate(n_streams: int, jobs: list, run_one) -> dict:
-    """``jobs`` run by ``n_streams`` threads, one at a time each: req/s, output tokens/s, TTFT p50."""
-    lock, it, res = threading.Lock(), iter(jobs), []
-
-    def client():
-        while True:
-            with lock:
-                job = next(it, None)
-            if job is None:
-                return
-            res.append(run_one(job))
-
-    threads = [threading.Thread(target=client) for _ in range(n_streams)]
-    t = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - t
-    assert len(res) == len(jobs), "a request failed"
+    """``jobs`` run by a closed loop of ``n_streams`` clients (``rag_serving.drive``), each
+    ``run_one`` returning ``(TTFT s, output tokens)``: req/s, output tokens/s, TTFT p50."""
+    results, wall = sibling("rag_serving").drive(run_one, jobs, 0.0, n_streams, seed=0)
+    res = [r for r, _ in results]
+    failed = [r for r in res if isinstance(r, dict)]  # drive reports an exception as {"error": ...}
+    assert not failed, f"{len(failed)} requests failed: {failed[0]}"
     return dict(wall_s=wall, req_per_s=len(res) / wall, tok_per_s=sum(n for _, n in res) / wall,
                 ttft_p50_ms=1e3 * statistics.median(t for t, _ in res))
 
 
 def streams(args, llm: LazyLLM, port: int) -> dict:
     """N concurrent streams in process, then over HTTP: the request rates side by side."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if root not in sys.path:
-        sys.path.insert(0, root)
     from benchmarks._common import text_of_tokens
 
     docs = [text_of_tokens(llm, args.doc_tokens, 1000 + i) for i in range(args.docs)]
@@ -200,16 +185,22 @@ def main() -> None:
         except httpx.HTTPError:
             assert time.monotonic() < deadline and proc.is_alive(), "the server did not start"
             time.sleep(0.1)
-    if args.streams:
-        out = streams(args, llm, port)
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(dict(args=vars(args), results=out), fh, indent=2)
+    try:
+        if args.streams:
+            out = streams(args, llm, port)
+            if args.json:
+                with open(args.json, "w") as fh:
+                    json.dump(dict(args=vars(args), results=out), fh, indent=2)
+        else:
+            overhead(args, llm, port)
+    finally:
         proc.terminate()
         proc.join(timeout=10)
         llm.close()
-        return
 
+
+def overhead(args, llm: LazyLLM, port: int) -> None:
+    """One warm request at a time, in process and over HTTP, interleaved: the server's overhead."""
     question, system = "Where is the lamp?", "Answer from the documents."
     body = {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
             "documents": DOCS, "max_tokens": 1}
@@ -258,9 +249,6 @@ def main() -> None:
     for name, a, b, d, p90 in rows:
         print(f"{name:<24} {a * 1e3:>14.2f} {b * 1e3:>10.2f} {d * 1e3:>21.2f} {p90 * 1e3:>7.2f}")
     client.close()
-    proc.terminate()
-    proc.join(timeout=10)
-    llm.close()
 
 
 if __name__ == "__main__":
