@@ -45,9 +45,6 @@ def require(extra: str, *modules: str, load: bool = True) -> None:
                                     f"{install_hint(extra)}") from e
 
 
-__all__ = ["EXTRAS", "MissingExtraError", "install_hint", "require"]
-
-
 def lazy_exports(package: str, exports: dict[str, str]) -> Callable[[str], Any]:
     """A package's ``__getattr__`` (PEP 562) that imports each name of ``exports`` from its
     module (``exports[name]``, relative to ``package`` when it starts with a dot) on first
@@ -61,3 +58,6 @@ def lazy_exports(package: str, exports: dict[str, str]) -> Callable[[str], Any]:
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     return __getattr__
+
+
+__all__ = ["EXTRAS", "MissingExtraError", "install_hint", "lazy_exports", "require"]

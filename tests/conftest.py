@@ -76,6 +76,12 @@ def paged_batch(seqs, *, page_size: int, hkv: int, group: int, d: int, rotary_di
                 block_pos=bpos, block_delta=bdelta, block_len=blen, inv_freq=inv_freq, sm_scale=d ** -0.5)
 
 
+def entry_kv(store, e) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V a cache entry ``e`` of ``store`` holds: ``(layers, tokens, kv heads, head
+    dim)`` each, its tokens only (not the rest of its last page)."""
+    return tuple(pool[:, e.pages].flatten(1, 2)[:, :e.num_tokens] for pool in (store.pool.k, store.pool.v))
+
+
 def make_tiny(family: str, seed: int = 0, window: int | None = None, **overrides):
     """A small random model of a supported family, with weights scaled up so its greedy
     choices are decisive (near-ties would make exact-token comparisons flaky);

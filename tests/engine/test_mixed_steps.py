@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lazyllm import InvalidRequestError, LazyLLM
-from tests.conftest import make_tiny
+from tests.conftest import entry_kv, make_tiny
 from tests.engine.test_concurrency import DOCS
 
 LONG_DOC = "Report: " + " ".join(f"item{j} costs {j * 7 % 31} units" for j in range(40))
@@ -74,9 +74,7 @@ def _same_chunk_kv(off, on, tol):
     for key, e in off.store.entries.items():
         f = on.store.entries[key]
         assert e.num_tokens == f.num_tokens
-        for pool_a, pool_b in ((off.store.pool.k, on.store.pool.k), (off.store.pool.v, on.store.pool.v)):
-            a = pool_a[:, e.pages].flatten(1, 2)[:, :e.num_tokens]
-            b = pool_b[:, f.pages].flatten(1, 2)[:, :f.num_tokens]
+        for a, b in zip(entry_kv(off.store, e), entry_kv(on.store, f)):
             torch.testing.assert_close(b, a, rtol=tol, atol=tol)
 
 

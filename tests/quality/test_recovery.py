@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lazyllm import LazyLLM
-from tests.conftest import make_tiny
+from tests.conftest import entry_kv, make_tiny
 from tests.hf_reference import hf_generate
 
 DOCS = [f"Record {i}: " + " ".join(f"item{i}_{j}" for j in range(9 + 5 * i)) for i in range(6)]
@@ -56,10 +56,9 @@ def test_partial_recompute_is_position_independent_and_accounted(model, tokenize
 
 
 def _chunk_kv(llm) -> dict:
-    """A copy of the K/V in every cached chunk's pages, by the chunk's key."""
-    pool = llm.engine.pool
-    return {key: (pool.k[:, e.pages].clone(), pool.v[:, e.pages].clone())
-            for key, e in llm.engine.store.entries.items() if e.kind == "chunk"}
+    """A copy of the K/V of every cached chunk, by the chunk's key."""
+    store = llm.engine.store
+    return {key: tuple(t.clone() for t in entry_kv(store, e)) for key, e in store.entries.items() if e.kind == "chunk"}
 
 
 def _assert_same_chunk_kv(a: dict, b: dict) -> None:
