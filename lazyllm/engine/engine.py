@@ -338,10 +338,8 @@ class Engine:
     def _before_own(self, reqs: list[Request]) -> list[Request]:
         """Once the entries ``reqs`` read are in the pool: quality recovery and re-rotated
         copies; warm-only requests are done. Returns the requests whose own job runs next."""
-        if self.recovery.enabled:
-            for r in reqs:
-                if not r.warm_only:
-                    self.recovery.apply(r)
+        if self.recovery.enabled:  # one selection for the round's requests
+            self.recovery.apply_round([r for r in reqs if not r.warm_only])
         for r in reqs:
             if r.plan is not None:
                 self.runner.copy_pages(r.plan.copies)

@@ -31,6 +31,7 @@ from ..intmath import cdiv
 from .kv_planner import KVPlanner
 from .metrics import EngineMetrics
 from .model_runner import ModelRunner
+from .recovery_round import batches, select_round
 from .request import ChunkSpan, Job, Request, slot_of
 
 
@@ -65,7 +66,7 @@ class Recovery:
         n_layers = self.model.spec.num_layers
         self.probe_layer = min(probe_layer, n_layers - 1)
         self.mass_layers = max(1, min(n_layers, math.ceil(selection_depth * n_layers)))
-        self._memo: tuple[Request, _ChunkIndex | None] | None = None  # apply's chunk token index
+        self._memo: dict[int, _ChunkIndex] | None = None  # apply's chunk token indexes, by request id
         self.metrics = metrics if metrics is not None else EngineMetrics()
 
     @property
@@ -93,43 +94,80 @@ class Recovery:
                     self.runner.dummy_key_probe(1, W, n)
         return True
 
-    def apply(self, r: Request) -> None:
+    def apply(self, r: Request, picked: np.ndarray | None = None) -> None:
         """Once the request's chunk KV is in the pool, rewrite its plan so that its prefill
         also recomputes the chosen chunk tokens. If the pool cannot give the page copies,
         the request goes ahead without recovery (counted in ``recovery_skipped``).
+        ``picked``: the selection's picks (chunk order), made already for a whole round
+        (``apply_round``); ``None``: selected here.
 
         On CUDA the selection runs without waiting for the device until its final pick: the
         host's index work overlaps the question's pass, and every host-to-device copy is one
         pinned, asynchronous copy."""
         plan = r.plan
         spans = plan.spans
-        k, ratio = self.first_tokens, self.ratio
         if not spans or not self.enabled:
             return
-        self._memo = (r, None)  # the chunk token index is built once for this request
+        outer = self._memo is None
+        if outer:
+            self._memo = {}  # the chunk token index is built once for this request
         t0 = time.perf_counter()
         try:
-            self._apply(r, plan, spans, k, ratio)
+            self._apply(r, plan, spans, picked)
         finally:
-            self._memo = None
+            if outer:
+                self._memo = None
             self.metrics.selection_s += time.perf_counter() - t0
 
-    def _apply(self, r: Request, plan, spans: list[ChunkSpan], k: int, ratio: float) -> None:
-        # a chunk at home (exact_at_home) already has full attention's KV: the budget goes elsewhere
+    def apply_round(self, reqs: list[Request]) -> None:
+        """``apply`` for every request of an admission round. With one of the engine's own
+        selections (``recovery_round.batches``) and more than one request to select for, the
+        selection runs once for all of them (``select_round``: one batched question pass, one key probe per
+        ``max_batch_tokens``, one read of every pick), not once per request."""
+        reqs = [r for r in reqs if r.plan is not None and r.plan.spans]
+        if not self.enabled or not reqs:
+            return
+        self._memo = {}
+        try:
+            picks: dict[int, np.ndarray] = {}
+            if len(reqs) > 1 and batches(self):
+                t0 = time.perf_counter()
+                picks = select_round(self, reqs)
+                self.metrics.selection_s += time.perf_counter() - t0
+            for r in reqs:
+                self.apply(r, picks.get(r.id))
+        finally:
+            self._memo = None
+
+    def budget(self, r: Request) -> tuple[np.ndarray, np.ndarray, int]:
+        """Per chunk of ``r``: whether it is at home (``exact_at_home``: nothing of it is
+        recomputed) and its length; and how many tokens the ratio picks (0: none)."""
+        spans = r.plan.spans
         home = np.array([self.exact_at_home and all(e.delta == 0 for e in s.entries) for s in spans], dtype=bool)
         lens = np.array([len(s.ids) for s in spans], dtype=np.int64)
         total, away = int(lens.sum()), int(lens[~home].sum())
-        picked = np.zeros(0, dtype=np.int64)
-        if ratio > 0 and away > 0:
-            n_pick = min(away, int(math.ceil(ratio * total)))
-            at_home = torch.from_numpy(np.repeat(home, lens)) if home.any() else None
-            dev = scorer_of(self.selection)(self, r, n_pick, at_home)
-            if at_home is not None:
-                dev = dev.masked_fill(_to_device(at_home, dev.device), float("-inf"))
-            top = torch.topk(dev, n_pick)
-            # one read from the device: the picks and which of them scored finite
-            both = torch.stack([top.indices, torch.isfinite(top.values).long()]).cpu().numpy()
-            picked = both[0][both[1] == 1]  # never a token scored -inf
+        n_pick = min(away, int(math.ceil(self.ratio * total))) if self.ratio > 0 else 0
+        return home, lens, n_pick
+
+    def _pick(self, r: Request, home: np.ndarray, lens: np.ndarray, n_pick: int) -> np.ndarray:
+        """The selection's ``n_pick`` chunk tokens of ``r`` (chunk order indices)."""
+        if n_pick <= 0:
+            return np.zeros(0, dtype=np.int64)
+        at_home = torch.from_numpy(np.repeat(home, lens)) if home.any() else None
+        dev = scorer_of(self.selection)(self, r, n_pick, at_home)
+        if at_home is not None:
+            dev = dev.masked_fill(_to_device(at_home, dev.device), float("-inf"))
+        top = torch.topk(dev, n_pick)
+        # one read from the device: the picks and which of them scored finite
+        both = torch.stack([top.indices, torch.isfinite(top.values).long()]).cpu().numpy()
+        return both[0][both[1] == 1]  # never a token scored -inf
+
+    def _apply(self, r: Request, plan, spans: list[ChunkSpan], picked: np.ndarray | None) -> None:
+        # a chunk at home (exact_at_home) already has full attention's KV: the budget goes elsewhere
+        home, lens, n_pick = self.budget(r)
+        k = self.first_tokens
+        if picked is None:
+            picked = self._pick(r, home, lens, n_pick)
         ix = self._index(r)
         span, tok = ix.host[_SPAN], ix.host[_TOK]
         chosen = (tok < k) & ~home[span]  # each chunk's first k tokens, unless at home
@@ -169,10 +207,10 @@ class Recovery:
         (page, slot in the page, the entry's delta), its position in the prompt, its slot in
         the question pass's table, its id, its chunk and its index there. Host arrays, and
         their device copy when first asked for (one pinned, asynchronous copy); built once
-        per ``apply``."""
+        per ``apply`` (or ``apply_round``)."""
         memo = self._memo
-        if memo is not None and memo[0] is r and memo[1] is not None:
-            return memo[1]
+        if memo is not None and r.id in memo:
+            return memo[r.id]
         ps = self.pool.page_size
         spans: list[ChunkSpan] = r.plan.spans
         off = spans[0].first_entry  # the probe table: the prefix, then each chunk's entries
@@ -188,8 +226,8 @@ class Recovery:
             off += len(s.entries)
         host = np.concatenate(cols, axis=1)
         ix = _ChunkIndex(host, self.pool.k.device)
-        if memo is not None and memo[0] is r:  # inside apply (a benchmark's call builds it afresh)
-            self._memo = (r, ix)
+        if memo is not None:  # inside apply (a benchmark's call builds it afresh)
+            memo[r.id] = ix
         return ix
 
     def question_attention(self, r: Request) -> torch.Tensor:
@@ -337,3 +375,9 @@ def _by_question_attention(rec: Recovery, r: Request, n_pick: int, exclude: torc
 def _two_stage(rec: Recovery, r: Request, n_pick: int, exclude: torch.Tensor | None) -> torch.Tensor:
     """ProphetKV: attention shortlists, attention times key deviation ranks."""
     return rec.two_stage(r, n_pick, exclude=exclude)
+
+
+# their form for a whole round (``recovery_round.select_round``)
+_by_key_deviation.batched = "deviation"
+_by_question_attention.batched = "attention"
+_two_stage.batched = "two-stage"

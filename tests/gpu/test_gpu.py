@@ -398,3 +398,21 @@ def test_question_attention_pass_from_cuda_graph_equals_eager(tiny_cuda, tokeniz
     (eager, eager_captured), = seen[False]
     assert captured and not eager_captured, "the mass pass did not run from a graph on one side only"
     torch.testing.assert_close(from_graph, eager, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("selection", ["deviation", "attention", "two-stage"])
+def test_round_selection_equals_per_request_on_triton(tiny_cuda, tokenizer, selection):
+    """Recovery's selection for a whole round (one question pass, one probe, one read) picks
+    each request's own tokens on the CUDA kernels: at least 95% of them (float sums over a
+    batch may order near-equal scores differently), every pass whole and split in groups."""
+    from tests.quality.test_recovery import DOCS as RECORDS
+    from tests.quality.test_recovery_round import _requests, check_rounds, record_rounds
+
+    llm = LazyLLM(model=tiny_cuda, tokenizer=tokenizer, chunk_context="prefix", recompute_first_tokens=2,
+                  recompute_ratio=0.2, recompute_selection=selection, kv_cache_bytes=256 << 20,
+                  attention_backend="triton")
+    rounds = record_rounds(llm, regroup=True)
+    llm.warm(RECORDS[:6])
+    llm.generate_batch(_requests(6, 1))
+    check_rounds(rounds, 6, agree=0.95)
+    llm.close()

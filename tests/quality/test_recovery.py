@@ -317,9 +317,9 @@ def test_prefix_context_recomputes_nothing_of_the_chunk_at_home(model, tokenizer
     picked = []
     real = Recovery.apply
 
-    def spy(self, r):
+    def spy(self, r, chosen=None):
         spans = [(s.start, len(s.ids), all(e.delta == 0 for e in s.entries)) for s in r.plan.spans]
-        real(self, r)
+        real(self, r, chosen)
         picked.append((spans, list(r.plan.job.positions)))
 
     kw = dict(model=model, tokenizer=tokenizer, chunk_context="prefix", recompute_first_tokens=3,
@@ -372,8 +372,8 @@ def test_recompute_job_holds_the_first_tokens_and_the_picks_at_their_cached_slot
     rec, seen = llm.engine.recovery, []
     real = rec.apply
 
-    def spy(r):
-        real(r)
+    def spy(r, chosen=None):
+        real(r, chosen)
         seen.append((r, list(r.plan.spans), r.plan.job, list(r.alloc.table), list(r.alloc.private_pages)))
 
     rec.apply = spy
