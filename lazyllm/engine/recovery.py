@@ -122,8 +122,8 @@ class Recovery:
     def apply_round(self, reqs: list[Request]) -> None:
         """``apply`` for every request of an admission round. With one of the engine's own
         selections (``recovery_round.batches``) and more than one request to select for, the
-        selection runs once for all of them (``select_round``: one batched question pass, one key probe per
-        ``max_batch_tokens``, one read of every pick), not once per request."""
+        selection runs once for all of them (``select_round``: one batched question pass, one
+        key probe per ``max_batch_tokens``, one read of every pick), not once per request."""
         reqs = [r for r in reqs if r.plan is not None and r.plan.spans]
         if not self.enabled or not reqs:
             return
