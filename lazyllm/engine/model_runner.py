@@ -270,6 +270,17 @@ class ModelRunner(RunnerWarmUp):
         ids_t, _, meta = self.metadata([0] * n, pos, [scratch * ps] * n, [0, n], [table], n, [])
         self.model.probe_keys_paged(ids_t, meta, self.pool.k, self.pool.v, layer)
 
+    def dummy_mass(self, B: int, W: int, layers: int) -> None:
+        """An eager attention-mass pass over ``layers`` layers (quality recovery's question
+        pass for a round of requests) of ``B`` one-token sequences, each over ``W`` entries
+        naming the scratch page; their K/V go to the scratch slot. Many sequences make the
+        mass kernels run with the key range unsplit, as a large round's pass does."""
+        ps, scratch = self.pool.page_size, self.pool.scratch_page
+        table = [TableEntry(scratch, i * ps, 0, ps) for i in range(W)]
+        ids_t, _, meta = self.metadata([0] * B, [W * ps] * B, [scratch * ps] * B, list(range(B + 1)), [table] * B,
+                                       1, [])
+        self.model.attention_mass(ids_t, meta, self.pool.k, self.pool.v, layers=layers)
+
     # -- decode --------------------------------------------------------------------------
     def launch_decode(self, reqs: list[Request], pending: dict[int, int], dead: set[int]) -> DecodeStep:
         """Stage and launch one decode step's forward for ``reqs`` (the decode state's rows,

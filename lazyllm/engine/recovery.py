@@ -83,11 +83,16 @@ class Recovery:
     def warm_launches(self) -> bool:
         """Run recovery's eager launches at the shapes the warm-up's requests do not pin down
         (engine thread, while no request runs): page copies of 1, 16 and 17 pages (Triton
-        specializes an integer argument on being 1 and on being a multiple of 16), and where it
-        selects by key deviation the layer-1 probe at short and long shortlists over tables on
-        and off a multiple of 16 entries wide."""
+        specializes an integer argument on being 1 and on being a multiple of 16); where it
+        selects by the question's attention, a round's batched question pass (enough
+        sequences that the mass kernels' key range is not split: ``num_splits`` 1); and where
+        it selects by key deviation the layer-1 probe at short and long shortlists over tables
+        on and off a multiple of 16 entries wide."""
         for n in (1, 16, 17):
             self.runner.dummy_copy(n)
+        if self.selection in ("attention", "two-stage") and batches(self) and hasattr(self.runner, "dummy_mass"):
+            for W in (16, 17):  # a round's question pass: its mass kernels unsplit, tables on and off 16
+                self.runner.dummy_mass(_ROUND_WARM_SEQS, W, self.mass_layers)
         if self.ratio > 0 and self.probe_layer == 1 and hasattr(self.model, "probe_keys_paged"):
             for W in (64, 65):
                 for n in (16, 17, 200, 1100):
@@ -330,6 +335,9 @@ class Recovery:
         d = self._index(r).dev
         return d[_PAGE], d[_SLOT], d[_DELTA], d[_ROW]
 
+
+# sequences of the warm-up's batched question pass: past any device's SM count over its KV heads
+_ROUND_WARM_SEQS = 160
 
 # rows of the chunk token index (``Recovery._index``): the first ``_DEVICE_ROWS`` also on the device
 _PAGE, _SLOT, _DELTA, _ROW, _PROBE, _TOKEN, _SPAN, _TOK = range(8)

@@ -133,3 +133,30 @@ def test_user_selections_run_per_request_and_groups_keep_the_budget(tokenizer):
     llm.close()
     assert _groups([5, 5, 5, 20, 1], 10) == [[0, 1], [2], [3], [4]]
     assert _groups([], 10) == []
+
+
+def test_warm_up_runs_a_rounds_question_pass(tokenizer):
+    """Recovery's warm-up runs the batched question pass a large round makes (many sequences:
+    on CUDA the mass kernels then run with their key range unsplit, a variant the
+    single-request graphs never compile), over tables on and off 16 entries; its K/V go to
+    the scratch page only, and a selection without a question pass runs none."""
+    seen = []
+    for selection in ("two-stage", "deviation"):
+        llm = LazyLLM(model=make_tiny("llama", seed=3), tokenizer=tokenizer, chunk_context="prefix",
+                      recompute_ratio=0.2, recompute_selection=selection, kv_cache_bytes=32 << 20)
+        model, rec = llm.engine.recovery.model, llm.engine.recovery
+        real = model.attention_mass
+
+        def spy(ids, meta, k, v, layers=None, real=real, selection=selection):
+            seen.append((selection, int(meta.cu_seqlens_q.numel()) - 1, int(meta.block_table.shape[1]), layers))
+            return real(ids, meta, k, v, layers=layers)
+
+        model.attention_mass = spy
+        free = llm.cache_stats()["free_pages"]
+        assert rec.warm_launches()
+        assert llm.cache_stats()["free_pages"] == free
+        assert llm.generate("q?", chunks=DOCS[:2], max_new_tokens=1).token_ids  # the engine still answers
+        llm.close()
+    layers = make_tiny("llama", seed=3).config.num_hidden_layers  # the default depth: every layer
+    batched = {(s[0], s[2], s[3]) for s in seen if s[1] >= 160}
+    assert batched == {("two-stage", 16, layers), ("two-stage", 17, layers)}
