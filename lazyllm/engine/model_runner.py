@@ -48,6 +48,23 @@ class DecodeStep:
     picks: tuple | None = None
 
 
+def budget_groups(sizes: list[int], budget: int) -> list[list[int]]:
+    """Consecutive indices of ``sizes`` in groups whose sum stays within ``budget`` (a group
+    holds at least one): the forwards a list of jobs (or passes) is split into."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    n = 0
+    for i, size in enumerate(sizes):
+        if cur and n + size > budget:
+            out.append(cur)
+            cur, n = [], 0
+        cur.append(i)
+        n += size
+    if cur:
+        out.append(cur)
+    return out
+
+
 class ModelRunner(RunnerWarmUp):
     """Forwards of one model over one page pool (engine thread only); its warm-up steps and
     shapes in ``RunnerWarmUp``."""
@@ -103,16 +120,8 @@ class ModelRunner(RunnerWarmUp):
         """Logits of each job's last ``logit_rows`` tokens (``None`` for jobs that need
         none), from one forward, or a few capped by ``max_batch_tokens``."""
         out: list[torch.Tensor | None] = []
-        group: list[Job] = []
-        n = 0
-        for j in jobs:
-            if group and n + len(j.ids) > self.max_batch_tokens:
-                out += self._forward_jobs(group)
-                group, n = [], 0
-            group.append(j)
-            n += len(j.ids)
-        if group:
-            out += self._forward_jobs(group)
+        for group in budget_groups([len(j.ids) for j in jobs], self.max_batch_tokens):
+            out += self._forward_jobs([jobs[i] for i in group])
         return out
 
     def _forward_jobs(self, jobs: list[Job]) -> list[torch.Tensor | None]:
@@ -252,9 +261,13 @@ class ModelRunner(RunnerWarmUp):
         attention-mass twin over ``mass`` layers) over ``W`` entries naming the scratch page;
         the tokens' K/V go to the scratch slot."""
         ps, scratch = self.pool.page_size, self.pool.scratch_page
-        table = [TableEntry(scratch, i * ps, 0, ps) for i in range(W)]
         pos = list(range(W * ps, W * ps + T))
-        self.prefill_graphs.run([0] * T, pos, [scratch * ps] * T, table, mass=mass)
+        self.prefill_graphs.run([0] * T, pos, [scratch * ps] * T, self._scratch_table(W), mass=mass)
+
+    def _scratch_table(self, W: int) -> list[TableEntry]:
+        """A table of ``W`` entries naming the scratch page, one page after another."""
+        ps, scratch = self.pool.page_size, self.pool.scratch_page
+        return [TableEntry(scratch, i * ps, 0, ps) for i in range(W)]
 
     def dummy_copy(self, n: int) -> None:
         """A re-rotated copy of ``n`` pages, scratch page to scratch page, rotated by 0."""
@@ -265,9 +278,8 @@ class ModelRunner(RunnerWarmUp):
         """The key-deviation probe of ``layer`` (quality recovery's) over a ``W``-entry table
         naming the scratch page, for a shortlist of ``n`` tokens."""
         ps, scratch = self.pool.page_size, self.pool.scratch_page
-        table = [TableEntry(scratch, i * ps, 0, ps) for i in range(W)]
         pos = list(range(W * ps, W * ps + n))
-        ids_t, _, meta = self.metadata([0] * n, pos, [scratch * ps] * n, [0, n], [table], n, [])
+        ids_t, _, meta = self.metadata([0] * n, pos, [scratch * ps] * n, [0, n], [self._scratch_table(W)], n, [])
         self.model.probe_keys_paged(ids_t, meta, self.pool.k, self.pool.v, layer)
 
     def dummy_mass(self, B: int, W: int, layers: int) -> None:
@@ -276,9 +288,8 @@ class ModelRunner(RunnerWarmUp):
         naming the scratch page; their K/V go to the scratch slot. Many sequences make the
         mass kernels run with the key range unsplit, as a large round's pass does."""
         ps, scratch = self.pool.page_size, self.pool.scratch_page
-        table = [TableEntry(scratch, i * ps, 0, ps) for i in range(W)]
-        ids_t, _, meta = self.metadata([0] * B, [W * ps] * B, [scratch * ps] * B, list(range(B + 1)), [table] * B,
-                                       1, [])
+        ids_t, _, meta = self.metadata([0] * B, [W * ps] * B, [scratch * ps] * B, list(range(B + 1)),
+                                       [self._scratch_table(W)] * B, 1, [])
         self.model.attention_mass(ids_t, meta, self.pool.k, self.pool.v, layers=layers)
 
     # -- decode --------------------------------------------------------------------------

@@ -4,6 +4,14 @@ from __future__ import annotations
 import torch
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``: a pinned, asynchronous copy on CUDA (a copy from pageable memory
+    waits for the stream to drain)."""
+    if device.type != "cuda" or t.device == device:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class PinnedTurns:
     """Two host buffers (pinned where CUDA is used) used in turn for asynchronous copies,
     each with an event recorded after the copy that uses it.
@@ -53,4 +61,4 @@ class PinnedTurns:
         return dev
 
 
-__all__ = ["PinnedTurns"]
+__all__ = ["PinnedTurns", "to_device"]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,9 +27,11 @@ from lazyllm.kernels.reference import rotate_by_delta
 from ..config import register_selection, selection_names
 from ..config import selection as scorer_of
 from ..intmath import cdiv
+from .chunk_index import DELTA, PAGE, PROBE, ROW, SLOT, SPAN, TOK, TOKEN, ChunkIndex
 from .kv_planner import KVPlanner
 from .metrics import EngineMetrics
 from .model_runner import ModelRunner
+from .pinned import to_device
 from .recovery_round import batches, select_round
 from .request import ChunkSpan, Job, Request, slot_of
 
@@ -66,7 +67,7 @@ class Recovery:
         n_layers = self.model.spec.num_layers
         self.probe_layer = min(probe_layer, n_layers - 1)
         self.mass_layers = max(1, min(n_layers, math.ceil(selection_depth * n_layers)))
-        self._memo: dict[int, _ChunkIndex] | None = None  # apply's chunk token indexes, by request id
+        self._memo: dict[int, ChunkIndex] | None = None  # apply's chunk token indexes, by request id
         self.metrics = metrics if metrics is not None else EngineMetrics()
 
     @property
@@ -77,8 +78,12 @@ class Recovery:
     def mass_passes(self) -> list[int]:
         """Layers of the prefill graphs' attention-mass passes recovery replays: 0 (the plain
         graph), and ``mass_layers`` where it selects tokens by the question's attention."""
-        by_attention = self.ratio > 0 and self.selection in ("attention", "two-stage")
-        return [0, self.mass_layers] if by_attention else [0]
+        return [0, self.mass_layers] if self.by_attention else [0]
+
+    @property
+    def by_attention(self) -> bool:
+        """Whether the selection runs the question's attention-mass pass."""
+        return self.ratio > 0 and self.selection in ("attention", "two-stage")
 
     def warm_launches(self) -> bool:
         """Run recovery's eager launches at the shapes the warm-up's requests do not pin down
@@ -90,7 +95,7 @@ class Recovery:
         on and off a multiple of 16 entries wide."""
         for n in (1, 16, 17):
             self.runner.dummy_copy(n)
-        if self.selection in ("attention", "two-stage") and batches(self) and hasattr(self.runner, "dummy_mass"):
+        if self.by_attention and batches(self) and hasattr(self.runner, "dummy_mass"):
             for W in (16, 17):  # a round's question pass: its mass kernels unsplit, tables on and off 16
                 self.runner.dummy_mass(_ROUND_WARM_SEQS, W, self.mass_layers)
         if self.ratio > 0 and self.probe_layer == 1 and hasattr(self.model, "probe_keys_paged"):
@@ -161,7 +166,7 @@ class Recovery:
         at_home = torch.from_numpy(np.repeat(home, lens)) if home.any() else None
         dev = scorer_of(self.selection)(self, r, n_pick, at_home)
         if at_home is not None:
-            dev = dev.masked_fill(_to_device(at_home, dev.device), float("-inf"))
+            dev = dev.masked_fill(to_device(at_home, dev.device), float("-inf"))
         top = torch.topk(dev, n_pick)
         # one read from the device: the picks and which of them scored finite
         both = torch.stack([top.indices, torch.isfinite(top.values).long()]).cpu().numpy()
@@ -174,7 +179,7 @@ class Recovery:
         if picked is None:
             picked = self._pick(r, home, lens, n_pick)
         ix = self._index(r)
-        span, tok = ix.host[_SPAN], ix.host[_TOK]
+        span, tok = ix.host[SPAN], ix.host[TOK]
         chosen = (tok < k) & ~home[span]  # each chunk's first k tokens, unless at home
         if self.bridge_tokens:  # a bridge packet's trailer, at each chunk's end
             chosen |= (tok >= lens[span] - self.bridge_tokens) & ~home[span]
@@ -199,15 +204,15 @@ class Recovery:
         plan.cached_chunk_tokens -= n_reused
         plan.computed_tokens += n_ch
         S = len(plan.suffix_ids)
-        ids = ix.host[_TOKEN][ch].tolist() + list(plan.suffix_ids)
-        positions = ix.host[_ROW][ch].tolist() + list(range(plan.suffix_pos, plan.suffix_pos + S))
+        ids = ix.host[TOKEN][ch].tolist() + list(plan.suffix_ids)
+        positions = ix.host[ROW][ch].tolist() + list(range(plan.suffix_pos, plan.suffix_pos + S))
         slots = (page_of * ps + tok[ch] % ps).tolist() + [slot_of(plan.own, i, ps) for i in range(S)]
         plan.copies = plan.copies + copies
         plan.job = Job(ids, plan.suffix_pos, [], list(table), logit_rows=r.logit_rows,
                        positions=positions, slots=slots, ctx=plan.ctx_range)
 
     # -- the per-request chunk token index ---------------------------------------------------------
-    def _index(self, r: Request) -> _ChunkIndex:
+    def _index(self, r: Request) -> ChunkIndex:
         """Per chunk token of ``r`` (chunk order: by chunk, then by token): where it is cached
         (page, slot in the page, the entry's delta), its position in the prompt, its slot in
         the question pass's table, its id, its chunk and its index there. Host arrays, and
@@ -230,7 +235,7 @@ class Recovery:
                 ar + off * ps, np.asarray(s.ids, dtype=np.int64), np.full(n, ci, np.int64), ar]))
             off += len(s.entries)
         host = np.concatenate(cols, axis=1)
-        ix = _ChunkIndex(host, self.pool.k.device)
+        ix = ChunkIndex(host, self.pool.k.device)
         if memo is not None:  # inside apply (a benchmark's call builds it afresh)
             memo[r.id] = ix
         return ix
@@ -258,7 +263,7 @@ class Recovery:
             mass = self.model.attention_mass(ids_t, meta, self.pool.k, self.pool.v, layers=self.mass_layers)
         # the index is built while the device runs the pass; a chunk's pages are consecutive
         # entries of the probe table from its offset on
-        return mass[0].reshape(-1)[self._index(r).dev[_PROBE]].float()
+        return mass[0].reshape(-1)[self._index(r).dev[PROBE]].float()
 
     @staticmethod
     def _cached_table(r: Request) -> list:
@@ -280,7 +285,7 @@ class Recovery:
         mass = self.question_attention(r)
         n_ok = mass.numel()
         if exclude is not None:  # tokens that are not to be chosen do not take shortlist places
-            mass = mass.masked_fill(_to_device(exclude, mass.device), float("-inf"))
+            mass = mass.masked_fill(to_device(exclude, mass.device), float("-inf"))
             n_ok -= int(exclude.sum())  # counted on the host: no wait for the device
         cand = torch.topk(mass, min(n_ok, 2 * n_pick)).indices
         dev = self.key_deviation(r, only=cand).to(mass.device)
@@ -300,7 +305,7 @@ class Recovery:
         spans: list[ChunkSpan] = r.plan.spans
         layer = self.probe_layer
         d = self._index(r).dev
-        pages, slot_idx, deltas, rows, tokens = d[_PAGE], d[_SLOT], d[_DELTA], d[_ROW], d[_TOKEN]
+        pages, slot_idx, deltas, rows, tokens = d[PAGE], d[SLOT], d[DELTA], d[ROW], d[TOKEN]
         idx = only if only is not None else torch.arange(rows.numel(), device=rows.device)
         idx = idx.to(rows.device).sort().values  # by position: the prefill kernels' query order
         if layer == 1 and hasattr(self.model, "probe_keys_paged"):
@@ -333,38 +338,11 @@ class Recovery:
         cached: its page, its slot in the page, its entry's delta, and its position in the
         prompt; ``(chunk tokens,)`` int64 each, on the pool's device."""
         d = self._index(r).dev
-        return d[_PAGE], d[_SLOT], d[_DELTA], d[_ROW]
+        return d[PAGE], d[SLOT], d[DELTA], d[ROW]
 
 
 # sequences of the warm-up's batched question pass: past any device's SM count over its KV heads
 _ROUND_WARM_SEQS = 160
-
-# rows of the chunk token index (``Recovery._index``): the first ``_DEVICE_ROWS`` also on the device
-_PAGE, _SLOT, _DELTA, _ROW, _PROBE, _TOKEN, _SPAN, _TOK = range(8)
-_DEVICE_ROWS = 6
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``: a pinned, asynchronous copy on CUDA (a copy from pageable memory
-    waits for the stream to drain)."""
-    if device.type != "cuda" or t.device == device:
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-@dataclass
-class _ChunkIndex:
-    host: np.ndarray  # (8, chunk tokens) int64
-    device: torch.device
-    _dev: torch.Tensor | None = None
-
-    @property
-    def dev(self) -> torch.Tensor:
-        """``(6, chunk tokens)`` int64: the first rows of ``host`` on the pool's device."""
-        if self._dev is None:
-            self._dev = _to_device(torch.from_numpy(self.host[:_DEVICE_ROWS]), self.device)
-        return self._dev
-
 
 # The engine's selections (``recompute_selection``); ``lazyllm.config.register_selection`` adds more.
 @register_selection("deviation")

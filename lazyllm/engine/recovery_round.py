@@ -23,6 +23,9 @@ import torch
 from lazyllm.kernels.reference import rotate_by_delta
 
 from ..config import selection as scorer_of
+from .chunk_index import DELTA, DEVICE_ROWS, PAGE, PROBE, ROW, SLOT, TOKEN
+from .model_runner import budget_groups
+from .pinned import to_device
 from .request import Request, slot_of
 
 
@@ -51,7 +54,7 @@ class _Round:
     n_ok: np.ndarray  # (B,) its chunk tokens that may be picked (not at home)
     offs: np.ndarray  # (B + 1,) its first token in the concatenated index
     excluded: np.ndarray  # (sum N,) bool: at home, never picked
-    dev: torch.Tensor  # (5, sum N) int64: page, slot, delta, position, token id
+    dev: torch.Tensor  # (DEVICE_ROWS, sum N) int64: the device rows of the requests' ``ChunkIndex``es
     width: int  # N max: the padded rows' width
 
     @property
@@ -70,8 +73,7 @@ def select_round(rec, reqs: list[Request]) -> dict[int, np.ndarray]:
         return {}
     if mode == "deviation":  # every token that may be picked is probed
         ok = np.flatnonzero(~rnd.excluded)
-        per_req = np.array([int((~rnd.excluded[a:b]).sum()) for a, b in zip(rnd.offs[:-1], rnd.offs[1:])])
-        dev = _deviation(rec, rnd, _to_device(torch.from_numpy(ok), rnd.dev.device), per_req)
+        dev = _deviation(rec, rnd, to_device(torch.from_numpy(ok), rnd.dev.device), rnd.n_ok)
         return _read_picks(rnd, _padded(rnd, ok, dev), None)
     mass = _question_mass(rec, rnd)
     if mode == "two-stage":
@@ -96,8 +98,7 @@ def _gather(rec, reqs: list[Request]) -> _Round | None:
         return None
     n = np.array([h.shape[1] for h in hosts], dtype=np.int64)
     host = np.concatenate(hosts, axis=1)
-    rows = torch.from_numpy(np.ascontiguousarray(host[[0, 1, 2, 3, 5]]))  # page, slot, delta, row, token
-    dev = _to_device(rows, rec.pool.k.device)
+    dev = to_device(torch.from_numpy(host[:DEVICE_ROWS]), rec.pool.k.device)
     return _Round(sel, np.array(picks, dtype=np.int64), np.array(oks, dtype=np.int64),
                   np.concatenate([[0], np.cumsum(n)]), np.concatenate(excl), dev, int(n.max()))
 
@@ -107,7 +108,7 @@ def _question_mass(rec, rnd: _Round) -> torch.Tensor:
     -inf where excluded or padded; the questions run together, ``max_batch_tokens`` a pass."""
     ps = rec.pool.page_size
     flat = []
-    for group in _groups([len(r.plan.suffix_ids) for r in rnd.reqs], rec.runner.max_batch_tokens):
+    for group in budget_groups([len(r.plan.suffix_ids) for r in rnd.reqs], rec.runner.max_batch_tokens):
         ids, pos, slots, cu, tables, probe_slots = [], [], [], [0], [], []
         for i in group:
             r = rnd.reqs[i]
@@ -118,13 +119,13 @@ def _question_mass(rec, rnd: _Round) -> torch.Tensor:
             slots += [slot_of(plan.own, j, ps) for j in range(S)]
             cu.append(cu[-1] + S)
             tables.append(rec._cached_table(r) + rec.planner.own_table(plan.own, pos0, S))
-            probe_slots.append(rec._index(r).host[4])
+            probe_slots.append(rec._index(r).host[PROBE])
         W = max(len(t) for t in tables)
         ids_t, _, meta = rec.runner.metadata(ids, pos, slots, cu, tables, max(np.diff(cu)), [])
         rec.metrics.prefill_tokens += cu[-1]
         mass = rec.model.attention_mass(ids_t, meta, rec.pool.k, rec.pool.v, layers=rec.mass_layers)
         at = np.concatenate([p + b * W * ps for b, p in enumerate(probe_slots)])
-        flat.append(mass.reshape(-1)[_to_device(torch.from_numpy(at), mass.device)].float())
+        flat.append(mass.reshape(-1)[to_device(torch.from_numpy(at), mass.device)].float())
     return _padded(rnd, np.arange(rnd.offs[-1]), torch.cat(flat))
 
 
@@ -132,9 +133,9 @@ def _padded(rnd: _Round, which: np.ndarray, values: torch.Tensor) -> torch.Tenso
     """``(B, width)`` scores: ``values`` at the tokens ``which`` (host indices into the
     concatenated index), -inf elsewhere and wherever a token is excluded."""
     dev = values.device
-    v = values.masked_fill(_to_device(torch.from_numpy(rnd.excluded[which]), dev), float("-inf"))
+    v = values.masked_fill(to_device(torch.from_numpy(rnd.excluded[which]), dev), float("-inf"))
     out = torch.full((len(rnd.reqs) * rnd.width,), float("-inf"), device=dev)
-    out[_to_device(torch.from_numpy(rnd.pad[which]), dev)] = v
+    out[to_device(torch.from_numpy(rnd.pad[which]), dev)] = v
     return out.view(len(rnd.reqs), rnd.width)
 
 
@@ -146,7 +147,7 @@ def _deviation(rec, rnd: _Round, g: torch.Tensor, per_req: np.ndarray) -> torch.
     layer = rec.probe_layer
     full = []
     starts = np.concatenate([[0], np.cumsum(per_req)])
-    for group in _groups(per_req.tolist(), rec.runner.max_batch_tokens):
+    for group in budget_groups(per_req.tolist(), rec.runner.max_batch_tokens):
         counts = per_req[group]
         a, b = int(starts[group[0]]), int(starts[group[-1] + 1])
         if a == b:
@@ -156,11 +157,11 @@ def _deviation(rec, rnd: _Round, g: torch.Tensor, per_req: np.ndarray) -> torch.
         zeros = np.zeros(b - a, dtype=np.int64)
         slots = np.full(b - a, rec.pool.scratch_page * rec.pool.page_size, dtype=np.int64)
         _, _, meta = rec.runner.metadata(zeros, zeros, slots, cu, tables, int(counts.max()), [])
-        meta.positions = d[3][g[a:b]].to(torch.int32)  # already on the device
-        full.append(rec.model.probe_keys_paged(d[4][g[a:b]], meta, rec.pool.k, rec.pool.v, layer))
+        meta.positions = d[ROW][g[a:b]].to(torch.int32)  # already on the device
+        full.append(rec.model.probe_keys_paged(d[TOKEN][g[a:b]], meta, rec.pool.k, rec.pool.v, layer))
     full = torch.cat(full)
-    cached = rec.pool.k[layer][d[0][g], d[1][g]]
-    cached = rotate_by_delta(cached, d[2][g], rec.model.inv_freqs[rec.model.freq_index[layer]])
+    cached = rec.pool.k[layer][d[PAGE][g], d[SLOT][g]]
+    cached = rotate_by_delta(cached, d[DELTA][g], rec.model.inv_freqs[rec.model.freq_index[layer]])
     return (full.float() - cached.float()).pow(2).sum(dim=(-1, -2)).sqrt()
 
 
@@ -173,12 +174,12 @@ def _two_stage(rec, rnd: _Round, mass: torch.Tensor) -> tuple[torch.Tensor, torc
     kc = np.minimum(rnd.n_ok, 2 * rnd.n_pick)  # each row's shortlist
     B, K = len(rnd.reqs), int(kc.max())
     idx = torch.topk(mass, K, dim=1).indices
-    valid = torch.arange(K, device=dev_)[None, :] < _to_device(torch.from_numpy(kc), dev_)[:, None]
+    valid = torch.arange(K, device=dev_)[None, :] < to_device(torch.from_numpy(kc), dev_)[:, None]
     cand = torch.where(valid, idx, rnd.width).sort(dim=1).values  # by position: the probe's query order
-    at = _to_device(torch.from_numpy(np.concatenate([b * K + np.arange(k) for b, k in enumerate(kc)])), dev_)
-    rows = _to_device(torch.from_numpy(np.repeat(np.arange(B), kc)), dev_)
+    at = to_device(torch.from_numpy(np.concatenate([b * K + np.arange(k) for b, k in enumerate(kc)])), dev_)
+    rows = to_device(torch.from_numpy(np.repeat(np.arange(B), kc)), dev_)
     local = cand.reshape(-1)[at]  # the shortlisted tokens, by row then position
-    glob = local + _to_device(torch.from_numpy(np.repeat(rnd.offs[:-1], kc)), dev_)
+    glob = local + to_device(torch.from_numpy(np.repeat(rnd.offs[:-1], kc)), dev_)
     m = torch.zeros(B * K, device=dev_)
     d = torch.zeros_like(m)
     m[at] = mass[rows, local]
@@ -194,29 +195,7 @@ def _read_picks(rnd: _Round, scores: torch.Tensor, cand: torch.Tensor | None) ->
     P = int(rnd.n_pick.max())
     top = torch.topk(scores, P, dim=1)
     tok = top.indices if cand is None else cand.gather(1, top.indices)
-    ok = torch.isfinite(top.values) & (torch.arange(P, device=scores.device)[None, :] < _to_device(
+    ok = torch.isfinite(top.values) & (torch.arange(P, device=scores.device)[None, :] < to_device(
         torch.from_numpy(rnd.n_pick), scores.device)[:, None])
     both = torch.stack([tok, ok.long()]).cpu().numpy()
     return {r.id: both[0, b][both[1, b] == 1] for b, r in enumerate(rnd.reqs)}
-
-
-def _groups(sizes: list[int], budget: int) -> list[list[int]]:
-    """Consecutive indices of ``sizes`` in groups whose sum stays within ``budget`` (a group
-    holds at least one)."""
-    out, cur, n = [], [], 0
-    for i, s in enumerate(sizes):
-        if cur and n + s > budget:
-            out.append(cur)
-            cur, n = [], 0
-        cur.append(i)
-        n += s
-    if cur:
-        out.append(cur)
-    return out
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``: a pinned, asynchronous copy on CUDA."""
-    if device.type != "cuda" or t.device == device:
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)

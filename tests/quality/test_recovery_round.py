@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lazyllm import LazyLLM
-from lazyllm.engine.recovery_round import _groups, batched_selection, batches, select_round
+from lazyllm.engine.model_runner import budget_groups
+from lazyllm.engine.recovery_round import batched_selection, batches, select_round
 from tests.conftest import make_tiny
 from tests.quality.test_recovery import DOCS
 
@@ -131,8 +132,8 @@ def test_user_selections_run_per_request_and_groups_keep_the_budget(tokenizer):
     rec.selection = "attention"
     assert batches(rec)
     llm.close()
-    assert _groups([5, 5, 5, 20, 1], 10) == [[0, 1], [2], [3], [4]]
-    assert _groups([], 10) == []
+    assert budget_groups([5, 5, 5, 20, 1], 10) == [[0, 1], [2], [3], [4]]
+    assert budget_groups([], 10) == []
 
 
 def test_warm_up_runs_a_rounds_question_pass(tokenizer):
