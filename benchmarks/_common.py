@@ -3,9 +3,8 @@ its tiny smoke-run version), texts of a given token count, decode step timings, 
 sibling script by path.
 
 A script imports it as ``benchmarks._common`` after putting the repository root (the folder
-above ``benchmarks/``) on ``sys.path``; ``benchmarks/`` itself stays off the path, because its
-``kernels.py`` would shadow the name ``kernels``, which transformers imports when present (the
-Hugging Face kernels hub).
+above ``benchmarks/``) on ``sys.path``; sibling scripts are loaded by path under private names,
+so no script's file name can stand in for an installed module.
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Old code against new code on one GPU, interleaved, in one call: the engine figures
 # (benchmarks/engine.py: warm TTFT, decode step at batch 1 and 64 over shared and over own
-# chunks, sampled decode at batch 32) and the kernel table (benchmarks/kernels.py). Both trees
+# chunks, sampled decode at batch 32) and the kernel table (benchmarks/kernel_bench.py). Both trees
 # run the new tree's engine.py (it reaches the engine through the public API and a few long-
 # standing engine attributes, so the two sides are measured by the same code); each tree runs
-# its own kernels.py (it calls the kernels' internals).
+# its own kernel_bench.py (it calls the kernels' internals).
 #
 #   bash benchmarks/compare_trees.sh OLD_DIR NEW_DIR TOKENIZER_DIR [engine] [kernels] [ready] [rounds=N]
 #
@@ -29,9 +29,13 @@ for side in old new; do
   src=$OLD; [ $side = new ] && src=$NEW
   rm -rf "/tmp/tree_$side"; mkdir -p "/tmp/tree_$side"
   cp -R "$src/lazyllm" "/tmp/tree_$side/lazyllm"
+  rm -f "/tmp/tree_$side/lazyllm/kernels" "/tmp/tree_$side/lazyllm/integrations"  # the source tree's links
   cp -R "$src/kernels" "/tmp/tree_$side/lazyllm/kernels"
   cp -R "$src/integrations" "/tmp/tree_$side/lazyllm/integrations"
   cp -R "$src/benchmarks" "/tmp/tree_$side/benchmarks"
+  # older trees call the kernel table kernels.py
+  [ -f "/tmp/tree_$side/benchmarks/kernel_bench.py" ] || \
+    cp "$src/benchmarks/kernels.py" "/tmp/tree_$side/benchmarks/kernel_bench.py"
 done
 cp "$NEW/benchmarks/engine.py" "$NEW/benchmarks/_common.py" /tmp/tree_old/benchmarks/
 run() {  # side, then the script and its arguments relative to that tree
@@ -65,7 +69,7 @@ EOF
     kernels)
       for side in old new; do
         echo "== kernels $side"
-        run $side benchmarks/kernels.py --out "$OUT/kernels_$side" --page-size 64 --sections prefill,decode,copy \
+        run $side benchmarks/kernel_bench.py --out "$OUT/kernels_$side" --page-size 64 --sections prefill,decode,copy \
           >"$OUT/kernels_$side.log" 2>&1 || tail -20 "$OUT/kernels_$side.log"
       done
       python3 - "$OUT" <<'EOF'

@@ -248,7 +248,7 @@ def _print_table(llm, args, results) -> None:
 def main(argv=None):
     args = _args(argv)
     from lazyllm import LazyLLM
-    from lazyllm.kernels import KernelOptions
+    from lazyllm.kernels.options import KernelOptions
 
     if args.save_tokenizer:
         save_default_tokenizer(args.save_tokenizer)

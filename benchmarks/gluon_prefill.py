@@ -1,5 +1,5 @@
 """The warp-specialized Gluon prefill against the Triton prefill and SDPA (flash), on the
-prefill shapes of ``benchmarks/kernels.py`` at q >= 512 (Llama-3.1-8B heads, bf16, pages of
+prefill shapes of ``benchmarks/kernel_bench.py`` at q >= 512 (Llama-3.1-8B heads, bf16, pages of
 64, chunks of 448-576 tokens at random deltas; tables prebuilt, as an engine builds them
 once per step). For each Gluon configuration: its error against the float32 reference,
 its time with RoPE and with RoPE off (the deferred-RoPE cost), and its time against the
@@ -28,7 +28,7 @@ from benchmarks._common import sibling  # noqa: E402
 
 
 def markdown(meta, rows, md_table) -> list[str]:
-    """The table of ``gluon_prefill.md`` (``md_table``: ``benchmarks/kernels.py``'s)."""
+    """The table of ``gluon_prefill.md`` (``md_table``: ``benchmarks/kernel_bench.py``'s)."""
     return md_table(
         f"Device: {meta['device']}; torch {meta['torch']}; {meta['date']}; pages of 64, tables prebuilt.",
         ["q", "kv", "config", "Gluon ms", "TFLOP/s", "RoPE off ms", "RoPE cost", "of SDPA (flash)",
@@ -48,7 +48,7 @@ def main() -> None:
     args = ap.parse_args()
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
         sys.exit("gluon_prefill.py needs a Hopper GPU (sm_90)")
-    kb = sibling("kernels")
+    kb = sibling("kernel_bench")
     ta = kb.ta
     gp = importlib.import_module(f"{ta.__name__}.gluon_prefill")
     triton_prefill = kb.TRITON_PREFILL

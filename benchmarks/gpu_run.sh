@@ -26,7 +26,7 @@ for w in $what; do
     tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -12 ;;
     engine) python3 benchmarks/engine.py ${TOK_ARGS[@]+"${TOK_ARGS[@]}"} --json "$OUT/engine.json" 2>&1 | tee "$OUT/engine.log" | grep -v Warn | tail -9 ;;
     engine-sync) python3 benchmarks/engine.py ${TOK_ARGS[@]+"${TOK_ARGS[@]}"} --no-overlap --json "$OUT/engine_sync.json" 2>&1 | tee "$OUT/engine_sync.log" | grep -v Warn | tail -10 ;;
-    kernels) python3 benchmarks/kernels.py --out "$OUT" --page-size 64 2>&1 | tee "$OUT/kernels.log" | tail -40 ;;
+    kernels) python3 benchmarks/kernel_bench.py --out "$OUT" --page-size 64 2>&1 | tee "$OUT/kernels.log" | tail -40 ;;
     *) echo "unknown: $w (tests | engine | engine-sync | kernels)"; exit 2 ;;
   esac
 done

@@ -315,7 +315,7 @@ class LazyRunner:
 
     def __init__(self, system, hf, tok, args, budget_frac, pool_bytes):
         from lazyllm import LazyLLM
-        from lazyllm.kernels import KernelOptions
+        from lazyllm.kernels.options import KernelOptions
 
         self.system, self.args, self.budget = system, args, budget_frac
         # packets=None: the budgets are fractions of the corpus's own tokens and the systems are

@@ -133,8 +133,8 @@ def breakdown(tk, var, rows, q, q_pos, k, v, t, inv):
 def main():
     import triton
 
-    from lazyllm.kernels import triton_kernels
     from lazyllm.kernels.grouping import plan_groups
+    from lazyllm.kernels.loader import triton_kernels
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[16, 64, 128])

@@ -27,15 +27,17 @@ from .types import Chunk, GenerationOutput, Grammar, Regex, SamplingParams, Scor
 
 if TYPE_CHECKING:
     from .api import LazyLLM
+    from .kernels.options import KernelOptions
 
 __version__ = "0.1.0"
 
 
-__getattr__ = lazy_exports(__name__, {"LazyLLM": ".api"})  # torch is imported on first use
+# torch is imported on first use
+__getattr__ = lazy_exports(__name__, {"LazyLLM": ".api", "KernelOptions": ".kernels.options"})
 
 __all__ = [
     "LazyLLM", "TextStream", "Chunk", "GenerationOutput", "SamplingParams", "ScoreOutput", "Usage", "Regex",
-    "Grammar", "ToolCall",
+    "Grammar", "ToolCall", "KernelOptions",
     "LazyLLMError", "InvalidRequestError", "ContextLengthError", "ModelLoadError",
     "UnsupportedModelError", "CacheCapacityError", "RequestCancelled",
 ]

@@ -152,7 +152,7 @@ class EngineConfig:
                              "every step eagerly")
     overlap_decode: bool | None = _opt(None, "launch decode step n+1 before reading step n (None: where decode "
                                              "runs from CUDA graphs)")
-    kernel_options: KernelOptions | None = _opt(None, "lazyllm.kernels.KernelOptions for the Triton launches")
+    kernel_options: KernelOptions | None = _opt(None, "lazyllm.KernelOptions for the Triton launches")
     tensor_parallel: int = _opt(1, "shard the model over this many processes, one per GPU")
     warmup: bool = _opt(True, "before the first request, launch every kernel specialization and capture the CUDA "
                               "graphs a workload uses (CUDA; nothing to do on CPU)")
@@ -309,7 +309,7 @@ def _value_problems(c: EngineConfig) -> list[str]:
         bad.append(f"overlap_decode must be a bool or None, got {c.overlap_decode!r}")
     options = sys.modules.get("lazyllm.kernels.options")  # not imported: no KernelOptions was made
     if c.kernel_options is not None and (options is None or not isinstance(c.kernel_options, options.KernelOptions)):
-        bad.append(f"kernel_options must be a lazyllm.kernels.KernelOptions, got {type(c.kernel_options).__name__}")
+        bad.append(f"kernel_options must be a lazyllm.KernelOptions, got {type(c.kernel_options).__name__}")
     if c.kv_disk_dir is not None and not isinstance(c.kv_disk_dir, (str, os.PathLike)):
         bad.append(f"kv_disk_dir must be a path, got {type(c.kv_disk_dir).__name__}")
     return bad

@@ -116,7 +116,7 @@ OPTION_DOCS: dict[str, str] = {
         "where decode runs from CUDA graphs."
     ),
     "kernel_options": (
-        "a ``lazyllm.kernels.KernelOptions`` for the Triton launch choices (prefill kernel, key-tile loop, "
+        "a ``lazyllm.KernelOptions`` for the Triton launch choices (prefill kernel, key-tile loop, "
         "tiles, splits), for A/B measurements; ``None``: the measured defaults."
     ),
     "tensor_parallel": (

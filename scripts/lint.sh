@@ -8,13 +8,12 @@ bin=$(cd "${LAZYLLM_VENV:-.venv}/bin" && pwd)
 
 "$bin/ruff" check .
 
-# lazyllm.kernels and lazyllm.integrations live in kernels/ and integrations/ (package-dir in
-# pyproject.toml), outside lazyllm/, where import-linter does not look. Check a copy laid out
-# as the installed package instead.
+# lazyllm.kernels and lazyllm.integrations are namespace packages reached through links
+# (lazyllm/kernels -> ../kernels), which import-linter does not follow. Check a copy with the
+# links resolved and an __init__.py in each, as a regular package would have.
 tree=$(mktemp -d)
 trap 'rm -rf "$tree"' EXIT
-cp -R lazyllm "$tree/lazyllm"
-cp -R kernels "$tree/lazyllm/kernels"
-cp -R integrations "$tree/lazyllm/integrations"
+cp -RL lazyllm "$tree/lazyllm"
+touch "$tree/lazyllm/kernels/__init__.py" "$tree/lazyllm/integrations/__init__.py"
 find "$tree" -name __pycache__ -prune -exec rm -rf {} +
 (cd "$tree" && PYTHONPATH="$tree" "$bin/lint-imports" --no-cache "$root/pyproject.toml")

@@ -20,8 +20,8 @@ FAMILIES = {
 
 def load_benchmark(name: str):
     """``benchmarks/<name>.py`` as a module, loaded by path once (``benchmarks._common.sibling``:
-    the benchmarks folder stays off ``sys.path``, where its ``kernels.py`` would shadow a
-    module of that name), so a test and a benchmark that loads its sibling share one copy."""
+    the benchmarks folder stays off ``sys.path``, so a script's name never stands in for an
+    installed module), so a test and a benchmark that loads its sibling share one copy."""
     from benchmarks._common import sibling
 
     return sibling(name)

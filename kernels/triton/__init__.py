@@ -1,6 +1,6 @@
 """The Triton kernels of ``lazyllm.kernels`` and their launchers (imports Triton).
 
-Load it through ``lazyllm.kernels.triton_kernels(interpret)``: compiled for CUDA, or a
+Load it through ``lazyllm.kernels.loader.triton_kernels(interpret)``: compiled for CUDA, or a
 private copy of this whole package run in Triton's interpreter (CPU). Each launcher computes
 the same function as its ``*_ref`` twin in ``lazyllm.kernels.reference`` (the specification;
 see its module docstring for the conventions: page layout, ``block_pos`` / ``block_delta`` /

@@ -3,7 +3,7 @@
 Every kernel module of this package and the Gluon prefill import their helpers from here,
 so both round the query rotation alike. Whether the kernels run in Triton's interpreter is
 decided when this module is imported (``TRITON_INTERPRET=1`` then); see
-``lazyllm.kernels.triton_kernels`` for how the interpreted copy is loaded.
+``lazyllm.kernels.loader.triton_kernels`` for how the interpreted copy is loaded.
 """
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
-
 from lazyllm.intmath import next_pow2
 
 from .rope import _cos_sin

@@ -49,6 +49,7 @@ only ever written with K/V, which satisfies this. Callers say so with
 from __future__ import annotations
 
 import torch
+
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

@@ -13,9 +13,9 @@ over the tables (and ``reference.grouped_attention_ref``, the plain-torch twin).
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
-
 from lazyllm.intmath import next_pow2
 
 from ._common import _LOG2E, _M_INIT, _cos_sin_of, _interpreting, _max, _sum

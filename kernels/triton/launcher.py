@@ -12,8 +12,8 @@ import warnings
 from dataclasses import dataclass, fields
 
 import torch
-import triton
 
+import triton
 from lazyllm.intmath import next_pow2
 
 from ..options import LOOPS, KernelOptions, KeyLoop

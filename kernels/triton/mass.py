@@ -26,9 +26,9 @@ Padding entries (``block_len == 0``) and slots past an entry's length are never 
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
-
 from lazyllm.intmath import next_pow2
 
 from ._common import _LOG2E, _M_INIT, _interpreting, _max, _min, _sum

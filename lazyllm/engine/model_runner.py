@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lazyllm.kernels import KernelOptions
 from lazyllm.kernels.grouping import plan_groups
+from lazyllm.kernels.options import KernelOptions
 
 from ..cache.store import PagePool
 from ..intmath import cdiv

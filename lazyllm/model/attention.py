@@ -13,7 +13,7 @@ says whether its forwards can be captured in CUDA graphs.
 
 * ``TorchAttention``: the plain-torch reference (``lazyllm.kernels.reference``), any device.
 * ``TritonAttention``: the Triton kernels, compiled on CUDA, run in Triton's interpreter on
-  CPU (for tests), with ``lazyllm.kernels.KernelOptions`` for launch choices. Inside a
+  CPU (for tests), with ``lazyllm.KernelOptions`` for launch choices. Inside a
   paged launch, the kernel and its key-tile loop (``lazyllm.kernels.options.KeyLoop``) are
   chosen by the launcher from the shapes (``kernels/triton/launcher.py``, ``LaunchPlan``).
 
@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from lazyllm.kernels import KernelOptions, reference
+from lazyllm.kernels import reference
+from lazyllm.kernels.options import KernelOptions
 
 _DEFAULT_OPTIONS = KernelOptions()
 
@@ -180,7 +181,7 @@ class TritonAttention(AttentionBackend):
     graph_capturable = True
 
     def __init__(self, device: torch.device, *, batch_invariant: bool = False, options=None):
-        from lazyllm.kernels import triton_kernels
+        from lazyllm.kernels.loader import triton_kernels
 
         # on CPU the real kernels run in Triton's interpreter, from a private copy of the
         # modules (so it does not matter what imported the compiled ones before)

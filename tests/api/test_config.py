@@ -11,7 +11,7 @@ import torch
 from lazyllm import LazyLLM
 from lazyllm.config import OPTION_DOCS, EngineConfig, options_markdown, register_selection, selection_names
 from lazyllm.errors import InvalidRequestError
-from lazyllm.kernels import KernelOptions
+from lazyllm.kernels.options import KernelOptions
 from lazyllm.presets import PRESETS, QUALITY_OPTIONS
 from tests.conftest import make_tiny
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lazyllm import LazyLLM
-from lazyllm.kernels import KernelOptions
+from lazyllm.kernels.options import KernelOptions
 from tests.conftest import make_tiny
 from tests.hf_reference import reference_tokens
 

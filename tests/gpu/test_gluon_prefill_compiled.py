@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lazyllm.kernels import KernelOptions
+from lazyllm.kernels.options import KernelOptions
 from lazyllm.kernels.reference import paged_attention_ref
 from tests.kernels.test_gluon_prefill import _batch, gp
 from tests.kernels.test_kernels_triton import _relerr
@@ -55,7 +55,7 @@ def test_gpu_triton_launcher_routes_prefill_to_gluon(monkeypatch):
     batch invariance, key splits, ``prefill_kernel="triton"``, ``gluon_prefill=False``) and
     the key ranges are long enough (``_GLUON_MIN_KEYS``); decode never goes there. Routed
     calls return the Gluon kernel's own bits."""
-    from lazyllm.kernels import triton_kernels
+    from lazyllm.kernels.loader import triton_kernels
 
     ta = triton_kernels()
 

@@ -55,7 +55,7 @@ def test_head_dim_128_prefill_kernel_in_engine_matches_torch_backend(tokenizer, 
     short), else, or with Gluon switched off, the Triton loop on the query's rotary halves.
     Greedy tokens equal those of the torch attention backend on the same weights, for lazy
     and block reuse."""
-    from lazyllm.kernels import triton_kernels
+    from lazyllm.kernels.loader import triton_kernels
 
     ta = triton_kernels().launcher
 

@@ -7,8 +7,7 @@ import random
 import pytest
 import torch
 
-from lazyllm.kernels import KernelOptions
-from lazyllm.kernels.options import LOOPS
+from lazyllm.kernels.options import LOOPS, KernelOptions
 from lazyllm.kernels.reference import paged_attention_ref
 from tests.kernels.test_kernels_triton import (
     _chunks,

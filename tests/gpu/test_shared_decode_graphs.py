@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lazyllm import LazyLLM
-from lazyllm.kernels import KernelOptions
+from lazyllm.kernels.options import KernelOptions
 from tests.conftest import make_tiny
 from tests.engine.test_shared_decode import DOCS, _batch
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lazyllm.kernels import KernelOptions
+from lazyllm.kernels.options import KernelOptions
 from lazyllm.kernels.reference import paged_attention_ref
 from tests._triton_load import load_kernel_module
 from tests.conftest import PAD_ENTRY, paged_batch

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from lazyllm.kernels import KernelOptions
+from lazyllm.kernels.options import KernelOptions
 from lazyllm.kernels.reference import paged_attention_ref
 from tests.kernels.test_kernels_triton import _chunks, _LaunchSpy, _make_batch, _relerr
 from tests.kernels.test_kernels_triton import ta as ta_interp

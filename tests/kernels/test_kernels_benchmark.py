@@ -1,4 +1,4 @@
-"""benchmarks/kernels.py: the tables it derives (each row against the strongest baseline),
+"""benchmarks/kernel_bench.py: the tables it derives (each row against the strongest baseline),
 and the whole script on CPU (``--dry-run``: Triton's interpreter, tiny shapes)."""
 import json
 import subprocess
@@ -23,7 +23,7 @@ def _prefill_row(flash_graph, flash, cudnn_causal, ours=(0.10, 0.09), norope=(0.
 @pytest.mark.parametrize("times,name", [((0.11, 0.12, 0.13), "flash, graph"), ((0.12, 0.11, 0.13), "flash, do_bench"),
                                         ((0.13, 0.12, 0.11), "cuDNN causal")])
 def test_a_prefill_row_names_its_strongest_causal_baseline(times, name):
-    bk = load_benchmark("kernels")
+    bk = load_benchmark("kernel_bench")
     r = bk.derived(_prefill_row(*times))
     assert r["best_causal_sdpa"] == name and r["ms_best_causal_sdpa"] == pytest.approx(0.11)
     assert r["ms_rope_graph_min"] == pytest.approx(0.09)  # the lower of the two readings
@@ -39,7 +39,7 @@ def test_a_prefill_row_names_its_strongest_causal_baseline(times, name):
 
 
 def test_a_row_without_graph_timings_gets_no_baseline_comparison():
-    bk = load_benchmark("kernels")
+    bk = load_benchmark("kernel_bench")
     row = _prefill_row(0.11, 0.12, 0.13)
     for k in ("ms_rope_graph", "ms_rope_graph2", "ms_norope_graph", "ms_norope_graph2"):
         del row[k]
@@ -52,7 +52,7 @@ def test_a_row_without_graph_timings_gets_no_baseline_comparison():
 def test_dry_run_checks_every_kernel_against_the_reference(tmp_path):
     """The GPU benchmark script end to end on CPU: every prefill and decode row agrees with the
     float32 reference, and the re-rotation copy with torch."""
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--dry-run", "--out",
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_bench.py"), "--dry-run", "--out",
                           str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
@@ -71,7 +71,7 @@ def test_dry_run_checks_every_kernel_against_the_reference(tmp_path):
 def test_cudnn_unmasked_is_taken_at_its_faster_reading(graph, do_bench):
     """The FA3-class reference is cuDNN unmasked at the faster of its CUDA-graph and do_bench
     readings (a graph keeps K/V in L2 as ours does), and the same for cuDNN causal."""
-    bk = load_benchmark("kernels")
+    bk = load_benchmark("kernel_bench")
     row = dict(_prefill_row(0.2, 0.2, 0.2, nomask=do_bench), ms_cudnn_nomask_graph=graph, ms_cudnn_graph=0.15)
     r = bk.derived(row)
     best = min(graph, do_bench)

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from lazyllm.kernels import KernelOptions
+from lazyllm.kernels.options import KernelOptions
 from lazyllm.kernels.reference import paged_attention_ref, rerotate_copy_ref, write_kv_ref
 from tests._triton_load import load_kernel_module
 
@@ -42,7 +42,7 @@ assert "TRITON_INTERPRET" not in os.environ
 import lazyllm.kernels.triton as compiled  # the package's module first, compiled
 from triton.runtime.interpreter import InterpretedFunction
 assert not isinstance(compiled.prefill._paged_attn_fwd, InterpretedFunction)
-from lazyllm.kernels import triton_kernels
+from lazyllm.kernels.loader import triton_kernels
 from lazyllm.kernels.reference import paged_attention_ref
 from lazyllm.model.attention import AttentionMetadata, make_backend
 backend = make_backend("triton", torch.device("cpu"))

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from lazyllm.kernels import KernelOptions
-from lazyllm.kernels.options import LOOPS, KeyLoop
+from lazyllm.kernels.options import LOOPS, KernelOptions, KeyLoop
 from lazyllm.model.attention import (
     AttentionBackend,
     AttentionMetadata,

@@ -3,10 +3,10 @@ against the strongest torch SDPA, one layer of Llama-3.1-8B attention (32 query 
 heads, head_dim 128) in bfloat16 on one GPU. Prints a table and writes ``kernels.json`` and
 ``kernels.md`` to ``--out``.
 
-    python3 benchmarks/kernels.py --out DIR --page-size 64                    # prefill, decode, copy
-    python3 benchmarks/kernels.py --out DIR --page-size 64 --sections decode  # decode rows only
-    python3 benchmarks/kernels.py --out DIR --prefill-runs                    # also: where RoPE's cost goes
-    python3 benchmarks/kernels.py --out DIR --dry-run                         # CPU check of this script
+    python3 benchmarks/kernel_bench.py --out DIR --page-size 64                    # prefill, decode, copy
+    python3 benchmarks/kernel_bench.py --out DIR --page-size 64 --sections decode  # decode rows only
+    python3 benchmarks/kernel_bench.py --out DIR --prefill-runs                    # also: where RoPE's cost goes
+    python3 benchmarks/kernel_bench.py --out DIR --dry-run                         # CPU check of this script
 
 What is measured
 ----------------
@@ -69,13 +69,10 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-try:  # the installed package, else the source tree
-    from lazyllm.kernels import KernelOptions, triton_kernels
-    from lazyllm.kernels import reference as ref
-except ImportError:
-    sys.path.insert(0, str(ROOT))
-    from kernels import KernelOptions, triton_kernels  # type: ignore
-    from kernels import reference as ref  # type: ignore
+sys.path.insert(0, str(ROOT))  # the source tree, where no package is installed
+from lazyllm.kernels import reference as ref  # noqa: E402
+from lazyllm.kernels.loader import triton_kernels  # noqa: E402
+from lazyllm.kernels.options import KernelOptions  # noqa: E402
 
 ta = triton_kernels(interpret=DRY)
 TRITON_PREFILL = KernelOptions(prefill_kernel="triton")  # the Triton prefill where Gluon would serve

@@ -1,38 +1,24 @@
-"""Deferred-RoPE paged attention kernels (Triton) and their plain-torch twins.
+"""Loading the Triton kernels: compiled for CUDA, or a private copy run in Triton's interpreter.
 
-Installed as ``lazyllm.kernels``. ``reference`` is the specification and the CPU path.
-The Triton kernels live in the subpackage ``triton`` and are imported on first use
-(``triton_kernels()`` or the attribute), so this package imports without Triton.
+``lazyllm.kernels`` (the folder ``kernels/``) holds the deferred-RoPE paged attention
+kernels and their plain-torch twins. It is a namespace package: the folder has no
+``__init__.py``, so a Python started at the repository's root never takes it for another
+installed package called ``kernels`` (Hugging Face's, which transformers imports).
+``reference`` is the specification and the CPU path. The Triton kernels live in the
+subpackage ``triton`` and are imported on first use (``triton_kernels()``), so
+``lazyllm.kernels`` imports without Triton.
 ``triton_kernels(interpret=True)`` gives a private copy of that subpackage run in Triton's
 interpreter, which the engine's Triton backend uses on CPU. ``KernelOptions`` holds the
-launch choices that are not the engine's (loops, configurations, splits, the Gluon switch).
+launch choices that are not the engine's (loops, configurations, splits, the Gluon switch);
+users reach it as ``lazyllm.KernelOptions``.
 """
 import threading
 
-from .options import KernelOptions  # noqa: F401
-from .reference import (  # noqa: F401
-    apply_rope,
-    grouped_attention_ref,
-    paged_attention_ref,
-    rerotate_copy_ref,
-    rope_cos_sin,
-    rotate_by_delta,
-    write_kv_ref,
-)
-
-_TRITON_NAMES = (
-    "paged_attention_triton",
-    "paged_attention_mass_triton",
-    "grouped_attention_triton",
-    "rerotate_copy_triton",
-    "write_kv_triton",
-    "rope_table",
-    "delta_runs",
-)
 _TRITON_PACKAGE = "triton"  # the subpackage of the Triton kernels
 _INTERPRETED = None  # the private interpreted copy of the subpackage, once loaded
 _COPIES = [0]  # private copies loaded so far (each gets its own module name)
 _LOCK = threading.RLock()
+_PACKAGE = __name__.rpartition(".")[0]  # lazyllm.kernels
 
 
 class _TritonInterpret:
@@ -77,7 +63,7 @@ def load_private_copy(name: str, interpret: bool):
     stem = os.path.splitext(os.path.basename(name))[0]
     with _LOCK:
         _COPIES[0] += 1
-        priv = f"{__name__}._{stem}_{'interpreted' if interpret else 'compiled'}_{_COPIES[0]}"
+        priv = f"{_PACKAGE}._{stem}_{'interpreted' if interpret else 'compiled'}_{_COPIES[0]}"
         path = os.path.join(here, name)
         if os.path.isdir(path):
             spec = importlib.util.spec_from_file_location(priv, os.path.join(path, "__init__.py"),
@@ -112,7 +98,7 @@ def triton_kernels(interpret: bool = False):
 
     with _LOCK:
         if not interpret:
-            full = f"{__name__}.{_TRITON_PACKAGE}"
+            full = f"{_PACKAGE}.{_TRITON_PACKAGE}"
             if full in sys.modules:
                 return sys.modules[full]
             with _TritonInterpret(False):
@@ -120,11 +106,3 @@ def triton_kernels(interpret: bool = False):
         if _INTERPRETED is None:
             _INTERPRETED = load_private_copy(_TRITON_PACKAGE, interpret=True)
         return _INTERPRETED
-
-
-def __getattr__(name):  # lazy: `lazyllm.kernels.paged_attention_triton` imports Triton here
-    if name == _TRITON_PACKAGE:
-        return triton_kernels()
-    if name in _TRITON_NAMES:
-        return getattr(triton_kernels(), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
