@@ -126,6 +126,10 @@ def mixture_items(llm, n: int, *, real_fraction: float = 0.5, docs_per_case: int
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description="Print how many paragraphs of installed documentation the packet "
+                                        "mixture finds on this machine, and three of them.").parse_args()
     docs = real_documents()
     print(f"{len(docs)} paragraphs; e.g.:")
     for d in docs[:3]:

@@ -8,7 +8,12 @@ travel as chunks: the first message that carries documents keeps them as the req
 (their KV is reused at every later step of an agent); documents of later messages are written
 into that message's text (a request has one run of chunks).
 """
+# ruff: noqa: E402  (the extra is checked before its modules are imported)
 from __future__ import annotations
+
+from lazyllm.extras import require
+
+require("langchain", "langchain_core")
 
 from collections.abc import Callable, Iterable, Sequence
 from operator import itemgetter

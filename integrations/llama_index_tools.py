@@ -10,7 +10,12 @@ reused at every later step of an agent; documents of later messages are written 
 message's text (a request has one run of chunks). ``chat_to_request`` turns a chat without
 tools into a RAG request.
 """
+# ruff: noqa: E402  (the extra is checked before its modules are imported)
 from __future__ import annotations
+
+from lazyllm.extras import require
+
+require("llama-index", "llama_index.core")
 
 import json
 from collections.abc import Sequence

@@ -83,13 +83,12 @@ def replica_stats(llm, limit: int = 4096) -> dict:
 
 try:  # Ray Serve is an optional dependency (the `ray` extra)
     from ray.serve.request_router import LocalityMixin, MultiplexMixin, RequestRouter
-    _HAVE_RAY = True
-except ImportError:  # pragma: no cover - exercised only without ray
-    _HAVE_RAY = False
-    RequestRouter = LocalityMixin = MultiplexMixin = object
+    _ROUTER_BASES: tuple[type, ...] = (LocalityMixin, MultiplexMixin, RequestRouter)
+except ImportError:  # without ray the module still imports; serving needs it (ray_serve requires it)
+    _ROUTER_BASES = ()
 
 
-class DocumentAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+class DocumentAffinityRouter(*_ROUTER_BASES):
     """Ray Serve request router: sends a request to the replica holding most of its chunk
     tokens (see ``rank_replicas``). Configure with
     ``RequestRouterConfig(request_router_class=DocumentAffinityRouter, request_router_kwargs={...})``;

@@ -89,7 +89,7 @@ def selection(name: str) -> Callable:
 
 # -- the configuration ------------------------------------------------------------------
 # what each option does, in full (``lazyllm.option_docs``): LazyLLM's docstring (``options_docstring``)
-# and the README's option table (``options_markdown``) are made from it
+# and docs/guide.md's option table (``options_markdown``) are made from it
 
 
 def _opt(default: Any, help: str, choices: tuple | None = None, **kw) -> Any:
@@ -237,7 +237,7 @@ def options_docstring(indent: str = "    ") -> str:
 
 
 def options_markdown() -> str:
-    """Every engine option as a markdown table: the README's option table."""
+    """Every engine option as a markdown table: docs/guide.md's option table."""
     defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     rows = ["| option | default | what it does |", "| --- | --- | --- |"]
     for names, text in _doc_groups():

@@ -1,5 +1,5 @@
 """What each engine option does, in full: ``LazyLLM``'s docstring
-(``lazyllm.config.options_docstring``) and the README's option table
+(``lazyllm.config.options_docstring``) and docs/guide.md's option table
 (``lazyllm.config.options_markdown``) are made from ``OPTION_DOCS``. Plain text, no imports."""
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ OPTION_DOCS: dict[str, str] = {
         "``tensor_parallel`` yet."
     ),
     "quality": (
-        "a named fidelity preset (``lazyllm.presets.PRESETS``), measured on the default model (README, "
+        "a named fidelity preset (``lazyllm.presets.PRESETS``), measured on the default model (docs/guide.md, "
         '"Answer fidelity"): ``"fast"`` (``chunk_context="prefix"``, nothing recomputed), ``"balanced"`` '
         "(``fast`` plus the first 4 tokens of each chunk and 14% of chunk tokens, chosen by the question's "
         'attention and key deviation, recomputed with full context, per request), ``"exact"`` '

@@ -1,5 +1,7 @@
 import contextlib
+import json
 import os
+import sys
 
 import pytest
 import torch
@@ -132,6 +134,32 @@ def tokenizer():
 
         path = str(default_model_dir())
     return AutoTokenizer.from_pretrained(path)
+
+
+JUPYTER_KERNEL = "lazyllm-test-python"
+
+
+@pytest.fixture
+def kernel_name(tmp_path, monkeypatch):
+    """A Jupyter kernel that is this interpreter, whatever kernelspecs the machine has: a
+    kernelspec pointing at ``sys.executable`` in a temporary Jupyter path, so it works in a fresh
+    virtual environment with only ``ipykernel`` installed. Offline: any HTTP(S) request goes to
+    a closed local port."""
+    spec = tmp_path / "jupyter" / "kernels" / JUPYTER_KERNEL
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "lazyllm tests", "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    # offline: any HTTP(S) request (a model download, telemetry) goes to a closed local port
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.setenv(var, "http://127.0.0.1:9")
+    monkeypatch.setenv("NO_PROXY", "")
+    monkeypatch.setenv("no_proxy", "")
+    return JUPYTER_KERNEL
 
 
 def pytest_configure(config):

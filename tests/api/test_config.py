@@ -44,13 +44,13 @@ def test_lazyllm_takes_exactly_the_config_fields_with_their_defaults():
         assert p.default == (None if f.name in QUALITY_OPTIONS else f.default), p.name
 
 
-def test_lazyllm_docstring_and_readme_table_are_made_from_the_fields():
+def test_lazyllm_docstring_and_guide_table_are_made_from_the_fields():
     names = [f.name for f in dataclasses.fields(EngineConfig)]
     assert sorted(n for key in OPTION_DOCS for n in key.split(", ")) == sorted(names)
     for name in names:
         assert f"    {name}" in LazyLLM.__doc__ or f", {name}" in LazyLLM.__doc__, name
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert options_markdown() in readme, "regenerate README's option table from lazyllm.config.options_markdown()"
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "guide.md").read_text()
+    assert options_markdown() in guide, "regenerate the option table of docs/guide.md (options_markdown())"
 
 
 def test_every_field_documents_itself_for_flags():

@@ -1,5 +1,5 @@
 """Every third-party module the examples import (the scripts and the notebook's code cells) is
-installed by the README's install lines: a distribution those lines name (the extras, read
+installed by the install lines of docs/guide.md: a distribution those lines name (the extras, read
 from pyproject.toml, with the extras they include) or one those pull in. A static check of
 the imports against the declared dependencies (running the examples from a fresh clone is the end-to-end
 check)."""
@@ -24,8 +24,8 @@ DIST = "lazyattention"
 
 
 def readme_installs() -> tuple[set[str], set[str]]:
-    """``(extras, distributions)`` the README's ``pip install`` lines install."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    """``(extras, distributions)`` the ``pip install`` lines of docs/guide.md install."""
+    text = (ROOT / "docs" / "guide.md").read_text(encoding="utf-8")
     extras, dists = set(), set()
     for line in text.splitlines():
         m = re.match(r"\s*pip install (.+?)\s*(#.*)?$", line)

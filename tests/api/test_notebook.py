@@ -1,13 +1,9 @@
 """The example notebook runs top to bottom (nbclient, CPU, offline: HTTP(S) goes nowhere).
 
-The kernel is this interpreter, whatever kernelspecs the machine has: the test writes a
-kernelspec pointing at ``sys.executable`` into a temporary Jupyter path, so it works in a
-fresh virtual environment with only ``ipykernel`` installed.
+The kernel is this interpreter (the ``kernel_name`` fixture of tests/conftest.py).
 """
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import nbformat
@@ -15,28 +11,8 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "examples" / "notebook.ipynb"
-KERNEL = "lazyllm-test-python"
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def kernel_name(tmp_path, monkeypatch):
-    spec = tmp_path / "jupyter" / "kernels" / KERNEL
-    spec.mkdir(parents=True)
-    (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "lazyllm tests", "language": "python"}))
-    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
-    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
-    # offline: any HTTP(S) request (a model download, telemetry) goes to a closed local port
-    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
-        monkeypatch.setenv(var, "http://127.0.0.1:9")
-    monkeypatch.setenv("NO_PROXY", "")
-    monkeypatch.setenv("no_proxy", "")
-    return KERNEL
 
 
 def test_notebook_runs(kernel_name):
