@@ -64,9 +64,9 @@ class Scheduler:
             self.running.append(r)
             admitted.append(r)
             budget -= cost
+            r.state.admit_time = time.perf_counter()  # a solo request too: its queue_s counts from here
             if r.state.solo:
                 break
-            r.state.admit_time = time.perf_counter()
         return admitted, failed
 
     def retire(self, r: Request) -> None:

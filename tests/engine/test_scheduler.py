@@ -93,6 +93,8 @@ def test_a_solo_request_is_admitted_alone():
     assert s.admit()[0] == [a]  # b waits: it runs alone
     assert s.admit()[0] == [b]
     assert s.admit()[0] == [c]
+    for r in (a, b, c):  # each admission is stamped, the solo one too (its queue_s was negative)
+        assert r.state.admit_time >= r.submit_time > 0
 
 
 def test_decode_claims_one_slot_per_step_and_a_new_page_when_full():
