@@ -46,7 +46,7 @@ done
 cp "$NEW/benchmarks/engine.py" "$NEW/benchmarks/_common.py" "$NEW/benchmarks/ttft_matrix.py" /tmp/tree_old/benchmarks/
 run() {  # side, then the script and its arguments relative to that tree
   local side=$1; shift
-  (cd "/tmp/tree_$side" && PYTHONPATH="/tmp/tree_$side" python3 "$@")
+  (cd "/tmp/tree_$side" && PYTHONPATH="/tmp/tree_$side${PYTHONPATH:+:$PYTHONPATH}" python3 "$@")
 }
 for w in $what; do
   case $w in
@@ -108,7 +108,7 @@ EOF
       ready() {  # side, cache label
         local side=$1 label=$2
         echo "== ready $side ($label Triton cache)"
-        (cd "/tmp/tree_$side" && TRITON_CACHE_DIR="/tmp/triton_$side" PYTHONPATH="/tmp/tree_$side" python3 \
+        (cd "/tmp/tree_$side" && TRITON_CACHE_DIR="/tmp/triton_$side" PYTHONPATH="/tmp/tree_$side${PYTHONPATH:+:$PYTHONPATH}" python3 \
           benchmarks/first_request.py --child ready:llama --tokenizer "$TOK" >"$OUT/ready_${side}_$label.log" 2>&1) \
           || tail -20 "$OUT/ready_${side}_$label.log"
         grep '^FIRST_REQUEST_RESULT ' "$OUT/ready_${side}_$label.log" | cut -d' ' -f2- >"$OUT/ready_${side}_$label.json"
@@ -140,7 +140,7 @@ EOF
       rm -rf /tmp/matrix_turns; pids=
       for side in old new; do
         # shellcheck disable=SC2086
-        (cd "/tmp/tree_$side" && TRITON_CACHE_DIR=/tmp/triton_matrix PYTHONPATH="/tmp/tree_$side" python3 \
+        (cd "/tmp/tree_$side" && TRITON_CACHE_DIR=/tmp/triton_matrix PYTHONPATH="/tmp/tree_$side${PYTHONPATH:+:$PYTHONPATH}" python3 \
           benchmarks/ttft_matrix.py --tokenizer "$TOK" --turns /tmp/matrix_turns --side $side --rounds "$rounds" \
           --json "$OUT/matrix_$side.json" $matrix_args >"$OUT/matrix_$side.log" 2>&1) &
         pids="$pids $!"
@@ -151,7 +151,7 @@ EOF
         wait -n || { echo "== matrix: a side failed"; kill $pids 2>/dev/null; }
       done
       tail -n 5 "$OUT/matrix_old.log" "$OUT/matrix_new.log"
-      (cd /tmp/tree_new && PYTHONPATH=/tmp/tree_new python3 benchmarks/ttft_matrix.py \
+      (cd /tmp/tree_new && PYTHONPATH="/tmp/tree_new${PYTHONPATH:+:$PYTHONPATH}" python3 benchmarks/ttft_matrix.py \
         --compare "$OUT/matrix_old.json" "$OUT/matrix_new.json")
       ;;
     *) echo "unknown: $w (engine | kernels | ready | matrix | rounds=N | matrix_args=...)"; exit 2 ;;
