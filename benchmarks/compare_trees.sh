@@ -13,7 +13,7 @@
 # the GPU machine next to the tokenizer files (`python benchmarks/engine.py --save-tokenizer
 # DIR`). Each tree is laid out as the installed package (lazyllm/, with kernels/ and
 # integrations/ inside it, and its benchmarks/) under /tmp/tree_old and /tmp/tree_new, and runs
-# from there with only itself on PYTHONPATH.
+# from there with itself first on PYTHONPATH.
 # Engine runs alternate old, new, old, new... (rounds, default 2); the summary prints every
 # run and the new/old ratio of the medians. Logs and JSON go to $OUT.
 set -uo pipefail

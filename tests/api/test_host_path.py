@@ -231,8 +231,8 @@ def test_ttft_counts_from_the_call_tokenizing_included(slow_llm):
                                    max_new_tokens=1)
     finally:
         tok.delay = 0.0
-    assert slow.ttft_s >= slow.engine_ttft_s + 0.15  # prefix, two chunks and the suffix: 4 slow encodes
-    assert slow.engine_ttft_s < slow.ttft_s - 0.1
+    # the two new chunks (one batched call) and the suffix: 2 slow encodes (the prefix is cached)
+    assert slow.ttft_s >= slow.engine_ttft_s + 0.1
     assert slow.total_s >= slow.ttft_s
     assert all(o.ttft_s >= o.engine_ttft_s for o in batch)
     assert batch[1].ttft_s >= 0.2  # the batch's second request counts from the call, before the first was built
