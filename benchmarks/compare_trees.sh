@@ -6,13 +6,14 @@
 # standing engine attributes, so the two sides are measured by the same code); each tree runs
 # its own kernel_bench.py (it calls the kernels' internals).
 #
-#   bash benchmarks/compare_trees.sh OLD_DIR NEW_DIR TOKENIZER_DIR [engine] [kernels] [ready] [rounds=N]
+#   bash benchmarks/compare_trees.sh OLD_DIR NEW_DIR TOKENIZER_DIR [engine] [kernels] [ready] [matrix] \
+#       [rounds=N] [matrix_args="--cells 24 --budget-s 300"]
 #
 # OLD_DIR and NEW_DIR hold a checkout each (e.g. `git archive REF | tar -x -C DIR`), carried to
 # the GPU machine next to the tokenizer files (`python benchmarks/engine.py --save-tokenizer
 # DIR`). Each tree is laid out as the installed package (lazyllm/, with kernels/ and
 # integrations/ inside it, and its benchmarks/) under /tmp/tree_old and /tmp/tree_new, and runs
-# from there with only itself on PYTHONPATH.
+# from there with itself first on PYTHONPATH.
 # Engine runs alternate old, new, old, new... (rounds, default 2); the summary prints every
 # run and the new/old ratio of the medians. Logs and JSON go to $OUT.
 set -uo pipefail
@@ -20,9 +21,13 @@ OLD=$(cd "$1" && pwd) NEW=$(cd "$2" && pwd) TOK=$(cd "$3" && pwd)
 shift 3
 OUT=${OUT:-/tmp/compare}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-what="" rounds=2
+what="" rounds=2 matrix_args=""
 for a in "$@"; do
-  case $a in rounds=*) rounds=${a#rounds=} ;; *) what="$what $a" ;; esac
+  case $a in
+    rounds=*) rounds=${a#rounds=} ;;
+    matrix_args=*) matrix_args=${a#matrix_args=} ;;
+    *) what="$what $a" ;;
+  esac
 done
 what=${what:-engine kernels}
 for side in old new; do
@@ -33,14 +38,15 @@ for side in old new; do
   cp -R "$src/kernels" "/tmp/tree_$side/lazyllm/kernels"
   cp -R "$src/integrations" "/tmp/tree_$side/lazyllm/integrations"
   cp -R "$src/benchmarks" "/tmp/tree_$side/benchmarks"
-  # older trees call the kernel table kernels.py
+  # older trees call the kernel table kernels.py, which, beside a script, shadows the kernels
+  # package that newer transformers import
   [ -f "/tmp/tree_$side/benchmarks/kernel_bench.py" ] || \
-    cp "$src/benchmarks/kernels.py" "/tmp/tree_$side/benchmarks/kernel_bench.py"
+    mv "/tmp/tree_$side/benchmarks/kernels.py" "/tmp/tree_$side/benchmarks/kernel_bench.py"
 done
-cp "$NEW/benchmarks/engine.py" "$NEW/benchmarks/_common.py" /tmp/tree_old/benchmarks/
+cp "$NEW/benchmarks/engine.py" "$NEW/benchmarks/_common.py" "$NEW/benchmarks/ttft_matrix.py" /tmp/tree_old/benchmarks/
 run() {  # side, then the script and its arguments relative to that tree
   local side=$1; shift
-  (cd "/tmp/tree_$side" && PYTHONPATH="/tmp/tree_$side" python3 "$@")
+  (cd "/tmp/tree_$side" && PYTHONPATH="/tmp/tree_$side${PYTHONPATH:+:$PYTHONPATH}" python3 "$@")
 }
 for w in $what; do
   case $w in
@@ -102,7 +108,7 @@ EOF
       ready() {  # side, cache label
         local side=$1 label=$2
         echo "== ready $side ($label Triton cache)"
-        (cd "/tmp/tree_$side" && TRITON_CACHE_DIR="/tmp/triton_$side" PYTHONPATH="/tmp/tree_$side" python3 \
+        (cd "/tmp/tree_$side" && TRITON_CACHE_DIR="/tmp/triton_$side" PYTHONPATH="/tmp/tree_$side${PYTHONPATH:+:$PYTHONPATH}" python3 \
           benchmarks/first_request.py --child ready:llama --tokenizer "$TOK" >"$OUT/ready_${side}_$label.log" 2>&1) \
           || tail -20 "$OUT/ready_${side}_$label.log"
         grep '^FIRST_REQUEST_RESULT ' "$OUT/ready_${side}_$label.log" | cut -d' ' -f2- >"$OUT/ready_${side}_$label.json"
@@ -130,6 +136,24 @@ for labels in (["empty"], [f"warm{i}" for i in range(1, rounds + 1)]):
     print(f"| {labels[0].rstrip('0123456789')} | {'; '.join(map(cell, o))} | {'; '.join(map(cell, n))} | {ratio:.3f} |")
 EOF
       ;;
-    *) echo "unknown: $w (engine | kernels | ready | rounds=N)"; exit 2 ;;
+    matrix)
+      rm -rf /tmp/matrix_turns; pids=
+      for side in old new; do
+        # shellcheck disable=SC2086
+        (cd "/tmp/tree_$side" && TRITON_CACHE_DIR=/tmp/triton_matrix PYTHONPATH="/tmp/tree_$side${PYTHONPATH:+:$PYTHONPATH}" python3 \
+          benchmarks/ttft_matrix.py --tokenizer "$TOK" --turns /tmp/matrix_turns --side $side --rounds "$rounds" \
+          --json "$OUT/matrix_$side.json" $matrix_args >"$OUT/matrix_$side.log" 2>&1) &
+        pids="$pids $!"
+      done
+      # one side failing leaves the other waiting for its turn: end both
+      # shellcheck disable=SC2086
+      while [ -n "$(jobs -pr)" ]; do
+        wait -n || { echo "== matrix: a side failed"; kill $pids 2>/dev/null; }
+      done
+      tail -n 5 "$OUT/matrix_old.log" "$OUT/matrix_new.log"
+      (cd /tmp/tree_new && PYTHONPATH="/tmp/tree_new${PYTHONPATH:+:$PYTHONPATH}" python3 benchmarks/ttft_matrix.py \
+        --compare "$OUT/matrix_old.json" "$OUT/matrix_new.json")
+      ;;
+    *) echo "unknown: $w (engine | kernels | ready | matrix | rounds=N | matrix_args=...)"; exit 2 ;;
   esac
 done

@@ -399,6 +399,13 @@ class Engine:
         limit = self.model.spec.max_context
         dead = {r.id for r in self.decode_state.rows if r.id in pending and (
             len(r.state.generated) + 1 >= r.params.max_new_tokens or r.state.next_pos + 1 >= limit)}
+        if inflight is not None and dead and all(r.id in dead for r in self.decode_state.rows):
+            # every row ends with the token in flight: a step now would compute only dropped
+            # tokens, and the next request's prefill would queue behind it on the GPU (its
+            # TTFT would then include that step)
+            self._inflight = None
+            self._read_step(inflight)
+            return
         # pages first: a request whose last page is full needs a new one; if the pool is
         # exhausted, the most recently started requests are preempted
         self.scheduler.grow_decode_pages(pending, dead)

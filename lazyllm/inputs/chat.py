@@ -168,6 +168,6 @@ def build_conversation(prompts: PromptBuilder, messages: list, chunks: list[Chun
             raise InvalidRequestError(f"the model's chat template refused the messages: {e}") from None
     pre, post = rendered.split(_MARK)
     segs = [Segment("prefix", prompts.encode(pre))]
-    segs += [prompts.chunk_segment(c) for c in chunks]  # keyed as in every other request
+    segs += prompts.chunk_segments(chunks)  # keyed as in every other request
     segs.append(Segment("suffix", prompts.encode(post)))
     return segs

@@ -74,7 +74,27 @@ class ChunkEncodings:
                 self._entries.move_to_end(key)
                 self.hits += 1
                 return enc
-        enc = Encoding(encode())
+        return self._put(key, Encoding(encode()))
+
+    def get_many(self, keys: list[tuple], encode_many) -> list[Encoding]:
+        """The encodings of ``keys``, in order: the cached ones looked up, the others (each
+        distinct key once) from one ``encode_many(missing_keys)`` call (a list of token id
+        lists, in that order), run outside the lock and then cached."""
+        found: dict[tuple, Encoding] = {}
+        with self._lock:
+            for key in keys:
+                enc = self._entries.get(key)
+                if enc is not None:
+                    self._entries.move_to_end(key)
+                    self.hits += 1
+                    found[key] = enc
+        missing = list(dict.fromkeys(k for k in keys if k not in found))
+        if missing:
+            for key, ids in zip(missing, encode_many(missing)):
+                found[key] = self._put(key, Encoding(ids))
+        return [found[k] for k in keys]
+
+    def _put(self, key: tuple, enc: Encoding) -> Encoding:
         with self._lock:
             self.misses += 1
             old = self._entries.pop(key, None)

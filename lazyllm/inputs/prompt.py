@@ -8,6 +8,10 @@ tests feed exactly that sequence to transformers.
 """
 from __future__ import annotations
 
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 from ..engine.request import Segment
 from ..errors import InvalidRequestError
 from ..types import Chunk
@@ -31,6 +35,37 @@ def check_text(text: str, what: str) -> None:
         raise InvalidRequestError(f"{what} contains a NUL character")
 
 
+# texts of at least this many characters in all are tokenized on several threads
+_PARALLEL_CHARS = 8192
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="lazyllm-tokenize")
+        return _POOL
+
+
+def _groups(texts: list[str]) -> list[list[str]]:
+    """``texts`` in consecutive groups of about equal characters, one per worker (one group
+    when they are short or the machine has one core)."""
+    total = sum(len(t) for t in texts)
+    n = min(len(texts), 8, os.cpu_count() or 1)
+    if n <= 1 or total < _PARALLEL_CHARS:
+        return [texts]
+    out: list[list[str]] = [[]]
+    size = 0
+    for t in texts:
+        if size >= total * len(out) / n and len(out) < n:
+            out.append([])
+        out[-1].append(t)
+        size += len(t)
+    return out
+
+
 class PromptBuilder:
     """Splits a RAG request into prefix / chunk / suffix token segments."""
 
@@ -47,6 +82,20 @@ class PromptBuilder:
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each of ``texts``: batched tokenizer calls, spread over a few threads
+        when there is enough text (a fast tokenizer releases the GIL while it encodes a batch),
+        so a request's new chunks are tokenized in parallel."""
+        groups = _groups(texts)
+        if len(groups) <= 1:
+            return self._encode_batch(texts)
+        return [ids for part in _pool().map(self._encode_batch, groups) for ids in part]
+
+    def _encode_batch(self, texts: list[str]) -> list[list[int]]:
+        if not texts:
+            return []
+        return [list(ids) for ids in self.tok(texts, add_special_tokens=False)["input_ids"]]
 
     def _render(self, system: str | None, user: str) -> str:
         if self.has_template:
@@ -67,15 +116,21 @@ class PromptBuilder:
         return self.chunk_segment(chunk).ids
 
     def chunk_segment(self, chunk: Chunk) -> Segment:
-        """``chunk``'s segment: its ids (``chunk_ids``) from the encodings cache when there is
-        one, tokenized once per text, id, tokenizer and packet."""
-        text = self.chunk_text(chunk)
+        """``chunk``'s segment (``chunk_segments`` of one chunk)."""
+        return self.chunk_segments([chunk])[0]
+
+    def chunk_segments(self, chunks: list[Chunk]) -> list[Segment]:
+        """The chunks' segments: their ids (``chunk_ids``) from the encodings cache when there
+        is one, tokenized once per text, id, tokenizer and packet; the chunks not cached are
+        tokenized together (``encode_many``)."""
+        texts = [self.chunk_text(c) for c in chunks]
         head, tail = self.packet_ids or ([], [])
         if self.encodings is None:
-            return Segment("chunk", head + self.encode(text) + tail, chunk)
-        key = (text, chunk.id, self._identity, self._packet_identity)
-        enc = self.encodings.get(key, lambda: head + self.encode(text) + tail)
-        return Segment("chunk", enc.ids, chunk, enc.memo)
+            return [Segment("chunk", head + ids + tail, c) for c, ids in zip(chunks, self.encode_many(texts))]
+        keys = [(t, c.id, self._identity, self._packet_identity) for t, c in zip(texts, chunks)]
+        encs = self.encodings.get_many(
+            keys, lambda missing: [head + ids + tail for ids in self.encode_many([k[0] for k in missing])])
+        return [Segment("chunk", e.ids, c, e.memo) for c, e in zip(chunks, encs)]
 
     def prefix_segment(self, text: str) -> Segment:
         """The ``prefix`` segment of a rendered ``text``, from the encodings cache when there
@@ -100,6 +155,6 @@ class PromptBuilder:
         rendered = self._render(system, f"{header}{_MARK}{QUESTION_HEADER}{question.strip()}")
         pre, post = rendered.split(_MARK)
         segs = [self.prefix_segment(pre)]
-        segs += [self.chunk_segment(c) for c in chunks]
+        segs += self.chunk_segments(chunks)
         segs.append(Segment("suffix", self.encode(post)))
         return segs

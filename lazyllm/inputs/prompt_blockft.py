@@ -97,7 +97,7 @@ class BlockFTPromptBuilder(PromptBuilder):
             check_text(c.text, f"chunks[{i}].text")
         head, mid, tail = LAYOUTS[self.layout]
         segs = [self.prefix_segment(f"{head}{system.strip()}\n\n")]
-        segs += [self.chunk_segment(c) for c in chunks]
+        segs += self.chunk_segments(chunks)
         segs.append(Segment("suffix", self.encode(f"{mid}{INSTRUCTION}\nQuestion: {question.strip()}{tail}")))
         return segs
 
