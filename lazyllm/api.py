@@ -23,7 +23,7 @@ from .engine.engine import Engine
 from .engine.request import Request
 from .engine.warmup import Readiness
 from .errors import InvalidRequestError
-from .inputs import InputProcessor, prompt_builder
+from .inputs import InputProcessor, check_text, prompt_builder
 from .inputs.encodings import ChunkEncodings
 from .model.attention import make_backend
 from .model.identity import fingerprint
@@ -385,6 +385,8 @@ class LazyLLM:
             chunks = [chunks]
         chunks = [as_chunk(c, i) for i, c in enumerate(chunks)]
         if not self.engine.planner.caches_chunks:
+            for i, c in enumerate(chunks):  # bad input is refused in every mode, not only where it would run
+                check_text(c.text, f"chunks[{i}].text")
             return warm_skipped(self.reuse, self.quality, len(chunks))
         from tqdm.auto import tqdm
 
