@@ -281,6 +281,7 @@ class ChatLazyLLM(_EngineParams, BaseChatModel):
     (``text-plain`` blocks) become cached chunks, reused at any position by later calls.
 
     >>> chat = ChatLazyLLM(max_tokens=64)                    # embedded default model
+    >>> chat = ChatLazyLLM(model="HuggingFaceTB/SmolLM2-360M-Instruct")  # loaded (or ModelLoadError)
     >>> chat = ChatLazyLLM(llm=LazyLLM("path/to/model"))     # share an engine
     >>> chat = ChatLazyLLM(base_url="http://127.0.0.1:8000/v1", api_key=KEY)  # a lazyllm serve server
     >>> chat = ChatLazyLLM.from_model_id("HuggingFaceTB/SmolLM2-360M-Instruct",
