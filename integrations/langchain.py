@@ -182,7 +182,7 @@ class _EngineParams(BaseModel):
             if self.llm is not None or self.model_name_or_path is not None:
                 raise InvalidRequestError("give base_url= (a server) or llm=/model_name_or_path=, not both")
             key = self.api_key.get_secret_value() if self.api_key is not None else None
-            self.llm = RemoteLazyLLM(self.base_url, key, self.model_name)
+            self.llm = RemoteLazyLLM(self.base_url, key, name)
         elif self.llm is None:
             given = {k: getattr(self, k) for k in _ENGINE_FIELDS if k in self.model_fields_set}
             self.llm = build_engine(name, **engine_options(given, self.engine_kwargs))

@@ -94,3 +94,14 @@ def test_an_unknown_argument_is_refused(cls, default_llm_parts):
             cls(llm=engine, repetition_penalty=1.1)
     finally:
         engine.close()
+
+
+def test_a_server_is_sent_the_model_named():
+    """With ``base_url`` the name is the ``model`` id sent to the server, under either spelling
+    (nothing is contacted until a call)."""
+    url = "http://127.0.0.1:9/v1"
+    for chat in (ChatLazyLLM(base_url=url, model="served-id"), ChatLazyLLM(base_url=url, model_name="served-id")):
+        assert chat.llm.model == "served-id" and chat.model_name == "served-id"
+    for index_llm in (LlamaIndexLLM(base_url=url, model="served-id", context_window=512),
+                      LlamaIndexLLM(base_url=url, model_name="served-id", context_window=512)):
+        assert index_llm.lazyllm.model == "served-id" and index_llm.metadata.model_name == "served-id"
