@@ -154,6 +154,21 @@ def engine_options(given: dict[str, Any], engine_kwargs: dict[str, Any] | None) 
     return {**ek, **given}
 
 
+def model_to_run(llm: Any, *names: str | None) -> str | None:
+    """The model an adapter's caller asked for under any of its argument names (``model``,
+    ``model_name``, ``model_name_or_path``; empty counts as not given), or ``None``. Raises
+    ``InvalidRequestError`` where the names disagree, or where an engine ``llm`` was given too
+    and runs another model (the name would be reported while that model runs)."""
+    given = list(dict.fromkeys(n for n in names if n))
+    if len(given) > 1:
+        raise InvalidRequestError(f"two different models given: {given[0]!r} and {given[1]!r}")
+    name = given[0] if given else None
+    if llm is not None and name is not None and name != llm.model_name:
+        raise InvalidRequestError(f"the engine given as llm= runs {llm.model_name!r}, not {name!r}; "
+                                  "give the engine or the model's name, not both")
+    return name
+
+
 def build_engine(*args: Any, **kwargs: Any) -> LazyLLM:
     """``LazyLLM(*args, **kwargs)`` for an adapter that builds its own engine (the core
     stops every engine at interpreter exit)."""

@@ -78,6 +78,7 @@ from ._common import (
     engine_kwargs_from_hf,
     engine_options,
     hf_generate_kwargs,
+    model_to_run,
     usage_dict,
 )
 from .chroma_langchain import ChromaRetriever
@@ -117,7 +118,9 @@ class _EngineParams(BaseModel):
     """Fields shared by ``ChatLazyLLM`` and ``LazyLLMText``: the engine (a ``LazyLLM``,
     given or built from the same constructor arguments) and the sampling defaults."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
+    # an argument these classes do not know is refused, never silently dropped (restated in each
+    # subclass: pydantic lets the LangChain base listed after this one override its config)
+    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True, extra="forbid")
 
     llm: LazyLLM | RemoteLazyLLM | None = Field(default=None, exclude=True)
     """The engine. Built from the fields below when not given. Several models can share
@@ -130,9 +133,14 @@ class _EngineParams(BaseModel):
     api_key: SecretStr | None = None
     """The server's API key (``lazyllm serve --api-key``), sent as a Bearer token."""
     model_name: str | None = None
-    """Name reported in traces and metadata (defaults to the engine's)."""
+    """The model to run (also ``model=``, as ``ChatOpenAI``): a folder with a transformers
+    checkpoint, a ``.gguf`` file or a hub id, loaded as ``LazyLLM``'s first argument (``None``:
+    the embedded default model). A name that is given is loaded or raises ``ModelLoadError``,
+    never replaced; with ``llm=`` it must be that engine's model. After construction it holds
+    the model that runs, which traces and ``response_metadata`` report."""
+    model: str | None = Field(default=None, exclude=True)
     model_name_or_path: str | None = None
-    """Constructor arguments of ``LazyLLM``, used only when ``llm`` is not given."""
+    """Both the same as ``model_name`` (``ChatOpenAI``'s name for it, and ``LazyLLM``'s)."""
     reuse: str | None = None
     chunk_context: str | None = None
     device: str = "auto"
@@ -157,21 +165,30 @@ class _EngineParams(BaseModel):
     streaming: bool = False
     """``invoke`` streams internally (callbacks get ``on_llm_new_token``)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _name_over_alias(cls, data: Any) -> Any:
+        """``max_tokens`` wins over its alias ``max_new_tokens`` when both are given (rather than
+        the name being refused as an unknown argument)."""
+        if isinstance(data, dict) and "max_tokens" in data:
+            data = {k: v for k, v in data.items() if k != "max_new_tokens"}
+        return data
+
     @model_validator(mode="after")
     def _build_engine(self):
+        name = model_to_run(self.llm if self.base_url is None else None, self.model_name, self.model,
+                            self.model_name_or_path)
         if self.base_url is not None:
             if self.llm is not None or self.model_name_or_path is not None:
                 raise InvalidRequestError("give base_url= (a server) or llm=/model_name_or_path=, not both")
             key = self.api_key.get_secret_value() if self.api_key is not None else None
-            self.llm = RemoteLazyLLM(self.base_url, key, self.model_name)
+            self.llm = RemoteLazyLLM(self.base_url, key, name)
         elif self.llm is None:
             given = {k: getattr(self, k) for k in _ENGINE_FIELDS if k in self.model_fields_set}
-            self.llm = build_engine(self.model_name_or_path, **engine_options(given, self.engine_kwargs))
-        elif self.model_name_or_path is not None:
-            raise InvalidRequestError("give either llm= or model_name_or_path=, not both")
+            self.llm = build_engine(name, **engine_options(given, self.engine_kwargs))
         self.reuse, self.chunk_context = self.llm.reuse, self.llm.chunk_context
-        if self.model_name is None:
-            self.model_name = str(self.llm.model_name)
+        if self.model_name is None or isinstance(self.llm, LazyLLM):
+            self.model_name = str(self.llm.model_name)  # what runs, not a label
         return self
 
     @classmethod
@@ -264,6 +281,7 @@ class ChatLazyLLM(_EngineParams, BaseChatModel):
     (``text-plain`` blocks) become cached chunks, reused at any position by later calls.
 
     >>> chat = ChatLazyLLM(max_tokens=64)                    # embedded default model
+    >>> chat = ChatLazyLLM(model="HuggingFaceTB/SmolLM2-360M-Instruct")  # loaded (or ModelLoadError)
     >>> chat = ChatLazyLLM(llm=LazyLLM("path/to/model"))     # share an engine
     >>> chat = ChatLazyLLM(base_url="http://127.0.0.1:8000/v1", api_key=KEY)  # a lazyllm serve server
     >>> chat = ChatLazyLLM.from_model_id("HuggingFaceTB/SmolLM2-360M-Instruct",
@@ -282,6 +300,8 @@ class ChatLazyLLM(_EngineParams, BaseChatModel):
     (``json_schema``, ``function_calling``, ``json_mode``; ``include_raw``), all held to a
     grammar (``lazyllm.integrations.langchain_tools``). No images.
     """
+
+    model_config = _EngineParams.model_config
 
     def bind_tools(self, tools: Sequence[Any], *, tool_choice: Any = None, **kwargs: Any):
         return bind_tools(self, tools, tool_choice, **kwargs)
@@ -381,6 +401,8 @@ class LazyLLMText(_EngineParams, BaseLLM):
     ``generation_info`` of each generation carries the usage (``cached_tokens``...),
     ``finish_reason`` and ``ttft_s``; ``llm_output["token_usage"]`` sums the batch.
     """
+
+    model_config = _EngineParams.model_config
 
     @property
     def _llm_type(self) -> str:

@@ -63,7 +63,7 @@ from llama_index.core.base.response.schema import (
     Response,
     StreamingResponse,
 )
-from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr
+from llama_index.core.bridge.pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.callbacks.schema import CBEventType, EventPayload
 from llama_index.core.instrumentation.events.synthesis import SynthesizeEndEvent, SynthesizeStartEvent
@@ -86,6 +86,7 @@ from ._common import (
     engine_options,
     hf_generate_kwargs,
     join_system,
+    model_to_run,
     sampling_kwargs,
     usage_dict,
 )
@@ -120,7 +121,7 @@ class LlamaIndexLLM(FunctionCallingLLM):
     and the full ``lazyllm.GenerationOutput`` in ``raw``.
     """
 
-    model_name: str = Field(default="", description="Model name or path; empty for the embedded default.")
+    model_name: str = Field(default="", description="The model that runs (given as model_name= or model=: loaded).")
     context_window: int = Field(default=0, description="Context length in tokens (default: the model's).")
     max_new_tokens: int = Field(default=256, description="Tokens to generate at most.")
     temperature: float = Field(default=0.0, description="0 is greedy.")
@@ -136,15 +137,17 @@ class LlamaIndexLLM(FunctionCallingLLM):
         "tool_choice when tools are given and the caller does not require a call: None is 'auto'; "
         "'required' makes every step of an agent call a tool"))
 
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")  # no argument silently dropped
     _engine: LazyLLM = PrivateAttr()
 
-    def __init__(self, llm: LazyLLM | None = None, model_name: str | None = None, *,
+    def __init__(self, llm: LazyLLM | None = None, model_name: str | None = None, *, model: str | None = None,
                  generate_kwargs: dict | None = None, device_map: Any = None, device: Any = None,
                  model_kwargs: dict | None = None, tokenizer_name: str | None = None,
                  reuse: str | None = None, chunk_context: str | None = None, engine_kwargs: dict | None = None,
                  base_url: str | None = None, api_key: str | None = None, **kwargs: Any):
         for k, v in hf_generate_kwargs(generate_kwargs).items():
             kwargs.setdefault(k, v)
+        model_name = model_to_run(None if base_url else llm, model_name, model)  # loaded, or an error
         if tokenizer_name not in (None, model_name):
             raise InvalidRequestError("lazyllm uses the model's own tokenizer; tokenizer_name must match model_name")
         if base_url is not None:  # a lazyllm server (lazyllm serve); model_name: the model id to send
@@ -164,8 +167,6 @@ class LlamaIndexLLM(FunctionCallingLLM):
                      "dtype": dtype}
             llm = build_engine(model_name or None, **engine_options(
                 {k: v for k, v in given.items() if v is not None}, ek))
-        elif model_name not in (None, "", llm.model_name):
-            raise InvalidRequestError("give either llm= or model_name=, not both")
         if "context_window" not in kwargs:
             kwargs["context_window"] = llm.model.spec.max_context
         super().__init__(model_name=str(llm.model_name), reuse=llm.reuse, chunk_context=llm.chunk_context,

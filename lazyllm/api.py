@@ -23,7 +23,7 @@ from .engine.engine import Engine
 from .engine.request import Request
 from .engine.warmup import Readiness
 from .errors import InvalidRequestError
-from .inputs import InputProcessor, prompt_builder
+from .inputs import InputProcessor, check_text, prompt_builder
 from .inputs.encodings import ChunkEncodings
 from .model.attention import make_backend
 from .model.identity import fingerprint
@@ -251,13 +251,14 @@ class LazyLLM:
             if kind == "error":
                 raise val
 
-    def generate(self, question: str, chunks: Sequence[str | Chunk] | None = None, system: str | None = None,
-                 *, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: int | None = None, stop: str | Sequence[str] | None = None,
+    def generate(self, question: str | None = None, chunks: Sequence[str | Chunk] | None = None,
+                 system: str | None = None, *, max_new_tokens: int = 64, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,
                  timeout: float | None = None, response_format: Any = None, tools: Sequence[dict] | None = None,
                  tool_choice: str | dict | None = None, messages: Sequence[dict] | None = None,
                  parallel_tool_calls: bool = False, received_at: float | None = None) -> GenerationOutput:
-        """Answer ``question`` over ``chunks`` (each a ``str`` or ``Chunk``).
+        """Answer ``question`` over ``chunks`` (each a ``str`` or ``Chunk``), or the conversation
+        ``messages`` (then ``question`` may be left out).
 
         Returns a ``GenerationOutput`` with ``text``, ``token_ids``, ``prompt_segments``,
         ``usage`` (``prompt_tokens``, ``cached_tokens``, ``completion_tokens``) and
@@ -303,14 +304,14 @@ class LazyLLM:
 
     __call__ = generate
 
-    def stream(self, question: str, chunks=None, system=None, **kw) -> TextStream:
+    def stream(self, question: str | None = None, chunks=None, system=None, **kw) -> TextStream:
         """Like ``generate`` but yields text deltas as they are decoded; the returned
         ``TextStream`` also works with ``async for``, and has ``.output`` (the
         ``GenerationOutput``) once exhausted. Stopping the iteration (``break``,
         ``close()``) cancels the request and frees its pages."""
         return TextStream(self.engine, self.inputs.generation(question, chunks, system, **kw, streaming=True))
 
-    async def agenerate(self, question: str, chunks=None, system=None, **kw) -> GenerationOutput:
+    async def agenerate(self, question: str | None = None, chunks=None, system=None, **kw) -> GenerationOutput:
         """Async ``generate``: cancelling the task cancels the request."""
         req = self.inputs.generation(question, chunks, system, **kw, streaming=False)
         loop = asyncio.get_running_loop()
@@ -321,7 +322,7 @@ class LazyLLM:
             req.cancelled.set()
             raise
 
-    def astream(self, question: str, chunks=None, system=None, **kw) -> TextStream:
+    def astream(self, question: str | None = None, chunks=None, system=None, **kw) -> TextStream:
         """Async ``stream``: ``async for delta in llm.astream(...)``."""
         return self.stream(question, chunks, system, **kw)
 
@@ -384,6 +385,8 @@ class LazyLLM:
             chunks = [chunks]
         chunks = [as_chunk(c, i) for i, c in enumerate(chunks)]
         if not self.engine.planner.caches_chunks:
+            for i, c in enumerate(chunks):  # bad input is refused in every mode, not only where it would run
+                check_text(c.text, f"chunks[{i}].text")
             return warm_skipped(self.reuse, self.quality, len(chunks))
         from tqdm.auto import tqdm
 

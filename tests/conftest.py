@@ -162,6 +162,15 @@ def kernel_name(tmp_path, monkeypatch):
     return JUPYTER_KERNEL
 
 
+def pytest_addoption(parser):
+    group = parser.getgroup("lazyllm")
+    # the CI budget of tests/api/test_call_sequences_stateful.py; raise both for a longer search
+    group.addoption("--stateful-examples", type=int, default=12,
+                    help="call sequences the stateful API test tries (default 12, the same ones each run: CI's "
+                         "budget; above 20, new random sequences each run)")
+    group.addoption("--stateful-steps", type=int, default=10, help="calls per sequence in the stateful API test")
+
+
 def pytest_configure(config):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

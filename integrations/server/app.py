@@ -18,6 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from lazyllm import GenerationOutput, LazyLLM
 from lazyllm.errors import InvalidRequestError
@@ -213,11 +214,16 @@ class _Server:
             if int(length) > limit:
                 raise APIError(413, f"the body is {length} bytes; the limit is {limit}", code="request_too_large")
         parts, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise APIError(413, f"the body is over the limit of {limit} bytes", code="request_too_large")
-            parts.append(part)
+        try:
+            async for part in request.stream():
+                size += len(part)
+                if size > limit:
+                    raise APIError(413, f"the body is over the limit of {limit} bytes", code="request_too_large")
+                parts.append(part)
+        except ClientDisconnect:  # it left before sending the whole body: nothing ran, nobody reads an answer
+            self.metrics.disconnects.inc()
+            raise APIError(499, "the client disconnected while its request body was being read",
+                           code="client_disconnected") from None
         return b"".join(parts)
 
     async def model_info(self) -> dict[str, Any]:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import logging
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -226,16 +228,34 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("binding to %s without an API key: anyone who can reach it can use it", args.host)
+    sock = listening_socket(parser, args.host, args.port)  # a busy port fails now, not after the model loads
     app, llm = build_server(args, config)
     log.info("serving %s (quality %s) on http://%s:%d/v1", app.state.model_name, config.quality, args.host,
              args.port)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    access_log=not args.no_access_log)
+        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=not args.no_access_log))
+        server.run(sockets=[sock])
     finally:
         llm.close()
+        sock.close()
     return 0
 
 
-__all__ = ["add_engine_flags", "build_parser", "build_server", "check_args", "engine_config", "engine_flags", "main",
-           "model_id"]
+def listening_socket(parser: argparse.ArgumentParser, host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (as uvicorn binds one), for the server to listen on; a
+    usage error (status 2) when the port is taken or the address cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        why = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+        parser.error(f"port {port} on {host} {why}")
+    sock.set_inheritable(True)
+    return sock
+
+
+__all__ = ["add_engine_flags", "build_parser", "build_server", "check_args", "engine_config", "engine_flags",
+           "listening_socket", "main", "model_id"]

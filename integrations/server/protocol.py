@@ -6,6 +6,7 @@ feature adds is one more model field, validated with the rest), its translation 
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any, Literal, NamedTuple
@@ -58,7 +59,7 @@ class ChatCompletionRequest(BaseModel):
     A feature adds its fields here (validated with the rest, strict types) and reads them in
     ``parse_chat_request``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN and Infinity are not numbers here
     model: str | None = None
     messages: list[ChatMessageIn] = Field(min_length=1)
     documents: list[str | DocumentIn] | None = None
@@ -127,7 +128,7 @@ def validate_body(raw: bytes | str) -> ChatCompletionRequest:
     """Parse and validate a request body (JSON, strict types: ``"5"`` is not a number).
     Raises ``APIError(400)`` naming the offending field (``param``, e.g. ``messages[0].role``)."""
     try:
-        return ChatCompletionRequest.model_validate_json(raw, strict=True)
+        body = ChatCompletionRequest.model_validate_json(raw, strict=True)
     except ValidationError as e:
         err = _first_error(e)
         if err["type"] == "json_invalid" and "recursion limit" in err["msg"]:
@@ -136,7 +137,10 @@ def validate_body(raw: bytes | str) -> ChatCompletionRequest:
             raise APIError(400, "the body nests JSON objects and arrays too deeply for the parser (a JSON Schema "
                                 "may nest about 60 levels of properties)", code="too_deep") from None
         if err["type"] == "json_invalid":
-            raise APIError(400, f"the body is not valid JSON: {err['msg']}", code="invalid_json") from None
+            lone = _LONE_SURROGATE.search(raw if isinstance(raw, str) else raw.decode("utf-8", "replace"))
+            why = (f"{lone.group(0)} is half of a UTF-16 surrogate pair without its other half, not a character"
+                   if lone and "escape" in err["msg"] else err["msg"])
+            raise APIError(400, f"the body is not valid JSON: {why}", code="invalid_json") from None
         param = _param(tuple(err["loc"]))
         if err["type"] == "extra_forbidden":
             raise APIError(400, f"Unrecognized request argument supplied: {param}", param=param,
@@ -145,6 +149,14 @@ def validate_body(raw: bytes | str) -> ChatCompletionRequest:
             raise APIError(400, "the body must be a JSON object") from None
         msg = err["msg"] if param is None else f"{param}: {err['msg']}"
         raise APIError(400, msg, param=param) from None
+    if body.stream_options is not None and not body.stream:  # as OpenAI
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    return body
+
+
+# a \uD800-\uDBFF escape not followed by a \uDC00-\uDFFF one, or a \uDC00-\uDFFF one not after one
+_LONE_SURROGATE = re.compile(r"(?<!\\)\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                             r"|(?<![dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 
 
 class ChatRequest(NamedTuple):

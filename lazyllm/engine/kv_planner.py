@@ -342,7 +342,9 @@ class PrefixPolicy(FullPromptPolicy):
             prev = h
         table: list[TableEntry] = []
         m = 0
-        while m < len(keys) and m < (N - 1) // ps:
+        # the last ``logit_rows`` tokens are computed whatever is cached: their logits are the
+        # result (one to sample from; a whole continuation when scoring)
+        while m < len(keys) and m < (N - r.logit_rows) // ps:
             e = planner.store.acquire(keys[m])
             if e is None:
                 break

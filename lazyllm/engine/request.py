@@ -59,6 +59,11 @@ class Job:
     # or past ``end`` read them with the backend's context temperature and LSE scale)
     ctx: tuple[int, int] | None = None
 
+    def __post_init__(self):
+        if self.logit_rows > len(self.ids):  # a planner bug: the forward could not produce them
+            raise ValueError(f"a prefill job of {len(self.ids)} tokens cannot give logits of its last "
+                             f"{self.logit_rows}")
+
 
 @dataclass
 class ChunkSpan:

@@ -67,6 +67,8 @@ def render_request(prompts: PromptBuilder, question: str | None, chunks: list[Ch
     ``structured`` is the request's ``StructuredRequest`` or ``None``."""
     if messages is not None and not isinstance(messages, (list, tuple)):
         raise InvalidRequestError("messages must be a list of message dicts")
+    if question is None and messages is None:
+        raise InvalidRequestError("give a question, or the conversation as messages=")
     tools = structured.tools if structured is not None else []
     if keeps_turns([m for m in messages or () if isinstance(m, Mapping)], tools):
         return _conversation(prompts, question, chunks, system, messages, structured)

@@ -16,6 +16,7 @@ attention without and with the packet on cases over the held-out documents only.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -32,7 +33,9 @@ from .cases import cases_from_retriever, document_text
 from .checks import check_recipe
 from .packet_training import build_cases, mean_loss, train_packets
 
-__all__ = ["adapt", "AdaptResult", "load_documents", "make_items", "split_documents"]
+__all__ = ["adapt", "AdaptResult", "fit_documents", "load_documents", "make_items", "split_documents"]
+
+log = logging.getLogger("lazyllm")
 
 _TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
 _SYSTEMS = ("Answer the question in a few words, using only the documents.", "You are a helpful assistant.", None)
@@ -43,40 +46,97 @@ def load_documents(source: Any) -> list[str]:
     ``page_content`` / ``content``, or a case with ``documents``), a folder of text files
     (``.txt``, ``.md``, ``.rst``; one document each, searched recursively), a single text file,
     or a list of strings, LangChain ``Document``s, LlamaIndex nodes or dicts. Duplicates are
-    dropped, order kept."""
+    dropped, order kept.
+
+    A file that is not UTF-8 text (a NUL byte, or bytes UTF-8 cannot decode) is skipped with a
+    warning naming it when it sits in a folder, and is an ``InvalidRequestError`` naming it when
+    it was named itself; a document with a NUL character is an error naming where it came from."""
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if path.is_dir():
-            raw = [p.read_text(encoding="utf-8", errors="replace") for p in sorted(path.rglob("*"))
-                   if p.is_file() and p.suffix.lower() in _TEXT_SUFFIXES]
+            raw, skipped = [], []
+            for p in sorted(path.rglob("*")):
+                if p.is_file() and p.suffix.lower() in _TEXT_SUFFIXES:
+                    try:
+                        raw.append((str(p), _text_file(p)))
+                    except InvalidRequestError:
+                        skipped.append(str(p))
+            if skipped:
+                log.warning("lazyllm adapt: skipped %d file(s) that are not UTF-8 text: %s", len(skipped),
+                            ", ".join(skipped))
         elif path.is_file() and path.suffix.lower() == ".jsonl":
             raw = []
-            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for n, line in enumerate(_text_file(path).splitlines(), 1):
                 if not line.strip() or line.lstrip().startswith("#"):
                     continue
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise InvalidRequestError(f"{path}:{n}: not JSON: {e}") from None
-                raw += obj.get("documents", []) if isinstance(obj, dict) and "documents" in obj else [obj]
+                docs = obj.get("documents", []) if isinstance(obj, dict) and "documents" in obj else [obj]
+                raw += [(f"{path}:{n}", d) for d in docs]
         elif path.is_file():
-            raw = [path.read_text(encoding="utf-8", errors="replace")]
+            raw = [(str(path), _text_file(path))]
         else:
             raise InvalidRequestError(f"no such file or folder: {str(path)!r}")
     elif isinstance(source, Sequence):
-        raw = list(source)
+        raw = [(f"documents[{i}]", d) for i, d in enumerate(source)]
     else:
         raise InvalidRequestError(f"documents must be a path or a list, got {type(source).__name__}")
     out: list[str] = []
-    for d in raw:
+    for where, d in raw:
         try:
             t = document_text(d)
         except TypeError as e:
-            raise InvalidRequestError(str(e)) from None
+            raise InvalidRequestError(f"{where}: {e}") from None
         t = (t.text if hasattr(t, "text") else t).strip()
+        if "\x00" in t:
+            raise InvalidRequestError(f"{where}: the document contains a NUL character")
         if t and t not in out:
             out.append(t)
     return out
+
+
+def _text_file(p: Path) -> str:
+    """The text of ``p``, or an ``InvalidRequestError`` naming it where it is not UTF-8 text."""
+    data = p.read_bytes()
+    if b"\x00" in data:
+        raise InvalidRequestError(f"{p}: a binary file (it contains NUL bytes), not a text document")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequestError(f"{p}: not UTF-8 text (an invalid byte at offset {e.start})") from None
+
+
+def fit_documents(docs: Sequence[str], count_tokens, budget: int) -> list[str]:
+    """``docs`` with each document longer than ``budget`` tokens (``count_tokens(text)``) split
+    into consecutive pieces that fit, at paragraph breaks, else at line ends, else
+    between words (as a retriever's splitter would): a training case shows several documents in
+    the model's context, so one long file must not overflow it."""
+    out: list[str] = []
+    for d in docs:
+        out += _split_to_fit(d, count_tokens, budget, ("\n\n", "\n", " "))
+    return out
+
+
+def _split_to_fit(text: str, count_tokens, budget: int, seps: Sequence[str]) -> list[str]:
+    if count_tokens(text) <= budget:
+        return [text]
+    if not seps:  # one word longer than the budget: cut it by characters
+        half = len(text) // 2
+        return _split_to_fit(text[:half], count_tokens, budget, ()) + _split_to_fit(text[half:], count_tokens,
+                                                                                    budget, ())
+    # parts packed greedily, their token counts added (each part tokenized once, so a long file
+    # costs linear time; a join may differ from the sum by a token or so, within the case's margin)
+    sep, pieces, cur, n = seps[0], [], "", 0
+    for part in text.split(sep):
+        k = count_tokens(sep + part)
+        if cur and n + k > budget:
+            pieces.append(cur)
+            cur, n = "", 0
+        cur, n = (cur + sep + part if cur else part), n + k
+    pieces.append(cur)
+    return [q.strip() for p in pieces for q in _split_to_fit(p, count_tokens, budget, seps[1:]) if q.strip()]
 
 
 def split_documents(docs: Sequence[str], heldout: float, seed: int = 0) -> tuple[list[str], list[str]]:
@@ -217,7 +277,9 @@ def adapt(llm_or_model: Any = None, documents: Any = None, *, out: str | os.Path
         else:
             if not isinstance(questions, str):
                 raise InvalidRequestError("questions must be 'templates', 'model' or 'mixed' without a retriever")
-            docs = load_documents(documents)
+            # room for a case's question, system prompt, template and answer beside its documents
+            per_doc = max(64, (full.inputs.max_context - 512) // docs_per_case)
+            docs = fit_documents(load_documents(documents), full.count_tokens, per_doc)
             if len(docs) < 4:
                 raise InvalidRequestError(f"{len(docs)} distinct documents; adapt needs at least 4")
             train_docs, held_docs = split_documents(docs, heldout, seed)

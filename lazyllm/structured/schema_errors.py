@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import InvalidRequestError
 
-__all__ = ["grammar_error", "ref_loop", "check_refs", "has_ref", "MAX_MESSAGE_CHARS"]
+__all__ = ["grammar_error", "ref_loop", "missing_ref", "check_refs", "has_ref", "MAX_MESSAGE_CHARS"]
 
 # a message is one line a person reads: the library's message, cut here
 MAX_MESSAGE_CHARS = 300
@@ -81,12 +81,37 @@ def has_ref(schema: Any) -> bool:
     return isinstance(schema, list) and any(has_ref(v) for v in schema)
 
 
+def missing_ref(schema: Any) -> tuple[str, str] | None:
+    """``(where, ref)`` of the first ``$ref`` of ``schema`` that points to nothing the schema
+    defines (``("#/properties/a", "#/$defs/Missing")``), or None."""
+    from referencing import Registry
+    from referencing.exceptions import Unresolvable
+    from referencing.jsonschema import DRAFT202012
+
+    resolver = Registry().with_resource(_BASE, DRAFT202012.create_resource(schema)).resolver(_BASE)
+    for pointer, node in _subschemas(schema, "#"):
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            try:
+                resolver.lookup(ref)
+            except Unresolvable:
+                return pointer, ref
+    return None
+
+
 def check_refs(schemas: list[Any]) -> None:
-    """Raise ``InvalidRequestError`` for a ``$ref`` loop in any of ``schemas``: the grammar
-    library finds one only when generation reaches it (a tool's argument deep inside a call),
-    so it is looked for before anything runs."""
+    """Raise ``InvalidRequestError`` for a ``$ref`` to a missing definition (the grammar library
+    would answer with a listing of its internals) or a ``$ref`` loop in any of ``schemas`` (the
+    library finds one only when generation reaches it, a tool's argument deep inside a call),
+    so they are looked for before anything runs."""
     for s in schemas:
-        chain = ref_loop(s) if has_ref(s) else None
+        if not has_ref(s):
+            continue
+        missing = missing_ref(s)
+        if missing:
+            raise InvalidRequestError(f"invalid JSON Schema: the $ref {missing[1]!r} at {missing[0]} points to no "
+                                      "definition in the schema (references to other documents are not fetched)")
+        chain = ref_loop(s)
         if chain:
             raise InvalidRequestError("unsupported or invalid grammar: " + _loop_message(chain))
 

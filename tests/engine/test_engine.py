@@ -341,6 +341,25 @@ def test_score_logprobs_against_transformers_full_attention(tiny_model, tokenize
     llm.close()
 
 
+@pytest.mark.parametrize("reuse", ["prefix", "lazy", "block", "none"])
+def test_score_repeated_computes_every_continuation_logit(tiny_model, tokenizer, reuse):
+    """Scoring one prompt again finds the first call's pages cached, continuation tokens
+    included (identical-prefix reuse stores them): the logits of every continuation token
+    are still computed, and the log-probabilities do not change."""
+    llm = _llm(tiny_model, tokenizer, reuse=reuse)
+    cont = " It was lit in 1887 and again in 1901, by the keeper who lived in the tower alone."
+    first = llm.score("q?", DOCS[:2], continuation=cont)
+    again = [llm.score("q?", DOCS[:2], continuation=cont) for _ in range(2)]
+    for sc in again:
+        assert len(sc.logprobs) == len(first.logprobs) > llm.config.page_size
+        torch.testing.assert_close(torch.tensor(sc.logprobs), torch.tensor(first.logprobs), atol=1e-5, rtol=0)
+    if reuse != "none":  # the repeat did reuse the cache
+        assert again[0].usage.cached_tokens > 0
+    # a generation over the same prompt after the scores still reuses and serves
+    assert llm.generate("q?", DOCS[:2], max_new_tokens=3).usage.completion_tokens == 3
+    llm.close()
+
+
 def test_incremental_detokenizer_matches_full_decode(tokenizer):
     from lazyllm.engine.detokenizer import Detokenizer
 

@@ -108,6 +108,55 @@ def test_load_documents_from_folder_jsonl_and_objects(tmp_path):
         load_documents(tmp_path / "missing")
 
 
+def test_load_documents_skips_binary_files_and_names_bad_documents(tmp_path, caplog):
+    """A folder's binary or non-UTF-8 files are skipped with a warning that names them; a file
+    named itself that is not text, or a document with a NUL character, is an error naming it."""
+    from lazyllm.quality.adapt import load_documents
+
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "a.txt").write_text("Doc A text.")
+    (d / "random.txt").write_bytes(bytes(range(256)) * 8)  # NUL bytes among them
+    (d / "latin.md").write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))  # not UTF-8
+    with caplog.at_level("WARNING", logger="lazyllm"):
+        assert load_documents(d) == ["Doc A text."]
+    assert "random.txt" in caplog.text and "latin.md" in caplog.text
+    with pytest.raises(InvalidRequestError, match="random.txt.*binary"):
+        load_documents(d / "random.txt")
+    with pytest.raises(InvalidRequestError, match="latin.md.*not UTF-8"):
+        load_documents(d / "latin.md")
+    (tmp_path / "x.jsonl").write_text(json.dumps("fine") + "\n" + json.dumps({"text": "a\x00b"}) + "\n")
+    with pytest.raises(InvalidRequestError, match="x.jsonl:2: the document contains a NUL"):
+        load_documents(tmp_path / "x.jsonl")
+    with pytest.raises(InvalidRequestError, match=r"documents\[1\]"):
+        load_documents(["fine", "a\x00b"])
+
+
+def test_fit_documents_splits_a_long_document_into_pieces_that_fit():
+    from lazyllm.quality.adapt import fit_documents
+
+    words = lambda t: len(t.split())  # noqa: E731
+    long = "one two three\n\nfour five six seven eight nine ten\neleven twelve"
+    pieces = fit_documents([long, "short one"], words, 4)
+    assert all(words(p) <= 4 for p in pieces)
+    assert " ".join(pieces).split() == (long + " short one").split()  # nothing lost, order kept
+    assert pieces[0] == "one two three" and pieces[-1] == "short one"
+
+
+def test_adapt_splits_a_document_longer_than_a_case_allows(tokenizer, tmp_path):
+    """A document too long to sit with the others of a case in the model's context is split, as
+    a retriever's chunks would be, instead of failing with a context error."""
+    from lazyllm.quality import adapt
+
+    model = make_tiny("llama", seed=5, max_position_embeddings=768)
+    llm = _llm(model, tokenizer)
+    long = " ".join(f"The keeper logged storm {i} at the Halvorsen lighthouse." for i in range(60))  # ~3 KB
+    res = adapt(llm, DOCS[:4] + [long], out=tmp_path / "p.safetensors", cases=4, heldout=0.25, heldout_cases=1,
+                steps=2, minutes=None, k_header=1, k_trailer=1, report=False, progress=False)
+    assert res.split["train_documents"] + res.split["heldout_documents"] > 5  # the long one became pieces
+    llm.close()
+
+
 def test_adapt_cli_writes_a_packet(tokenizer, tmp_path, capsys):
     from lazyllm.cli import main
 

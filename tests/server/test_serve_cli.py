@@ -71,6 +71,23 @@ def test_a_hub_id_fails_fast_when_the_hub_cannot_serve_it(capsys, monkeypatch):
     assert "HF_HUB_OFFLINE" in _usage_error(["lazyllm-tests/no-such-model-here"], capsys)
 
 
+def test_a_busy_port_fails_before_the_model_loads(capsys, monkeypatch):
+    import socket
+
+    from lazyllm.integrations.server import cli
+
+    monkeypatch.setattr(cli, "build_server", lambda *a: pytest.fail("the model loaded before the port was checked"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit) as e:
+            cli.main(["--port", str(port)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"port {port} on 127.0.0.1 is in use" in err and "Traceback" not in err, err
+
+
 def test_model_ids_from_paths_are_the_file_stem(tmp_path):
     gguf = tmp_path / "SmolLM2-135M.Q8_0.gguf"
     gguf.write_bytes(b"")
