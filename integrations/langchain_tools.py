@@ -97,7 +97,7 @@ def ai_message(out: GenerationOutput, **meta: Any) -> AIMessage:
     calls = lc_tool_calls(out)
     cut = [{"name": c.name, "args": c.partial, "id": c.id, "error": "cut off by the length limit",
             "type": "invalid_tool_call"} for c in out.tool_calls if c.partial is not None]
-    content = "" if calls or cut or out.text.startswith(CALL_OPEN) else out.text
+    content = "" if calls or cut or out.answer_is_calls or out.text.startswith(CALL_OPEN) else out.text
     return AIMessage(content=content, tool_calls=calls, invalid_tool_calls=cut, **meta)
 
 
@@ -125,7 +125,9 @@ class CallHold:
 
     def last(self, out: GenerationOutput) -> list[dict]:
         """The call chunks still held at the end: the rest of a call the length limit cut off."""
-        return _joined([_lc_chunk(i) for i in self.reader.flush()]) if self.reader is not None else []
+        if self.reader is None:
+            return []
+        return _joined([_lc_chunk(i) for i in self.reader.flush(out.tool_calls[-1] if out.tool_calls else None)])
 
 
 def _joined(chunks: list[dict]) -> list[dict]:

@@ -151,7 +151,8 @@ def turn_kinds(messages: Sequence[ChatMessage]) -> list[dict]:
 
 def chat_message(out: GenerationOutput) -> ChatMessage:
     """The assistant message of a result (calls in ``additional_kwargs["tool_calls"]``)."""
-    if out.tool_calls or out.text.startswith(CALL_OPEN):  # calls (maybe cut off): never markup as content
+    # calls (maybe cut off, even before one was named): never markup as content
+    if out.tool_calls or out.answer_is_calls or out.text.startswith(CALL_OPEN):
         # a call the length limit cut off can be neither run nor answered, so it stays out of the
         # message an agent keeps in its memory (it is in ``raw.tool_calls``, with its partial arguments)
         return ChatMessage(role=MessageRole.ASSISTANT, content="", additional_kwargs={

@@ -195,6 +195,9 @@ class GenerationOutput:
     # with ``tools``: the calls the model made (finish_reason "tool_calls"); ``text`` keeps
     # the generated text they were parsed from
     tool_calls: list[ToolCall] = field(default_factory=list)
+    # with ``tools``: the answer is calls, even one cut off before a call was named; then
+    # ``text`` is call markup, never content
+    answer_is_calls: bool = False
     engine_ttft_s: float = 0.0
 
     @property

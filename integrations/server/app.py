@@ -342,7 +342,8 @@ class _Server:
                         data.append(sse(stream_chunk(rid, created, served, content=val)))
                     elif kind == "done":
                         self.metrics.observe(val)
-                        rest = calls.flush() if calls is not None else None
+                        cut = val.tool_calls[-1] if val.tool_calls else None
+                        rest = calls.flush(cut) if calls is not None else None
                         if rest:  # a call the length limit cut off: its arguments as far as generated
                             data.append(sse(stream_chunk(rid, created, served, tool_calls=rest)))
                         data.append(sse(stream_chunk(rid, created, served, finish_reason=val.finish_reason)))

@@ -371,10 +371,12 @@ def _timings(out: GenerationOutput) -> dict[str, Any]:
 
 
 def _message(out: GenerationOutput) -> dict[str, Any]:
-    """The assistant message: its calls (content null: the text was only calls, maybe cut
-    off before a call was named) or text."""
-    if out.tool_calls or out.text.startswith(CALL_OPEN):
+    """The assistant message: its calls (content null: the text was only calls), or, cut off
+    before a call's name was known, neither content nor calls; or text."""
+    if out.tool_calls:
         return {"role": "assistant", "content": None, "tool_calls": [c.to_openai() for c in out.tool_calls]}
+    if out.answer_is_calls or out.text.startswith(CALL_OPEN):
+        return {"role": "assistant", "content": None}
     return {"role": "assistant", "content": out.text}
 
 

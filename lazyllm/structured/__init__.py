@@ -35,6 +35,13 @@ class StructuredRequest:
     grammar: str | None = None
 
     @property
+    def call_names(self) -> list[str]:
+        """The tools a call may name under this request's ``tool_choice``."""
+        if self.choice in ("auto", "required"):
+            return [t.name for t in self.tools]
+        return [t.name for t in self.tools if t.name == self.choice]
+
+    @property
     def instruction(self) -> str | None:
         """What the prompt says about the answer's format (None: nothing); with tools, the
         tool section says it."""
@@ -47,8 +54,11 @@ class StructuredRequest:
             # the complete calls; cut short by length, the finish reason stays "length" and the
             # last call comes as far as it was generated (OpenAI's answer)
             out.tool_calls = parse_tool_calls(out.text, self.tools)
+            # the grammar's text answer never starts with "<": an answer that does is calls,
+            # even one cut off before its call was named (its markup is never content)
+            out.answer_is_calls = out.text.startswith("<")
             if out.finish_reason == "length":
-                out.tool_calls += cut_call(out.text)
+                out.tool_calls += cut_call(out.text, self.call_names)
             if out.tool_calls:
                 if out.finish_reason != "length":
                     out.finish_reason = "tool_calls"
@@ -91,10 +101,11 @@ def prepare(compiler: GrammarCompiler | None, response_format: Any = None, tools
     return StructuredRequest(tl, choice, fmt, grammar)
 
 
-def cut_call(text: str) -> list[ToolCall]:
+def cut_call(text: str, names: list[str] = ()) -> list[ToolCall]:
     """The call the length limit cut off at the end of ``text`` (its arguments as far as
-    generated, ``ToolCall.partial``), as a list of one; empty when none was named."""
-    reader = ToolCallDeltas()
+    generated, ``ToolCall.partial``), as a list of one; empty when its name is not known yet
+    (not complete, and what was written of it fits more than one of ``names``)."""
+    reader = ToolCallDeltas(names)
     reader.feed(text)
     reader.flush()
     cut = reader.cut_call()

@@ -4,7 +4,8 @@ out of the generated text.
 A call is written ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (the format
 of Hermes / Qwen / SmolLM3 chat templates), several calls one per line. Under
 ``tool_choice="required"`` or a named tool the grammar admits only calls (of that tool); under
-``"auto"`` it admits calls or a text answer (the ``response_format``'s when one is given);
+``"auto"`` it admits calls or a text answer without call markup (the ``response_format``'s
+when one is given);
 ``"none"`` leaves the output unconstrained and never parses calls.
 """
 from __future__ import annotations
@@ -160,9 +161,12 @@ def tool_grammar(tools: list[Tool], choice: str, text_format: ResponseFormat | N
     if choice != "auto":
         start = "start: calls"
     elif text_format is None:
-        # a text answer is anything that does not open a call
+        # a text answer does not start like a call (so its first character tells text from
+        # calls) and holds no call markup anywhere: a model echoing the prompt's call format
+        # in text would otherwise hand the caller a call as content
         start = "start: calls | text"
-        rules.append(r"text: /[^<][\s\S]*/")
+        rules.append(r"text: TEXT")
+        rules.append(r"TEXT: /[^<][\s\S]*/ & ~/[\s\S]*<\/?tool_call>[\s\S]*/")
     elif text_format.schema is not None:
         start = "start: calls | answer"
         answer = bounded(text_format.schema, max_string_length)

@@ -145,7 +145,9 @@ def test_length_mid_json_gives_partial_text_and_frees_pages(llm):
     out = llm.generate("warm the prefix", response_format=SCHEMA, max_new_tokens=4)
     assert out.finish_reason == "length" and out.parsed is None and out.text.startswith('{"name": ')
     out = llm.generate("q", tools=[WEATHER], tool_choice="required", max_new_tokens=5)
-    assert out.finish_reason == "length" and out.tool_calls == [] and out.text.startswith("<tool_call>")
+    # one tool: the call is that tool's, cut before its name was written
+    assert out.finish_reason == "length" and out.text.startswith("<tool_call>") and out.answer_is_calls
+    assert [(c.name, c.partial) for c in out.tool_calls] == [("get_weather", "")]
     _no_pins(llm)
     llm.generate("warm the prefix", response_format=SCHEMA, max_new_tokens=4)
     assert llm.cache_stats()["free_pages"] == free
@@ -211,3 +213,41 @@ def test_batched_mask_fill_equals_row_by_row(llm):
         c.fill_bitmask(one, i)
     GrammarConstraint.fill_bitmasks([(c, i) for i, c in enumerate(cons)], many)
     assert torch.equal(one, many) and all(one[i].any() for i in range(3))
+
+
+@pytest.mark.parametrize("max_tokens", [1, 3, 5, 8, 12, 16])
+def test_call_cut_at_any_length_is_never_content(llm, max_tokens):
+    """A call cut by the length limit is a call, whatever its length: with two tools, named
+    once the written part fits one of them (never an empty list of calls from a named call);
+    with one tool, named from the first token. The adapters never show its markup."""
+    from lazyllm.integrations.langchain_tools import ai_message
+    from lazyllm.integrations.llama_index_tools import chat_message
+
+    for tools, choice in (([WEATHER, ADD], "required"), ([WEATHER, ADD], "add")):
+        out = llm.generate("q", tools=tools, tool_choice=choice, max_new_tokens=max_tokens)
+        assert out.finish_reason == "length" and out.answer_is_calls and out.text.startswith("<"), out.text
+        fits = [n for n in ("get_weather", "add") if choice in ("required", n)
+                and f'<tool_call>{{"name": "{n}"'.startswith(out.text[:len(f'<tool_call>{{"name": "{n}"')])]
+        if len(fits) == 1:  # the written part names one tool: the cut call is that tool's
+            [call] = out.tool_calls
+            assert call.name == fits[0] and call.partial is not None and call.arguments == {}
+        else:
+            assert out.tool_calls == []
+        assert ai_message(out).content == "" and chat_message(out).content == ""
+
+
+def test_auto_text_answer_holds_no_call_markup(llm):
+    """Under ``tool_choice="auto"`` a text answer may hold ``<`` but never a call's markup
+    (a model echoing the prompt's call format would hand the caller a call as content)."""
+    from lazyllm.structured import prepare
+
+    req = prepare(llm.inputs.grammars, tools=[WEATHER], tool_choice="auto")
+
+    def accepts(text):
+        c = llm.inputs.grammars.constraint(req.grammar)
+        return all(c.accept(t) for t in llm.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    assert accepts("Sure, <b>bold</b> and 3 < 4.")
+    assert not accepts('Sure: <tool_call>{"name": "get_weather", "arguments": {}}</tool_call>')
+    assert not accepts("done </tool_call>")
+    assert not accepts("<b>text may not start like a call</b>")
