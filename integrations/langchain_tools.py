@@ -186,7 +186,8 @@ def bind_tools(model: Runnable, tools: Sequence[Any], tool_choice: Any = None, *
     choice = tool_choice_arg(tool_choice, formatted)
     if choice is not None:
         kwargs["tool_choice"] = choice
-    kwargs.pop("strict", None)  # a grammar holds every call to its schema anyway
+    if kwargs.pop("strict", None):  # as ChatOpenAI: OpenAI's strict functions (every object closed)
+        formatted = [{**t, "function": {**t["function"], "strict": True}} for t in formatted]
     return model.bind(tools=formatted, **kwargs)
 
 
@@ -202,7 +203,7 @@ def with_structured_output(model: Any, schema: Any, *, method: str = "json_schem
     ``method``: ``"json_schema"`` (the answer is held to the schema), ``"function_calling"``
     (a forced call of a tool whose parameters are the schema) or ``"json_mode"`` (any JSON
     object; the prompt has to ask for the keys)."""
-    kwargs.pop("strict", None)
+    strict = bool(kwargs.pop("strict", None))
     if kwargs:
         raise InvalidRequestError(f"unsupported with_structured_output arguments: {sorted(kwargs)}")
     if schema is None and method != "json_mode":
@@ -211,7 +212,7 @@ def with_structured_output(model: Any, schema: Any, *, method: str = "json_schem
     if method == "function_calling":
         tool = convert_to_openai_tool(schema)
         name = tool["function"]["name"]
-        llm = bind_tools(model, [schema], tool_choice=name, ls_structured_output_format=fmt)
+        llm = bind_tools(model, [schema], tool_choice=name, ls_structured_output_format=fmt, strict=strict)
         parser: Runnable = (PydanticToolsParser(tools=[schema], first_tool_only=True) if _is_pydantic(schema)
                             else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
     elif method in ("json_schema", "json_mode"):
@@ -222,6 +223,9 @@ def with_structured_output(model: Any, schema: Any, *, method: str = "json_schem
                 rf = closed(convert_to_json_schema(schema))  # engine closes a v2 class's
             else:
                 rf = convert_to_json_schema(schema)
+                if strict:  # as ChatOpenAI: OpenAI's strict json_schema (every object closed)
+                    rf = {"type": "json_schema", "json_schema": {"name": rf.get("title") or "response",
+                                                                 "schema": rf, "strict": True}}
         else:
             rf = {"type": "json_object"}
         llm = model.bind(response_format=rf, ls_structured_output_format=fmt)

@@ -93,8 +93,11 @@ def _response_format(rf: Any) -> tuple[dict | None, ResponseFormat | None]:
                                   f"json_object ({fmt.kind} formats need an in-process engine)")
     name = rf.__name__ if isinstance(rf, type) else (rf.get("json_schema") or {}).get("name") \
         if isinstance(rf, dict) and rf.get("type") == "json_schema" else None
+    # strict only where the caller asked it: strict closes every object (a Pydantic model's
+    # schema is closed already, and a dict-typed field is an object that must stay open)
+    strict = isinstance(rf, dict) and rf.get("type") == "json_schema" and rf["json_schema"].get("strict") is True
     return {"type": "json_schema", "json_schema": {"name": name or "response", "schema": fmt.schema,
-                                                   "strict": True}}, fmt
+                                                   "strict": strict}}, fmt
 
 
 def request_fields(question: str | None, system: str | None, options: dict[str, Any]

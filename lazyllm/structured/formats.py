@@ -17,7 +17,7 @@ from ..errors import InvalidRequestError
 from ..types import Grammar, Regex
 
 __all__ = ["ResponseFormat", "normalize_response_format", "format_instruction", "JSON_STYLE", "bounded",
-           "DEFAULT_MAX_STRING_LENGTH"]
+           "strict_closed", "DEFAULT_MAX_STRING_LENGTH"]
 
 # JSON as models write it (", " and ": "), one fixed spelling: free whitespace lets a small
 # model pad forever, and fixed separators keep the output short
@@ -89,6 +89,45 @@ def closed(schema: Any) -> Any:
     return out
 
 
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames")
+
+
+def _is_object(schema: dict) -> bool:
+    kind = schema.get("type")
+    return kind == "object" or isinstance(kind, list) and "object" in kind or "properties" in schema
+
+
+def strict_closed(schema: Any, where: str = "schema") -> Any:
+    """``schema`` as OpenAI's strict mode reads it: every object closed to its ``properties``
+    (``additionalProperties: false``, written in where it is missing). An object that admits
+    other keys (``additionalProperties`` true or a schema) is refused, naming it (``where``:
+    the schema's place in the request), as OpenAI refuses it."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if _is_object(out):
+        extra = out.get("additionalProperties", False)
+        if extra is not False:
+            raise InvalidRequestError(f"{where}: strict mode closes every object, so additionalProperties must be "
+                                      f"false (or left out), got {json.dumps(extra)}; set strict false to allow "
+                                      "other keys")
+        out["additionalProperties"] = False
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {n: strict_closed(v, f"{where}.{key}.{n}") for n, v in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict_closed(v, f"{where}.{key}[{i}]") for i, v in enumerate(out[key])]
+    for key in _SCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = strict_closed(out[key], f"{where}.{key}")
+        elif isinstance(out.get(key), list):  # items as a list (draft 4-7 tuples)
+            out[key] = [strict_closed(v, f"{where}.{key}[{i}]") for i, v in enumerate(out[key])]
+    return out
+
+
 def _pydantic_model(obj) -> type | None:
     try:
         from pydantic import BaseModel
@@ -116,8 +155,12 @@ def _openai_format(rf: dict, max_string_length: int | None) -> ResponseFormat | 
         # as OpenAI: without a schema there is nothing to hold the answer to
         raise InvalidRequestError('response_format {"type": "json_schema"} needs "json_schema": {"name": ..., '
                                   '"schema": {...}}')
-    # strict or not, the output is held to the schema: a grammar cannot follow it loosely
-    return _schema_format(js["schema"], max_string_length=max_string_length)
+    # strict or not, the output is held to the schema (a grammar cannot follow it loosely);
+    # strict also closes every object, as OpenAI's strict mode does
+    schema = js["schema"]
+    if js.get("strict") is True:
+        schema = strict_closed(schema, "response_format.json_schema.schema")
+    return _schema_format(schema, max_string_length=max_string_length)
 
 
 def _choice_format(choices: list) -> ResponseFormat:

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import InvalidRequestError
 from ..types import ToolCall
-from .formats import DEFAULT_MAX_STRING_LENGTH, JSON_STYLE, ResponseFormat, bounded, closed
+from .formats import DEFAULT_MAX_STRING_LENGTH, JSON_STYLE, ResponseFormat, bounded, closed, strict_closed
 from .schema_errors import has_ref
 
 __all__ = ["Tool", "normalize_tools", "normalize_tool_choice", "tool_grammar", "parse_tool_calls", "CALL_OPEN",
@@ -60,6 +60,8 @@ def _tool(i: int, t: Any) -> Tool:
     if not isinstance(params, dict) or params.get("type", "object") != "object":
         raise InvalidRequestError(f"tools[{i}] ({name}): parameters must be a JSON Schema of type 'object', "
                                   f"got {params!r}")
+    if fn.get("strict") is True:  # OpenAI's strict function: every object of the arguments closed
+        params = strict_closed(params, f"tools[{i}].function.parameters")
     return Tool(name, desc, params)
 
 

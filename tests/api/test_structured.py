@@ -251,3 +251,40 @@ def test_auto_text_answer_holds_no_call_markup(llm):
     assert not accepts('Sure: <tool_call>{"name": "get_weather", "arguments": {}}</tool_call>')
     assert not accepts("done </tool_call>")
     assert not accepts("<b>text may not start like a call</b>")
+
+
+CITY = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "where": {"type": "object", "properties": {"lat": {"type": "integer"}}, "required": ["lat"]}},
+    "required": ["name", "where"]}
+
+
+def _accepts(llm, grammar: str, text: str) -> bool:
+    """Whether ``grammar`` admits ``text`` as a complete answer, token by token."""
+    c = llm.inputs.grammars.constraint(grammar)
+    return all(c.accept(t) for t in llm.tokenizer(text, add_special_tokens=False)["input_ids"]) and c.is_accepting()
+
+
+def test_strict_closes_every_object(llm):
+    """``strict: true`` admits no key outside ``properties``, at any depth (OpenAI's strict
+    mode); without it the schema is followed as written (objects open)."""
+    from lazyllm.structured import prepare
+
+    def rf(strict, schema=CITY):
+        return {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": strict}}
+
+    ok, extra = '{"name": "Paris", "where": {"lat": 48}}', '{"name": "Paris", "where": {"lat": 48}, "type": "json"}'
+    deep = '{"name": "Paris", "where": {"lat": 48, "lon": 2}}'
+    strict, loose = (prepare(llm.inputs.grammars, response_format=rf(s)).grammar for s in (True, False))
+    assert _accepts(llm, strict, ok) and not _accepts(llm, strict, extra) and not _accepts(llm, strict, deep)
+    assert _accepts(llm, loose, extra) and _accepts(llm, loose, deep)
+    out = llm.generate("a city", response_format=rf(True), max_new_tokens=80)
+    assert out.finish_reason == "stop" and set(out.parsed) == {"name", "where"} and set(out.parsed["where"]) == {"lat"}
+    opened = {**CITY, "properties": {**CITY["properties"], "tags": {"type": "object", "additionalProperties": True}}}
+    with pytest.raises(InvalidRequestError, match=r"schema\.properties\.tags: strict mode closes every object"):
+        llm.generate("a city", response_format=rf(True, opened))
+    tool = {"type": "function", "function": {"name": "save", "strict": True, "parameters": opened}}
+    with pytest.raises(InvalidRequestError, match=r"tools\[0\]\.function\.parameters\.properties\.tags"):
+        llm.generate("a city", tools=[tool])
+    assert llm.generate("a city", tools=[{**tool, "function": {**tool["function"], "strict": False}}],
+                        tool_choice="required", max_new_tokens=4).finish_reason == "length"

@@ -172,6 +172,8 @@ def test_tool_result_round_trip(client, server, llm):
     ({"messages": ASK + [{"role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {
         "name": "get_time", "arguments": "{not json"}}]}]}, None),
     ({"functions": [{"name": "f"}]}, "functions"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
+        "type": "object", "properties": {"a": {"type": "object", "additionalProperties": True}}}}}}, None),
 ])
 def test_bad_structured_input_is_400(server, llm, body, param):
     for stream in (False, True):
