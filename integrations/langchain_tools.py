@@ -15,10 +15,11 @@ from operator import itemgetter
 from typing import Any
 
 from langchain_core.documents import Document
+from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ToolMessage
 from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticToolsParser
 from langchain_core.output_parsers.pydantic import PydanticOutputParser
-from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
@@ -191,6 +192,17 @@ def bind_tools(model: Runnable, tools: Sequence[Any], tool_choice: Any = None, *
     return model.bind(tools=formatted, **kwargs)
 
 
+def _complete_answer(msg: BaseMessage) -> BaseMessage:
+    """``msg``, when the model finished its answer; raises ``OutputParserException`` when the
+    length limit cut it (``with_structured_output(include_raw=True)`` then gives ``parsed``
+    None and this as ``parsing_error``)."""
+    if getattr(msg, "response_metadata", {}).get("finish_reason") == "length":
+        raise OutputParserException("the answer was cut off by the length limit (finish_reason 'length') before it "
+                                    "was complete, so there is nothing to parse; raise max_tokens",
+                                    llm_output=msg.content if isinstance(msg.content, str) else None)
+    return msg
+
+
 def _is_pydantic(schema: Any) -> bool:
     """A Pydantic model class: v2, or v1 (``pydantic.v1``), which LangChain still takes."""
     return isinstance(schema, type) and is_basemodel_subclass(schema)
@@ -232,6 +244,9 @@ def with_structured_output(model: Any, schema: Any, *, method: str = "json_schem
         parser = PydanticOutputParser(pydantic_object=schema) if _is_pydantic(schema) else JsonOutputParser()
     else:
         raise InvalidRequestError(f"method must be json_schema, function_calling or json_mode, got {method!r}")
+    # a cut answer is never parsed as complete: LangChain's JSON parsers close what was cut
+    # (an array, an object) and the tool parsers read a cut call as no call (None)
+    parser = RunnableLambda(_complete_answer) | parser
     if not include_raw:
         return llm | parser
     parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)

@@ -109,6 +109,8 @@ class LazyLLM:
         warmup: bool = True,
         packets: Any = "auto",
         max_string_length: int | None = 256,
+        max_array_length: int | None = 32,
+        max_json_depth: int | None = 8,
     ):
         config = EngineConfig.resolve(**{k: v for k, v in locals().items() if k in _OPTIONS})
         self._tp = None

@@ -14,13 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..types import GenerationOutput, ToolCall
+from .bounds import JsonBounds
 from .call_stream import ToolCallDeltas
 from .formats import DEFAULT_MAX_STRING_LENGTH, ResponseFormat, format_instruction, normalize_response_format
 from .grammar import GrammarCompiler, GrammarConstraint
 from .schema_errors import check_refs
 from .tools import Tool, new_call_id, normalize_tool_choice, normalize_tools, parse_tool_calls, tool_grammar
 
-__all__ = ["GrammarCompiler", "GrammarConstraint", "StructuredRequest", "prepare", "normalize_response_format",
+__all__ = ["GrammarCompiler", "GrammarConstraint", "JsonBounds", "StructuredRequest", "prepare",
+           "normalize_response_format",
            "normalize_tools", "format_instruction", "Tool"]
 
 
@@ -73,16 +75,21 @@ class StructuredRequest:
 
 def prepare(compiler: GrammarCompiler | None, response_format: Any = None, tools: Any = None,
             tool_choice: Any = None, parallel_tool_calls: bool = False,
-            max_string_length: int | None = DEFAULT_MAX_STRING_LENGTH) -> StructuredRequest | None:
+            max_string_length: int | None = DEFAULT_MAX_STRING_LENGTH,
+            bounds: JsonBounds | None = None) -> StructuredRequest | None:
     """Normalize and compile (into ``compiler``'s cache) what a request asked for; None when
     it asked for nothing. JSON strings whose schema sets no ``maxLength`` are held to
-    ``max_string_length`` characters (None: unbounded; with a ``compiler``, its own bound).
+    ``max_string_length`` characters (None: unbounded), and arrays and free values to
+    ``bounds`` (``JsonBounds``, which also sets the string bound); with a ``compiler``, its
+    own bounds.
     Raises ``InvalidRequestError`` for any malformed or unsupported part, before anything runs."""
     if response_format is None and tools is None and tool_choice is None:
         return None
-    if compiler is not None:  # the engine's own bound (LazyLLM(max_string_length=...))
-        max_string_length = compiler.max_string_length
-    fmt = normalize_response_format(response_format, max_string_length)
+    if compiler is not None:  # the engine's own bounds (LazyLLM(max_string_length=...)...)
+        bounds = compiler.bounds
+    elif bounds is None:
+        bounds = JsonBounds(max_string_length=max_string_length)
+    fmt = normalize_response_format(response_format, bounds)
     tl = normalize_tools(tools)
     if tool_choice is not None and not tl:
         from ..errors import InvalidRequestError
@@ -91,7 +98,7 @@ def prepare(compiler: GrammarCompiler | None, response_format: Any = None, tools
     choice = normalize_tool_choice(tool_choice, tl)
     if tl:
         grammar = tool_grammar(tl, choice, fmt, parallel=bool(parallel_tool_calls),
-                               max_string_length=max_string_length)
+                               bounds=bounds)
     else:
         grammar = fmt.grammar if fmt is not None else None
     schemas = [t.parameters for t in tl] + ([fmt.schema] if fmt is not None and fmt.schema is not None else [])

@@ -18,7 +18,8 @@ from typing import Any
 
 from ..errors import InvalidRequestError
 from ..types import ToolCall
-from .formats import DEFAULT_MAX_STRING_LENGTH, JSON_STYLE, ResponseFormat, bounded, closed, strict_closed
+from .bounds import JsonBounds
+from .formats import DEFAULT_MAX_STRING_LENGTH, JSON_STYLE, ResponseFormat, closed, strict_closed
 from .schema_errors import has_ref
 
 __all__ = ["Tool", "normalize_tools", "normalize_tool_choice", "tool_grammar", "parse_tool_calls", "CALL_OPEN",
@@ -124,14 +125,14 @@ def _rebased(schema: Any, base: str) -> Any:
     return out
 
 
-def call_schema(tools: list[Tool], max_string_length: int | None = DEFAULT_MAX_STRING_LENGTH) -> dict:
+def call_schema(tools: list[Tool], bounds: JsonBounds | int | None = DEFAULT_MAX_STRING_LENGTH) -> dict:
     """JSON Schema of one call: ``{"name": <const>, "arguments": <that tool's parameters>}``
-    for any of ``tools`` (strings without a ``maxLength`` bounded, ``formats.bounded``)."""
+    for any of ``tools`` (the arguments' open ends held to ``bounds``, ``JsonBounds``)."""
     # arguments closed to the listed parameters (as OpenAI's strict mode does): a tool's
     # function would reject or drop an invented one
     defs, alts = {}, []
     for t in tools:
-        args = bounded(closed(t.parameters), max_string_length)
+        args = JsonBounds.of(bounds).apply(closed(t.parameters))
         if has_ref(args):
             # the parameters' $refs point into their own document ("#/$defs/Address", "#" for a
             # recursive model), which is no longer the root once nested in the call: keep the
@@ -148,7 +149,7 @@ def call_schema(tools: list[Tool], max_string_length: int | None = DEFAULT_MAX_S
 
 
 def tool_grammar(tools: list[Tool], choice: str, text_format: ResponseFormat | None,
-                 parallel: bool = False, max_string_length: int | None = DEFAULT_MAX_STRING_LENGTH) -> str | None:
+                 parallel: bool = False, bounds: JsonBounds | int | None = DEFAULT_MAX_STRING_LENGTH) -> str | None:
     """The llguidance (Lark) grammar of the answer under ``choice``; None when unconstrained
     (``"none"`` without a ``response_format``). ``parallel``: several calls, one per line
     (else exactly one: small models otherwise tend to repeat a call)."""
@@ -157,7 +158,7 @@ def tool_grammar(tools: list[Tool], choice: str, text_format: ResponseFormat | N
     if choice == "none":
         return text_format.grammar if text_format is not None else None
     chosen = tools if choice in ("auto", "required") else [t for t in tools if t.name == choice]
-    body = json.dumps(call_schema(chosen, max_string_length))
+    body = json.dumps(call_schema(chosen, bounds))
     rules = ['calls: call ("\\n" call)*' if parallel else "calls: call",
              f'call: "{CALL_OPEN}" call_json "{CALL_CLOSE}"', f"call_json: %json {body}"]
     if choice != "auto":
@@ -171,7 +172,7 @@ def tool_grammar(tools: list[Tool], choice: str, text_format: ResponseFormat | N
         rules.append(r"TEXT: /[^<][\s\S]*/ & ~/[\s\S]*<\/?tool_call>[\s\S]*/")
     elif text_format.schema is not None:
         start = "start: calls | answer"
-        answer = bounded(text_format.schema, max_string_length)
+        answer = JsonBounds.of(bounds).apply(text_format.schema)
         rules.append(f"answer: %json {json.dumps({**answer, 'x-guidance': JSON_STYLE})}")
     else:
         raise InvalidRequestError("with tools, response_format must be a JSON Schema, a Pydantic model or json_object")

@@ -288,3 +288,42 @@ def test_strict_closes_every_object(llm):
         llm.generate("a city", tools=[tool])
     assert llm.generate("a city", tools=[{**tool, "function": {**tool["function"], "strict": False}}],
                         tool_choice="required", max_new_tokens=4).finish_reason == "length"
+
+
+def test_arrays_and_free_values_are_bounded(llm):
+    """Where a schema sets no ``maxItems`` an array holds at most ``max_array_length`` items
+    (the schema's own ``maxItems`` wins); a value the schema leaves free (``json_object``, ``{}``,
+    an object's other keys) nests at most ``max_json_depth`` levels; a user sets both (the
+    defaults: 32 items, 8 levels), in response formats and tool arguments alike."""
+    from lazyllm.config import EngineConfig
+    from lazyllm.structured import JsonBounds, prepare
+
+    def nested(levels):  # an object `levels` deep, top level counted
+        return '{"a": ' * levels + "1" + "}" * levels
+
+    def items(n):
+        return "[" + ", ".join(["1"] * n) + "]"
+
+    obj = {"type": "json_object"}
+    g = prepare(llm.inputs.grammars, response_format=obj).grammar  # the engine's defaults
+    assert _accepts(llm, g, nested(8)) and not _accepts(llm, g, nested(9))
+    assert _accepts(llm, g, '{"a": ' + items(32) + "}") and not _accepts(llm, g, '{"a": ' + items(33) + "}")
+    small = JsonBounds(max_array_length=3, max_json_depth=2)
+    g = prepare(None, response_format=obj, bounds=small).grammar
+    assert _accepts(llm, g, nested(2)) and not _accepts(llm, g, nested(3))
+    tags = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}},
+                                             "more": {"type": "array", "maxItems": 5}, "free": {}},
+            "required": ["tags", "more", "free"]}
+    g = prepare(None, response_format=tags, bounds=small).grammar
+    assert _accepts(llm, g, '{"tags": ["a", "b", "c"], "more": ' + items(5) + ', "free": {"k": 1}}')
+    assert not _accepts(llm, g, '{"tags": ["a", "b", "c", "d"], "more": [], "free": 1}')
+    assert not _accepts(llm, g, '{"tags": [], "more": [], "free": {"k": {"j": 1}}}')  # three levels
+    tool = {"type": "function", "function": {"name": "tag", "parameters": tags}}
+    g = prepare(None, tools=[tool], tool_choice="required", bounds=small).grammar
+    call = '<tool_call>{"name": "tag", "arguments": {"tags": %s, "more": [], "free": 1}}</tool_call>'
+    assert _accepts(llm, g, call % '["a", "b", "c"]') and not _accepts(llm, g, call % '["a", "b", "c", "d"]')
+    unbounded = JsonBounds(max_array_length=None, max_json_depth=None)
+    assert _accepts(llm, prepare(None, response_format=obj, bounds=unbounded).grammar, nested(12))
+    for bad in ({"max_array_length": 0}, {"max_json_depth": "3"}):
+        with pytest.raises(InvalidRequestError, match=next(iter(bad))):
+            EngineConfig(**bad)

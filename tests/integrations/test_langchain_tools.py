@@ -9,6 +9,7 @@ from typing import Literal
 import jsonschema
 import pytest
 from langchain_core.documents import Document
+from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from pydantic import BaseModel, Field
@@ -144,6 +145,27 @@ def test_with_structured_output(chat, method):
     d = chat.with_structured_output(Person.model_json_schema(), method=method, include_raw=True).invoke("who?")
     assert d["parsing_error"] is None and isinstance(d["raw"], AIMessage)
     jsonschema.validate(d["parsed"], Person.model_json_schema())
+
+
+class Tagged(BaseModel):
+    """A note with tags."""
+
+    title: str = Field(max_length=10)
+    tags: list[str] = []
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+@pytest.mark.parametrize("schema", [Tagged, Tagged.model_json_schema()], ids=["pydantic", "dict"])
+def test_cut_answer_is_never_parsed(chat, method, schema):
+    """An answer the length limit cut is never parsed as complete (LangChain's JSON parsers
+    would close the cut array): ``parsed`` None, ``parsing_error`` saying so, the raw message's
+    ``finish_reason`` length; without ``include_raw``, the error is raised."""
+    short = chat.model_copy(update={"max_tokens": 12})
+    out = short.with_structured_output(schema, method=method, include_raw=True).invoke("tag it")
+    assert out["raw"].response_metadata["finish_reason"] == "length"
+    assert out["parsed"] is None and "length limit" in str(out["parsing_error"]), out
+    with pytest.raises(OutputParserException, match="length limit"):
+        short.with_structured_output(schema, method=method).invoke("tag it")
 
 
 class PersonV1(BaseModelV1):
