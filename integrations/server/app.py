@@ -36,6 +36,7 @@ from .protocol import (
     ChatCompletionRequest,
     completion_response,
     emits_tool_calls,
+    logprobs_json,
     new_request_id,
     parse_chat_request,
     sse,
@@ -346,6 +347,8 @@ class _Server:
                         rest = calls.flush(cut) if calls is not None else None
                         if rest:  # a call the length limit cut off: its arguments as far as generated
                             data.append(sse(stream_chunk(rid, created, served, tool_calls=rest)))
+                        if val.logprobs is not None:  # scored once the answer is complete: in one chunk
+                            data.append(sse(stream_chunk(rid, created, served, logprobs=logprobs_json(val))))
                         data.append(sse(stream_chunk(rid, created, served, finish_reason=val.finish_reason)))
                         if include_usage:
                             data.append(sse(stream_chunk(rid, created, served, usage=usage_json(val), out=val)))

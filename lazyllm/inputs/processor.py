@@ -55,7 +55,7 @@ class InputProcessor:
     def generation(self, question, chunks=None, system=None, *, max_new_tokens=64, temperature=0.0, top_p=1.0,
                    top_k=0, seed=None, stop=None, timeout=None, response_format=None, tools=None,
                    tool_choice=None, messages=None, parallel_tool_calls=False, streaming=True,
-                   received_at=None) -> Request:
+                   logprobs=False, top_logprobs=0, received_at=None) -> Request:
         """A request to answer ``question`` over ``chunks`` (``LazyLLM.generate``'s arguments);
         raises ``InvalidRequestError`` / ``ContextLengthError`` for what cannot run.
         ``received_at``: the ``time.perf_counter()`` of the caller's call or of the server's
@@ -68,6 +68,7 @@ class InputProcessor:
                                       f"({self.max_context} tokens)")
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
             raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        top = _top_logprobs(logprobs, top_logprobs)
         structured = self._structured(response_format, tools, tool_choice, parallel_tool_calls)
         segs = render_request(self.prompts, question, as_chunks(chunks), system, messages, structured)
         self.check_fits(sum(len(s.ids) for s in segs), params.max_new_tokens)
@@ -75,7 +76,8 @@ class InputProcessor:
         if structured is not None and structured.grammar is not None:
             constraint = self.grammars.constraint(structured.grammar)
         return self._make(segs, params, streaming=streaming, timeout=timeout, constraint=constraint,
-                          finalize=structured.finalize if structured is not None else None, received_at=received_at)
+                          finalize=structured.finalize if structured is not None else None, received_at=received_at,
+                          logprobs=top)
 
     def warming(self, chunks: Sequence[Chunk], system: str | None) -> Request:
         """A request that only computes and caches the KV of ``chunks`` and of the prefix."""
@@ -171,3 +173,19 @@ class InputProcessor:
 
 
 __all__ = ["InputProcessor"]
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+
+
+def _top_logprobs(logprobs: Any, top_logprobs: Any) -> int | None:
+    """The request's ``Request.logprobs``: None (not asked) or the count of most likely
+    tokens per place; raises ``InvalidRequestError`` as OpenAI refuses the pair."""
+    if not isinstance(logprobs, bool):
+        raise InvalidRequestError(f"logprobs must be a bool, got {logprobs!r}")
+    if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not \
+            0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs!r}")
+    if top_logprobs and not logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs=True")
+    return top_logprobs if logprobs else None

@@ -209,3 +209,20 @@ def test_documents_in_conversation_reused_at_second_step(chat):
     second = chat.bind_tools([multiply], tool_choice="none").invoke(msgs)
     assert second.response_metadata["cached_chunk_tokens"] > 0
     assert second.usage_metadata["input_token_details"]["cache_read"] > 0
+
+
+def test_logprobs_as_chat_openai_gives_them(chat):
+    """``logprobs=True`` (a field or per call, as ``ChatOpenAI``): ``response_metadata
+    ["logprobs"]["content"]`` in OpenAI's shape, one per generated token (the end of sequence
+    left out); streamed, the chunks add up to the same."""
+    msg = chat.invoke("hello", logprobs=True, top_logprobs=2, max_tokens=6)
+    content = msg.response_metadata["logprobs"]["content"]
+    assert len(content) == msg.usage_metadata["output_tokens"] - (msg.response_metadata["finish_reason"] == "stop")
+    assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["logprob"] >= e["logprob"] - 1e-6
+               for e in content)
+    full = None
+    for chunk in chat.model_copy(update={"logprobs": True}).stream("hello", max_tokens=6):
+        full = chunk if full is None else full + chunk
+    assert [(e["token"], e["logprob"]) for e in full.response_metadata["logprobs"]["content"]] == [
+        (e["token"], e["logprob"]) for e in content]
+    assert "logprobs" not in chat.invoke("hello", max_tokens=2).response_metadata
