@@ -24,6 +24,8 @@ from lazyllm.errors import InvalidRequestError
 from lazyllm.structured.call_stream import ToolCallDeltas
 
 from .backends import Backend, GenerationStream, as_backend
+from .embeddings import Embedder
+from .embeddings import add_route as add_embeddings
 from .errors import APIError, error_from_exception
 from .metrics import ServerMetrics
 from .preflight import (
@@ -371,7 +373,8 @@ def create_app(llm: LazyLLM | Backend, *, api_key: str | None = None, model_name
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT,
                default_max_tokens: int = DEFAULT_MAX_TOKENS, default_temperature: float = 0.0,
-               max_concurrency: int = DEFAULT_MAX_CONCURRENCY, warmup: bool = True) -> FastAPI:
+               max_concurrency: int = DEFAULT_MAX_CONCURRENCY, warmup: bool = True,
+               embedder: Any = "minilm") -> FastAPI:
     """The FastAPI app serving ``llm`` (see the package docstring for the endpoints): a
     ``LazyLLM`` (served through a ``LocalBackend`` the app makes and closes) or any
     ``Backend`` (``ray_serve.RayBackend(handle)``: replicas behind the same endpoints).
@@ -386,7 +389,9 @@ def create_app(llm: LazyLLM | Backend, *, api_key: str | None = None, model_name
     ``warmup``: run the backend's ``warmup()`` (``LazyLLM.warmup``: every kernel compiled and
     the CUDA graphs captured; a no-op where it already ran) on a thread from the start:
     ``/health`` answers at once (liveness), ``/ready`` and ``/health?ready`` answer 503 until
-    it finished, then 200 (readiness).
+    it finished, then 200 (readiness). ``embedder``: what ``/v1/embeddings`` serves (the bundled
+    MiniLM, loaded at its first request; any embedding model, ``server.embeddings.Embedder``;
+    None: no embeddings).
 
     Body parsing, validation and tokenization run on worker threads, never on the event
     loop, so ``/health`` and other requests are answered while a large body is processed;
@@ -415,6 +420,7 @@ def create_app(llm: LazyLLM | Backend, *, api_key: str | None = None, model_name
     app.state.backend, app.state.model_name, app.state.metrics = backend, srv.served, srv.metrics
     app.state.llm = getattr(backend, "llm", None)
     _routes(app, srv)
+    add_embeddings(app, srv, embedder if embedder is None or isinstance(embedder, Embedder) else Embedder(embedder))
     srv.start_warmup(warmup)
     return app
 

@@ -66,3 +66,58 @@ def test_logprobs_refusals_are_400(server):
                        json={"model": MODEL, "messages": MESSAGES, **body}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert json.loads(r.text)["error"]["message"]
+
+
+def test_embeddings_equal_the_bundled_embedder(client, server):
+    """``/v1/embeddings`` serves the bundled MiniLM: the OpenAI client's vectors (it asks for
+    base64) and plain float lists equal ``minilm.embed``'s to 1e-5, in input order."""
+    np = pytest.importorskip("numpy")
+    from lazyllm.integrations.minilm import MODEL_NAME, embed
+
+    texts = ["The lighthouse was lit in 1887.", "Sorna glass is blue.", "x"]
+    want = embed(texts)
+    r = client.embeddings.create(model=MODEL_NAME, input=texts)
+    got = np.array([d.embedding for d in sorted(r.data, key=lambda d: d.index)])
+    assert got.shape == want.shape and np.abs(got - want).max() < 1e-5
+    assert r.usage.prompt_tokens > len(texts) and r.model == MODEL_NAME
+    one = client.embeddings.create(model=MODEL_NAME, input=texts[0], encoding_format="float")
+    assert np.abs(np.array(one.data[0].embedding) - want[0]).max() < 1e-5
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"input": ["a"]}, 400, "model"),
+    ({"model": "other", "input": ["a"]}, 404, "model"),
+    ({"input": []}, 400, "input"),
+    ({"input": [""]}, 400, "input"),
+    ({"input": [[1, 2]]}, 400, "input"),
+    ({"input": 5}, 400, "input"),
+    ({"input": ["a"], "encoding_format": "hex"}, 400, "encoding_format"),
+    ({"input": ["a"], "dimensions": 3}, 400, "dimensions"),
+    ({"input": ["a"], "extra": 1}, 400, "extra"),
+])
+def test_embeddings_bad_input_is_4xx(server, body, status, param):
+    from lazyllm.integrations.minilm import MODEL_NAME
+
+    body = {"model": MODEL_NAME, **body} if "model" not in body and param != "model" else body
+    r = httpx.post(f"{server}/v1/embeddings", headers={"Authorization": f"Bearer {KEY}"}, json=body, timeout=60)
+    assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+    assert httpx.post(f"{server}/v1/embeddings", json=body, timeout=60).status_code == 401
+
+
+def test_embeddings_from_any_embedder_or_none(llm):
+    """The server embeds with the model it is given (here a callable), and without one says so."""
+    from starlette.testclient import TestClient
+
+    from lazyllm.integrations.server import create_app
+    from lazyllm.integrations.server.embeddings import Embedder
+
+    def lengths(texts):
+        return [[float(len(t)), 1.0] for t in texts]
+
+    app = create_app(llm, model_name=MODEL, warmup=False, embedder=Embedder(lengths, name="len"))
+    with TestClient(app) as c:
+        r = c.post("/v1/embeddings", json={"model": "len", "input": ["ab", "abcd"]})
+        assert [d["embedding"] for d in r.json()["data"]] == [[2.0, 1.0], [4.0, 1.0]]
+    with TestClient(create_app(llm, model_name=MODEL, warmup=False, embedder=None)) as c:
+        r = c.post("/v1/embeddings", json={"model": "len", "input": ["ab"]})
+        assert r.status_code == 404 and "no embedding model" in r.json()["error"]["message"]
