@@ -28,6 +28,7 @@ from .embeddings import Embedder
 from .embeddings import add_route as add_embeddings
 from .errors import APIError, error_from_exception
 from .metrics import ServerMetrics
+from .openapi import add_route as add_openapi
 from .preflight import (
     DEFAULT_MAX_CONCURRENCY,
     DEFAULT_MAX_NEW_TOKENS_LIMIT,
@@ -203,9 +204,9 @@ class _Server:
 
     def check_quality(self, body: ChatCompletionRequest) -> None:
         if body.quality is not None and body.quality != self.quality:
-            raise APIError(400, f"quality: this server runs the preset {self.quality!r}; a preset is chosen when "
-                                "the server starts (lazyllm serve --quality ...), not per request",
-                           param="quality", code="unsupported")
+            runs = f"the preset {self.quality!r}" if self.quality else "no preset (its own options)"
+            raise APIError(400, f"quality: this server runs {runs}; a preset is chosen when the server starts "
+                                "(lazyllm serve --quality ...), not per request", param="quality", code="unsupported")
 
     async def read_body(self, request: Request) -> bytes:
         limit = self.max_request_bytes
@@ -420,7 +421,9 @@ def create_app(llm: LazyLLM | Backend, *, api_key: str | None = None, model_name
     app.state.backend, app.state.model_name, app.state.metrics = backend, srv.served, srv.metrics
     app.state.llm = getattr(backend, "llm", None)
     _routes(app, srv)
-    add_embeddings(app, srv, embedder if embedder is None or isinstance(embedder, Embedder) else Embedder(embedder))
+    embedder = embedder if embedder is None or isinstance(embedder, Embedder) else Embedder(embedder)
+    add_embeddings(app, srv, embedder)
+    add_openapi(app, sorted(srv.accepted), [] if embedder is None else [embedder.name])
     srv.start_warmup(warmup)
     return app
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from fastapi import Request
@@ -30,7 +30,7 @@ class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: str = "float"
+    encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
 

@@ -121,3 +121,12 @@ def test_embeddings_from_any_embedder_or_none(llm):
     with TestClient(create_app(llm, model_name=MODEL, warmup=False, embedder=None)) as c:
         r = c.post("/v1/embeddings", json={"model": "len", "input": ["ab"]})
         assert r.status_code == 404 and "no embedding model" in r.json()["error"]["message"]
+
+
+def test_quality_refusal_names_what_the_server_runs(server):
+    """Found by the schema fuzzer: a server started without a preset refused ``quality`` with
+    "this server runs the preset None"; it says it runs no preset."""
+    r = httpx.post(f"{server}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": MODEL, "messages": MESSAGES, "quality": "fast"}, timeout=60)
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and "runs no preset" in msg and "None" not in msg, msg
