@@ -259,7 +259,7 @@ class LazyLLM:
                  timeout: float | None = None, response_format: Any = None, tools: Sequence[dict] | None = None,
                  tool_choice: str | dict | None = None, messages: Sequence[dict] | None = None,
                  parallel_tool_calls: bool = False, logprobs: bool = False, top_logprobs: int = 0,
-                 received_at: float | None = None) -> GenerationOutput:
+                 raw: bool = False, received_at: float | None = None) -> GenerationOutput:
         """Answer ``question`` over ``chunks`` (each a ``str`` or ``Chunk``).
 
         Returns a ``GenerationOutput`` with ``text``, ``token_ids``, ``prompt_segments``,
@@ -297,12 +297,15 @@ class LazyLLM:
         tokens at each place: the model's own distribution, ``score``'s values for the same
         tokens (a teacher-forced pass over the answer once it is complete, reusing the
         prompt's KV).
+
+        ``raw=True``: complete ``question`` as written (a text completion, OpenAI's legacy
+        ``/v1/completions``): no chat template, the chunks before it, no ``system``.
         """
         req = self.inputs.generation(question, chunks, system, max_new_tokens=max_new_tokens, temperature=temperature,
                                      top_p=top_p, top_k=top_k, seed=seed, stop=stop, timeout=timeout,
                                      response_format=response_format, tools=tools, tool_choice=tool_choice,
                                      messages=messages, parallel_tool_calls=parallel_tool_calls, streaming=False,
-                                     logprobs=logprobs, top_logprobs=top_logprobs,
+                                     logprobs=logprobs, top_logprobs=top_logprobs, raw=raw,
                                      received_at=received_at)  # None: the front door stamps this call
         self.engine.submit(req)
         try:

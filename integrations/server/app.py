@@ -24,6 +24,7 @@ from lazyllm.errors import InvalidRequestError
 from lazyllm.structured.call_stream import ToolCallDeltas
 
 from .backends import Backend, GenerationStream, as_backend
+from .completions import add_route as add_completions
 from .embeddings import Embedder
 from .embeddings import add_route as add_embeddings
 from .errors import APIError, error_from_exception
@@ -423,6 +424,7 @@ def create_app(llm: LazyLLM | Backend, *, api_key: str | None = None, model_name
     _routes(app, srv)
     embedder = embedder if embedder is None or isinstance(embedder, Embedder) else Embedder(embedder)
     add_embeddings(app, srv, embedder)
+    add_completions(app, srv)
     add_openapi(app, sorted(srv.accepted), [] if embedder is None else [embedder.name])
     srv.start_warmup(warmup)
     return app

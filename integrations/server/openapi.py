@@ -40,6 +40,12 @@ CHAT_COMPLETION = {"type": "object", "required": ["id", "object", "created", "mo
             "message": {"type": "object", "required": ["role", "content"], "properties": {
                 "role": {"const": "assistant"}, "content": _STR_OR_NULL,
                 "tool_calls": {"type": "array", "minItems": 1, "items": _TOOL_CALL}}}}}}}}
+TEXT_COMPLETION = {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
+    "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
+    "model": {"type": "string"}, "usage": USAGE, "choices": {"type": "array", "items": {
+        "type": "object", "required": ["index", "text", "finish_reason"], "properties": {
+            "index": {"type": "integer"}, "text": {"type": "string"},
+            "finish_reason": {"enum": ["stop", "length", None]}}}}}}
 EMBEDDINGS = {"type": "object", "required": ["object", "data", "model", "usage"], "properties": {
     "object": {"const": "list"}, "model": {"type": "string"},
     "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"]},
@@ -69,11 +75,12 @@ def _body(model: str) -> dict:
 def _model_schemas(models: list[str], embedders: list[str]) -> dict[str, Any]:
     """The request bodies' schemas, from the pydantic models that validate them; ``model`` is
     required and names one of this server's ``models`` (``embedders`` for embeddings)."""
+    from .completions import CompletionRequest
     from .embeddings import EmbeddingRequest
     from .protocol import ChatCompletionRequest
 
     out: dict[str, Any] = {}
-    for model, names in ((ChatCompletionRequest, models), (EmbeddingRequest, embedders)):
+    for model, names in ((ChatCompletionRequest, models), (CompletionRequest, models), (EmbeddingRequest, embedders)):
         schema = model.model_json_schema(ref_template=_REF)
         out.update(schema.pop("$defs", {}))
         schema["properties"]["model"] = {"enum": sorted(names)} if names else {"type": "string"}
@@ -93,6 +100,12 @@ def openapi_document(models: list[str] = (), embedders: list[str] = (), title: s
         "/v1/chat/completions": {"post": {"operationId": "createChatCompletion", "security": secured,
                                           "requestBody": _body("ChatCompletionRequest"),
                                           "responses": {"200": chat_ok, **_errors(400, 401, 404, 413, 429)}}},
+        "/v1/completions": {"post": {"operationId": "createCompletion", "security": secured,
+                                     "requestBody": _body("CompletionRequest"),
+                                     "responses": {"200": {**chat_ok, "content": {
+                                         "application/json": {"schema": {"$ref": _REF.format(model="TextCompletion")}},
+                                         "text/event-stream": {"schema": {"type": "string"}}}},
+                                         **_errors(400, 401, 404, 413, 429)}}},
         "/v1/embeddings": {"post": {"operationId": "createEmbedding", "security": secured,
                                     "requestBody": _body("EmbeddingRequest"),
                                     "responses": {"200": _json({"$ref": _REF.format(model="Embeddings")},
@@ -113,7 +126,8 @@ def openapi_document(models: list[str] = (), embedders: list[str] = (), title: s
         "/metrics": {"get": {"operationId": "metrics", "responses": {"200": {
             "description": "Prometheus text", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
     }
-    schemas = {"Error": ERROR, "ChatCompletion": CHAT_COMPLETION, "Embeddings": EMBEDDINGS, "Model": MODEL,
+    schemas = {"Error": ERROR, "ChatCompletion": CHAT_COMPLETION, "TextCompletion": TEXT_COMPLETION,
+               "Embeddings": EMBEDDINGS, "Model": MODEL,
                **_model_schemas(list(models), list(embedders))}
     return {"openapi": "3.1.0", "info": {"title": title, "version": "1"}, "paths": paths,
             "components": {"schemas": schemas, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}}

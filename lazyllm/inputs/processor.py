@@ -55,7 +55,7 @@ class InputProcessor:
     def generation(self, question, chunks=None, system=None, *, max_new_tokens=64, temperature=0.0, top_p=1.0,
                    top_k=0, seed=None, stop=None, timeout=None, response_format=None, tools=None,
                    tool_choice=None, messages=None, parallel_tool_calls=False, streaming=True,
-                   logprobs=False, top_logprobs=0, received_at=None) -> Request:
+                   logprobs=False, top_logprobs=0, raw=False, received_at=None) -> Request:
         """A request to answer ``question`` over ``chunks`` (``LazyLLM.generate``'s arguments);
         raises ``InvalidRequestError`` / ``ContextLengthError`` for what cannot run.
         ``received_at``: the ``time.perf_counter()`` of the caller's call or of the server's
@@ -70,7 +70,12 @@ class InputProcessor:
             raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout!r}")
         top = _top_logprobs(logprobs, top_logprobs)
         structured = self._structured(response_format, tools, tool_choice, parallel_tool_calls)
-        segs = render_request(self.prompts, question, as_chunks(chunks), system, messages, structured)
+        if raw:  # a text completion: the prompt as written, after the chunks
+            if messages is not None or system is not None or (structured is not None and structured.tools):
+                raise InvalidRequestError("raw=True completes a prompt as written: no messages, system or tools")
+            segs = self.prompts.raw(question, as_chunks(chunks))
+        else:
+            segs = render_request(self.prompts, question, as_chunks(chunks), system, messages, structured)
         self.check_fits(sum(len(s.ids) for s in segs), params.max_new_tokens)
         constraint = None
         if structured is not None and structured.grammar is not None:

@@ -130,3 +130,41 @@ def test_quality_refusal_names_what_the_server_runs(server):
                    json={"model": MODEL, "messages": MESSAGES, "quality": "fast"}, timeout=60)
     msg = r.json()["error"]["message"]
     assert r.status_code == 400 and "runs no preset" in msg and "None" not in msg, msg
+
+
+def test_legacy_completions_complete_the_prompt_as_written(client, server, llm):
+    """``/v1/completions`` completes the prompt as written (no chat template), equal to
+    ``generate(prompt, raw=True)``, streamed or not, with the legacy ``logprobs`` object equal
+    to ``score``'s; ``documents`` come before the prompt as cached chunks."""
+    prompt = "The lighthouse was lit in"
+    want = llm.generate(prompt, raw=True, max_new_tokens=6)
+    assert want.prompt_segments[-1][1] == llm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
+    ch = r.choices[0]
+    assert r.object == "text_completion" and ch.text == want.text and ch.finish_reason == want.finish_reason
+    ids = [t for t in want.token_ids if t != llm.tokenizer.eos_token_id]
+    scored = llm.score(prompt, continuation=ids).logprobs  # the chat prompt: differs from the raw one
+    raw_scored = [t.logprob for t in llm.generate(prompt, raw=True, max_new_tokens=6, logprobs=True).logprobs]
+    assert ch.logprobs.token_logprobs == pytest.approx(raw_scored, abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(raw_scored, scored)) > 1e-3  # the prompt as written, not templated
+    assert all(len(top) <= 2 for top in ch.logprobs.top_logprobs) and ch.logprobs.text_offset[0] == 0
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, temperature=0, stream=True))
+    assert text == want.text
+    docs = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                     extra_body={"documents": ["Sorna glass is blue."]})
+    again = client.completions.create(model=MODEL, prompt=prompt + " 18", max_tokens=3, temperature=0,
+                                      extra_body={"documents": ["Sorna glass is blue."]})
+    assert docs.usage.prompt_tokens > r.usage.prompt_tokens and again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "a", "n": 2}, "n"), ({"prompt": "a", "echo": True}, "echo"),
+    ({"prompt": "a", "suffix": "z"}, "suffix"), ({"prompt": "a", "logprobs": 6}, "logprobs"),
+    ({"prompt": "a", "max_tokens": 10 ** 6}, "max_tokens"), ({"prompt": ""}, None), ({}, "prompt"),
+])
+def test_legacy_completions_bad_input_is_400(server, body, param):
+    r = httpx.post(f"{server}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": MODEL, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert param is None or r.json()["error"]["param"] == param, r.text
