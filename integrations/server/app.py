@@ -24,6 +24,8 @@ from lazyllm.errors import InvalidRequestError
 from lazyllm.structured.call_stream import ToolCallDeltas
 
 from .backends import Backend, GenerationStream, as_backend
+from .choices import choice_seeds
+from .choices import respond as respond_choices
 from .completions import add_route as add_completions
 from .embeddings import Embedder
 from .embeddings import add_route as add_embeddings
@@ -239,7 +241,7 @@ class _Server:
         return card
 
     # -- chat completions
-    def prepare(self, raw: bytes, request: Request) -> tuple[ChatCompletionRequest, GenerationStream]:
+    def prepare(self, raw: bytes, request: Request) -> tuple[ChatCompletionRequest, Any]:
         """Parse, validate, check and tokenize one body (on a worker thread: the expensive
         part of a request, kept off the event loop). Raises ``APIError``."""
         body = validate_body(raw)
@@ -257,7 +259,9 @@ class _Server:
             received = getattr(request.state, "received_at", None)
             timed = {"received_at": received} if received is not None and getattr(
                 self.backend, "takes_received_at", False) else {}
-            return body, self.backend.stream(req.question, req.chunks, req.system, **req.sampling, **timed)
+            streams = [self.backend.stream(req.question, req.chunks, req.system, **{**req.sampling, "seed": seed},
+                                           **timed) for seed in choice_seeds(req.sampling["seed"], body.n or 1)]
+            return body, streams[0] if len(streams) == 1 else streams  # several: n choices
         except Exception as e:
             raise error_from_exception(e) from None
 
@@ -276,6 +280,8 @@ class _Server:
         finally:
             self.preparing -= 1
         rid, created = new_request_id(), int(time.time())
+        if isinstance(stream, list):
+            return await respond_choices(self, request, body, stream, rid, created)
         if not body.stream:
             out = await self.complete(request, stream)
             if out is None:  # nobody reads it

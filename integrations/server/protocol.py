@@ -51,7 +51,7 @@ class ChatCompletionRequest(BaseModel):
     """The body of ``POST /v1/chat/completions``: OpenAI's fields, ``top_k`` (as vLLM),
     ``documents`` (the chunks) and ``quality`` (the server's preset, see ``create_app``).
     As OpenAI, an unknown field is refused with 400 ("Unrecognized request argument"), and
-    so are known features lazyllm does not have (legacy ``functions``, ``n`` > 1,
+    so are known features lazyllm does not have (legacy ``functions``, ``n`` > 1 with tools,
     penalties, audio), rather than silently ignored. Fields that do not
     change the answer (``user``, ``metadata``, ``store``...) are accepted.
 
@@ -69,7 +69,7 @@ class ChatCompletionRequest(BaseModel):
     top_k: int | None = Field(default=None, ge=0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=None, ge=1, le=8)  # choices.MAX_CHOICES
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -162,8 +162,8 @@ def _unsupported(body: ChatCompletionRequest) -> None:
     def no(param: str, what: str) -> None:
         raise APIError(400, f"{param}: {what} is not supported by lazyllm", param=param, code="unsupported")
 
-    if body.n not in (None, 1):
-        no("n", "more than one choice")
+    if body.n not in (None, 1) and body.tools and body.tool_choice != "none":
+        no("n", "more than one choice with tools")
     if body.functions or body.function_call is not None:
         no("functions" if body.functions else "function_call", "the legacy function-calling fields (use tools)")
     if body.top_logprobs is not None and not body.logprobs:

@@ -233,7 +233,7 @@ BAD = [
     ({"stop": 5}, "stop"),
     ({"stop": [""]}, "stop"),
     ({"stop": ["a", 1]}, "stop[1]"),
-    ({"n": 2}, "n"),
+    ({"n": 9}, "n"),
     ({"n": 0}, "n"),
     ({"stream": "yes"}, "stream"),
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),

@@ -168,3 +168,29 @@ def test_legacy_completions_bad_input_is_400(server, body, param):
                    json={"model": MODEL, **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert param is None or r.json()["error"]["param"] == param, r.text
+
+
+def test_n_choices_share_the_prompt_and_draw_their_own_seeds(client, llm):
+    """``n`` choices: choice ``i`` is the seeded request with ``seed + i`` (so they differ and
+    each is reproducible), the prompt counted once in ``usage``, the documents' chunk computed
+    once for all of them; streamed, each chunk carries its choice's index."""
+    doc = ["The Halvorsen lighthouse was lit in 1887 and guards the northern reef."]
+    before = llm.cache_stats()
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, n=3, max_tokens=5, temperature=1.0, seed=11,
+                                       extra_body={"documents": doc})
+    after = llm.cache_stats()
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    outs = [llm.generate(QUESTION, doc, SYSTEM, max_new_tokens=5, temperature=1.0, seed=11 + i) for i in range(3)]
+    want = [o.text for o in outs]
+    assert [c.message.content for c in r.choices] == want and len(set(want)) > 1
+    single = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=1.0, seed=11,
+                                            extra_body={"documents": doc})
+    assert r.usage.prompt_tokens == single.usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(o.usage.completion_tokens for o in outs)
+    assert 1 <= after["misses"] - before["misses"] <= 2, (before, after)  # the chunk (and prefix) once, not 3 times
+    texts: dict[int, str] = {}
+    for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, max_tokens=5, temperature=1.0,
+                                                seed=11, stream=True, extra_body={"documents": doc}):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert texts == {0: want[0], 1: want[1]}
