@@ -15,6 +15,7 @@ from lazyllm import GenerationOutput
 
 from .errors import error_from_exception
 from .protocol import completion_response, logprobs_json, sse, stream_chunk, usage_json
+from .relay import Relay, json_response
 
 __all__ = ["MAX_CHOICES", "choice_seeds", "respond"]
 
@@ -51,9 +52,7 @@ async def respond(srv: Any, request: Request, body: Any, streams: list, rid: str
         obj["choices"] = [{**completion_response(o, model=srv.served)["choices"][0], "index": i}
                           for i, o in enumerate(outs)]
         obj["usage"] = _usage(outs)
-        from .app import _json_response
-
-        return _json_response(obj)
+        return json_response(obj)
     usage = bool(body.stream_options and body.stream_options.include_usage)
     return StreamingResponse(_events(srv, request, streams, rid, created, usage), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -67,13 +66,11 @@ def _indexed(chunk: dict[str, Any], i: int) -> dict[str, Any]:
 async def _events(srv: Any, request: Request, streams: list, rid: str, created: int,
                   include_usage: bool) -> AsyncIterator[bytes]:
     """The choices' events as they come, each chunk with its choice's ``index``."""
-    from .app import _Relay
-
     srv.enter()
-    relays = [_Relay(s) for s in streams]
+    relays = [Relay(s) for s in streams]
     merged: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, relay: _Relay) -> None:
+    async def pump(i: int, relay: Relay) -> None:
         async for batch in relay.batches():
             for kind, val in batch:
                 merged.put_nowait((i, kind, val))

@@ -19,6 +19,7 @@ from lazyllm import GenerationOutput
 
 from .errors import APIError, error_from_exception
 from .protocol import DocumentIn, StreamOptions, _first_error, _param, documents_to_chunks, sse, usage_json
+from .relay import Relay
 
 __all__ = ["CompletionRequest", "completion_body", "add_route"]
 
@@ -148,10 +149,8 @@ def add_route(app: Any, srv: Any) -> None:
 async def _events(srv: Any, request: Request, stream: Any, rid: str, created: int,
                   include_usage: bool) -> AsyncIterator[bytes]:
     """The server-sent events of a streamed completion (counted as the chat's are)."""
-    from .app import _Relay
-
     srv.enter()
-    relay, status, served = _Relay(stream), "499", srv.served
+    relay, status, served = Relay(stream), "499", srv.served
     try:
         async for batch in relay.batches():
             data = []
