@@ -194,3 +194,23 @@ def test_n_choices_share_the_prompt_and_draw_their_own_seeds(client, llm):
         for c in chunk.choices:
             texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
     assert texts == {0: want[0], 1: want[1]}
+
+
+def test_remote_chat_lazyllm_passes_logprobs_through(server, llm):
+    """``ChatLazyLLM(base_url=..., logprobs=True)`` gives ``response_metadata["logprobs"]``
+    as in process (the server's values), streamed or not."""
+    pytest.importorskip("langchain_core")
+    from lazyllm.integrations.langchain import ChatLazyLLM
+
+    remote = ChatLazyLLM(base_url=f"{server}/v1", api_key=KEY, model_name=MODEL, max_tokens=5, logprobs=True,
+                         top_logprobs=2)
+    local = ChatLazyLLM(llm=llm, max_tokens=5, logprobs=True, top_logprobs=2)
+    got = remote.invoke(QUESTION).response_metadata["logprobs"]["content"]
+    want = local.invoke(QUESTION).response_metadata["logprobs"]["content"]
+    assert [e["token"] for e in got] == [e["token"] for e in want]
+    assert [e["logprob"] for e in got] == pytest.approx([e["logprob"] for e in want], abs=1e-4)
+    assert all(len(e["top_logprobs"]) == 2 for e in got) and got
+    full = None
+    for chunk in remote.stream(QUESTION):
+        full = chunk if full is None else full + chunk
+    assert [e["token"] for e in full.response_metadata["logprobs"]["content"]] == [e["token"] for e in got]
