@@ -33,7 +33,8 @@ from lazyllm.structured.tools import CALL_OPEN
 
 from ._common import RagRequest, request_from_messages
 
-TOOL_KWARGS = ("tools", "tool_choice", "parallel_tool_calls", "response_format")
+# passed to the engine as they are (with the tools: the log-probabilities, OpenAI's names)
+TOOL_KWARGS = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "logprobs", "top_logprobs")
 
 _UNTITLED = "input_document"  # the title DocumentBlock fills in when none is given
 
@@ -195,3 +196,17 @@ def _message_parts(m: ChatMessage) -> tuple[str, str, list[Chunk]]:
     """``(role, text, chunks)`` of one message, for ``request_from_messages``."""
     role = _ROLES.get(m.role, str(m.role.value if hasattr(m.role, "value") else m.role))
     return (role, *text_and_chunks(m, role))
+
+
+def li_logprobs(out: GenerationOutput) -> list | None:
+    """``ChatResponse.logprobs`` as LlamaIndex's OpenAI LLM fills it: per generated token, its
+    most likely tokens (``top_logprobs``; the token itself when none were asked), as
+    ``LogProb``s; None when the call asked for none."""
+    if out.logprobs is None:
+        return None
+    from llama_index.core.base.llms.types import LogProb
+
+    def lp(t) -> LogProb:
+        return LogProb(token=t.token, logprob=t.logprob, bytes=list(t.token.encode("utf-8")))
+
+    return [[lp(x) for x in t.top_logprobs] or [lp(t)] for t in out.logprobs]
