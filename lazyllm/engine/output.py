@@ -14,10 +14,9 @@ import time
 import torch
 
 from ..errors import LazyLLMError, RequestCancelled
-from ..types import GenerationOutput, SamplingParams, ScoreOutput, TokenLogprob, Usage
-from .detokenizer import Detokenizer
+from ..types import GenerationOutput, ScoreOutput, TokenLogprob, Usage
 from .metrics import EngineMetrics
-from .request import Request, Scoring, Segment
+from .request import Request
 
 __all__ = ["OutputProcessor"]
 
@@ -119,10 +118,7 @@ class OutputProcessor:
         if not cont:
             out.logprobs = []
             return None
-        segs = r.segments[:-1] + [Segment("suffix", r.segments[-1].ids + cont[:-1])]
-        return Request(segments=segs, params=SamplingParams(max_new_tokens=1), events=r.events, streaming=False,
-                       received_at=r.received_at, cancelled=r.cancelled, deadline=r.deadline, seed=0,
-                       detok=Detokenizer(self.tok, ()), score=Scoring(cont, r.segments, top=r.logprobs, fills=out))
+        return r.scoring_of(r, cont, out)
 
     def score(self, r: Request, logits: torch.Tensor) -> ScoreOutput:
         """Teacher-forced log-probabilities of the continuation (the last ``logit_rows``

@@ -164,8 +164,10 @@ class Request:
     constraint: TokenConstraint | None = None
     finalize: Callable[[GenerationOutput], GenerationOutput] | None = None
     # the generated tokens' log-probabilities: None (not asked) or how many most likely
-    # tokens to report per place (0: only the generated one's)
+    # tokens to report per place (0: only the generated one's), and the front door's maker of
+    # the scoring request that computes them ``(request, tokens, output) -> Request``
     logprobs: int | None = None
+    scoring_of: Callable[[Request, list[int], GenerationOutput], Request] | None = None
     id: int = field(default_factory=_request_ids.__next__)  # unique in the process, never reused
     plan: PrefillPlan | None = None  # set by ``KVPlanner.plan``, reset by ``unplan``
     alloc: Allocation | None = None  # made by the planner on the first plan

@@ -20,7 +20,7 @@ from ..config import CHUNK_CACHING_MODES
 from ..engine.detokenizer import Detokenizer
 from ..engine.request import Request, Scoring, Segment
 from ..errors import ContextLengthError, InvalidRequestError
-from ..types import Chunk, SamplingParams, as_chunks
+from ..types import Chunk, GenerationOutput, SamplingParams, as_chunks
 from .conversation import render_request
 from .prompt import PromptBuilder, check_text
 
@@ -82,7 +82,7 @@ class InputProcessor:
             constraint = self.grammars.constraint(structured.grammar)
         return self._make(segs, params, streaming=streaming, timeout=timeout, constraint=constraint,
                           finalize=structured.finalize if structured is not None else None, received_at=received_at,
-                          logprobs=top)
+                          logprobs=top, scoring_of=None if top is None else self.scoring_after)
 
     def warming(self, chunks: Sequence[Chunk], system: str | None) -> Request:
         """A request that only computes and caches the KV of ``chunks`` and of the prefix."""
@@ -103,6 +103,17 @@ class InputProcessor:
         segs = prompt[:-1] + [Segment("suffix", prompt[-1].ids + cont[:-1])]
         return self._make(segs, params, streaming=False, score=Scoring(cont, prompt, bool(return_logits)),
                           received_at=received_at)
+
+    def scoring_after(self, r: Request, cont: list[int], out: GenerationOutput) -> Request:
+        """The scoring request of generation ``r``'s tokens ``cont``, teacher-forced after
+        ``r``'s own prompt segments (so its scores are ``score``'s): it answers on ``r``'s
+        event queue, is cancelled with ``r``, and completes ``out`` with its log-probabilities
+        (``OutputProcessor.done_score``)."""
+        segs = r.segments[:-1] + [Segment("suffix", r.segments[-1].ids + cont[:-1])]
+        req = self._make(segs, SamplingParams(max_new_tokens=1), streaming=False, received_at=r.received_at,
+                         score=Scoring(cont, r.segments, top=r.logprobs or 0, fills=out))
+        req.events, req.cancelled, req.deadline = r.events, r.cancelled, r.deadline
+        return req
 
     def synthetic(self, prefix: list[int], chunks: list[list[int]], question: list[int], chunk: Chunk,
                   max_new_tokens: int = 1, *, constraint=None, **sampling) -> Request:
