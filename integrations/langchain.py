@@ -164,6 +164,11 @@ class _EngineParams(BaseModel):
     transient failures to retry, so it is not used."""
     streaming: bool = False
     """``invoke`` streams internally (callbacks get ``on_llm_new_token``)."""
+    logprobs: bool | None = None
+    """As ``ChatOpenAI``: the generated tokens' log-probabilities in
+    ``response_metadata["logprobs"]`` (OpenAI's ``{"content": [...]}``)."""
+    top_logprobs: int | None = None
+    """With ``logprobs``: the most likely tokens at each place (0-20)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -270,7 +275,8 @@ def _response_metadata(model_name: str, out: GenerationOutput) -> dict[str, Any]
     return {"model_name": model_name, "model_provider": PROVIDER, "finish_reason": out.finish_reason,
             "ttft_s": out.ttft_s, "total_s": out.total_s, "cached_tokens": out.usage.cached_tokens,
             "cached_chunk_tokens": out.usage.cached_chunk_tokens,
-            "chunk_ids": list(out.chunk_ids)}
+            "chunk_ids": list(out.chunk_ids),
+            **({"logprobs": {"content": [t.to_openai() for t in out.logprobs]}} if out.logprobs is not None else {})}
 
 
 # -- the chat model --------------------------------------------------------------
@@ -315,6 +321,9 @@ class ChatLazyLLM(_EngineParams, BaseChatModel):
         turns) the conversation goes as real turns (``messages=``) with its documents as
         chunks; otherwise it is folded into the question."""
         extra = pop_structured(kwargs)
+        logprobs, top = kwargs.pop("logprobs", self.logprobs), kwargs.pop("top_logprobs", self.top_logprobs)
+        if logprobs:  # only when asked: a remote engine without them is not sent the fields
+            extra.update(logprobs=True, top_logprobs=top or 0)
         options = {**self._sampling(stop, kwargs), **extra}
         if not keeps_turns(turn_kinds(messages), extra.get("tools")):
             return messages_to_request(messages), options

@@ -20,10 +20,11 @@ from operator import itemgetter
 from typing import Any
 
 from langchain_core.documents import Document
+from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ToolMessage
 from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticToolsParser
 from langchain_core.output_parsers.pydantic import PydanticOutputParser
-from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
@@ -102,7 +103,7 @@ def ai_message(out: GenerationOutput, **meta: Any) -> AIMessage:
     calls = lc_tool_calls(out)
     cut = [{"name": c.name, "args": c.partial, "id": c.id, "error": "cut off by the length limit",
             "type": "invalid_tool_call"} for c in out.tool_calls if c.partial is not None]
-    content = "" if calls or cut or out.text.startswith(CALL_OPEN) else out.text
+    content = "" if calls or cut or out.answer_is_calls or out.text.startswith(CALL_OPEN) else out.text
     return AIMessage(content=content, tool_calls=calls, invalid_tool_calls=cut, **meta)
 
 
@@ -130,7 +131,9 @@ class CallHold:
 
     def last(self, out: GenerationOutput) -> list[dict]:
         """The call chunks still held at the end: the rest of a call the length limit cut off."""
-        return _joined([_lc_chunk(i) for i in self.reader.flush()]) if self.reader is not None else []
+        if self.reader is None:
+            return []
+        return _joined([_lc_chunk(i) for i in self.reader.flush(out.tool_calls[-1] if out.tool_calls else None)])
 
 
 def _joined(chunks: list[dict]) -> list[dict]:
@@ -189,8 +192,20 @@ def bind_tools(model: Runnable, tools: Sequence[Any], tool_choice: Any = None, *
     choice = tool_choice_arg(tool_choice, formatted)
     if choice is not None:
         kwargs["tool_choice"] = choice
-    kwargs.pop("strict", None)  # a grammar holds every call to its schema anyway
+    if kwargs.pop("strict", None):  # as ChatOpenAI: OpenAI's strict functions (every object closed)
+        formatted = [{**t, "function": {**t["function"], "strict": True}} for t in formatted]
     return model.bind(tools=formatted, **kwargs)
+
+
+def _complete_answer(msg: BaseMessage) -> BaseMessage:
+    """``msg``, when the model finished its answer; raises ``OutputParserException`` when the
+    length limit cut it (``with_structured_output(include_raw=True)`` then gives ``parsed``
+    None and this as ``parsing_error``)."""
+    if getattr(msg, "response_metadata", {}).get("finish_reason") == "length":
+        raise OutputParserException("the answer was cut off by the length limit (finish_reason 'length') before it "
+                                    "was complete, so there is nothing to parse; raise max_tokens",
+                                    llm_output=msg.content if isinstance(msg.content, str) else None)
+    return msg
 
 
 def _is_pydantic(schema: Any) -> bool:
@@ -205,7 +220,7 @@ def with_structured_output(model: Any, schema: Any, *, method: str = "json_schem
     ``method``: ``"json_schema"`` (the answer is held to the schema), ``"function_calling"``
     (a forced call of a tool whose parameters are the schema) or ``"json_mode"`` (any JSON
     object; the prompt has to ask for the keys)."""
-    kwargs.pop("strict", None)
+    strict = bool(kwargs.pop("strict", None))
     if kwargs:
         raise InvalidRequestError(f"unsupported with_structured_output arguments: {sorted(kwargs)}")
     if schema is None and method != "json_mode":
@@ -214,7 +229,7 @@ def with_structured_output(model: Any, schema: Any, *, method: str = "json_schem
     if method == "function_calling":
         tool = convert_to_openai_tool(schema)
         name = tool["function"]["name"]
-        llm = bind_tools(model, [schema], tool_choice=name, ls_structured_output_format=fmt)
+        llm = bind_tools(model, [schema], tool_choice=name, ls_structured_output_format=fmt, strict=strict)
         parser: Runnable = (PydanticToolsParser(tools=[schema], first_tool_only=True) if _is_pydantic(schema)
                             else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
     elif method in ("json_schema", "json_mode"):
@@ -225,12 +240,18 @@ def with_structured_output(model: Any, schema: Any, *, method: str = "json_schem
                 rf = closed(convert_to_json_schema(schema))  # engine closes a v2 class's
             else:
                 rf = convert_to_json_schema(schema)
+                if strict:  # as ChatOpenAI: OpenAI's strict json_schema (every object closed)
+                    rf = {"type": "json_schema", "json_schema": {"name": rf.get("title") or "response",
+                                                                 "schema": rf, "strict": True}}
         else:
             rf = {"type": "json_object"}
         llm = model.bind(response_format=rf, ls_structured_output_format=fmt)
         parser = PydanticOutputParser(pydantic_object=schema) if _is_pydantic(schema) else JsonOutputParser()
     else:
         raise InvalidRequestError(f"method must be json_schema, function_calling or json_mode, got {method!r}")
+    # a cut answer is never parsed as complete: LangChain's JSON parsers close what was cut
+    # (an array, an object) and the tool parsers read a cut call as no call (None)
+    parser = RunnableLambda(_complete_answer) | parser
     if not include_raw:
         return llm | parser
     parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)

@@ -95,6 +95,7 @@ from .llama_index_tools import (
     ChunkRetrieverTool,
     chat_message,
     chat_to_request,
+    li_logprobs,
     openai_messages,
     prepare_chat_with_tools,
     tool_selections,
@@ -243,11 +244,12 @@ class LlamaIndexLLM(FunctionCallingLLM):
 
     @staticmethod
     def _completion(out: GenerationOutput) -> CompletionResponse:
-        return CompletionResponse(text=out.text, raw=out, additional_kwargs=usage_dict(out))
+        return CompletionResponse(text=out.text, raw=out, additional_kwargs=usage_dict(out), logprobs=li_logprobs(out))
 
     @staticmethod
     def _chat(out: GenerationOutput) -> ChatResponse:
-        return ChatResponse(message=chat_message(out), raw=out, additional_kwargs=usage_dict(out))
+        return ChatResponse(message=chat_message(out), raw=out, additional_kwargs=usage_dict(out),
+                            logprobs=li_logprobs(out))
 
     def _generate(self, req: RagRequest, sampling: dict) -> GenerationOutput:
         return self._engine.generate(req.question, req.chunks, req.system, **sampling)

@@ -38,7 +38,8 @@ from lazyllm.structured.tools import CALL_OPEN
 
 from ._common import RagRequest, request_from_messages
 
-TOOL_KWARGS = ("tools", "tool_choice", "parallel_tool_calls", "response_format")
+# passed to the engine as they are (with the tools: the log-probabilities, OpenAI's names)
+TOOL_KWARGS = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "logprobs", "top_logprobs")
 
 _UNTITLED = "input_document"  # the title DocumentBlock fills in when none is given
 
@@ -156,7 +157,8 @@ def turn_kinds(messages: Sequence[ChatMessage]) -> list[dict]:
 
 def chat_message(out: GenerationOutput) -> ChatMessage:
     """The assistant message of a result (calls in ``additional_kwargs["tool_calls"]``)."""
-    if out.tool_calls or out.text.startswith(CALL_OPEN):  # calls (maybe cut off): never markup as content
+    # calls (maybe cut off, even before one was named): never markup as content
+    if out.tool_calls or out.answer_is_calls or out.text.startswith(CALL_OPEN):
         # a call the length limit cut off can be neither run nor answered, so it stays out of the
         # message an agent keeps in its memory (it is in ``raw.tool_calls``, with its partial arguments)
         return ChatMessage(role=MessageRole.ASSISTANT, content="", additional_kwargs={
@@ -199,3 +201,17 @@ def _message_parts(m: ChatMessage) -> tuple[str, str, list[Chunk]]:
     """``(role, text, chunks)`` of one message, for ``request_from_messages``."""
     role = _ROLES.get(m.role, str(m.role.value if hasattr(m.role, "value") else m.role))
     return (role, *text_and_chunks(m, role))
+
+
+def li_logprobs(out: GenerationOutput) -> list | None:
+    """``ChatResponse.logprobs`` as LlamaIndex's OpenAI LLM fills it: per generated token, its
+    most likely tokens (``top_logprobs``; the token itself when none were asked), as
+    ``LogProb``s; None when the call asked for none."""
+    if out.logprobs is None:
+        return None
+    from llama_index.core.base.llms.types import LogProb
+
+    def lp(t) -> LogProb:
+        return LogProb(token=t.token, logprob=t.logprob, bytes=list(t.token.encode("utf-8")))
+
+    return [[lp(x) for x in t.top_logprobs] or [lp(t)] for t in out.logprobs]

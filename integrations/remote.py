@@ -22,7 +22,7 @@ from typing import Any
 from lazyllm import Chunk, GenerationOutput, InvalidRequestError
 from lazyllm.structured.formats import ResponseFormat, normalize_response_format
 from lazyllm.structured.tools import CALL_CLOSE, CALL_OPEN, normalize_tool_choice, normalize_tools
-from lazyllm.types import ToolCall
+from lazyllm.types import TokenLogprob, ToolCall
 
 from ._common import SAMPLING_KEYS
 
@@ -38,16 +38,29 @@ class RemoteAsk:
 
     fmt: ResponseFormat | None = None
     tools: bool = False
+    logprobs: list | None = None  # asked for: the answer's ``logprobs.content`` items as they come
+
+    def take_logprobs(self, lp: dict | None) -> None:
+        """Keep the items of one answer's (or one chunk's) OpenAI ``logprobs``."""
+        if self.logprobs is not None and isinstance(lp, dict):
+            self.logprobs += [_token_logprob(t) for t in lp.get("content") or []]
 
     def finish(self, out: GenerationOutput, calls: list[dict] | None) -> GenerationOutput:
-        """``out`` with the server's ``tool_calls`` (OpenAI items) and the parsed answer."""
+        """``out`` with the server's ``tool_calls`` (OpenAI items), the parsed answer and the
+        log-probabilities (when asked)."""
         out.tool_calls = [_tool_call(c) for c in calls or []]
+        out.logprobs = None if self.logprobs is None else list(self.logprobs)
         if self.fmt is not None and not out.tool_calls and out.finish_reason == "stop":
             try:
                 out.parsed = self.fmt.parse(out.text)
             except ValueError:  # a stop string cut the answer short: nothing complete to parse
                 out.parsed = None
         return out
+
+
+def _token_logprob(item: dict) -> TokenLogprob:
+    return TokenLogprob(-1, item.get("token", ""), float(item.get("logprob", 0.0)),  # the server sends no ids
+                        tuple(_token_logprob(t) for t in item.get("top_logprobs") or []))
 
 
 def _tool_call(item: dict) -> ToolCall:
@@ -93,8 +106,11 @@ def _response_format(rf: Any) -> tuple[dict | None, ResponseFormat | None]:
                                   f"json_object ({fmt.kind} formats need an in-process engine)")
     name = rf.__name__ if isinstance(rf, type) else (rf.get("json_schema") or {}).get("name") \
         if isinstance(rf, dict) and rf.get("type") == "json_schema" else None
+    # strict only where the caller asked it: strict closes every object (a Pydantic model's
+    # schema is closed already, and a dict-typed field is an object that must stay open)
+    strict = isinstance(rf, dict) and rf.get("type") == "json_schema" and rf["json_schema"].get("strict") is True
     return {"type": "json_schema", "json_schema": {"name": name or "response", "schema": fmt.schema,
-                                                   "strict": True}}, fmt
+                                                   "strict": strict}}, fmt
 
 
 def request_fields(question: str | None, system: str | None, options: dict[str, Any]
@@ -247,6 +263,11 @@ class RemoteLazyLLM:
             docs.append(d)
         body: dict[str, Any] = {"messages": messages, "documents": docs, "stream": stream, **fields}
         body["model"] = self._model_id()
+        if sampling.pop("logprobs", False):  # OpenAI's fields; the answer's logprobs become TokenLogprobs
+            body["logprobs"], ask.logprobs = True, []
+            if sampling.get("top_logprobs"):
+                body["top_logprobs"] = sampling["top_logprobs"]
+        sampling.pop("top_logprobs", None)
         unknown = set(sampling) - set(SAMPLING_KEYS)
         if unknown:
             raise InvalidRequestError(f"unsupported options: {sorted(unknown)}")
@@ -292,6 +313,7 @@ class RemoteLazyLLM:
         if status != 200:
             cls.raise_for(status, body)
         choice = body["choices"][0]
+        ask.take_logprobs(choice.get("logprobs"))
         out = cls.output(choice["message"].get("content") or "", choice.get("finish_reason"), body.get("usage"),
                          body.get("lazyllm"))
         return ask.finish(out, choice["message"].get("tool_calls"))
@@ -382,6 +404,7 @@ class RemoteStream:
             self.output = self.ask.finish(RemoteLazyLLM.output("".join(self._text), self._finish, obj["usage"],
                                                                obj.get("lazyllm")), self._calls.calls)
         for choice in obj.get("choices") or []:
+            self.ask.take_logprobs(choice.get("logprobs"))
             self._finish = choice.get("finish_reason") or self._finish
             d = choice.get("delta") or {}
             delta = (d.get("content") or "") + self._calls.text(d.get("tool_calls") or [])

@@ -23,7 +23,7 @@ from .errors import (
 )
 from .extras import lazy_exports
 from .stream import TextStream
-from .types import Chunk, GenerationOutput, Grammar, Regex, SamplingParams, ScoreOutput, ToolCall, Usage
+from .types import Chunk, GenerationOutput, Grammar, Regex, SamplingParams, ScoreOutput, TokenLogprob, ToolCall, Usage
 
 if TYPE_CHECKING:
     from .api import LazyLLM
@@ -37,7 +37,7 @@ __getattr__ = lazy_exports(__name__, {"LazyLLM": ".api", "KernelOptions": ".kern
 
 __all__ = [
     "LazyLLM", "TextStream", "Chunk", "GenerationOutput", "SamplingParams", "ScoreOutput", "Usage", "Regex",
-    "Grammar", "ToolCall", "KernelOptions",
+    "Grammar", "ToolCall", "TokenLogprob", "KernelOptions",
     "LazyLLMError", "InvalidRequestError", "ContextLengthError", "ModelLoadError",
     "UnsupportedModelError", "CacheCapacityError", "RequestCancelled",
 ]

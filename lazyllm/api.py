@@ -109,6 +109,8 @@ class LazyLLM:
         warmup: bool = True,
         packets: Any = "auto",
         max_string_length: int | None = 256,
+        max_array_length: int | None = 32,
+        max_json_depth: int | None = 8,
     ):
         config = EngineConfig.resolve(**{k: v for k, v in locals().items() if k in _OPTIONS})
         self._tp = None
@@ -256,7 +258,8 @@ class LazyLLM:
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,
                  timeout: float | None = None, response_format: Any = None, tools: Sequence[dict] | None = None,
                  tool_choice: str | dict | None = None, messages: Sequence[dict] | None = None,
-                 parallel_tool_calls: bool = False, received_at: float | None = None) -> GenerationOutput:
+                 parallel_tool_calls: bool = False, logprobs: bool = False, top_logprobs: int = 0,
+                 raw: bool = False, received_at: float | None = None) -> GenerationOutput:
         """Answer ``question`` over ``chunks`` (each a ``str`` or ``Chunk``), or the conversation
         ``messages`` (then ``question`` may be left out).
 
@@ -289,11 +292,21 @@ class LazyLLM:
 
         When ``max_new_tokens`` ends the answer first, ``finish_reason`` is ``"length"``,
         ``parsed`` is None and ``text`` holds the partial output.
+
+        ``logprobs=True``: ``output.logprobs`` holds each generated token's log-probability
+        (``lazyllm.TokenLogprob``), and with ``top_logprobs=k`` (0-20) the ``k`` most likely
+        tokens at each place: the model's own distribution, ``score``'s values for the same
+        tokens (a teacher-forced pass over the answer once it is complete, reusing the
+        prompt's KV).
+
+        ``raw=True``: complete ``question`` as written (a text completion, OpenAI's legacy
+        ``/v1/completions``): no chat template, the chunks before it, no ``system``.
         """
         req = self.inputs.generation(question, chunks, system, max_new_tokens=max_new_tokens, temperature=temperature,
                                      top_p=top_p, top_k=top_k, seed=seed, stop=stop, timeout=timeout,
                                      response_format=response_format, tools=tools, tool_choice=tool_choice,
                                      messages=messages, parallel_tool_calls=parallel_tool_calls, streaming=False,
+                                     logprobs=logprobs, top_logprobs=top_logprobs, raw=raw,
                                      received_at=received_at)  # None: the front door stamps this call
         self.engine.submit(req)
         try:

@@ -51,6 +51,11 @@ BUILTIN_SELECTIONS = ("deviation", "attention", "two-stage")
 # (characters): long enough for names, sentences and short paragraphs, short enough that a
 # model which never closes its string stops within a few hundred tokens
 DEFAULT_MAX_STRING_LENGTH = 256
+# an array's length bound where the schema sets no maxItems, and how deep a value the schema
+# leaves free (json_object, {}, an object's other keys) may nest: a model that never closes an
+# array, or keeps opening objects, stops there instead of running to the token limit
+DEFAULT_MAX_ARRAY_LENGTH = 32
+DEFAULT_MAX_JSON_DEPTH = 8
 
 # -- recovery selections ----------------------------------------------------------------
 # name -> scorer(recovery, request, n_pick, exclude) -> (chunk tokens,) scores, higher first
@@ -161,6 +166,11 @@ class EngineConfig:
     max_string_length: int | None = _opt(DEFAULT_MAX_STRING_LENGTH, "under a JSON response_format or tools, the "
                                          "longest string the model may write where the schema sets no maxLength "
                                          "(characters; None: unbounded)")
+    max_array_length: int | None = _opt(DEFAULT_MAX_ARRAY_LENGTH, "under a JSON response_format or tools, the most "
+                                        "items an array may hold where the schema sets no maxItems (None: unbounded)")
+    max_json_depth: int | None = _opt(DEFAULT_MAX_JSON_DEPTH, "under a JSON response_format or tools, how deep "
+                                      "(arrays and objects) a value the schema leaves free may nest (None: "
+                                      "unbounded)")
 
     def __post_init__(self):
         bad = _problems(self)
@@ -297,9 +307,10 @@ def _value_problems(c: EngineConfig) -> list[str]:
                     ("max_batch_tokens", c.max_batch_tokens), ("step_token_budget", c.step_token_budget)):
         if (v is not None or name != "kv_cache_bytes") and (not _is_int(v) or v <= 0):
             bad.append(f"{name} must be a positive int, got {v!r}")
-    m = c.max_string_length
-    if m is not None and (not _is_int(m) or m < 1):
-        bad.append(f"max_string_length must be an int >= 1 or None, got {m!r}")
+    for name, low in (("max_string_length", 1), ("max_array_length", 1), ("max_json_depth", 1)):
+        m = getattr(c, name)
+        if m is not None and (not _is_int(m) or m < low):
+            bad.append(f"{name} must be an int >= {low} or None, got {m!r}")
     if not _is_int(c.tensor_parallel) or c.tensor_parallel < 1:
         bad.append(f"tensor_parallel must be an int >= 1, got {c.tensor_parallel!r}")
     for name in ("trust_remote_code", "progress", "batch_invariant", "warmup", "mixed_steps", "cuda_graphs"):

@@ -154,4 +154,15 @@ OPTION_DOCS: dict[str, str] = {
         "where the schema sets no ``maxLength``, so a weak model closes its strings; the schema's "
         "``maxLength`` wins. ``None``: unbounded. Default 256."
     ),
+    "max_array_length": (
+        "under a JSON ``response_format`` or tools, the most items an array may hold where the schema "
+        "sets no ``maxItems`` (its ``minItems`` is kept), so a weak model that repeats an item stops; the "
+        "schema's ``maxItems`` wins. ``None``: unbounded. Default 32."
+    ),
+    "max_json_depth": (
+        "under a JSON ``response_format`` or tools, how deep (arrays and objects inside each other, the "
+        "answer's top level counted) a value may nest where the schema leaves it free: "
+        '``{"type": "json_object"}``, a schema ``{}``, the values of an object\'s other keys, an array '
+        "without ``items``. The schema's own structure is kept as written. ``None``: unbounded. Default 8."
+    ),
 }

@@ -168,6 +168,26 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": args}}
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token with its log-probability under the model (natural log, before
+    temperature, top-k/top-p and any grammar mask: ``LazyLLM.score``'s value for it), and the
+    most likely tokens at its place (``top_logprobs``, most likely first; empty unless asked)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top_logprobs: tuple[TokenLogprob, ...] = ()
+
+    def to_openai(self, top: bool = True) -> dict:
+        """OpenAI's ``logprobs.content`` item (``token``, ``logprob``, UTF-8 ``bytes``,
+        ``top_logprobs``)."""
+        out = {"token": self.token, "logprob": self.logprob, "bytes": list(self.token.encode("utf-8"))}
+        if top:
+            out["top_logprobs"] = [t.to_openai(top=False) for t in self.top_logprobs]
+        return out
+
+
 @dataclass
 class GenerationOutput:
     """Result of one request.
@@ -195,7 +215,12 @@ class GenerationOutput:
     # with ``tools``: the calls the model made (finish_reason "tool_calls"); ``text`` keeps
     # the generated text they were parsed from
     tool_calls: list[ToolCall] = field(default_factory=list)
+    # with ``tools``: the answer is calls, even one cut off before a call was named; then
+    # ``text`` is call markup, never content
+    answer_is_calls: bool = False
     engine_ttft_s: float = 0.0
+    # with ``logprobs=True``: one per generated token (an end-of-sequence token excluded)
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -224,3 +249,5 @@ class ScoreOutput:
     prefilled_tokens: int
     ttft_s: float
     engine_ttft_s: float = 0.0
+    # with ``top_logprobs=k``: per token, the ``k`` most likely ``(token_id, logprob)`` pairs
+    top_logprobs: list[list[tuple[int, float]]] | None = None

@@ -41,7 +41,7 @@ functions: ``validate_body`` (bytes -> ``ChatCompletionRequest``), ``parse_chat_
 
 Streams, one per boundary: ``lazyllm.TextStream`` carries a request's deltas from the engine
 thread to its caller (here, the event loop, woken by the engine thread); ``ray_serve.RayStream``
-from a Ray replica to the ingress; the app's ``_Relay`` from either (a ``GenerationStream``)
+from a Ray replica to the ingress; the server's ``relay.Relay`` from either (a ``GenerationStream``)
 to the HTTP response; ``remote.RemoteStream`` from the HTTP response to a Python client.
 
 The package imports its modules on first use of a name (``from lazyllm.integrations.server

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import threading
 import time
@@ -25,8 +24,14 @@ from lazyllm.errors import InvalidRequestError
 from lazyllm.structured.call_stream import ToolCallDeltas
 
 from .backends import Backend, GenerationStream, as_backend
+from .choices import choice_seeds
+from .choices import respond as respond_choices
+from .completions import add_route as add_completions
+from .embeddings import Embedder
+from .embeddings import add_route as add_embeddings
 from .errors import APIError, error_from_exception
 from .metrics import ServerMetrics
+from .openapi import add_route as add_openapi
 from .preflight import (
     DEFAULT_MAX_CONCURRENCY,
     DEFAULT_MAX_NEW_TOKENS_LIMIT,
@@ -37,6 +42,7 @@ from .protocol import (
     ChatCompletionRequest,
     completion_response,
     emits_tool_calls,
+    logprobs_json,
     new_request_id,
     parse_chat_request,
     sse,
@@ -44,6 +50,8 @@ from .protocol import (
     usage_json,
     validate_body,
 )
+from .relay import Relay as _Relay
+from .relay import json_response as _json_response
 
 log = logging.getLogger("lazyllm.server")
 
@@ -53,75 +61,11 @@ DISCONNECT_POLL_S = 0.1
 RETRY_AFTER_S = 1
 
 
-def _json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode(), status_code=status,
-                    media_type="application/json", headers=headers)
-
-
 def _error_response(e: APIError) -> Response:
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
     if e.status == 429:
         headers = {"Retry-After": str(RETRY_AFTER_S)}
     return _json_response(e.body(), e.status, headers)
-
-
-async def _event_batches(queue: asyncio.Queue) -> AsyncIterator[list[tuple[str, Any]]]:
-    """The events of ``queue`` as they come, each batch every event already queued (one write
-    for several tokens when the client reads slower than the engine decodes); the last batch
-    ends with ``done`` or ``error``."""
-    while True:
-        batch = [await queue.get()]
-        while batch[-1][0] == "delta" and not queue.empty():
-            batch.append(queue.get_nowait())
-        yield batch
-        if batch[-1][0] != "delta":
-            return
-
-
-class _Relay:
-    """The boundary between a backend's stream and the HTTP response: reads a
-    ``GenerationStream`` in a task of its own into a queue, so that the writer sends every
-    event already there in one write: ``("delta", text)``, then ``("done",
-    GenerationOutput)`` or ``("error", exc)``."""
-
-    def __init__(self, stream: GenerationStream):
-        self.stream = stream
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.task = asyncio.ensure_future(self._run())
-
-    async def _run(self) -> None:
-        items = aiter(self.stream)
-        try:
-            async for delta in items:
-                self.queue.put_nowait(("delta", delta))
-            if self.stream.output is None:
-                raise RuntimeError("the backend's stream ended without a result")
-            self.queue.put_nowait(("done", self.stream.output))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # handed to the writer, which answers with it
-            self.queue.put_nowait(("error", e))
-        finally:
-            aclose = getattr(items, "aclose", None)
-            if aclose is not None:
-                await aclose()
-
-    def stop(self) -> None:
-        self.stream.cancel()
-        self.task.cancel()
-
-    def batches(self) -> AsyncIterator[list[tuple[str, Any]]]:
-        return _event_batches(self.queue)
-
-    async def result(self) -> GenerationOutput:
-        """The whole result (a non-streaming request): raises the request's error."""
-        async for batch in self.batches():
-            kind, val = batch[-1]
-            if kind == "error":
-                raise val
-            if kind == "done":
-                return val
-        raise RuntimeError("unreachable: the last batch ends the stream")
 
 
 def _check_limits(max_request_bytes, max_new_tokens_limit, default_max_tokens, max_concurrency, api_key) -> None:
@@ -201,9 +145,9 @@ class _Server:
 
     def check_quality(self, body: ChatCompletionRequest) -> None:
         if body.quality is not None and body.quality != self.quality:
-            raise APIError(400, f"quality: this server runs the preset {self.quality!r}; a preset is chosen when "
-                                "the server starts (lazyllm serve --quality ...), not per request",
-                           param="quality", code="unsupported")
+            runs = f"the preset {self.quality!r}" if self.quality else "no preset (its own options)"
+            raise APIError(400, f"quality: this server runs {runs}; a preset is chosen when the server starts "
+                                "(lazyllm serve --quality ...), not per request", param="quality", code="unsupported")
 
     async def read_body(self, request: Request) -> bytes:
         limit = self.max_request_bytes
@@ -240,7 +184,7 @@ class _Server:
         return card
 
     # -- chat completions
-    def prepare(self, raw: bytes, request: Request) -> tuple[ChatCompletionRequest, GenerationStream]:
+    def prepare(self, raw: bytes, request: Request) -> tuple[ChatCompletionRequest, Any]:
         """Parse, validate, check and tokenize one body (on a worker thread: the expensive
         part of a request, kept off the event loop). Raises ``APIError``."""
         body = validate_body(raw)
@@ -258,7 +202,9 @@ class _Server:
             received = getattr(request.state, "received_at", None)
             timed = {"received_at": received} if received is not None and getattr(
                 self.backend, "takes_received_at", False) else {}
-            return body, self.backend.stream(req.question, req.chunks, req.system, **req.sampling, **timed)
+            streams = [self.backend.stream(req.question, req.chunks, req.system, **{**req.sampling, "seed": seed},
+                                           **timed) for seed in choice_seeds(req.sampling["seed"], body.n or 1)]
+            return body, streams[0] if len(streams) == 1 else streams  # several: n choices
         except Exception as e:
             raise error_from_exception(e) from None
 
@@ -277,6 +223,8 @@ class _Server:
         finally:
             self.preparing -= 1
         rid, created = new_request_id(), int(time.time())
+        if isinstance(stream, list):
+            return await respond_choices(self, request, body, stream, rid, created)
         if not body.stream:
             out = await self.complete(request, stream)
             if out is None:  # nobody reads it
@@ -348,9 +296,12 @@ class _Server:
                         data.append(sse(stream_chunk(rid, created, served, content=val)))
                     elif kind == "done":
                         self.metrics.observe(val)
-                        rest = calls.flush() if calls is not None else None
+                        cut = val.tool_calls[-1] if val.tool_calls else None
+                        rest = calls.flush(cut) if calls is not None else None
                         if rest:  # a call the length limit cut off: its arguments as far as generated
                             data.append(sse(stream_chunk(rid, created, served, tool_calls=rest)))
+                        if val.logprobs is not None:  # scored once the answer is complete: in one chunk
+                            data.append(sse(stream_chunk(rid, created, served, logprobs=logprobs_json(val))))
                         data.append(sse(stream_chunk(rid, created, served, finish_reason=val.finish_reason)))
                         if include_usage:
                             data.append(sse(stream_chunk(rid, created, served, usage=usage_json(val), out=val)))
@@ -373,7 +324,8 @@ def create_app(llm: LazyLLM | Backend, *, api_key: str | None = None, model_name
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT,
                default_max_tokens: int = DEFAULT_MAX_TOKENS, default_temperature: float = 0.0,
-               max_concurrency: int = DEFAULT_MAX_CONCURRENCY, warmup: bool = True) -> FastAPI:
+               max_concurrency: int = DEFAULT_MAX_CONCURRENCY, warmup: bool = True,
+               embedder: Any = "minilm") -> FastAPI:
     """The FastAPI app serving ``llm`` (see the package docstring for the endpoints): a
     ``LazyLLM`` (served through a ``LocalBackend`` the app makes and closes) or any
     ``Backend`` (``ray_serve.RayBackend(handle)``: replicas behind the same endpoints).
@@ -388,7 +340,9 @@ def create_app(llm: LazyLLM | Backend, *, api_key: str | None = None, model_name
     ``warmup``: run the backend's ``warmup()`` (``LazyLLM.warmup``: every kernel compiled and
     the CUDA graphs captured; a no-op where it already ran) on a thread from the start:
     ``/health`` answers at once (liveness), ``/ready`` and ``/health?ready`` answer 503 until
-    it finished, then 200 (readiness).
+    it finished, then 200 (readiness). ``embedder``: what ``/v1/embeddings`` serves (the bundled
+    MiniLM, loaded at its first request; any embedding model, ``server.embeddings.Embedder``;
+    None: no embeddings).
 
     Body parsing, validation and tokenization run on worker threads, never on the event
     loop, so ``/health`` and other requests are answered while a large body is processed;
@@ -417,6 +371,10 @@ def create_app(llm: LazyLLM | Backend, *, api_key: str | None = None, model_name
     app.state.backend, app.state.model_name, app.state.metrics = backend, srv.served, srv.metrics
     app.state.llm = getattr(backend, "llm", None)
     _routes(app, srv)
+    embedder = embedder if embedder is None or isinstance(embedder, Embedder) else Embedder(embedder)
+    add_embeddings(app, srv, embedder)
+    add_completions(app, srv)
+    add_openapi(app, sorted(srv.accepted), [] if embedder is None else [embedder.name])
     srv.start_warmup(warmup)
     return app
 

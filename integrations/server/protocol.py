@@ -52,7 +52,7 @@ class ChatCompletionRequest(BaseModel):
     """The body of ``POST /v1/chat/completions``: OpenAI's fields, ``top_k`` (as vLLM),
     ``documents`` (the chunks) and ``quality`` (the server's preset, see ``create_app``).
     As OpenAI, an unknown field is refused with 400 ("Unrecognized request argument"), and
-    so are known features lazyllm does not have (legacy ``functions``, ``n`` > 1, logprobs,
+    so are known features lazyllm does not have (legacy ``functions``, ``n`` > 1 with tools,
     penalties, audio), rather than silently ignored. Fields that do not
     change the answer (``user``, ``metadata``, ``store``...) are accepted.
 
@@ -70,14 +70,14 @@ class ChatCompletionRequest(BaseModel):
     top_k: int | None = Field(default=None, ge=0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=None, ge=1, le=8)  # choices.MAX_CHOICES
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     logit_bias: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
@@ -174,12 +174,13 @@ def _unsupported(body: ChatCompletionRequest) -> None:
     def no(param: str, what: str) -> None:
         raise APIError(400, f"{param}: {what} is not supported by lazyllm", param=param, code="unsupported")
 
-    if body.n not in (None, 1):
-        no("n", "more than one choice")
+    if body.n not in (None, 1) and body.tools and body.tool_choice != "none":
+        no("n", "more than one choice with tools")
     if body.functions or body.function_call is not None:
         no("functions" if body.functions else "function_call", "the legacy function-calling fields (use tools)")
-    if body.logprobs or body.top_logprobs:
-        no("logprobs", "returning log-probabilities")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs: logprobs must be set to true when top_logprobs is used",
+                       param="top_logprobs")
     if body.presence_penalty or body.frequency_penalty:
         no("presence_penalty" if body.presence_penalty else "frequency_penalty", "a repetition penalty")
     if body.logit_bias:
@@ -363,6 +364,9 @@ def parse_chat_request(body: ChatCompletionRequest | dict | bytes | str, *,
         "seed": body.seed,
         "stop": stop or None,
     }
+    if body.logprobs:
+        sampling["logprobs"] = True
+        sampling["top_logprobs"] = body.top_logprobs or 0
     sampling.update(_structured_args(body, messages))
     return ChatRequest(question, chunks + own_chunks, system, sampling)
 
@@ -382,11 +386,20 @@ def _timings(out: GenerationOutput) -> dict[str, Any]:
             "cached_chunk_tokens": out.usage.cached_chunk_tokens, "chunk_ids": list(out.chunk_ids)}
 
 
+def logprobs_json(out: GenerationOutput) -> dict[str, Any] | None:
+    """OpenAI's ``choices[].logprobs`` of a result (None when it asked for none)."""
+    if out.logprobs is None:
+        return None
+    return {"content": [t.to_openai() for t in out.logprobs], "refusal": None}
+
+
 def _message(out: GenerationOutput) -> dict[str, Any]:
-    """The assistant message: its calls (content null: the text was only calls, maybe cut
-    off before a call was named) or text."""
-    if out.tool_calls or out.text.startswith(CALL_OPEN):
+    """The assistant message: its calls (content null: the text was only calls), or, cut off
+    before a call's name was known, neither content nor calls; or text."""
+    if out.tool_calls:
         return {"role": "assistant", "content": None, "tool_calls": [c.to_openai() for c in out.tool_calls]}
+    if out.answer_is_calls or out.text.startswith(CALL_OPEN):
+        return {"role": "assistant", "content": None}
     return {"role": "assistant", "content": out.text}
 
 
@@ -399,7 +412,8 @@ def completion_response(out: GenerationOutput, *, model: str, request_id: str | 
         "object": "chat.completion",
         "created": int(time.time()) if created is None else created,
         "model": model,
-        "choices": [{"index": 0, "message": _message(out), "logprobs": None, "finish_reason": out.finish_reason}],
+        "choices": [{"index": 0, "message": _message(out), "logprobs": logprobs_json(out),
+                     "finish_reason": out.finish_reason}],
         "usage": usage_json(out),
         "system_fingerprint": None,
         "lazyllm": _timings(out),
@@ -409,7 +423,8 @@ def completion_response(out: GenerationOutput, *, model: str, request_id: str | 
 def stream_chunk(request_id: str, created: int, model: str, *, content: str | None = None,
                  role: str | None = None, finish_reason: str | None = None,
                  usage: dict[str, Any] | None = None, out: GenerationOutput | None = None,
-                 tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                 tool_calls: list[dict[str, Any]] | None = None,
+                 logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One ``chat.completion.chunk``: a delta (``role``, ``content`` and/or ``tool_calls``
     items from ``ToolCallDeltas``), the closing
     delta (``finish_reason``), or, with ``usage``, the final usage chunk (no choices; with
@@ -429,7 +444,7 @@ def stream_chunk(request_id: str, created: int, model: str, *, content: str | No
         delta["content"] = content
     if tool_calls is not None:
         delta["tool_calls"] = tool_calls
-    obj["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    obj["choices"] = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     return obj
 
 

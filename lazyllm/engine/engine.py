@@ -464,6 +464,6 @@ class Engine:
         self.scheduler.retire(r)
         if error is not None:
             self.output.fail(r, error)
-        else:
-            self.output.done(r)
+        elif (follow := self.output.done(r)) is not None:
+            self.submit(follow)  # its log-probabilities: the result goes out once they are scored
 

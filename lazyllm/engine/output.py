@@ -14,7 +14,7 @@ import time
 import torch
 
 from ..errors import LazyLLMError, RequestCancelled
-from ..types import GenerationOutput, ScoreOutput, Usage
+from ..types import GenerationOutput, ScoreOutput, TokenLogprob, Usage
 from .metrics import EngineMetrics
 from .request import Request
 
@@ -74,9 +74,10 @@ class OutputProcessor:
             self.metrics.failed += 1
         r.events.put(("error", error))
 
-    def done(self, r: Request) -> None:
+    def done(self, r: Request) -> Request | None:
         """Hand the caller the finished request's ``GenerationOutput`` (finalized: a structured
-        request's parsed answer or tool calls filled in)."""
+        request's parsed answer or tool calls filled in); where it asked for ``logprobs``,
+        return the scoring request that fills them instead (the engine submits it)."""
         now = time.perf_counter()
         segs = r.segments
         out = GenerationOutput(
@@ -97,9 +98,27 @@ class OutputProcessor:
                 out = r.finalize(out)
             except Exception as e:  # the caller's parser: its error is the request's, not the engine's
                 self.fail(r, e)
-                return
+                return None
+        if r.logprobs is not None:
+            follow = self.logprob_request(r, out)
+            if follow is not None:
+                return follow
         self.metrics.requests += 1
         r.events.put(("done", out))
+        return None
+
+    def logprob_request(self, r: Request, out: GenerationOutput) -> Request | None:
+        """The scoring request of ``r``'s generated tokens (an end-of-sequence token left out),
+        teacher-forced after ``r``'s own prompt segments: its scores are ``LazyLLM.score``'s by
+        construction, and its result completes ``out`` (``done_score``). None when there is
+        nothing to score (``out.logprobs`` is then empty)."""
+        cont = list(out.token_ids)
+        if cont and cont[-1] in self.eos_ids:
+            cont.pop()
+        if not cont:
+            out.logprobs = []
+            return None
+        return r.scoring_of(r, cont, out)
 
     def score(self, r: Request, logits: torch.Tensor) -> ScoreOutput:
         """Teacher-forced log-probabilities of the continuation (the last ``logit_rows``
@@ -108,6 +127,10 @@ class OutputProcessor:
         logp = torch.log_softmax(logits.float(), dim=-1)
         idx = torch.tensor(cont, device=logp.device)
         token_logp = logp.gather(1, idx[:, None])[:, 0]
+        top = None
+        if r.score.top:
+            vals, ids = logp.topk(r.score.top, dim=-1)
+            top = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
         r.state.first_token_time = time.perf_counter()
         segs = r.score.prompt
         return ScoreOutput(
@@ -117,8 +140,20 @@ class OutputProcessor:
             usage=Usage(prompt_tokens=sum(len(sg.ids) for sg in segs), cached_tokens=r.plan.cached_tokens,
                         completion_tokens=0, cached_chunk_tokens=r.plan.cached_chunk_tokens),
             prefilled_tokens=r.plan.computed_tokens,
-            ttft_s=r.state.first_token_time - _start(r), engine_ttft_s=r.state.first_token_time - r.submit_time)
+            ttft_s=r.state.first_token_time - _start(r), engine_ttft_s=r.state.first_token_time - r.submit_time,
+            top_logprobs=top)
 
     def done_score(self, r: Request, result: ScoreOutput) -> None:
         self.metrics.requests += 1
-        r.events.put(("done", result))
+        out = r.score.fills
+        if out is None:
+            r.events.put(("done", result))
+            return
+
+        def token(i: int) -> str:
+            return self.tok.decode([i])
+
+        tops = result.top_logprobs or [[] for _ in result.token_ids]
+        out.logprobs = [TokenLogprob(t, token(t), lp, tuple(TokenLogprob(i, token(i), v) for i, v in top))
+                        for t, lp, top in zip(result.token_ids, result.logprobs, tops)]
+        r.events.put(("done", out))

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -134,6 +134,10 @@ class Scoring:
     ids: list[int]
     prompt: list[Segment]
     return_logits: bool = False
+    top: int = 0  # how many most likely tokens to report per place (``ScoreOutput.top_logprobs``)
+    # the finished generation whose tokens these are: its ``logprobs`` are filled from this
+    # result and it is handed out in place of the scores (``OutputProcessor.logprob_request``)
+    fills: Any = None
 
 
 @dataclass(eq=False)  # one request is one object: compared and hashed by identity
@@ -164,6 +168,11 @@ class Request:
     # ``GenerationOutput``), run once when the result is built
     constraint: TokenConstraint | None = None
     finalize: Callable[[GenerationOutput], GenerationOutput] | None = None
+    # the generated tokens' log-probabilities: None (not asked) or how many most likely
+    # tokens to report per place (0: only the generated one's), and the front door's maker of
+    # the scoring request that computes them ``(request, tokens, output) -> Request``
+    logprobs: int | None = None
+    scoring_of: Callable[[Request, list[int], GenerationOutput], Request] | None = None
     id: int = field(default_factory=_request_ids.__next__)  # unique in the process, never reused
     plan: PrefillPlan | None = None  # set by ``KVPlanner.plan``, reset by ``unplan``
     alloc: Allocation | None = None  # made by the planner on the first plan

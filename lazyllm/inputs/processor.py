@@ -20,7 +20,7 @@ from ..config import CHUNK_CACHING_MODES
 from ..engine.detokenizer import Detokenizer
 from ..engine.request import Request, Scoring, Segment
 from ..errors import ContextLengthError, InvalidRequestError
-from ..types import Chunk, SamplingParams, as_chunks
+from ..types import Chunk, GenerationOutput, SamplingParams, as_chunks
 from .conversation import render_request
 from .prompt import PromptBuilder, check_text
 
@@ -55,7 +55,7 @@ class InputProcessor:
     def generation(self, question, chunks=None, system=None, *, max_new_tokens=64, temperature=0.0, top_p=1.0,
                    top_k=0, seed=None, stop=None, timeout=None, response_format=None, tools=None,
                    tool_choice=None, messages=None, parallel_tool_calls=False, streaming=True,
-                   received_at=None) -> Request:
+                   logprobs=False, top_logprobs=0, raw=False, received_at=None) -> Request:
         """A request to answer ``question`` over ``chunks`` (``LazyLLM.generate``'s arguments);
         raises ``InvalidRequestError`` / ``ContextLengthError`` for what cannot run.
         ``received_at``: the ``time.perf_counter()`` of the caller's call or of the server's
@@ -68,14 +68,21 @@ class InputProcessor:
                                       f"({self.max_context} tokens)")
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
             raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        top = _top_logprobs(logprobs, top_logprobs)
         structured = self._structured(response_format, tools, tool_choice, parallel_tool_calls)
-        segs = render_request(self.prompts, question, as_chunks(chunks), system, messages, structured)
+        if raw:  # a text completion: the prompt as written, after the chunks
+            if messages is not None or system is not None or (structured is not None and structured.tools):
+                raise InvalidRequestError("raw=True completes a prompt as written: no messages, system or tools")
+            segs = self.prompts.raw(question, as_chunks(chunks))
+        else:
+            segs = render_request(self.prompts, question, as_chunks(chunks), system, messages, structured)
         self.check_fits(sum(len(s.ids) for s in segs), params.max_new_tokens)
         constraint = None
         if structured is not None and structured.grammar is not None:
             constraint = self.grammars.constraint(structured.grammar)
         return self._make(segs, params, streaming=streaming, timeout=timeout, constraint=constraint,
-                          finalize=structured.finalize if structured is not None else None, received_at=received_at)
+                          finalize=structured.finalize if structured is not None else None, received_at=received_at,
+                          logprobs=top, scoring_of=None if top is None else self.scoring_after)
 
     def warming(self, chunks: Sequence[Chunk], system: str | None) -> Request:
         """A request that only computes and caches the KV of ``chunks`` and of the prefix."""
@@ -96,6 +103,17 @@ class InputProcessor:
         segs = prompt[:-1] + [Segment("suffix", prompt[-1].ids + cont[:-1])]
         return self._make(segs, params, streaming=False, score=Scoring(cont, prompt, bool(return_logits)),
                           received_at=received_at)
+
+    def scoring_after(self, r: Request, cont: list[int], out: GenerationOutput) -> Request:
+        """The scoring request of generation ``r``'s tokens ``cont``, teacher-forced after
+        ``r``'s own prompt segments (so its scores are ``score``'s): it answers on ``r``'s
+        event queue, is cancelled with ``r``, and completes ``out`` with its log-probabilities
+        (``OutputProcessor.done_score``)."""
+        segs = r.segments[:-1] + [Segment("suffix", r.segments[-1].ids + cont[:-1])]
+        req = self._make(segs, SamplingParams(max_new_tokens=1), streaming=False, received_at=r.received_at,
+                         score=Scoring(cont, r.segments, top=r.logprobs or 0, fills=out))
+        req.events, req.cancelled, req.deadline = r.events, r.cancelled, r.deadline
+        return req
 
     def synthetic(self, prefix: list[int], chunks: list[list[int]], question: list[int], chunk: Chunk,
                   max_new_tokens: int = 1, *, constraint=None, **sampling) -> Request:
@@ -171,3 +189,19 @@ class InputProcessor:
 
 
 __all__ = ["InputProcessor"]
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+
+
+def _top_logprobs(logprobs: Any, top_logprobs: Any) -> int | None:
+    """The request's ``Request.logprobs``: None (not asked) or the count of most likely
+    tokens per place; raises ``InvalidRequestError`` as OpenAI refuses the pair."""
+    if not isinstance(logprobs, bool):
+        raise InvalidRequestError(f"logprobs must be a bool, got {logprobs!r}")
+    if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not \
+            0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs!r}")
+    if top_logprobs and not logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs=True")
+    return top_logprobs if logprobs else None

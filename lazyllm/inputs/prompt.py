@@ -158,3 +158,14 @@ class PromptBuilder:
         segs += self.chunk_segments(chunks)
         segs.append(Segment("suffix", self.encode(post)))
         return segs
+
+    def raw(self, prompt: str, chunks: list[Chunk]) -> list[Segment]:
+        """A text completion's segments: the tokenizer's BOS as prefix, the ``chunks`` (each
+        cached as in a chat request), then ``prompt`` as written: no chat template, no
+        headers (OpenAI's legacy completions)."""
+        check_text(prompt, "prompt")
+        for i, c in enumerate(chunks):
+            check_text(c.text, f"chunks[{i}].text")
+        bos = self.tok.bos_token or ""
+        return [self.prefix_segment(bos), *(self.chunk_segment(c) for c in chunks),
+                Segment("suffix", self.encode(prompt))]

@@ -31,6 +31,20 @@ def _parse_settings(text: str) -> list:
     return settings
 
 
+def _packet_settings(paths: Sequence[str]) -> list[tuple[str, dict]]:
+    """One setting per ``--packets`` file: the default options with that packet, named after
+    the file (``mine.pt`` -> ``mine``); raises ``OSError`` for a file that is not there."""
+    from pathlib import Path
+
+    out = []
+    for p in paths:
+        if not Path(p).is_file():
+            raise OSError(f"--packets {p}: no such packet file")
+        name = Path(p).stem
+        out.append((name if name not in {n for n, _ in out} else f"{name}-{len(out) + 1}", {"packets": str(p)}))
+    return out
+
+
 def build_parser(prog: str = "python -m lazyllm.quality") -> argparse.ArgumentParser:
     """The fidelity report's arguments."""
     ap = argparse.ArgumentParser(prog=prog,
@@ -41,6 +55,9 @@ def build_parser(prog: str = "python -m lazyllm.quality") -> argparse.ArgumentPa
     ap.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
                     help=f"comma-separated: 'default' and presets {tuple(PRESETS)}, or name=JSON kwargs "
                          "separated by ';' (e.g. 'r30={\"quality\":\"balanced\",\"recompute_ratio\":0.3}')")
+    ap.add_argument("--packets", action="append", default=[], metavar="FILE",
+                    help="also measure the default options with this packet file (from lazyllm adapt); the setting "
+                         "is named after the file; repeat the flag to compare several")
     ap.add_argument("--target", default=None,
                     help="what a setting must reach, e.g. top1>=0.97,kl<=0.01,same>=0.9 (the default); fractions "
                          "in [0, 1] ('=' works too: each metric's direction is its own)")
@@ -67,7 +84,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m lazyllm.quali
         cases = load_cases(a.cases)
         if not cases:
             raise ValueError(f"{a.cases}: no cases")
-        settings = _parse_settings(a.settings)
+        settings = _parse_settings(a.settings) + _packet_settings(a.packets)
         check_settings(settings)
         target = parse_target(a.target)
     except (OSError, ValueError, TypeError, MissingExtraError) as e:

@@ -31,7 +31,10 @@ class ToolCallDeltas:
     ``(content, tool_call_items)``; ``flush`` at the end gives what was held back of a call
     the length limit cut off (its arguments as far as generated)."""
 
-    def __init__(self):
+    def __init__(self, names: list[str] | tuple[str, ...] = ()):
+        # the tools a call may name: a call cut off before its name was complete is named when
+        # what was written of it fits one of them only
+        self.names = tuple(names)
         self.mode: str | None = None  # "text" or "calls", from the first character
         self.buf, self.index, self.in_call, self.named = "", 0, False, False
         self.sent = ""  # the current call's arguments sent so far
@@ -54,16 +57,36 @@ class ToolCallDeltas:
             pass
         return None, items
 
-    def flush(self) -> list[dict[str, Any]]:
-        """The rest of a call left open at the end (cut off by the length limit)."""
+    def flush(self, cut: Any = None) -> list[dict[str, Any]]:
+        """The rest of a call left open at the end (cut off by the length limit). ``cut``: the
+        finished answer's cut call (a ``ToolCall`` with ``partial``), which names a call whose
+        name was not complete in the stream (the one tool it fits)."""
+        items = self._flush()
+        if cut is not None and cut.partial is not None and not (self.in_call and self.named):
+            self._named(items, cut.name)
+            items[-1]["id"] = cut.id
+            self._args(items, cut.partial)
+        return items
+
+    def _flush(self) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = []
-        if self.in_call and not self.named and (m := _NAMED.match(self.buf)):
-            self._named(items, m.group(1))
+        if self.mode == "calls" and not self.in_call and self.buf.lstrip("\n") and CALL_OPEN.startswith(
+                self.buf.lstrip("\n")):  # cut inside a call's opening
+            self.in_call, self.named, self.buf = True, False, ""
+        if self.in_call and not self.named and (name := self._cut_name()):
+            self._named(items, name)
             self.buf = ""
         if self.in_call and self.named and self.buf:
             self._args(items, self.buf)
             self.buf = ""
         return items
+
+    def _cut_name(self) -> str | None:
+        """The name of the open call, complete or the one tool its written part fits."""
+        if m := _NAMED.match(self.buf):
+            return m.group(1)
+        fits = [n for n in self.names if f'{{"name": "{n}"'.startswith(self.buf)]
+        return fits[0] if len(fits) == 1 else None
 
     def cut_call(self) -> tuple[str, str] | None:
         """``(name, arguments so far)`` of the call left open at the end, after ``flush``;

@@ -15,9 +15,10 @@ from typing import Any
 from ..config import DEFAULT_MAX_STRING_LENGTH
 from ..errors import InvalidRequestError
 from ..types import Grammar, Regex
+from .bounds import JsonBounds, bounded
 
 __all__ = ["ResponseFormat", "normalize_response_format", "format_instruction", "JSON_STYLE", "bounded",
-           "DEFAULT_MAX_STRING_LENGTH"]
+           "strict_closed", "JsonBounds", "DEFAULT_MAX_STRING_LENGTH"]
 
 # JSON as models write it (", " and ": "), one fixed spelling: free whitespace lets a small
 # model pad forever, and fixed separators keep the output short
@@ -45,31 +46,13 @@ def _styled(schema: dict) -> dict:
     return out
 
 
-def bounded(schema: Any, max_length: int | None) -> Any:
-    """``schema`` with ``maxLength: max_length`` on every string that sets no length, pattern,
-    format or fixed values of its own: under a grammar a weak model that never closes its
-    string would otherwise write until the token limit (``None``: no bound)."""
-    if max_length is None:
-        return schema
-    if isinstance(schema, list):
-        return [bounded(x, max_length) for x in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: v if k in ("const", "enum", "default", "examples") else bounded(v, max_length)
-           for k, v in schema.items()}
-    kind = out.get("type")
-    if (kind == "string" or isinstance(kind, list) and "string" in kind) and not (
-            {"maxLength", "pattern", "format", "enum", "const"} & out.keys()):
-        out["maxLength"] = max_length
-    return out
-
-
-def json_grammar(schema: dict, max_string_length: int | None = None) -> str:
-    """The llguidance grammar string of a JSON Schema (strings bounded by ``bounded``)."""
+def json_grammar(schema: dict, bounds: JsonBounds | int | None = None) -> str:
+    """The llguidance grammar string of a JSON Schema, its open ends held to ``bounds``
+    (``JsonBounds``; an int or None: the string bound, the others at their defaults)."""
     import llguidance
 
     try:
-        text = json.dumps(_styled(bounded(schema, max_string_length)), allow_nan=False)
+        text = json.dumps(_styled(JsonBounds.of(bounds).apply(schema)), allow_nan=False)
     except (TypeError, ValueError) as e:
         raise InvalidRequestError(f"the JSON Schema is not serializable as JSON: {e}") from None
     return llguidance.LLMatcher.grammar_from_json_schema(text)
@@ -89,6 +72,45 @@ def closed(schema: Any) -> Any:
     return out
 
 
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames")
+
+
+def _is_object(schema: dict) -> bool:
+    kind = schema.get("type")
+    return kind == "object" or isinstance(kind, list) and "object" in kind or "properties" in schema
+
+
+def strict_closed(schema: Any, where: str = "schema") -> Any:
+    """``schema`` as OpenAI's strict mode reads it: every object closed to its ``properties``
+    (``additionalProperties: false``, written in where it is missing). An object that admits
+    other keys (``additionalProperties`` true or a schema) is refused, naming it (``where``:
+    the schema's place in the request), as OpenAI refuses it."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if _is_object(out):
+        extra = out.get("additionalProperties", False)
+        if extra is not False:
+            raise InvalidRequestError(f"{where}: strict mode closes every object, so additionalProperties must be "
+                                      f"false (or left out), got {json.dumps(extra)}; set strict false to allow "
+                                      "other keys")
+        out["additionalProperties"] = False
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {n: strict_closed(v, f"{where}.{key}.{n}") for n, v in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict_closed(v, f"{where}.{key}[{i}]") for i, v in enumerate(out[key])]
+    for key in _SCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = strict_closed(out[key], f"{where}.{key}")
+        elif isinstance(out.get(key), list):  # items as a list (draft 4-7 tuples)
+            out[key] = [strict_closed(v, f"{where}.{key}[{i}]") for i, v in enumerate(out[key])]
+    return out
+
+
 def _pydantic_model(obj) -> type | None:
     try:
         from pydantic import BaseModel
@@ -98,26 +120,30 @@ def _pydantic_model(obj) -> type | None:
 
 
 def _schema_format(schema: Any, parse: Callable[[str], Any] | None = None,
-                   max_string_length: int | None = DEFAULT_MAX_STRING_LENGTH) -> ResponseFormat:
+                   bounds: JsonBounds | int | None = DEFAULT_MAX_STRING_LENGTH) -> ResponseFormat:
     if not isinstance(schema, dict):
         raise InvalidRequestError(f"a JSON Schema must be a dict, got {type(schema).__name__}")
-    return ResponseFormat("json_schema", json_grammar(schema, max_string_length), schema, parse or json.loads)
+    return ResponseFormat("json_schema", json_grammar(schema, bounds), schema, parse or json.loads)
 
 
-def _openai_format(rf: dict, max_string_length: int | None) -> ResponseFormat | None:
+def _openai_format(rf: dict, bounds: JsonBounds | int | None) -> ResponseFormat | None:
     kind = rf.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
         schema = {"type": "object"}
-        return ResponseFormat("json_object", json_grammar(schema), schema, json.loads)
+        return ResponseFormat("json_object", json_grammar(schema, bounds), schema, json.loads)
     js = rf.get("json_schema")
     if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
         # as OpenAI: without a schema there is nothing to hold the answer to
         raise InvalidRequestError('response_format {"type": "json_schema"} needs "json_schema": {"name": ..., '
                                   '"schema": {...}}')
-    # strict or not, the output is held to the schema: a grammar cannot follow it loosely
-    return _schema_format(js["schema"], max_string_length=max_string_length)
+    # strict or not, the output is held to the schema (a grammar cannot follow it loosely);
+    # strict also closes every object, as OpenAI's strict mode does
+    schema = js["schema"]
+    if js.get("strict") is True:
+        schema = strict_closed(schema, "response_format.json_schema.schema")
+    return _schema_format(schema, bounds=bounds)
 
 
 def _choice_format(choices: list) -> ResponseFormat:
@@ -158,17 +184,18 @@ def format_instruction(fmt: ResponseFormat | None) -> str | None:
     return "Answer with a JSON object that follows this JSON Schema:\n" + json.dumps(fmt.schema, ensure_ascii=False)
 
 
-def normalize_response_format(rf: Any, max_string_length: int | None = DEFAULT_MAX_STRING_LENGTH
+def normalize_response_format(rf: Any, bounds: JsonBounds | int | None = DEFAULT_MAX_STRING_LENGTH
                               ) -> ResponseFormat | None:
     """``response_format`` -> ``ResponseFormat`` (``None`` for no constraint); raises
     ``InvalidRequestError`` for a shape it does not know. The grammar itself is checked when
     it is compiled (``GrammarCompiler.compile``). JSON strings without a ``maxLength`` are
-    held to ``max_string_length`` characters (``bounded``)."""
+    held to ``bounds`` (``JsonBounds``: strings, arrays, the nesting of free values; an int or
+    None: the string bound, the others at their defaults)."""
     if rf is None:
         return None
     model = _pydantic_model(rf)
     if model is not None:
-        return _schema_format(closed(model.model_json_schema()), model.model_validate_json, max_string_length)
+        return _schema_format(closed(model.model_json_schema()), model.model_validate_json, bounds)
     if isinstance(rf, Regex):
         return _text_format("regex", rf)
     if isinstance(rf, Grammar):
@@ -178,8 +205,8 @@ def normalize_response_format(rf: Any, max_string_length: int | None = DEFAULT_M
     if isinstance(rf, dict):
         if rf.get("type") in ("text", "json_object", "json_schema") and (
                 rf.get("type") != "json_schema" or "json_schema" in rf):
-            return _openai_format(rf, max_string_length)
-        return _schema_format(rf, max_string_length=max_string_length)
+            return _openai_format(rf, bounds)
+        return _schema_format(rf, bounds=bounds)
     raise InvalidRequestError(
         "response_format must be a Pydantic model class, a JSON Schema dict, {'type': 'json_object'}, "
         f"{{'type': 'json_schema', ...}}, lazyllm.Regex, lazyllm.Grammar or a list of strings; got {rf!r}")

@@ -13,8 +13,8 @@ from collections import OrderedDict
 
 import torch
 
-from ..config import DEFAULT_MAX_STRING_LENGTH
 from ..errors import InvalidRequestError
+from .bounds import JsonBounds
 from .schema_errors import grammar_error
 
 __all__ = ["GrammarCompiler", "GrammarConstraint"]
@@ -89,13 +89,19 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer, vocab_size: int, config=None, cache_size: int = 256):
         self._hf_tok, self._vocab = tokenizer, int(vocab_size)
-        # the engine's bound on JSON strings, which every grammar built for it applies
-        self.max_string_length = DEFAULT_MAX_STRING_LENGTH if config is None else config.max_string_length
+        # the engine's bounds on JSON strings, arrays and free values, which every grammar built
+        # for it applies
+        self.bounds = JsonBounds() if config is None else JsonBounds(
+            config.max_string_length, config.max_array_length, config.max_json_depth)
         self._ll_tok = None  # built on first use: seconds for a large vocabulary (BENCHMARKS.md)
         self._cache: OrderedDict[str, object] = OrderedDict()
         self._lock = threading.Lock()
         self.cache_size = cache_size
         self.stats = {"compiled": 0, "hits": 0}
+
+    @property
+    def max_string_length(self) -> int | None:
+        return self.bounds.max_string_length
 
     @property
     def vocab_size(self) -> int:

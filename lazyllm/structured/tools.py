@@ -4,7 +4,8 @@ out of the generated text.
 A call is written ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (the format
 of Hermes / Qwen / SmolLM3 chat templates), several calls one per line. Under
 ``tool_choice="required"`` or a named tool the grammar admits only calls (of that tool); under
-``"auto"`` it admits calls or a text answer (the ``response_format``'s when one is given);
+``"auto"`` it admits calls or a text answer without call markup (the ``response_format``'s
+when one is given);
 ``"none"`` leaves the output unconstrained and never parses calls.
 """
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 
 from ..errors import InvalidRequestError
 from ..types import ToolCall
-from .formats import DEFAULT_MAX_STRING_LENGTH, JSON_STYLE, ResponseFormat, bounded, closed
+from .bounds import JsonBounds
+from .formats import DEFAULT_MAX_STRING_LENGTH, JSON_STYLE, ResponseFormat, closed, strict_closed
 from .schema_errors import has_ref
 
 __all__ = ["Tool", "normalize_tools", "normalize_tool_choice", "tool_grammar", "parse_tool_calls", "CALL_OPEN",
@@ -59,6 +61,8 @@ def _tool(i: int, t: Any) -> Tool:
     if not isinstance(params, dict) or params.get("type", "object") != "object":
         raise InvalidRequestError(f"tools[{i}] ({name}): parameters must be a JSON Schema of type 'object', "
                                   f"got {params!r}")
+    if fn.get("strict") is True:  # OpenAI's strict function: every object of the arguments closed
+        params = strict_closed(params, f"tools[{i}].function.parameters")
     return Tool(name, desc, params)
 
 
@@ -121,14 +125,14 @@ def _rebased(schema: Any, base: str) -> Any:
     return out
 
 
-def call_schema(tools: list[Tool], max_string_length: int | None = DEFAULT_MAX_STRING_LENGTH) -> dict:
+def call_schema(tools: list[Tool], bounds: JsonBounds | int | None = DEFAULT_MAX_STRING_LENGTH) -> dict:
     """JSON Schema of one call: ``{"name": <const>, "arguments": <that tool's parameters>}``
-    for any of ``tools`` (strings without a ``maxLength`` bounded, ``formats.bounded``)."""
+    for any of ``tools`` (the arguments' open ends held to ``bounds``, ``JsonBounds``)."""
     # arguments closed to the listed parameters (as OpenAI's strict mode does): a tool's
     # function would reject or drop an invented one
     defs, alts = {}, []
     for t in tools:
-        args = bounded(closed(t.parameters), max_string_length)
+        args = JsonBounds.of(bounds).apply(closed(t.parameters))
         if has_ref(args):
             # the parameters' $refs point into their own document ("#/$defs/Address", "#" for a
             # recursive model), which is no longer the root once nested in the call: keep the
@@ -145,7 +149,7 @@ def call_schema(tools: list[Tool], max_string_length: int | None = DEFAULT_MAX_S
 
 
 def tool_grammar(tools: list[Tool], choice: str, text_format: ResponseFormat | None,
-                 parallel: bool = False, max_string_length: int | None = DEFAULT_MAX_STRING_LENGTH) -> str | None:
+                 parallel: bool = False, bounds: JsonBounds | int | None = DEFAULT_MAX_STRING_LENGTH) -> str | None:
     """The llguidance (Lark) grammar of the answer under ``choice``; None when unconstrained
     (``"none"`` without a ``response_format``). ``parallel``: several calls, one per line
     (else exactly one: small models otherwise tend to repeat a call)."""
@@ -154,18 +158,21 @@ def tool_grammar(tools: list[Tool], choice: str, text_format: ResponseFormat | N
     if choice == "none":
         return text_format.grammar if text_format is not None else None
     chosen = tools if choice in ("auto", "required") else [t for t in tools if t.name == choice]
-    body = json.dumps(call_schema(chosen, max_string_length))
+    body = json.dumps(call_schema(chosen, bounds))
     rules = ['calls: call ("\\n" call)*' if parallel else "calls: call",
              f'call: "{CALL_OPEN}" call_json "{CALL_CLOSE}"', f"call_json: %json {body}"]
     if choice != "auto":
         start = "start: calls"
     elif text_format is None:
-        # a text answer is anything that does not open a call
+        # a text answer does not start like a call (so its first character tells text from
+        # calls) and holds no call markup anywhere: a model echoing the prompt's call format
+        # in text would otherwise hand the caller a call as content
         start = "start: calls | text"
-        rules.append(r"text: /[^<][\s\S]*/")
+        rules.append(r"text: TEXT")
+        rules.append(r"TEXT: /[^<][\s\S]*/ & ~/[\s\S]*<\/?tool_call>[\s\S]*/")
     elif text_format.schema is not None:
         start = "start: calls | answer"
-        answer = bounded(text_format.schema, max_string_length)
+        answer = JsonBounds.of(bounds).apply(text_format.schema)
         rules.append(f"answer: %json {json.dumps({**answer, 'x-guidance': JSON_STYLE})}")
     else:
         raise InvalidRequestError("with tools, response_format must be a JSON Schema, a Pydantic model or json_object")

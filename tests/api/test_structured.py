@@ -145,7 +145,9 @@ def test_length_mid_json_gives_partial_text_and_frees_pages(llm):
     out = llm.generate("warm the prefix", response_format=SCHEMA, max_new_tokens=4)
     assert out.finish_reason == "length" and out.parsed is None and out.text.startswith('{"name": ')
     out = llm.generate("q", tools=[WEATHER], tool_choice="required", max_new_tokens=5)
-    assert out.finish_reason == "length" and out.tool_calls == [] and out.text.startswith("<tool_call>")
+    # one tool: the call is that tool's, cut before its name was written
+    assert out.finish_reason == "length" and out.text.startswith("<tool_call>") and out.answer_is_calls
+    assert [(c.name, c.partial) for c in out.tool_calls] == [("get_weather", "")]
     _no_pins(llm)
     llm.generate("warm the prefix", response_format=SCHEMA, max_new_tokens=4)
     assert llm.cache_stats()["free_pages"] == free
@@ -211,3 +213,117 @@ def test_batched_mask_fill_equals_row_by_row(llm):
         c.fill_bitmask(one, i)
     GrammarConstraint.fill_bitmasks([(c, i) for i, c in enumerate(cons)], many)
     assert torch.equal(one, many) and all(one[i].any() for i in range(3))
+
+
+@pytest.mark.parametrize("max_tokens", [1, 3, 5, 8, 12, 16])
+def test_call_cut_at_any_length_is_never_content(llm, max_tokens):
+    """A call cut by the length limit is a call, whatever its length: with two tools, named
+    once the written part fits one of them (never an empty list of calls from a named call);
+    with one tool, named from the first token. The adapters never show its markup."""
+    from lazyllm.integrations.langchain_tools import ai_message
+    from lazyllm.integrations.llama_index_tools import chat_message
+
+    for tools, choice in (([WEATHER, ADD], "required"), ([WEATHER, ADD], "add")):
+        out = llm.generate("q", tools=tools, tool_choice=choice, max_new_tokens=max_tokens)
+        assert out.finish_reason == "length" and out.answer_is_calls and out.text.startswith("<"), out.text
+        fits = [n for n in ("get_weather", "add") if choice in ("required", n)
+                and f'<tool_call>{{"name": "{n}"'.startswith(out.text[:len(f'<tool_call>{{"name": "{n}"')])]
+        if len(fits) == 1:  # the written part names one tool: the cut call is that tool's
+            [call] = out.tool_calls
+            assert call.name == fits[0] and call.partial is not None and call.arguments == {}
+        else:
+            assert out.tool_calls == []
+        assert ai_message(out).content == "" and chat_message(out).content == ""
+
+
+def test_auto_text_answer_holds_no_call_markup(llm):
+    """Under ``tool_choice="auto"`` a text answer may hold ``<`` but never a call's markup
+    (a model echoing the prompt's call format would hand the caller a call as content)."""
+    from lazyllm.structured import prepare
+
+    req = prepare(llm.inputs.grammars, tools=[WEATHER], tool_choice="auto")
+
+    def accepts(text):
+        c = llm.inputs.grammars.constraint(req.grammar)
+        return all(c.accept(t) for t in llm.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    assert accepts("Sure, <b>bold</b> and 3 < 4.")
+    assert not accepts('Sure: <tool_call>{"name": "get_weather", "arguments": {}}</tool_call>')
+    assert not accepts("done </tool_call>")
+    assert not accepts("<b>text may not start like a call</b>")
+
+
+CITY = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "where": {"type": "object", "properties": {"lat": {"type": "integer"}}, "required": ["lat"]}},
+    "required": ["name", "where"]}
+
+
+def _accepts(llm, grammar: str, text: str) -> bool:
+    """Whether ``grammar`` admits ``text`` as a complete answer, token by token."""
+    c = llm.inputs.grammars.constraint(grammar)
+    return all(c.accept(t) for t in llm.tokenizer(text, add_special_tokens=False)["input_ids"]) and c.is_accepting()
+
+
+def test_strict_closes_every_object(llm):
+    """``strict: true`` admits no key outside ``properties``, at any depth (OpenAI's strict
+    mode); without it the schema is followed as written (objects open)."""
+    from lazyllm.structured import prepare
+
+    def rf(strict, schema=CITY):
+        return {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": strict}}
+
+    ok, extra = '{"name": "Paris", "where": {"lat": 48}}', '{"name": "Paris", "where": {"lat": 48}, "type": "json"}'
+    deep = '{"name": "Paris", "where": {"lat": 48, "lon": 2}}'
+    strict, loose = (prepare(llm.inputs.grammars, response_format=rf(s)).grammar for s in (True, False))
+    assert _accepts(llm, strict, ok) and not _accepts(llm, strict, extra) and not _accepts(llm, strict, deep)
+    assert _accepts(llm, loose, extra) and _accepts(llm, loose, deep)
+    out = llm.generate("a city", response_format=rf(True), max_new_tokens=80)
+    assert out.finish_reason == "stop" and set(out.parsed) == {"name", "where"} and set(out.parsed["where"]) == {"lat"}
+    opened = {**CITY, "properties": {**CITY["properties"], "tags": {"type": "object", "additionalProperties": True}}}
+    with pytest.raises(InvalidRequestError, match=r"schema\.properties\.tags: strict mode closes every object"):
+        llm.generate("a city", response_format=rf(True, opened))
+    tool = {"type": "function", "function": {"name": "save", "strict": True, "parameters": opened}}
+    with pytest.raises(InvalidRequestError, match=r"tools\[0\]\.function\.parameters\.properties\.tags"):
+        llm.generate("a city", tools=[tool])
+    assert llm.generate("a city", tools=[{**tool, "function": {**tool["function"], "strict": False}}],
+                        tool_choice="required", max_new_tokens=4).finish_reason == "length"
+
+
+def test_arrays_and_free_values_are_bounded(llm):
+    """Where a schema sets no ``maxItems`` an array holds at most ``max_array_length`` items
+    (the schema's own ``maxItems`` wins); a value the schema leaves free (``json_object``, ``{}``,
+    an object's other keys) nests at most ``max_json_depth`` levels; a user sets both (the
+    defaults: 32 items, 8 levels), in response formats and tool arguments alike."""
+    from lazyllm.config import EngineConfig
+    from lazyllm.structured import JsonBounds, prepare
+
+    def nested(levels):  # an object `levels` deep, top level counted
+        return '{"a": ' * levels + "1" + "}" * levels
+
+    def items(n):
+        return "[" + ", ".join(["1"] * n) + "]"
+
+    obj = {"type": "json_object"}
+    g = prepare(llm.inputs.grammars, response_format=obj).grammar  # the engine's defaults
+    assert _accepts(llm, g, nested(8)) and not _accepts(llm, g, nested(9))
+    assert _accepts(llm, g, '{"a": ' + items(32) + "}") and not _accepts(llm, g, '{"a": ' + items(33) + "}")
+    small = JsonBounds(max_array_length=3, max_json_depth=2)
+    g = prepare(None, response_format=obj, bounds=small).grammar
+    assert _accepts(llm, g, nested(2)) and not _accepts(llm, g, nested(3))
+    tags = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}},
+                                             "more": {"type": "array", "maxItems": 5}, "free": {}},
+            "required": ["tags", "more", "free"]}
+    g = prepare(None, response_format=tags, bounds=small).grammar
+    assert _accepts(llm, g, '{"tags": ["a", "b", "c"], "more": ' + items(5) + ', "free": {"k": 1}}')
+    assert not _accepts(llm, g, '{"tags": ["a", "b", "c", "d"], "more": [], "free": 1}')
+    assert not _accepts(llm, g, '{"tags": [], "more": [], "free": {"k": {"j": 1}}}')  # three levels
+    tool = {"type": "function", "function": {"name": "tag", "parameters": tags}}
+    g = prepare(None, tools=[tool], tool_choice="required", bounds=small).grammar
+    call = '<tool_call>{"name": "tag", "arguments": {"tags": %s, "more": [], "free": 1}}</tool_call>'
+    assert _accepts(llm, g, call % '["a", "b", "c"]') and not _accepts(llm, g, call % '["a", "b", "c", "d"]')
+    unbounded = JsonBounds(max_array_length=None, max_json_depth=None)
+    assert _accepts(llm, prepare(None, response_format=obj, bounds=unbounded).grammar, nested(12))
+    for bad in ({"max_array_length": 0}, {"max_json_depth": "3"}):
+        with pytest.raises(InvalidRequestError, match=next(iter(bad))):
+            EngineConfig(**bad)

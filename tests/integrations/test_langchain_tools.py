@@ -9,6 +9,7 @@ from typing import Literal
 import jsonschema
 import pytest
 from langchain_core.documents import Document
+from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from pydantic import BaseModel, Field
@@ -146,6 +147,27 @@ def test_with_structured_output(chat, method):
     jsonschema.validate(d["parsed"], Person.model_json_schema())
 
 
+class Tagged(BaseModel):
+    """A note with tags."""
+
+    title: str = Field(max_length=10)
+    tags: list[str] = []
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+@pytest.mark.parametrize("schema", [Tagged, Tagged.model_json_schema()], ids=["pydantic", "dict"])
+def test_cut_answer_is_never_parsed(chat, method, schema):
+    """An answer the length limit cut is never parsed as complete (LangChain's JSON parsers
+    would close the cut array): ``parsed`` None, ``parsing_error`` saying so, the raw message's
+    ``finish_reason`` length; without ``include_raw``, the error is raised."""
+    short = chat.model_copy(update={"max_tokens": 12})
+    out = short.with_structured_output(schema, method=method, include_raw=True).invoke("tag it")
+    assert out["raw"].response_metadata["finish_reason"] == "length"
+    assert out["parsed"] is None and "length limit" in str(out["parsing_error"]), out
+    with pytest.raises(OutputParserException, match="length limit"):
+        short.with_structured_output(schema, method=method).invoke("tag it")
+
+
 class PersonV1(BaseModelV1):
     """A person (a pydantic.v1 model)."""
 
@@ -187,3 +209,20 @@ def test_documents_in_conversation_reused_at_second_step(chat):
     second = chat.bind_tools([multiply], tool_choice="none").invoke(msgs)
     assert second.response_metadata["cached_chunk_tokens"] > 0
     assert second.usage_metadata["input_token_details"]["cache_read"] > 0
+
+
+def test_logprobs_as_chat_openai_gives_them(chat):
+    """``logprobs=True`` (a field or per call, as ``ChatOpenAI``): ``response_metadata
+    ["logprobs"]["content"]`` in OpenAI's shape, one per generated token (the end of sequence
+    left out); streamed, the chunks add up to the same."""
+    msg = chat.invoke("hello", logprobs=True, top_logprobs=2, max_tokens=6)
+    content = msg.response_metadata["logprobs"]["content"]
+    assert len(content) == msg.usage_metadata["output_tokens"] - (msg.response_metadata["finish_reason"] == "stop")
+    assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["logprob"] >= e["logprob"] - 1e-6
+               for e in content)
+    full = None
+    for chunk in chat.model_copy(update={"logprobs": True}).stream("hello", max_tokens=6):
+        full = chunk if full is None else full + chunk
+    assert [(e["token"], e["logprob"]) for e in full.response_metadata["logprobs"]["content"]] == [
+        (e["token"], e["logprob"]) for e in content]
+    assert "logprobs" not in chat.invoke("hello", max_tokens=2).response_metadata

@@ -282,3 +282,18 @@ def test_call_cut_by_the_length_limit_stays_out_of_the_agent_memory(li):
     # the next step of an agent sends the message back: it must not carry the unparsable call
     history = [ChatMessage(role=MessageRole.USER, content="Paris population?"), resp.message]
     assert li.chat([*history, ChatMessage(role=MessageRole.USER, content="Again.")], max_new_tokens=2).raw
+
+
+def test_chat_logprobs_as_llama_index_openai_gives_them(li):
+    """``chat(..., logprobs=True, top_logprobs=k)``: ``ChatResponse.logprobs`` holds, per
+    generated token, its ``k`` most likely tokens as ``LogProb``s (``score``'s values); without
+    them, None."""
+    from llama_index.core.base.llms.types import ChatMessage
+
+    resp = li.chat([ChatMessage(role="user", content="hello")], logprobs=True, top_logprobs=2, max_new_tokens=5)
+    out = resp.raw
+    assert resp.logprobs is not None and len(resp.logprobs) == len(out.logprobs) > 0
+    for tops, t in zip(resp.logprobs, out.logprobs):
+        assert [(p.token, p.logprob) for p in tops] == [(x.token, x.logprob) for x in t.top_logprobs]
+        assert len(tops) == 2 and tops[0].logprob >= t.logprob - 1e-6
+    assert li.chat([ChatMessage(role="user", content="hello")], max_new_tokens=2).logprobs is None

@@ -92,3 +92,34 @@ def test_markdown_says_how_many_cases_had_a_reference_and_print_shows_it():
     rows[1]["references"] = 0
     rows[0]["references"] = 0
     assert "| - | - |" in q.FidelityReport(rows=rows, target={}, n_cases=3).to_markdown()
+
+
+def test_packets_flag_adds_a_setting_per_file(monkeypatch, tmp_path, capsys):
+    """``--packets FILE`` measures the default options with that packet next to the other
+    settings (named after the file); a missing file is a usage error before the model loads."""
+    from lazyllm.quality import report
+
+    assert "no such packet file" in _usage_error([str(CASES), "--packets", str(tmp_path / "none.pt")], capsys)
+    seen = {}
+
+    class Engine:
+        def __init__(self, *a, **k):
+            pass
+
+        def close(self):
+            pass
+
+    class Report:
+        def to_markdown(self):
+            return "table"
+
+    def compare(llm, cases, settings, target, **kw):
+        seen["settings"] = settings
+        return Report()
+
+    monkeypatch.setattr(lazyllm, "LazyLLM", Engine)
+    monkeypatch.setattr(report, "compare", compare)
+    mine = tmp_path / "mine.pt"
+    mine.write_bytes(b"")
+    cli.main([str(CASES), "--settings", "default,fast", "--packets", str(mine)])
+    assert seen["settings"] == ["default", "fast", ("mine", {"packets": str(mine)})]

@@ -84,10 +84,13 @@ def test_remote_langchain_with_structured_output(remote_chat, method):
     schema = None if method == "json_mode" else Person
     structured = remote_chat.with_structured_output(schema, method=method, include_raw=True)
     out = structured.invoke("Describe someone.")
-    assert out["parsing_error"] is None, out
-    if method == "json_mode":
-        assert isinstance(out["parsed"], dict)
+    if method == "json_mode":  # any object: it may run past the limit, and a cut answer is never parsed
+        if out["raw"].response_metadata["finish_reason"] == "length":
+            assert out["parsed"] is None and "length limit" in str(out["parsing_error"]), out
+        else:
+            assert out["parsing_error"] is None and isinstance(out["parsed"], dict), out
     else:
+        assert out["parsing_error"] is None, out
         assert isinstance(out["parsed"], Person)
 
 

@@ -172,6 +172,8 @@ def test_tool_result_round_trip(client, server, llm):
     ({"messages": ASK + [{"role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {
         "name": "get_time", "arguments": "{not json"}}]}]}, None),
     ({"functions": [{"name": "f"}]}, "functions"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
+        "type": "object", "properties": {"a": {"type": "object", "additionalProperties": True}}}}}}, None),
 ])
 def test_bad_structured_input_is_400(server, llm, body, param):
     for stream in (False, True):
@@ -218,3 +220,39 @@ def test_ray_requests_carry_the_same_fields():
     assert sr.sampling["response_format"] == {"type": "json_object"} and sr.sampling["parallel_tool_calls"] is False
     assert [m["role"] for m in sr.sampling["messages"]] == ["user", "assistant", "tool"]
     assert sr.sampling["messages"][2]["tool_call_id"] == "call_1" and "doc one" in sr.prompt
+
+
+def _streamed(server, body) -> tuple[dict[int, dict], str, str]:
+    with httpx.stream("POST", f"{server}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": MODEL, "messages": ASK, "stream": True, **body}, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    calls: dict[int, dict] = {}
+    content, finish = "", None
+    for e in events:
+        ch = e["choices"][0]
+        content += ch["delta"].get("content") or ""
+        finish = ch["finish_reason"] or finish
+        for tc in ch["delta"].get("tool_calls", []):
+            c = calls.setdefault(tc["index"], {"name": tc["function"].get("name"), "arguments": ""})
+            c["arguments"] += tc["function"]["arguments"]
+    return calls, content, finish
+
+
+@pytest.mark.parametrize("max_tokens", [1, 3, 8, 12])
+def test_cut_call_is_never_markup_nor_an_empty_list(server, max_tokens):
+    """Cut by ``max_tokens`` at any point: ``content`` null (never ``"<"`` or ``"<tool_"``),
+    ``finish_reason`` length, and a ``tool_calls`` list only when it holds the cut call
+    (named: a named tool is known from the first token); streamed the same."""
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        body = dict(tools=TOOLS, tool_choice=choice, max_tokens=max_tokens, temperature=0)
+        r = _post(server, **body)
+        assert r.status_code == 200, r.text
+        ch = r.json()["choices"][0]
+        assert ch["finish_reason"] == "length" and ch["message"]["content"] is None, ch
+        assert ch["message"].get("tool_calls", None) != [], ch
+        calls, content, finish = _streamed(server, body)
+        assert content == "" and finish == "length", (content, finish)
+        whole = [(c["function"]["name"], c["function"]["arguments"]) for c in ch["message"].get("tool_calls", [])]
+        assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == whole
+        if isinstance(choice, dict):
+            assert [n for n, _ in whole] == ["get_time"]
