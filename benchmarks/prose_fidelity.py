@@ -88,6 +88,29 @@ def table(rows: list[dict], floor: dict) -> str:
     return "\n".join(lines) + f"\n\nThe rule's choice: **{rep.floor_choice()}**."
 
 
+def by_kind(reports: list[dict], kinds: dict[str, str]) -> str:
+    """Markdown: same first 8 tokens per kind of question, per setting and for the floor."""
+    same: dict[tuple[str, str], list[int]] = {}
+    for rep in reports:
+        for pc in rep["cases"]:
+            k = kinds.get(pc["id"], "?")
+            if pc["setting"] == "full attention" and pc.get("floor"):
+                f = same.setdefault(("order floor", k), [0, 0])
+                f[0] += pc["floor"]["same"]
+                f[1] += pc["floor"]["orders"]
+            else:
+                s = same.setdefault((pc["setting"], k), [0, 0])
+                s[0] += bool(pc["same_answer"])
+                s[1] += 1
+    names = list(dict.fromkeys(n for n, _ in same if n != "full attention"))
+    ks = sorted({k for _, k in same})
+    lines = ["| same first 8 tokens | " + " | ".join(ks) + " |", "| --- |" + " ---: |" * len(ks)]
+    for n in names:
+        cells = [f"{100 * a / b:.0f}% ({a}/{b})" if b else "-" for a, b in (same.get((n, k), [0, 0]) for k in ks)]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--split", default="test", help="train, dev or test (benchmarks/data/prose/<split>.jsonl)")
@@ -109,16 +132,22 @@ def main(argv=None) -> None:
             reports.append(json.load(f))
     rows, floor = aggregate(reports)
     print(table(rows, floor))
+    with open(_path(a), encoding="utf-8") as f:
+        kinds = {str(c.get("id")): c.get("kind", "?") for c in map(json.loads, filter(None, f.read().splitlines()))}
+    print("\n" + by_kind(reports, kinds))
     print(f"\n{sum(r['n_cases'] for r in reports)} cases in {len(reports)} slices; measured "
           f"{sum(r.get('wall_s', 0) for r in reports):.0f} s in all")
+
+
+def _path(a) -> str:
+    return a.cases or os.path.join(HERE, "data", "prose", f"{a.split}.jsonl")
 
 
 def _measure(a) -> None:
     from lazyllm import LazyLLM
     from lazyllm.quality import compare, load_cases
 
-    path = a.cases or os.path.join(HERE, "data", "prose", f"{a.split}.jsonl")
-    cases = load_cases(path)[: a.limit]
+    cases = load_cases(_path(a))[: a.limit]
     settings = [(n, SETTINGS[n]) for n in a.settings.split(",") if n]
     llm = LazyLLM(a.model, reuse="none", kv_cache_bytes=256 << 20, progress=False)
     try:
