@@ -85,3 +85,19 @@ def test_floor_choice_is_the_cheapest_setting_inside_the_floor():
     rows[3]["same_answer"] = 0.3
     assert rep.floor_choice() == "exact"
     assert q.FidelityReport(rows=rows, target={}).floor_choice() is None
+
+
+def test_a_slice_of_the_prose_suite_runs_through_the_report(tiny):
+    """20 cases of the shipped test split through the report with its floor (a tiny random
+    model: the plumbing at real lengths, not the default model's figures)."""
+    from pathlib import Path
+
+    hf, tok = tiny
+    cases = q.load_cases(Path(__file__).parents[2] / "benchmarks" / "data" / "prose" / "test.jsonl")[:20]
+    llm = LazyLLM(model=hf, tokenizer=tok, reuse="none", kv_cache_bytes=64 << 20, progress=False)
+    rep = q.compare(llm, cases, settings=["default", "balanced"], progress=False, ttft_cases=0, answer_tokens=4,
+                    orders=1)
+    llm.close()
+    assert rep.n_cases == 20 and rep.floor["pairs"] == 20  # every case has at least two documents
+    assert rep.row("default")["recomputed"] == 0.0 and 0.0 < rep.row("balanced")["recomputed"] < 0.5
+    assert rep.floor["kl"] > 0.0 and rep.row("default")["kl_mean"] > 0.0  # reordering moves full attention too
