@@ -121,6 +121,7 @@ def main(argv=None) -> None:
     ap.add_argument("--orders", type=int, default=4, help="other orders of each case's documents (the floor)")
     ap.add_argument("--slice", type=int, default=20, help="cases a saved slice")
     ap.add_argument("--limit", type=int, default=None, help="the first N cases only")
+    ap.add_argument("--first-slice", type=int, default=0, help="start at this slice (another process runs the earlier)")
     ap.add_argument("--table-only", action="store_true", help="print the table of what is saved")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
@@ -151,7 +152,7 @@ def _measure(a) -> None:
     settings = [(n, SETTINGS[n]) for n in a.settings.split(",") if n]
     llm = LazyLLM(a.model, reuse="none", kv_cache_bytes=256 << 20, progress=False)
     try:
-        for i in range(0, len(cases), a.slice):
+        for i in range(a.first_slice * a.slice, len(cases), a.slice):
             out = os.path.join(a.out, f"slice-{i // a.slice:03d}.json")
             if os.path.exists(out):
                 continue
