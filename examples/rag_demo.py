@@ -4,7 +4,10 @@ Two questions over the same six documents, the second with the documents retriev
 another order: the second request reuses every document's KV (computed once, placed at
 new positions by the attention kernel) and only computes its question.
 
-    python examples/rag_demo.py [--reuse lazy|block|prefix|none] [--device auto|cpu|cuda]
+    python examples/rag_demo.py [--reuse lazy|block|prefix|none] [--device auto|cpu|cuda] [--check]
+
+``--check`` also answers each question with full attention (``quality="exact"``, the same
+weights) and prints whether the answer's first 8 tokens are full attention's.
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ def main() -> None:
     ap.add_argument("--chunk-context", default="isolated", choices=["isolated", "prefix"])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--max-new-tokens", type=int, default=40)
+    ap.add_argument("--check", action="store_true",
+                    help="print whether each answer's first 8 tokens equal full attention's (quality='exact')")
     args = ap.parse_args()
 
     # The weights load in well under a second: no per-tensor progress bar. (A first run that
@@ -39,6 +44,9 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LazyLLM(args.model, device=args.device, reuse=args.reuse, chunk_context=args.chunk_context)
     print(f"loaded {llm} in {time.perf_counter() - t0:.1f} s\n")
+    # full attention over the same weights, for --check
+    exact = LazyLLM(model=llm.hf_model, tokenizer=llm.tokenizer, device=args.device, quality="exact",
+                    progress=False) if args.check else None
 
     chunks = [Chunk(text, id=name) for name, text in DOCS.items()]
     first = ["eiffel", "fuji", "python", "amazon", "curie", "honey"]
@@ -56,7 +64,13 @@ def main() -> None:
         print(f"       A: {out.text.strip()}")
         print(f"       documents in order: {', '.join(order)}")
         print(f"       TTFT {out.ttft_s * 1000:.1f} ms | prompt {out.usage.prompt_tokens} tokens, "
-              f"{out.usage.cached_tokens} reused from cache | {out.usage.completion_tokens} generated\n")
+              f"{out.usage.cached_tokens} reused from cache | {out.usage.completion_tokens} generated")
+        if exact is not None:
+            ref = exact.generate(question, chunks=[by_id[i] for i in order], system=SYSTEM, max_new_tokens=8)
+            same = list(out.token_ids[:8]) == list(ref.token_ids[:8])
+            print(f"       first 8 tokens as full attention's: {'yes' if same else 'NO'}"
+                  + ("" if same else f" (full attention: {ref.text.strip()!r})"))
+        print()
     cold, warm = rows[0][1], rows[1][1]
     print(f"TTFT cold {cold.ttft_s * 1000:.1f} ms -> warm {warm.ttft_s * 1000:.1f} ms "
           f"({cold.ttft_s / max(warm.ttft_s, 1e-9):.1f}x lower); warm request reused "
@@ -65,6 +79,8 @@ def main() -> None:
     print(f"cache: {s['hits']} hits, {s['misses']} misses (hit rate {s['hit_rate']:.0%}), "
           f"{s['reused_tokens']} tokens reused, {s['resident_tokens']} tokens resident "
           f"({s['resident_bytes'] / 2**20:.1f} MiB), {s['evictions']} evictions")
+    if exact is not None:
+        exact.close()
     llm.close()
 
 

@@ -34,6 +34,12 @@ Per setting (and for full attention, the reference):
   document cached beforehand (1.0 for full attention);
 * ``ttft_ms``: median time to first token over the cases (warm chunk cache).
 
+The order floor (``orders=4``, ``--orders``; ``lazyllm.quality.floor``): full attention
+itself in other orders of each case's documents, on the same metrics; each setting's ratio to
+it, its KL to the order-mean of full attention (``kl_mean``), and ``floor_choice()``, the
+cheapest setting whose same-answer rate is at least the floor's and whose KL is at most twice
+the floor's. A real-prose suite to run it on ships in ``benchmarks/data/prose/``.
+
 The names below are imported on first use (``adapt`` and ``compare`` bring torch), so
 ``python -m lazyllm.quality`` checks its arguments before it pays for the engine.
 """
@@ -50,6 +56,7 @@ if TYPE_CHECKING:
     from .cases import Case, cases_from_retriever, document_text, load_cases
     from .checks import DEFAULT_SETTINGS
     from .cli import main
+    from .floor import FLOOR_NAME, other_orders
     from .metrics import (
         DEFAULT_TARGET,
         contains_answer,
@@ -64,7 +71,7 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "adapt": ".adapt", "AdaptResult": ".adapt",
     "Case": ".cases", "cases_from_retriever": ".cases", "document_text": ".cases", "load_cases": ".cases",
-    "main": ".cli", "DEFAULT_SETTINGS": ".checks",
+    "main": ".cli", "DEFAULT_SETTINGS": ".checks", "FLOOR_NAME": ".floor", "other_orders": ".floor",
     "DEFAULT_TARGET": ".metrics", "contains_answer": ".metrics", "exact_match": ".metrics",
     "kl_and_agreement": ".metrics", "normalize_answer": ".metrics", "parse_target": ".metrics",
     "REFERENCE_NAME": ".report", "FidelityReport": ".report", "compare": ".report",
@@ -88,4 +95,4 @@ sys.modules[__name__].__class__ = _Package
 __all__ = ["adapt", "AdaptResult",
            "Case", "FidelityReport", "compare", "load_cases", "cases_from_retriever", "document_text",
            "kl_and_agreement", "normalize_answer", "exact_match", "contains_answer", "parse_target",
-           "DEFAULT_TARGET", "DEFAULT_SETTINGS", "REFERENCE_NAME", "main"]
+           "DEFAULT_TARGET", "DEFAULT_SETTINGS", "REFERENCE_NAME", "FLOOR_NAME", "other_orders", "main"]

@@ -65,6 +65,9 @@ def build_parser(prog: str = "python -m lazyllm.quality") -> argparse.ArgumentPa
     ap.add_argument("--same-answer-tokens", type=int, default=8,
                     help="leading tokens that must agree for 'same answer'")
     ap.add_argument("--ttft-cases", type=int, default=8, help="cases timed per setting")
+    ap.add_argument("--orders", type=int, default=4,
+                    help="the order floor: full attention under this many distinct other orders of each case's "
+                         "documents (0: none)")
     ap.add_argument("--system", default=None, help="system prompt for cases without one")
     ap.add_argument("--markdown", default=None, help="write the table here")
     ap.add_argument("--json", default=None, help="write the full report here")
@@ -87,6 +90,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m lazyllm.quali
         settings = _parse_settings(a.settings) + _packet_settings(a.packets)
         check_settings(settings)
         target = parse_target(a.target)
+        if a.orders < 0:
+            raise ValueError(f"--orders must be >= 0, got {a.orders}")
     except (OSError, ValueError, TypeError, MissingExtraError) as e:
         ap.error(str(e))
     from lazyllm import LazyLLM
@@ -97,11 +102,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m lazyllm.quali
     llm = LazyLLM(a.model, device=a.device, reuse="none", kv_cache_bytes=256 << 20, progress=not a.no_progress)
     try:
         report = compare(llm, cases, settings, target, system=a.system, answer_tokens=a.answer_tokens,
-                         same_answer_tokens=a.same_answer_tokens, ttft_cases=a.ttft_cases,
+                         same_answer_tokens=a.same_answer_tokens, ttft_cases=a.ttft_cases, orders=a.orders,
                          progress=not a.no_progress)
     finally:
         llm.close()
-    md = report.to_markdown()
+    md = report.full_markdown()
     print(md)
     print(f"\n({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
     if a.markdown:

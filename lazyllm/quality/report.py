@@ -16,6 +16,7 @@ from ..extras import require
 from ..presets import QUALITY_OPTIONS
 from .cases import Case, _as_cases
 from .checks import check_settings as _settings
+from .floor import FLOOR_NAME, kl_from_mean, measure_floor, ratios, within_floor
 from .metrics import _METRICS, _meets, contains_answer, exact_match, kl_and_agreement, parse_target
 
 # the candidates compared when the caller names none: the default and the presets
@@ -23,6 +24,8 @@ REFERENCE_NAME = "full attention"
 # what recommend() answers when no setting meets the target: full attention's answers, as a
 # preset LazyLLM(quality=...) takes
 FALLBACK = "exact"
+# full attention, every prompt computed afresh (identical-prefix reuse gives the first
+# continuation token other logits where the whole prompt is cached on a page boundary)
 _FULL = {"reuse": "none"}
 
 
@@ -40,6 +43,7 @@ class FidelityReport:
     answer_tokens: int = 0
     same_answer_tokens: int = 0
     cases: list[dict] = field(default_factory=list)
+    floor: dict | None = None
 
     @property
     def table(self):
@@ -73,10 +77,45 @@ class FidelityReport:
         ok.sort(key=lambda r: (r["recomputed"], r["ttft_ms"] if r["ttft_ms"] is not None else math.inf))
         return ok[0]["setting"]
 
+    def floor_choice(self, kl_factor: float = 2.0) -> str | None:
+        """The cheapest setting (as ``recommend`` orders them) whose same-answer rate is at
+        least the order floor's and whose KL is at most ``kl_factor`` times the floor's;
+        ``"exact"`` when none is; ``None`` without a floor."""
+        if not self.floor or self.floor.get("same_answer") is None:
+            return None
+        ok = [r for r in self.rows if r["setting"] != REFERENCE_NAME and within_floor(r, self.floor, kl_factor)]
+        ok.sort(key=lambda r: (r["recomputed"], r["ttft_ms"] if r["ttft_ms"] is not None else math.inf))
+        return ok[0]["setting"] if ok else FALLBACK
+
+    def floor_markdown(self) -> str:
+        """Per metric, the order floor and each setting's ratio to it, and the KL to the
+        order-mean of full attention; empty without a floor."""
+        f = self.floor
+        if not f or f.get("same_answer") is None:
+            return ""
+
+        def x(v):
+            return "-" if v is None else f"{v:.2f}x"
+
+        lines = ["| setting | top-1 agreement | mean KL | same answer | KL to order-mean |",
+                 "| --- | ---: | ---: | ---: | ---: |",
+                 f"| {FLOOR_NAME} ({f['orders']} other orders, {f['pairs']} pairs) | {100 * f['top1']:.1f}% | "
+                 f"{f['kl']:.4f} | {100 * f['same_answer']:.1f}% ({f['same_answer_n']}/{f['pairs']}) | "
+                 f"{f['kl_mean']:.4f} |"]
+        for r in self.rows:
+            q = ratios(r, f)
+            km = "-" if r.get("kl_mean") is None else f"{r['kl_mean']:.4f}"
+            lines.append(f"| {r['setting']} | {x(q['top1'])} | {x(q['kl'])} | {x(q['same_answer'])} | {km} |")
+        return "\n".join(lines) + (
+            "\n\nRatios to the order floor (full attention in other orders of the same documents, teacher-forced on "
+            "its answer in the case's order): top-1 and same answer above 1 and KL below 1 are inside it. Within "
+            f"the floor (same answer >= the floor's, KL <= 2x the floor's), cheapest: **{self.floor_choice()}**.")
+
     def to_dict(self) -> dict:
         return dict(model=self.model, n_cases=self.n_cases, answer_tokens=self.answer_tokens,
                     same_answer_tokens=self.same_answer_tokens, target=self.target,
-                    recommendation=self.recommend(), rows=self.rows, cases=self.cases)
+                    recommendation=self.recommend(), floor=self.floor, floor_choice=self.floor_choice(),
+                    rows=self.rows, cases=self.cases)
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:
         s = json.dumps(self.to_dict(), indent=2, default=str)
@@ -117,6 +156,11 @@ class FidelityReport:
     def _repr_markdown_(self) -> str:
         return self.to_markdown()
 
+    def full_markdown(self) -> str:
+        """The table, then the order floor's (when measured)."""
+        fl = self.floor_markdown()
+        return self.to_markdown() + (f"\n\n{fl}" if fl else "")
+
     def plot(self, ax=None, path: str | os.PathLike | None = None):
         """Top-1 agreement and same-answer rate against recomputed chunk tokens, one point
         per setting, the target's lines dashed. Returns the matplotlib figure."""
@@ -147,10 +191,24 @@ class FidelityReport:
 
 
 # -- measurement -------------------------------------------------------------------------
-def _score(llm: LazyLLM, cases: list[Case], conts: list[list[int]], workers: int):
+def _score(llm: LazyLLM, cases: list[Case], conts: list[list[int]] | None, workers: int, answer_tokens: int):
+    """Per case ``(greedy answer or None, ScoreOutput)``: where ``conts`` is None (full
+    attention) the greedy answer first, then the score of it over the very prompt it kept;
+    else the documents cached on their own first (``llm.warm``, as in serving: the request
+    then reuses them at other positions and next to other documents), then the score of
+    ``conts[i]``. One case at a time end to end, so a small page pool holds what it reuses."""
     def one(i):
         c = cases[i]
-        return llm.score(c.question, chunks=c.documents, system=c.system, continuation=conts[i], return_logits=True)
+        gen = None
+        if conts is None:
+            gen = llm.generate(c.question, chunks=c.documents, system=c.system, max_new_tokens=answer_tokens)
+            cont = list(gen.token_ids) or [llm.tokenizer.eos_token_id]
+        else:
+            cont = conts[i]
+            if llm.engine.planner.caches_chunks:
+                llm.warm(c.documents, system=c.system, progress=False)
+        return gen, llm.score(c.question, chunks=c.documents, system=c.system, continuation=cont,
+                              return_logits=True)
 
     if workers <= 1:
         return [one(i) for i in range(len(cases))]
@@ -158,24 +216,9 @@ def _score(llm: LazyLLM, cases: list[Case], conts: list[list[int]], workers: int
         return list(ex.map(one, range(len(cases))))
 
 
-def _warm(llm: LazyLLM, cases: list[Case]) -> None:
-    """Cache every document on its own (each system prompt's), so that the cases then reuse
-    them at other positions and next to other documents, as in serving."""
-    if not llm.engine.planner.caches_chunks:
-        return
-    by_system: dict[str | None, list] = {}
-    for c in cases:
-        seen = by_system.setdefault(c.system, [])
-        for d in c.documents:
-            if d not in seen:
-                seen.append(d)
-    for system, docs in by_system.items():
-        llm.warm(list(reversed(docs)), system=system, progress=False)
-
-
 def _ttft(llm: LazyLLM, c: Case) -> float:
     """TTFT of one case as a new request sees it: its documents cached where the setting
-    caches chunks (``_warm``), the prompt computed afresh where it reuses only an identical
+    caches chunks (``_score`` warmed them), the prompt computed afresh where it reuses only an identical
     prefix (the scoring passes just computed this very prompt, which a new question would not
     find)."""
     if not llm.engine.planner.caches_chunks:
@@ -186,17 +229,12 @@ def _ttft(llm: LazyLLM, c: Case) -> float:
 def _measure(llm: LazyLLM, name: str, kwargs: dict, cases: list[Case], refs: list[dict], *, same_n: int,
              ttft_cases: int, workers: int, generate_answers: bool, answer_tokens: int, bar) -> tuple[dict, list]:
     is_ref = refs is None
-    _warm(llm, cases)
-    if is_ref:
-        gens = llm.generate_batch([dict(question=c.question, chunks=c.documents, system=c.system,
-                                        max_new_tokens=answer_tokens) for c in cases])
-        conts = [list(g.token_ids) or [llm.tokenizer.eos_token_id] for g in gens]
-    else:
-        gens = None
-        conts = [r["ids"] for r in refs]
-    scores = _score(llm, cases, conts, workers)
+    pairs = _score(llm, cases, None if is_ref else [r["ids"] for r in refs], workers, answer_tokens)
+    scores = [sc for _, sc in pairs]
+    gens = [g for g, _ in pairs] if is_ref else None
+    conts = [list(sc.token_ids) for sc in scores]
     per_case = []
-    kls, agrees = [], []
+    kls, agrees, kl_means = [], [], []
     recomputed = chunk_total = 0
     for i, (c, sc) in enumerate(zip(cases, scores)):
         chunk_tokens = sum(len(ids) for kind, ids in sc.prompt_segments if kind == "chunk")
@@ -206,13 +244,16 @@ def _measure(llm: LazyLLM, name: str, kwargs: dict, cases: list[Case], refs: lis
             kl, ag = kl_and_agreement(refs[i]["logits"], sc.logits)
         kls += kl
         agrees += ag
+        km = kl_from_mean(refs[i]["mean_logp"], sc.logits) if not is_ref and "mean_logp" in refs[i] else []
+        kl_means += km
         arg = sc.logits.argmax(-1).tolist()
         same = arg[:same_n] == conts[i][:same_n]
         rec = chunk_tokens - sc.usage.cached_chunk_tokens
         recomputed += rec
         chunk_total += chunk_tokens
         per_case.append(dict(id=c.id, setting=name, kl=sum(kl) / len(kl), top1=sum(ag) / len(ag), same_answer=same,
-                             recomputed=rec, chunk_tokens=chunk_tokens, ids=conts[i], logits=sc.logits))
+                             recomputed=rec, chunk_tokens=chunk_tokens, ids=conts[i], logits=sc.logits,
+                             kl_mean=sum(km) / len(km) if km else None))
         bar.update(1)
     # the setting's own greedy answers, for exact match against the references
     if generate_answers:
@@ -231,7 +272,8 @@ def _measure(llm: LazyLLM, name: str, kwargs: dict, cases: list[Case], refs: lis
     cont = [pc["contains"] for pc in per_case if pc.get("contains") is not None]
     n_same = sum(pc["same_answer"] for pc in per_case)
     row = dict(setting=name, kwargs=kwargs, cases=len(cases), tokens=len(kls), top1=sum(agrees) / len(agrees),
-               kl=sum(kls) / len(kls), kl_max=max(kls), same_answer=n_same / len(cases), same_answer_n=n_same,
+               kl=sum(kls) / len(kls), kl_max=max(kls), kl_mean=sum(kl_means) / len(kl_means) if kl_means else None,
+               same_answer=n_same / len(cases), same_answer_n=n_same,
                exact_match=(sum(em) / len(em)) if em else None, contains=(sum(cont) / len(cont)) if cont else None,
                references=len(em),
                recomputed=recomputed / chunk_total if chunk_total else 0.0,
@@ -241,10 +283,30 @@ def _measure(llm: LazyLLM, name: str, kwargs: dict, cases: list[Case], refs: lis
     return row, per_case
 
 
+def _floor(hf, tok, backend, kv_cache_bytes, cases, refs, ref_row, ref_cases, *, orders, seed, same_n,
+           bar) -> dict:
+    """The order floor (``measure_floor``) on a full-attention engine over the same weights;
+    full attention's own KL to the order-mean goes into its row and cases."""
+    llm = LazyLLM(model=hf, tokenizer=tok, kv_cache_bytes=kv_cache_bytes, attention_backend=backend,
+                  progress=False, **_FULL)
+    try:
+        floor = measure_floor(llm, cases, refs, orders, same_n=same_n, seed=seed, bar=bar)
+    finally:
+        llm.close()
+    kms = []
+    for pc, r in zip(ref_cases, refs):
+        km = kl_from_mean(r["mean_logp"], r["logits"])
+        pc["kl_mean"] = sum(km) / len(km)
+        pc["floor"] = r["floor"]
+        kms += km
+    ref_row["kl_mean"] = sum(kms) / len(kms) if kms else None
+    return floor
+
+
 def compare(llm_or_model: Any = None, cases: Any = None, settings: Any = None, target: Any = None, *,
             retriever: Any = None, system: str | None = None, answer_tokens: int = 16, same_answer_tokens: int = 8,
             ttft_cases: int = 8, workers: int = 4, progress: bool = True,
-            kv_cache_bytes: int = 256 << 20) -> FidelityReport:
+            kv_cache_bytes: int = 256 << 20, orders: int = 4, order_seed: int = 0) -> FidelityReport:
     """Run full attention and each candidate setting on ``cases`` and report their fidelity.
 
     Parameters
@@ -265,6 +327,9 @@ def compare(llm_or_model: Any = None, cases: Any = None, settings: Any = None, t
     ttft_cases : cases timed (one new token each) per setting.
     workers : score requests in flight at once (the engine batches them).
     progress : a tqdm progress bar over settings x cases.
+    orders : distinct other orders of each case's documents under which full attention is
+        measured (the order floor, ``lazyllm.quality.floor``); 0: no floor.
+    order_seed : seed of the shuffled orders.
     """
     from tqdm.auto import tqdm
 
@@ -281,7 +346,8 @@ def compare(llm_or_model: Any = None, cases: Any = None, settings: Any = None, t
     gen_answers = any(c.reference is not None for c in cs)
     per_case: list[dict] = []
     rows = []
-    with tqdm(total=len(cs) * (len(named) + 1), desc="fidelity", unit="case", disable=not progress) as bar:
+    total = len(cs) * (len(named) + 1 + (orders > 0))
+    with tqdm(total=total, desc="fidelity", unit="case", disable=not progress) as bar:
         def run(name, kw, refs):
             bar.set_postfix_str(name)
             llm = LazyLLM(model=hf, tokenizer=tok, kv_cache_bytes=kv_cache_bytes, attention_backend=backend,
@@ -304,6 +370,11 @@ def compare(llm_or_model: Any = None, cases: Any = None, settings: Any = None, t
                 ref_row[key] = sum(vals) / len(vals) if vals else None
             ref_row["references"] = sum(c.reference is not None for c in cs)
         refs = [dict(ids=pc["ids"], logits=pc["logits"], chunk_tokens=pc["chunk_tokens"]) for pc in ref_cases]
+        floor = None
+        if orders > 0:
+            bar.set_postfix_str(FLOOR_NAME)
+            floor = _floor(hf, tok, backend, kv_cache_bytes, cs, refs, ref_row, ref_cases, orders=orders,
+                           seed=order_seed, same_n=same_answer_tokens, bar=bar)
         rows.append(ref_row)
         per_case += ref_cases
         for name, kw in named:
@@ -319,6 +390,6 @@ def compare(llm_or_model: Any = None, cases: Any = None, settings: Any = None, t
     model = str(getattr(hf.config, "_name_or_path", "") or type(hf).__name__)
     return FidelityReport(rows=rows, target=tgt, model=os.path.basename(model.rstrip("/")) or model,
                           n_cases=len(cs), answer_tokens=answer_tokens, same_answer_tokens=same_answer_tokens,
-                          cases=per_case)
+                          cases=per_case, floor=floor)
 
 

@@ -56,6 +56,7 @@ def test_unreachable_targets_are_refused(no_model, capsys):
             q.parse_target(bad)
     assert "never be met" in _usage_error([str(CASES), "--target", "top1=97"], capsys)
     assert "unknown setting" in _usage_error([str(CASES), "--settings", "turbo"], capsys)
+    assert "--orders must be >= 0" in _usage_error([str(CASES), "--orders", "-1"], capsys)
 
 
 def test_the_guide_and_help_target_syntax_agree():
