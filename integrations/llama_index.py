@@ -94,8 +94,9 @@ from .llama_index_tools import (
     TOOL_KWARGS,
     ChunkRetrieverTool,
     chat_message,
+    chat_response,
     chat_to_request,
-    li_logprobs,
+    completion_response,
     openai_messages,
     prepare_chat_with_tools,
     tool_selections,
@@ -242,15 +243,6 @@ class LlamaIndexLLM(FunctionCallingLLM):
         req.chunks = extra + req.chunks
         return req, {**self._sampling(kwargs), **tools}
 
-    @staticmethod
-    def _completion(out: GenerationOutput) -> CompletionResponse:
-        return CompletionResponse(text=out.text, raw=out, additional_kwargs=usage_dict(out), logprobs=li_logprobs(out))
-
-    @staticmethod
-    def _chat(out: GenerationOutput) -> ChatResponse:
-        return ChatResponse(message=chat_message(out), raw=out, additional_kwargs=usage_dict(out),
-                            logprobs=li_logprobs(out))
-
     def _generate(self, req: RagRequest, sampling: dict) -> GenerationOutput:
         return self._engine.generate(req.question, req.chunks, req.system, **sampling)
 
@@ -260,7 +252,7 @@ class LlamaIndexLLM(FunctionCallingLLM):
     # -- completion ----------------------------------------------------------------
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return self._completion(self._generate(*self._completion_request(prompt, formatted, kwargs)))
+        return completion_response(self._generate(*self._completion_request(prompt, formatted, kwargs)))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
@@ -279,7 +271,7 @@ class LlamaIndexLLM(FunctionCallingLLM):
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return self._completion(await self._agenerate(*self._completion_request(prompt, formatted, kwargs)))
+        return completion_response(await self._agenerate(*self._completion_request(prompt, formatted, kwargs)))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False,
@@ -300,7 +292,7 @@ class LlamaIndexLLM(FunctionCallingLLM):
     # -- chat ----------------------------------------------------------------------
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return self._chat(self._generate(*self._chat_request(messages, kwargs)))
+        return chat_response(self._generate(*self._chat_request(messages, kwargs)))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
@@ -320,7 +312,7 @@ class LlamaIndexLLM(FunctionCallingLLM):
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return self._chat(await self._agenerate(*self._chat_request(messages, kwargs)))
+        return chat_response(await self._agenerate(*self._chat_request(messages, kwargs)))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:

@@ -25,6 +25,7 @@ from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
     CitableBlock,
+    CompletionResponse,
     DocumentBlock,
     MessageRole,
     TextBlock,
@@ -36,7 +37,7 @@ from llama_index.core.tools import RetrieverTool, ToolOutput
 from lazyllm import Chunk, GenerationOutput, InvalidRequestError
 from lazyllm.structured.tools import CALL_OPEN
 
-from ._common import RagRequest, request_from_messages
+from ._common import RagRequest, request_from_messages, usage_dict
 
 # passed to the engine as they are (with the tools: the log-probabilities, OpenAI's names)
 TOOL_KWARGS = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "logprobs", "top_logprobs")
@@ -164,6 +165,17 @@ def chat_message(out: GenerationOutput) -> ChatMessage:
         return ChatMessage(role=MessageRole.ASSISTANT, content="", additional_kwargs={
             "tool_calls": [c.to_openai() for c in out.tool_calls if c.partial is None]})
     return ChatMessage(role=MessageRole.ASSISTANT, content=out.text)
+
+
+def chat_response(out: GenerationOutput) -> ChatResponse:
+    """``LlamaIndexLLM.chat``'s answer: the assistant message, usage, log-probabilities, ``raw``."""
+    return ChatResponse(message=chat_message(out), raw=out, additional_kwargs=usage_dict(out),
+                        logprobs=li_logprobs(out))
+
+
+def completion_response(out: GenerationOutput) -> CompletionResponse:
+    """``LlamaIndexLLM.complete``'s answer: the text, usage, log-probabilities, ``raw``."""
+    return CompletionResponse(text=out.text, raw=out, additional_kwargs=usage_dict(out), logprobs=li_logprobs(out))
 
 
 def _arguments(call: dict) -> dict | None:
