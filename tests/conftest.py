@@ -169,6 +169,9 @@ def pytest_addoption(parser):
                     help="call sequences the stateful API test tries (default 12, the same ones each run: CI's "
                          "budget; above 20, new random sequences each run)")
     group.addoption("--stateful-steps", type=int, default=10, help="calls per sequence in the stateful API test")
+    # the CI budget of tests/server/test_server_fuzz.py (docs/server.md gives the longer run)
+    group.addoption("--fuzz-examples", type=int, default=25,
+                    help="generated requests per operation in the server's schema fuzz test (default 25: CI's budget)")
 
 
 def pytest_configure(config):

@@ -1,11 +1,9 @@
 """The server fuzzed from its own OpenAPI document (``GET /openapi.json``) with schemathesis,
 in process (ASGI: no socket, nothing leaves the process): every operation gets generated
 bodies, valid and not, and every answer must be documented (status, content type, body
-schema) and never a 500. A fixed small budget here (``FUZZ_EXAMPLES`` per operation, the
+schema) and never a 500. A fixed small budget here (``--fuzz-examples`` per operation, the
 default model's tokenizer over a tiny random model); the longer run is in docs/server.md."""
 from __future__ import annotations
-
-import os
 
 import pytest
 
@@ -26,8 +24,6 @@ CHECKS = [st.not_a_server_error, st.status_code_conformance, st.content_type_con
 
 pytestmark = pytest.mark.timeout(300)
 
-# examples per operation: small in CI; the longer run sets LAZYLLM_FUZZ_EXAMPLES (docs/server.md)
-FUZZ_EXAMPLES = int(os.environ.get("LAZYLLM_FUZZ_EXAMPLES", "25"))
 
 
 def _embed(texts):
@@ -45,15 +41,15 @@ def fuzz_app(llm):
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def _fuzz(op, mode, conversation: bool = False) -> None:
-    """``FUZZ_EXAMPLES`` generated requests to ``op``, each answer checked (``CHECKS``).
+def _fuzz(op, mode, examples: int, conversation: bool = False) -> None:
+    """``examples`` generated requests to ``op``, each answer checked (``CHECKS``).
     ``conversation``: a chat body keeps every generated field but gets a valid model and
     conversation, so the fields reach the engine (a generated conversation is almost never
     one the server can answer, and would be refused before it)."""
     from hypothesis import given
 
     @given(case=op.as_strategy(generation_mode=mode))
-    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     def run(case):
         if conversation and isinstance(case.body, dict):
@@ -64,7 +60,7 @@ def _fuzz(op, mode, conversation: bool = False) -> None:
 
 
 @pytest.mark.parametrize("mode", ["positive", "negative"])
-def test_every_answer_is_documented_and_never_500(fuzz_app, mode):
+def test_every_answer_is_documented_and_never_500(fuzz_app, mode, pytestconfig):
     """Every operation of ``/openapi.json``, with bodies that follow the schema (``positive``)
     and that break it (``negative``): each answer's status, content type and body are the
     document's, and none is a 500."""
@@ -76,14 +72,14 @@ def test_every_answer_is_documented_and_never_500(fuzz_app, mode):
     for op in ops:
         if mode == "negative" and not (len(op.body) or len(op.query) or len(op.path_parameters)):
             continue  # nothing to break: no body and no parameters
-        _fuzz(op, GenerationMode(mode))
+        _fuzz(op, GenerationMode(mode), pytestconfig.getoption("fuzz_examples"))
 
 
-def test_generated_fields_over_a_valid_conversation(fuzz_app):
+def test_generated_fields_over_a_valid_conversation(fuzz_app, pytestconfig):
     """Every generated chat field (sampling, stop, tools, response_format, logprobs, stream...)
     over a conversation the server can answer: documented answers, never a 500."""
     from schemathesis.generation import GenerationMode
 
     api = schemathesis.openapi.from_asgi("/openapi.json", fuzz_app)
     [op] = [r.ok() for r in api.get_all_operations() if r.ok().path == "/v1/chat/completions"]
-    _fuzz(op, GenerationMode.POSITIVE, conversation=True)
+    _fuzz(op, GenerationMode.POSITIVE, pytestconfig.getoption("fuzz_examples"), conversation=True)
