@@ -360,6 +360,37 @@ def test_score_repeated_computes_every_continuation_logit(tiny_model, tokenizer,
     llm.close()
 
 
+def test_prefix_reuse_scores_equal_full_attention_at_page_boundaries(tiny_model, tokenizer):
+    """Identical-prefix reuse scores a continuation as full attention does when the whole
+    prompt is already cached (by a generation, then by the earlier scores of it), the prompt
+    ending just before, on and just after a page boundary. A prompt filling its last page
+    exactly is the case to watch: every prompt page is cached, yet the prompt's last token
+    must still be computed (its logits score the first continuation token); the pages
+    before it are reused."""
+    pre = _llm(tiny_model, tokenizer, reuse="prefix")
+    ref = _llm(tiny_model, tokenizer, reuse="none")
+    ps = pre.config.page_size
+
+    def question(k):  # each " x" is one more prompt token
+        return "q" + " x" * k + "?"
+
+    base = ref.score(question(0), DOCS[:2], continuation=[5]).usage.prompt_tokens
+    edge = (base // ps + 1) * ps  # the first page boundary past the shortest prompt
+    for n in (edge - 1, edge, edge + 1, edge + ps):
+        q = question(n - base)
+        gen = pre.generate(q, DOCS[:2], max_new_tokens=3)
+        assert gen.usage.prompt_tokens == n
+        for cont in (" It was lit in 1887 and again in 1901, by the keeper.", gen.token_ids[:1], gen.token_ids):
+            want = ref.score(q, DOCS[:2], continuation=cont)
+            for _ in range(2):  # after the generation, then after a score of the same prompt
+                got = pre.score(q, DOCS[:2], continuation=cont)
+                assert got.usage.cached_tokens == (n - 1) // ps * ps, (n, cont)
+                torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-4,
+                                           rtol=0, msg=lambda m, n=n: f"prompt of {n} tokens, page size {ps}: {m}")
+    pre.close()
+    ref.close()
+
+
 def test_incremental_detokenizer_matches_full_decode(tokenizer):
     from lazyllm.engine.detokenizer import Detokenizer
 
