@@ -1,8 +1,8 @@
 """The langchain-tests cases that the 135M default model fails only through what it picks under
 a correct constraint (tests/standard_suite.py), run unchanged on ``ChatLazyLLM`` over Gemma 3
 270M: the same grammar and integration, a model that picks a complete Joke. (The agent loop, JSON
-mode and pydantic_2_v1's schema-dict half fail on Gemma 3 270M too, through its picks: the
-evidence is in tests/standard_suite.py.)"""
+mode, pydantic_2_v1's schema-dict half and optional_param's open schema dict fail on Gemma 3 270M
+too, through its picks: the evidence is in tests/standard_suite.py and below.)"""
 from __future__ import annotations
 
 import pytest
@@ -33,8 +33,17 @@ class _Suite(Capabilities, ChatModelIntegrationTests):
     chat_model_class = ChatLazyLLM
 
 
+# optional_param's third request passes Joke's JSON schema as a dict, whose object is open
+# (no additionalProperties): Gemma 3 270M adds keys echoing the schema ('"description": ...,
+# "title": ...') until the length limit, at 64 tokens and at 256 alike. LangChain's partial
+# parser used to close that cut answer and call it a result; a cut answer is now a parsing error.
+_OPEN_SCHEMA = pytest.mark.xfail(strict=True, reason="Gemma 3 270M fills an open schema's object with extra keys "
+                                 "until the length limit (its pick under a correct grammar)")
+
+
 @pytest.mark.parametrize("case,args", [("test_structured_output", ("pydantic",)),
-                                       ("test_structured_output_optional_param", ())],
+                                       pytest.param("test_structured_output_optional_param", (),
+                                                    marks=_OPEN_SCHEMA)],
                          ids=["structured_output[pydantic]", "structured_output_optional_param"])
 def test_standard_case_passes_on_gemma_270m(gemma, case, args):
     getattr(ChatModelIntegrationTests, case)(_Suite(), ChatLazyLLM(llm=gemma, max_new_tokens=64), *args)
