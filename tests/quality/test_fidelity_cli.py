@@ -110,8 +110,8 @@ def test_packets_flag_adds_a_setting_per_file(monkeypatch, tmp_path, capsys):
         def close(self):
             pass
 
-    class Report:
-        def to_markdown(self):
+    class Report:  # the CLI prints the whole report: the table, then the order floor's
+        def full_markdown(self):
             return "table"
 
     def compare(llm, cases, settings, target, **kw):
