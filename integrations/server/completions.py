@@ -12,13 +12,13 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from lazyllm import GenerationOutput
 
 from .errors import APIError, error_from_exception
-from .protocol import DocumentIn, StreamOptions, _first_error, _param, documents_to_chunks, sse, usage_json
+from .protocol import DocumentIn, StreamOptions, documents_to_chunks, parse_body, sse, usage_json
 from .relay import Relay
 
 __all__ = ["CompletionRequest", "completion_body", "add_route"]
@@ -50,24 +50,10 @@ class CompletionRequest(BaseModel):
     user: str | None = None
 
 
-def _validated(raw: bytes) -> CompletionRequest:
-    try:
-        return CompletionRequest.model_validate_json(raw, strict=True)
-    except ValidationError as e:
-        err = _first_error(e)
-        param = _param(tuple(err["loc"]))
-        if err["type"] == "json_invalid":
-            raise APIError(400, f"the body is not valid JSON: {err['msg']}", code="invalid_json") from None
-        if err["type"] == "extra_forbidden":
-            raise APIError(400, f"Unrecognized request argument supplied: {param}", param=param,
-                           code="unknown_parameter") from None
-        raise APIError(400, err["msg"] if param is None else f"{param}: {err['msg']}", param=param) from None
-
-
 def completion_body(raw: bytes, max_tokens_limit: int) -> tuple[CompletionRequest, str, dict[str, Any]]:
     """``(body, prompt, generate's arguments)`` of a request; ``APIError(400)`` for what
     lazyllm does not do (several prompts or choices, echo, suffix, penalties, logit bias)."""
-    body = _validated(raw)
+    body = parse_body(CompletionRequest, raw)
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     if len(prompts) != 1:
         raise APIError(400, "prompt: lazyllm completes one prompt per request", param="prompt", code="unsupported")

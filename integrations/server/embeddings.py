@@ -14,7 +14,7 @@ from typing import Any, Literal
 import numpy as np
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from .errors import APIError
@@ -64,20 +64,9 @@ class Embedder:
 
 def validate_embedding_body(raw: bytes) -> EmbeddingRequest:
     """Parse and validate a body (strict types); raises ``APIError(400)`` naming the field."""
-    from .protocol import _first_error, _param
+    from .protocol import parse_body
 
-    try:
-        body = EmbeddingRequest.model_validate_json(raw, strict=True)
-    except ValidationError as e:
-        err = _first_error(e)
-        param = _param(tuple(err["loc"]))
-        if err["type"] == "json_invalid":
-            raise APIError(400, f"the body is not valid JSON: {err['msg']}", code="invalid_json") from None
-        if err["type"] == "extra_forbidden":
-            raise APIError(400, f"Unrecognized request argument supplied: {param}", param=param,
-                           code="unknown_parameter") from None
-        raise APIError(400, err["msg"] if param is None else f"{param}: {err['msg']}", param=param) from None
-    return body
+    return parse_body(EmbeddingRequest, raw)
 
 
 def texts_of(body: EmbeddingRequest) -> list[str]:

@@ -124,11 +124,12 @@ def _first_error(e: ValidationError) -> dict[str, Any]:
     return max(errors, key=lambda err: len((_param(tuple(err["loc"])) or "").replace("[", ".").split(".")))
 
 
-def validate_body(raw: bytes | str) -> ChatCompletionRequest:
-    """Parse and validate a request body (JSON, strict types: ``"5"`` is not a number).
-    Raises ``APIError(400)`` naming the offending field (``param``, e.g. ``messages[0].role``)."""
+def parse_body(model: type[BaseModel], raw: bytes | str) -> Any:
+    """``raw`` parsed and validated as ``model`` (JSON, strict types: ``"5"`` is not a number),
+    for every endpoint. Raises ``APIError(400)`` naming the offending field (``param``, e.g.
+    ``messages[0].role``)."""
     try:
-        body = ChatCompletionRequest.model_validate_json(raw, strict=True)
+        return model.model_validate_json(raw, strict=True)
     except ValidationError as e:
         err = _first_error(e)
         if err["type"] == "json_invalid" and "recursion limit" in err["msg"]:
@@ -149,6 +150,11 @@ def validate_body(raw: bytes | str) -> ChatCompletionRequest:
             raise APIError(400, "the body must be a JSON object") from None
         msg = err["msg"] if param is None else f"{param}: {err['msg']}"
         raise APIError(400, msg, param=param) from None
+
+
+def validate_body(raw: bytes | str) -> ChatCompletionRequest:
+    """A chat completion request (``parse_body``), with OpenAI's rule for ``stream_options``."""
+    body = parse_body(ChatCompletionRequest, raw)
     if body.stream_options is not None and not body.stream:  # as OpenAI
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     return body
