@@ -37,6 +37,7 @@ def check_text(text: str, what: str) -> None:
 
 # texts of at least this many characters in all are tokenized on several threads
 _PARALLEL_CHARS = 8192
+_WORKERS = min(8, os.cpu_count() or 1)  # tokenizing threads at most
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
@@ -45,7 +46,7 @@ def _pool() -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="lazyllm-tokenize")
+            _POOL = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="lazyllm-tokenize")
         return _POOL
 
 
@@ -53,7 +54,7 @@ def _groups(texts: list[str]) -> list[list[str]]:
     """``texts`` in consecutive groups of about equal characters, one per worker (one group
     when they are short or the machine has one core)."""
     total = sum(len(t) for t in texts)
-    n = min(len(texts), 8, os.cpu_count() or 1)
+    n = min(len(texts), _WORKERS)
     if n <= 1 or total < _PARALLEL_CHARS:
         return [texts]
     out: list[list[str]] = [[]]
