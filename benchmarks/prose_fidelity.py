@@ -5,6 +5,10 @@ order floor, its ratios to it, and the setting the default rule picks.
     python benchmarks/prose_fidelity.py --split test --out /tmp/fid            # measure, then print
     python benchmarks/prose_fidelity.py --out /tmp/fid --table-only            # print what is saved
     python benchmarks/prose_fidelity.py --model gemma3-270m --settings default,balanced
+    python benchmarks/prose_fidelity.py --out /tmp/fid --table-only --curve fast   # adaptive recompute
+
+``--jobs N`` measures the slices in N processes at once (each with its share of the cores);
+the table and the time are the same either way.
 
 The rule (``FidelityReport.floor_choice``): the cheapest setting whose same-answer rate is at
 least the floor's and whose KL is at most twice the floor's. Top-1 and KL are means over
@@ -17,14 +21,17 @@ import argparse
 import glob
 import json
 import os
+import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-SETTINGS = {"default": {}, "no-packet": {"packets": None}, "fast": {"quality": "fast"},
-            "balanced": {"quality": "balanced"}}
+# each setting spelled out, so a row means the same whatever LazyLLM()'s default is
+_ISOLATED = {"chunk_context": "isolated", "recompute_first_tokens": 0, "recompute_ratio": 0.0}
+SETTINGS = {"default": {}, "isolated+packet": _ISOLATED, "isolated": {**_ISOLATED, "packets": None},
+            "fast": {"quality": "fast"}, "balanced": {"quality": "balanced"}}
 
 
 def aggregate(reports: list[dict]) -> tuple[list[dict], dict]:
@@ -117,16 +124,30 @@ def main(argv=None) -> None:
     ap.add_argument("--cases", default=None, help="another JSONL instead of --split")
     ap.add_argument("--out", required=True, help="folder for the slices' JSON reports")
     ap.add_argument("--model", default=None, help="model (default: the embedded default model)")
-    ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma separated, of {sorted(SETTINGS)}")
+    ap.add_argument("--settings", default="isolated+packet,isolated,fast,balanced", help=f"comma separated, of {sorted(SETTINGS)}")
     ap.add_argument("--orders", type=int, default=4, help="other orders of each case's documents (the floor)")
     ap.add_argument("--slice", type=int, default=20, help="cases a saved slice")
     ap.add_argument("--limit", type=int, default=None, help="the first N cases only")
     ap.add_argument("--first-slice", type=int, default=0, help="start at this slice (another process runs the earlier)")
+    ap.add_argument("--jobs", type=int, default=1, help="processes measuring slices at once")
+    ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--table-only", action="store_true", help="print the table of what is saved")
+    ap.add_argument("--curve", default=None, metavar="SETTING",
+                    help="also print the adaptive-recompute curve over this setting (lazyllm.quality.adaptive)")
     a = ap.parse_args(argv)
+    if a.jobs < 1:
+        ap.error("--jobs must be at least 1")
     os.makedirs(a.out, exist_ok=True)
-    if not a.table_only:
+    if a.worker is not None:
         _measure(a)
+        return
+    if not a.table_only:
+        t0 = time.perf_counter()
+        if a.jobs == 1:
+            _measure(a)
+        else:
+            _run_workers(argv if argv is not None else sys.argv[1:], a.jobs)
+        print(f"measured in {time.perf_counter() - t0:.0f} s of wall time ({a.jobs} process(es))", flush=True)
     reports = []
     for p in sorted(glob.glob(os.path.join(a.out, "slice-*.json"))):
         with open(p, encoding="utf-8") as f:
@@ -137,7 +158,26 @@ def main(argv=None) -> None:
         kinds = {str(c.get("id")): c.get("kind", "?") for c in map(json.loads, filter(None, f.read().splitlines()))}
     print("\n" + by_kind(reports, kinds))
     print(f"\n{sum(r['n_cases'] for r in reports)} cases in {len(reports)} slices; measured "
-          f"{sum(r.get('wall_s', 0) for r in reports):.0f} s in all")
+          f"{sum(r.get('wall_s', 0) for r in reports):.0f} s in all (summed over the slices)")
+    if a.curve:
+        from lazyllm.quality.adaptive import curve_markdown, escalation_curve
+
+        cases = [pc for rep in reports for pc in rep["cases"]]
+        print(f"\nAdaptive recompute over {a.curve}: requests whose first answer token's top-2 margin is "
+              "lowest answered by full attention\n")
+        print(curve_markdown(escalation_curve(cases, a.curve, floor)))
+
+
+def _run_workers(argv: list[str], jobs: int) -> None:
+    """The same command in ``jobs`` processes, worker ``w`` measuring slices ``w, w + jobs, ...``,
+    each with ``cpu_count // jobs`` threads."""
+    threads = str(max(1, (os.cpu_count() or 1) // jobs))
+    env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--worker", str(w)], env=env)
+             for w in range(jobs)]
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"a worker failed (exit codes {codes})")
 
 
 def _path(a) -> str:
@@ -154,7 +194,7 @@ def _measure(a) -> None:
     try:
         for i in range(a.first_slice * a.slice, len(cases), a.slice):
             out = os.path.join(a.out, f"slice-{i // a.slice:03d}.json")
-            if os.path.exists(out):
+            if os.path.exists(out) or (a.worker is not None and (i // a.slice) % a.jobs != a.worker):
                 continue
             t0 = time.perf_counter()
             rep = compare(llm, cases[i:i + a.slice], settings, progress=False, ttft_cases=0, orders=a.orders)

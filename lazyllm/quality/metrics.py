@@ -33,6 +33,15 @@ def kl_and_agreement(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[li
     return kl.tolist(), agree.tolist()
 
 
+def first_token_margin(logits: torch.Tensor) -> float:
+    """The probability of the most likely next token minus the second's, from one row of
+    logits ``(vocab,)``: how firmly the prompt decides the answer's first token (0: a tie)."""
+    import torch
+
+    top = torch.softmax(logits.double(), dim=-1).topk(2).values
+    return float(top[0] - top[1])
+
+
 def normalize_answer(text: str) -> str:
     """SQuAD-style normalization: lower case, no punctuation, no articles, single spaces."""
     text = text.lower()

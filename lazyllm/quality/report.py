@@ -17,7 +17,7 @@ from ..presets import QUALITY_OPTIONS
 from .cases import Case, _as_cases
 from .checks import check_settings as _settings
 from .floor import FLOOR_NAME, kl_from_mean, measure_floor, ratios, within_floor
-from .metrics import _METRICS, _meets, contains_answer, exact_match, kl_and_agreement, parse_target
+from .metrics import _METRICS, _meets, contains_answer, exact_match, first_token_margin, kl_and_agreement, parse_target
 
 # the candidates compared when the caller names none: the default and the presets
 REFERENCE_NAME = "full attention"
@@ -26,7 +26,9 @@ REFERENCE_NAME = "full attention"
 FALLBACK = "exact"
 # full attention, every prompt computed afresh (identical-prefix reuse gives the first
 # continuation token other logits where the whole prompt is cached on a page boundary)
-_FULL = {"reuse": "none"}
+# identical-prefix reuse: the reference's score after its greedy answer finds the prompt cached
+# and computes only the answer's tokens
+_FULL = {"reuse": "prefix"}
 
 
 # -- report --------------------------------------------------------------------------------
@@ -253,7 +255,7 @@ def _measure(llm: LazyLLM, name: str, kwargs: dict, cases: list[Case], refs: lis
         chunk_total += chunk_tokens
         per_case.append(dict(id=c.id, setting=name, kl=sum(kl) / len(kl), top1=sum(ag) / len(ag), same_answer=same,
                              recomputed=rec, chunk_tokens=chunk_tokens, ids=conts[i], logits=sc.logits,
-                             kl_mean=sum(km) / len(km) if km else None))
+                             kl_mean=sum(km) / len(km) if km else None, margin=first_token_margin(sc.logits[0])))
         bar.update(1)
     # the setting's own greedy answers, for exact match against the references
     if generate_answers:
