@@ -146,6 +146,9 @@ class EngineConfig:
                                       "divide the documents' attention logits by this (1: off)")
     context_lse_scale: float = _opt(QUALITY_OPTIONS["context_lse_scale"],
                                     "scale the documents' attention log-sum-exp by this (1: off)")
+    escalate_below: float = _opt(QUALITY_OPTIONS["escalate_below"],
+                                 "answer with full attention a request whose first answer token's top-2 "
+                                 "probability margin after reuse is below this, in [0, 1] (0: never)")
     quality: str | None = _opt(None, "a named fidelity preset; explicit options override it",
                                (None, *PRESETS))
     kv_disk_dir: str | os.PathLike | None = _opt(None, "folder of a persistent chunk KV tier")
@@ -177,7 +180,7 @@ class EngineConfig:
         if bad:
             raise InvalidRequestError("; ".join(bad))
         # numbers in one type, whatever the caller passed (``1`` and ``1.0`` the same config)
-        for name in ("recompute_ratio", "context_temperature", "context_lse_scale"):
+        for name in ("recompute_ratio", "context_temperature", "context_lse_scale", "escalate_below"):
             object.__setattr__(self, name, float(getattr(self, name)))
 
     @classmethod
@@ -268,6 +271,9 @@ def _problems(c: EngineConfig) -> list[str]:
     tp = c.tensor_parallel
     if tp > 1 and c.recompute_ratio > 0:
         bad.append("recompute_ratio is not supported with tensor_parallel yet")
+    if c.escalate_below > 0 and (tp > 1 or c.reuse not in CHUNK_CACHING_MODES):
+        bad.append("escalate_below needs reuse='lazy' or 'block' (the modes that cache chunks) and no "
+                   "tensor_parallel")
     if tp > 1 and c.kv_disk_dir is not None:
         bad.append("kv_disk_dir is not supported with tensor_parallel yet")
     if tp > 1 and c.calibration != (1.0, 1.0):
@@ -300,6 +306,8 @@ def _value_problems(c: EngineConfig) -> list[str]:
         bad.append(f"recompute_first_tokens must be an int >= 0, got {c.recompute_first_tokens!r}")
     if not _is_number(c.recompute_ratio) or not 0.0 <= c.recompute_ratio <= 1.0:
         bad.append(f"recompute_ratio must be in [0, 1], got {c.recompute_ratio!r}")
+    if not _is_number(c.escalate_below) or not 0.0 <= c.escalate_below <= 1.0:
+        bad.append(f"escalate_below must be in [0, 1], got {c.escalate_below!r}")
     d = c.recompute_selection_depth
     if not _is_number(d) or not 0.0 < d <= 1.0:
         bad.append(f"recompute_selection_depth must be in (0, 1], got {d!r}")

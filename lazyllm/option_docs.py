@@ -67,6 +67,14 @@ OPTION_DOCS: dict[str, str] = {
         'the leading fraction of the layers the ``"attention"`` and ``"two-stage"`` first pass runs (1, '
         "default and ``balanced``'s: all; less is cheaper)."
     ),
+    "escalate_below": (
+        "adaptive recompute: after the reuse pass, a request whose first answer token is undecided (the "
+        "probability of the likeliest token minus the second's below this) is prefilled again with every "
+        "chunk token recomputed with full context, which is full attention's answer; the margin costs "
+        "nothing (the pass computes those logits anyway), an escalated request a second, full prefill. "
+        "0 (default): never. ``python benchmarks/prose_fidelity.py --curve SETTING`` prints what each "
+        "threshold keeps and costs on real prose (docs/fidelity.md)."
+    ),
     "context_temperature, context_lse_scale": (
         "APE-style calibration of how the question and the generated tokens read the retrieved documents, "
         "without recompute and without touching the cached KV: the documents' logits are divided by the "

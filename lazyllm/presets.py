@@ -31,6 +31,7 @@ QUALITY_OPTIONS: dict[str, object] = {
     "recompute_selection_depth": 1.0,
     "context_temperature": 1.0,
     "context_lse_scale": 1.0,
+    "escalate_below": 0.0,
 }
 
 PRESETS: dict[str, dict[str, object]] = {

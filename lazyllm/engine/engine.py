@@ -125,7 +125,8 @@ class Engine:
             self.runner, self.planner, first_tokens=config.recompute_first_tokens, ratio=config.recompute_ratio,
             selection=config.recompute_selection, selection_depth=config.recompute_selection_depth,
             probe_layer=probe_layer, metrics=self.metrics, bridge_tokens=bridge_tokens,
-            exact_at_home=config.reuse == "lazy" and config.chunk_context == "prefix")
+            exact_at_home=config.reuse == "lazy" and config.chunk_context == "prefix",
+            escalate_below=config.escalate_below)
         self.output = OutputProcessor(tokenizer, eos_ids, model.spec.max_context, self.metrics)
         self.inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -351,8 +352,10 @@ class Engine:
         return [r for r in reqs if not r.warm_only]
 
     def _after_own(self, own: list[Request], logits: list) -> None:
-        """The own jobs of ``own`` ran (``logits``: each one's logit rows): pick every
+        """The own jobs of ``own`` ran (``logits``: each one's logit rows): requeue those whose
+        first answer token the reuse left undecided (``_escalate``), pick every other
         generating request's first token, score the scoring ones, start decoding."""
+        own, logits = self._escalate(own, logits)
         gen = [(r, lg[-1]) for r, lg in zip(own, logits) if r.score is None]
         # every generating request's first token, in one batched pick
         firsts = dict(zip((r.id for r, _ in gen), self.runner.first_picks(*zip(*gen)))) if gen else {}
@@ -372,6 +375,27 @@ class Engine:
             self._emit(r, firsts[r.id])
             if r.state.finish_reason is None and r in self.scheduler.running:
                 self.decode_state.attach(r)
+
+    def _escalate(self, own: list[Request], logits: list) -> tuple[list[Request], list]:
+        """Adaptive recompute (``escalate_below``): each request whose reuse pass left the top-2
+        probability margin of its first answer token (a generation's last logit row, a score's
+        first) below the threshold goes back to the queue, holding nothing, to be prefilled
+        again with every chunk token recomputed (``Recovery.budget``): full attention's answer.
+        One batched margin and one read for the round. Returns the requests that go on."""
+        rec = self.recovery
+        check = [i for i, r in enumerate(own) if rec.escalates(r)]
+        if not check:
+            return own, logits
+        rows = torch.stack([logits[i][-1 if own[i].score is None else 0].float() for i in check])
+        top = torch.softmax(rows, dim=-1).topk(2, dim=-1).values
+        margins = (top[:, 0] - top[:, 1]).tolist()
+        low = {i for i, m in zip(check, margins) if m < rec.escalate_below}
+        for i in low:
+            own[i].state.escalated = True
+            self.scheduler.requeue(own[i])
+            self.metrics.escalations += 1
+        keep = [i for i in range(len(own)) if i not in low]
+        return [own[i] for i in keep], [logits[i] for i in keep]
 
     # -- decode ----------------------------------------------------------------------
     def _decode(self) -> None:

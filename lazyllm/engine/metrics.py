@@ -22,6 +22,7 @@ class EngineMetrics(Mapping):
     cancelled: int = 0  # requests cancelled (by the caller or their timeout)
     preemptions: int = 0  # running requests pushed back to make room
     prefill_retries: int = 0  # batched prefills that failed and were retried one request at a time
+    escalations: int = 0  # requests prefilled again with full context (escalate_below)
     recovery_skipped: int = 0  # recomputations skipped (nothing to recompute, or no room)
     disk_hits: int = 0  # entries loaded from the disk tier
     prefill_tokens: int = 0  # tokens run through the model in prefill (chunks, prefixes, suffixes, recompute)

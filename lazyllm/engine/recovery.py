@@ -48,7 +48,8 @@ class Recovery:
 
     def __init__(self, runner: ModelRunner, planner: KVPlanner, *, first_tokens: int = 0, ratio: float = 0.0,
                  selection: str = "deviation", selection_depth: float = 1.0, probe_layer: int = 1,
-                 metrics: EngineMetrics | None = None, exact_at_home: bool = False, bridge_tokens: int = 0):
+                 metrics: EngineMetrics | None = None, exact_at_home: bool = False, bridge_tokens: int = 0,
+                 escalate_below: float = 0.0):
         """``selection_depth``: the question's attention (``question_attention``) is summed over
         the first ``ceil(selection_depth * layers)`` layers.
 
@@ -58,12 +59,17 @@ class Recovery:
         ``exact_at_home``: a chunk that sits where it was encoded (every entry at delta 0)
         already holds full attention's KV, so nothing of it is recomputed: true for
         ``reuse="lazy"`` with ``chunk_context="prefix"``, where chunks are encoded right after
-        the shared prefix and the first chunk of a request sits there."""
+        the shared prefix and the first chunk of a request sits there.
+
+        ``escalate_below``: a request whose reuse pass leaves its first answer token's top-2
+        probability margin below this is prefilled again with every chunk token recomputed
+        (``escalates``; the engine requeues it with ``state.escalated``)."""
         self.runner, self.planner = runner, planner
         self.model, self.pool = runner.model, runner.pool
         self.first_tokens, self.ratio, self.selection = first_tokens, ratio, selection
         self.bridge_tokens = bridge_tokens
         self.exact_at_home = exact_at_home
+        self.escalate_below = escalate_below
         n_layers = self.model.spec.num_layers
         self.probe_layer = min(probe_layer, n_layers - 1)
         self.mass_layers = max(1, min(n_layers, math.ceil(selection_depth * n_layers)))
@@ -71,8 +77,24 @@ class Recovery:
         self.metrics = metrics if metrics is not None else EngineMetrics()
 
     @property
-    def enabled(self) -> bool:
+    def recovers(self) -> bool:
+        """Whether every request recomputes some chunk tokens."""
         return self.first_tokens > 0 or self.ratio > 0 or self.bridge_tokens > 0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any request may recompute chunk tokens (every one, or escalated ones)."""
+        return self.recovers or self.escalate_below > 0
+
+    def escalates(self, r: Request) -> bool:
+        """Whether ``r``, just prefilled over reused chunks, is one whose first token's margin
+        is to be checked: escalation is on, it has chunks that were not all at home, it was
+        not escalated already and it is not a preempted request resuming."""
+        if not (self.escalate_below > 0 and not r.state.escalated and r.state.resumed is None
+                and r.plan is not None and r.plan.spans):
+            return False
+        home, lens, _ = self.budget(r)
+        return bool(lens[~home].sum())
 
     # -- its warm-up: the launches whose shapes requests leave open -------------------------
     def mass_passes(self) -> list[int]:
@@ -116,7 +138,7 @@ class Recovery:
         pinned, asynchronous copy."""
         plan = r.plan
         spans = plan.spans
-        if not spans or not self.enabled:
+        if not spans or not (self.recovers or r.state.escalated):
             return
         outer = self._memo is None
         if outer:
@@ -140,9 +162,10 @@ class Recovery:
         self._memo = {}
         try:
             picks: dict[int, np.ndarray] = {}
-            if len(reqs) > 1 and batches(self):
+            selecting = [r for r in reqs if not r.state.escalated]  # an escalated one takes every token
+            if len(selecting) > 1 and batches(self):
                 t0 = time.perf_counter()
-                picks = select_round(self, reqs)
+                picks = select_round(self, selecting)
                 self.metrics.selection_s += time.perf_counter() - t0
             for r in reqs:
                 self.apply(r, picks.get(r.id))
@@ -176,7 +199,9 @@ class Recovery:
         # a chunk at home (exact_at_home) already has full attention's KV: the budget goes elsewhere
         home, lens, n_pick = self.budget(r)
         k = self.first_tokens
-        if picked is None:
+        if r.state.escalated:  # every token away from home: no selection to run
+            picked = np.flatnonzero(~np.repeat(home, lens))
+        elif picked is None:
             picked = self._pick(r, home, lens, n_pick)
         ix = self._index(r)
         span, tok = ix.host[SPAN], ix.host[TOK]

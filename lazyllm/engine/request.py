@@ -119,6 +119,9 @@ class RequestState:
     row: int | None = None  # row in the decode state while decoding
     preempted: bool = False
     solo: bool = False  # prefill alone (a batched prefill with it failed)
+    # prefilled again with every chunk token recomputed (``escalate_below``: its reuse pass left
+    # the first answer token undecided)
+    escalated: bool = False
     # what to prefill when readmitted after preemption: the submitted segments with the
     # generated tokens appended to the suffix (None: the submitted segments)
     resumed: list[Segment] | None = None

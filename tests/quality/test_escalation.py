@@ -1,0 +1,116 @@
+"""Adaptive recompute (``escalate_below``): a request whose reuse pass leaves its first answer
+token undecided is answered by full attention; every other request keeps the reuse answer."""
+import random
+
+import pytest
+import torch
+
+from lazyllm import LazyLLM
+from lazyllm.errors import InvalidRequestError
+from lazyllm.quality.metrics import first_token_margin
+from tests.conftest import make_tiny
+from tests.hf_reference import hf_generate
+
+DOCS = [f"Record {i}: " + " ".join(f"item{i}_{j}" for j in range(9 + 5 * i)) for i in range(6)]
+QUESTIONS = ["Which item is first?", "Name the record with most items.", "What comes after item2_3?",
+             "List two records.", "Is item4_1 in the documents?", "Say one word."]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny("llama", seed=5)
+
+
+def _llm(model, tokenizer, **kw):
+    return LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=32 << 20, progress=False, **kw)
+
+
+def _prompts(seed):
+    rng = random.Random(seed)
+    return [(q, rng.sample(DOCS, 4)) for q in QUESTIONS]
+
+
+@pytest.mark.parametrize("kw", [dict(quality="fast"), dict(quality="balanced"),
+                                dict(chunk_context="isolated", recompute_ratio=0.0, recompute_first_tokens=0,
+                                     packets=None),
+                                dict(reuse="block", recompute_ratio=0.0, recompute_first_tokens=0, packets=None)])
+def test_escalating_every_request_answers_as_full_attention(model, tokenizer, kw):
+    """A margin is below 1 unless one token has all the probability: every request over
+    documents in another order than they were cached escalates, and its greedy answer is
+    full attention's token for token."""
+    llm = _llm(model, tokenizer, escalate_below=1.0, **kw)
+    llm.warm(DOCS, progress=False)
+    n = 0
+    for q, docs in _prompts(1):
+        out = llm.generate(q, chunks=docs, max_new_tokens=8)
+        assert out.token_ids == hf_generate(model, out.prompt_token_ids, 8, llm.eos_token_ids)
+        n += 1
+    assert llm.engine.metrics.escalations == n
+    llm.close()
+
+
+def test_scores_escalate_too_and_equal_full_attention(model, tokenizer):
+    exact = _llm(model, tokenizer, quality="exact")
+    esc = _llm(model, tokenizer, quality="fast", escalate_below=1.0)
+    esc.warm(DOCS, progress=False)
+    for q, docs in _prompts(2)[:3]:
+        cont = list(exact.generate(q, chunks=docs, max_new_tokens=6).token_ids)
+        a = exact.score(q, chunks=docs, continuation=cont, return_logits=True)
+        b = esc.score(q, chunks=docs, continuation=cont, return_logits=True)
+        torch.testing.assert_close(b.logits, a.logits, rtol=1e-4, atol=1e-4)
+        assert b.usage.cached_chunk_tokens < a.usage.prompt_tokens  # every chunk token away from home recomputed
+    exact.close()
+    esc.close()
+
+
+def test_only_the_requests_below_the_threshold_escalate(model, tokenizer):
+    """The margin the engine reads is the reuse pass's: requests whose ``fast`` first-token
+    margin (measured by a score over the same cache) is below the threshold are full
+    attention's, the others keep ``fast``'s answer."""
+    fast = _llm(model, tokenizer, quality="fast")
+    fast.warm(DOCS, progress=False)
+    prompts = _prompts(3)
+    margins, answers = [], []
+    for q, docs in prompts:
+        out = fast.generate(q, chunks=docs, max_new_tokens=6)
+        sc = fast.score(q, chunks=docs, continuation=list(out.token_ids), return_logits=True)
+        margins.append(first_token_margin(sc.logits[0]))
+        answers.append(list(out.token_ids))
+    fast.close()
+    ms = sorted(margins)
+    tau = (ms[2] + ms[3]) / 2  # half of them below
+    assert ms[2] < tau < ms[3]
+    esc = _llm(model, tokenizer, quality="fast", escalate_below=tau)
+    esc.warm(DOCS, progress=False)
+    for (q, docs), m, ans in zip(prompts, margins, answers):
+        before = esc.engine.metrics.escalations
+        out = esc.generate(q, chunks=docs, max_new_tokens=6)
+        escalated = esc.engine.metrics.escalations - before
+        assert escalated == (m < tau)
+        if m < tau:
+            assert out.token_ids == hf_generate(model, out.prompt_token_ids, 6, esc.eos_token_ids)
+        else:
+            assert list(out.token_ids) == ans
+    esc.close()
+
+
+def test_batched_requests_escalate_alone_and_finish(model, tokenizer):
+    llm = _llm(model, tokenizer, quality="balanced", escalate_below=1.0)
+    llm.warm(DOCS, progress=False)
+    outs = llm.generate_batch([dict(question=q, chunks=d, max_new_tokens=5) for q, d in _prompts(4)])
+    for o in outs:
+        assert o.token_ids == hf_generate(model, o.prompt_token_ids, 5, llm.eos_token_ids)
+    assert llm.engine.metrics.escalations == len(outs)
+    llm.close()
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, "x", float("nan")])
+def test_bad_thresholds_are_refused(model, tokenizer, bad):
+    with pytest.raises(InvalidRequestError, match="escalate_below"):
+        _llm(model, tokenizer, escalate_below=bad)
+
+
+def test_escalation_needs_cached_chunks(model, tokenizer):
+    with pytest.raises(InvalidRequestError, match="escalate_below needs"):
+        _llm(model, tokenizer, quality="exact", escalate_below=0.2)
+    assert _llm(model, tokenizer, escalate_below=0.25).config.escalate_below == 0.25
