@@ -124,7 +124,8 @@ def main(argv=None) -> None:
     ap.add_argument("--cases", default=None, help="another JSONL instead of --split")
     ap.add_argument("--out", required=True, help="folder for the slices' JSON reports")
     ap.add_argument("--model", default=None, help="model (default: the embedded default model)")
-    ap.add_argument("--settings", default="isolated+packet,isolated,fast,balanced", help=f"comma separated, of {sorted(SETTINGS)}")
+    ap.add_argument("--settings", default="isolated+packet,isolated,fast,balanced",
+                    help=f"comma separated, of {sorted(SETTINGS)}")
     ap.add_argument("--orders", type=int, default=4, help="other orders of each case's documents (the floor)")
     ap.add_argument("--slice", type=int, default=20, help="cases a saved slice")
     ap.add_argument("--limit", type=int, default=None, help="the first N cases only")
@@ -160,8 +161,13 @@ def main(argv=None) -> None:
     print(f"\n{sum(r['n_cases'] for r in reports)} cases in {len(reports)} slices; measured "
           f"{sum(r.get('wall_s', 0) for r in reports):.0f} s in all (summed over the slices)")
     if a.curve:
+        from lazyllm.config import EngineConfig
         from lazyllm.quality.adaptive import curve_markdown, escalation_curve
 
+        cfg = EngineConfig.resolve(**SETTINGS.get(a.curve, {}))
+        if cfg.packets is not None and cfg.chunk_context == "isolated":
+            ap.error(f"--curve {a.curve}: the engine escalates only without packets (full attention has no "
+                     "packet tokens), so a packet setting's curve would not be what it runs")
         cases = [pc for rep in reports for pc in rep["cases"]]
         print(f"\nAdaptive recompute over {a.curve}: requests whose first answer token's top-2 margin is "
               "lowest answered by full attention\n")

@@ -213,9 +213,11 @@ class EngineConfig:
     @property
     def packets_fit(self) -> bool:
         """Whether this configuration can carry learned chunk packets: it caches chunk KV,
-        in the chat template's layout, in one process (``packets="auto"`` takes the shipped
+        in the chat template's layout, in one process, and does not escalate to full
+        attention (whose prompt has no packet tokens) (``packets="auto"`` takes the shipped
         packet only then; any other packet raises otherwise)."""
-        return self.reuse in CHUNK_CACHING_MODES and not self.block_ft and self.tensor_parallel == 1
+        return (self.reuse in CHUNK_CACHING_MODES and not self.block_ft and self.tensor_parallel == 1
+                and self.escalate_below == 0)
 
     @property
     def recovery_enabled(self) -> bool:
@@ -285,6 +287,9 @@ def _problems(c: EngineConfig) -> list[str]:
             bad.append(f"packets need reuse='lazy' or 'block' (the modes that cache chunks), not {c.reuse!r}")
         if c.block_ft or tp > 1:
             bad.append("packets are not supported with quality='block-ft' or tensor_parallel")
+        if c.escalate_below > 0:  # an escalated request is answered as full attention, without packet tokens
+            bad.append("packets are not supported with escalate_below (an escalated request is answered by full "
+                       "attention, whose prompt has no packet tokens)")
     return bad
 
 

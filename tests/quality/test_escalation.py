@@ -114,3 +114,19 @@ def test_escalation_needs_cached_chunks(model, tokenizer):
     with pytest.raises(InvalidRequestError, match="escalate_below needs"):
         _llm(model, tokenizer, quality="exact", escalate_below=0.2)
     assert _llm(model, tokenizer, escalate_below=0.25).config.escalate_below == 0.25
+
+
+def test_escalation_takes_no_packet(default_llm_parts):
+    """Full attention's prompt has no packet tokens, so an engine that escalates carries none:
+    the shipped packet is not taken, and an explicit one is refused."""
+    model, tok = default_llm_parts
+    kw = dict(model=model, tokenizer=tok, chunk_context="isolated", recompute_ratio=0.0, recompute_first_tokens=0,
+              kv_cache_bytes=32 << 20, progress=False)
+    with_packet = LazyLLM(**kw)
+    assert with_packet.packets is not None  # the shipped packet, where nothing escalates
+    with_packet.close()
+    esc = LazyLLM(escalate_below=0.2, **kw)
+    assert esc.packets is None
+    esc.close()
+    with pytest.raises(InvalidRequestError, match="packets are not supported with escalate_below"):
+        LazyLLM(escalate_below=0.2, packets="some_packet.safetensors", **kw)
