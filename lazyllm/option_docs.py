@@ -84,15 +84,17 @@ OPTION_DOCS: dict[str, str] = {
         "``tensor_parallel`` yet."
     ),
     "quality": (
-        "a named fidelity preset (``lazyllm.presets.PRESETS``), measured on the default model (docs/guide.md, "
-        '"Answer fidelity"): ``"fast"`` (``chunk_context="prefix"``, nothing recomputed), ``"balanced"`` '
-        "(``fast`` plus the first 4 tokens of each chunk and 14% of chunk tokens, chosen by the question's "
-        'attention and key deviation, recomputed with full context, per request), ``"exact"`` '
-        '(``reuse="prefix"``: full attention), or ``"block-ft"`` for Block-Attention fine-tuned checkpoints '
-        "(isolated chunks in the prompt layout they were trained with, ``lazyllm.inputs.prompt_blockft``). "
-        '``None`` (default): each option\'s own default (``reuse="lazy"``, ``chunk_context="isolated"``, no '
-        "recovery). Options passed explicitly (``reuse``, ``chunk_context``, ``recompute_*``) override the "
-        "preset's. ``lazyllm.quality.compare`` measures them on your own data."
+        "a named fidelity preset (``lazyllm.presets.PRESETS``), measured on real prose against full "
+        "attention's own order floor (docs/fidelity.md): ``\"isolated\"`` (chunks encoded alone, reusable "
+        "under any system prompt, nothing recomputed, the model's shipped packet applied), ``\"fast\"`` "
+        "(``chunk_context=\"prefix\"``, nothing recomputed), ``\"balanced\"`` (``fast`` plus the first 4 tokens of "
+        "each chunk and 14% of chunk tokens, chosen by the question's attention and key deviation, recomputed "
+        "with full context, per request), ``\"exact\"`` (``reuse=\"prefix\"``: full attention), or "
+        "``\"block-ft\"`` for Block-Attention fine-tuned checkpoints (isolated chunks in the prompt layout "
+        "they were trained with, ``lazyllm.inputs.prompt_blockft``). ``None`` (default): each option's own "
+        "default, which are ``\"balanced\"``'s values (the cheapest setting inside the order floor). Options "
+        "passed explicitly (``reuse``, ``chunk_context``, ``recompute_*``) override the preset's. "
+        "``lazyllm.quality.compare`` measures them on your own data."
     ),
     "kv_disk_dir, kv_disk_bytes": (
         "an optional persistent tier for chunk KV (safetensors files, validated against the model "

@@ -174,7 +174,7 @@ def served(default_llm_parts) -> Iterator[str]:
     from tests.conftest import loopback_server
 
     model, tok = default_llm_parts
-    llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=64 << 20)
+    llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=64 << 20, quality="isolated")
     app = create_app(llm, api_key=KEY, model_name=MODEL, max_new_tokens_limit=256)
     try:
         with loopback_server(app) as url:

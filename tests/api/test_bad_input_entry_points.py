@@ -31,7 +31,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def engine(tokenizer):
-    llm = LazyLLM(model=make_tiny("llama", seed=4), tokenizer=tokenizer, kv_cache_bytes=16 << 20)
+    llm = LazyLLM(model=make_tiny("llama", seed=4), tokenizer=tokenizer, kv_cache_bytes=16 << 20, quality="isolated")
     yield llm
     llm.close()
 

@@ -165,7 +165,7 @@ def test_llm_config_is_the_running_configuration(model, tokenizer):
 
 def test_bad_option_raises_before_loading(model, tokenizer):
     with pytest.raises(InvalidRequestError, match="page_size.*; reuse|reuse.*; page_size"):
-        LazyLLM(model=model, tokenizer=tokenizer, reuse="x", page_size=3)
+        LazyLLM(model=model, tokenizer=tokenizer, reuse="x", page_size=3, quality="isolated")
 
 
 def test_registered_selection_is_used(model, tokenizer):
@@ -186,7 +186,7 @@ def test_registered_selection_is_used(model, tokenizer):
 
     assert "test-last-tokens" in selection_names() and selection_names() == recovery.SELECTIONS
     llm = LazyLLM(model=model, tokenizer=tokenizer, recompute_ratio=0.25, recompute_selection="test-last-tokens",
-                  kv_cache_bytes=8 << 20, packets=None)
+                  kv_cache_bytes=8 << 20, packets=None, quality="isolated")
     out = llm.generate("Which?", chunks=DOCS[:2], max_new_tokens=2)
     [(n, n_pick)] = calls
     assert n_pick == math.ceil(0.25 * n) and out.usage.prompt_tokens > n

@@ -12,7 +12,7 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 @pytest.fixture(scope="module")
 def llm(tokenizer):
-    engine = LazyLLM(model=make_tiny("llama", seed=2), tokenizer=tokenizer, kv_cache_bytes=16 << 20)
+    engine = LazyLLM(model=make_tiny("llama", seed=2), tokenizer=tokenizer, kv_cache_bytes=16 << 20, quality="isolated")
     yield engine
     engine.close()
 

@@ -213,7 +213,7 @@ def slow_llm(default_llm_parts):
 
     hf, tok = default_llm_parts
     slow = SlowTokenizer(tok)
-    llm = LazyLLM(model=hf, tokenizer=slow, packets=None, warmup=False, progress=False)
+    llm = LazyLLM(model=hf, tokenizer=slow, packets=None, warmup=False, progress=False, quality="isolated")
     yield llm, slow
     llm.close()
 

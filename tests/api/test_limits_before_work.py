@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def llm(tokenizer):
-    m = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=64 << 20)
+    m = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=64 << 20, quality="isolated")
     yield m
     m.close()
 

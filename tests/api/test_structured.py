@@ -40,7 +40,7 @@ class Person(BaseModel):
 
 @pytest.fixture(scope="module")
 def llm(tokenizer):
-    m = LazyLLM(model=make_tiny("llama", seed=3), tokenizer=tokenizer, kv_cache_bytes=32 << 20)
+    m = LazyLLM(model=make_tiny("llama", seed=3), tokenizer=tokenizer, kv_cache_bytes=32 << 20, quality="isolated")
     yield m
     m.close()
 

@@ -66,7 +66,7 @@ SCHEMAS = st.recursive(LEAVES, _containers, max_leaves=6)
 
 @pytest.fixture(scope="module")
 def llm(tokenizer):
-    m = LazyLLM(model=make_tiny("llama", seed=11), tokenizer=tokenizer, kv_cache_bytes=64 << 20)
+    m = LazyLLM(model=make_tiny("llama", seed=11), tokenizer=tokenizer, kv_cache_bytes=64 << 20, quality="isolated")
     yield m
     m.close()
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def llm(tokenizer):
-    m = LazyLLM(model=make_tiny("llama", seed=3), tokenizer=tokenizer, kv_cache_bytes=32 << 20)
+    m = LazyLLM(model=make_tiny("llama", seed=3), tokenizer=tokenizer, kv_cache_bytes=32 << 20, quality="isolated")
     yield m
     m.close()
 
@@ -135,7 +135,8 @@ def test_bound_leaves_strings_that_say_their_own_shape():
 def test_string_bound_is_an_engine_option_and_the_schema_wins(tokenizer):
     from lazyllm.structured import prepare
 
-    m = LazyLLM(model=make_tiny("llama", seed=3), tokenizer=tokenizer, kv_cache_bytes=16 << 20, max_string_length=12)
+    m = LazyLLM(model=make_tiny("llama", seed=3), tokenizer=tokenizer, kv_cache_bytes=16 << 20, max_string_length=12,
+                quality="isolated")
     try:
         assert m.config.max_string_length == 12
         free = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"],
@@ -149,4 +150,4 @@ def test_string_bound_is_an_engine_option_and_the_schema_wins(tokenizer):
     finally:
         m.close()
     with pytest.raises(InvalidRequestError, match="max_string_length"):
-        LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, max_string_length=0)
+        LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, max_string_length=0, quality="isolated")

@@ -8,7 +8,7 @@ def test_waiting_request_lookups_count_once():
     from lazyllm import LazyLLM
     from lazyllm.cache.store import PagePool
 
-    llm0 = LazyLLM(progress=False)
+    llm0 = LazyLLM(progress=False, quality="isolated")
     spec = llm0.model.spec
     page = PagePool.page_bytes(spec.num_layers, spec.num_kv_heads, spec.head_dim, 16, llm0.dtype)
 
@@ -20,7 +20,7 @@ def test_waiting_request_lookups_count_once():
     pages = sum(-(-len(ids) // 16) for _, ids in out.prompt_segments) + 1
     llm0.close()
     # room for one request at a time: the second waits, re-planned every step, until the first ends
-    llm = LazyLLM(model=llm0.hf_model, tokenizer=llm0.tokenizer, kv_cache_bytes=page * pages)
+    llm = LazyLLM(model=llm0.hf_model, tokenizer=llm0.tokenizer, kv_cache_bytes=page * pages, quality="isolated")
     llm.engine.output.eos_ids = set()
     try:
         outs = llm.generate_batch(reqs, max_new_tokens=8)

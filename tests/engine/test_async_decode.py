@@ -10,6 +10,7 @@ from tests.engine.test_concurrency import DOCS, _requests, _run_concurrently
 
 
 def _pair(model, tokenizer, **kw):
+    kw.setdefault("quality", "isolated")  # the configuration these tests were written for
     sync = LazyLLM(model=model, tokenizer=tokenizer, overlap_decode=False, **kw)
     over = LazyLLM(model=model, tokenizer=tokenizer, overlap_decode=True, **kw)
     assert over.engine.async_decode and not sync.engine.async_decode
@@ -24,12 +25,12 @@ def test_overlap_decode_option(tokenizer):
     from lazyllm import InvalidRequestError
 
     model = make_tiny("llama", seed=2)
-    llm = LazyLLM(model=model, tokenizer=tokenizer)
+    llm = LazyLLM(model=model, tokenizer=tokenizer, quality="isolated")
     assert llm.engine.async_decode is False and not llm.engine.graphs.enabled
     llm.close()
     for bad in ("yes", 1, 0.5):
         with pytest.raises(InvalidRequestError, match="overlap_decode"):
-            LazyLLM(model=model, tokenizer=tokenizer, overlap_decode=bad)
+            LazyLLM(model=model, tokenizer=tokenizer, overlap_decode=bad, quality="isolated")
 
 
 def _clean(llm):
@@ -120,7 +121,7 @@ def test_randomized_mix_equals_one_step_at_a_time(tokenizer):
     import random as _random
 
     model = make_tiny("llama", seed=9)
-    probe = LazyLLM(model=model, tokenizer=tokenizer)
+    probe = LazyLLM(model=model, tokenizer=tokenizer, quality="isolated")
     words = probe.generate("q?", chunks=DOCS[:2], max_new_tokens=14).text.split()
     probe.close()
     spec = make_tiny("llama", seed=9).config
@@ -139,7 +140,8 @@ def test_randomized_mix_equals_one_step_at_a_time(tokenizer):
             batch.append(req)
         outs = {}
         for overlap in (False, True):
-            llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=90 * page_bytes, overlap_decode=overlap)
+            llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=90 * page_bytes, overlap_decode=overlap,
+                          quality="isolated")
             got = [None] * len(batch)
 
             def work(i, llm=llm, got=got, batch=batch):

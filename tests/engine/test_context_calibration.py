@@ -26,6 +26,7 @@ def model():
 
 
 def _llm(model, tok, **kw):
+    kw.setdefault("quality", "isolated")  # the configuration these tests were written for
     return LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=32 << 20, chunk_context="prefix", **kw)
 
 

@@ -26,6 +26,7 @@ def tiny_model():
 
 
 def _llm(model, tok, **kw):
+    kw.setdefault("quality", "isolated")  # the configuration these tests were written for
     kw.setdefault("kv_cache_bytes", 32 << 20)
     return LazyLLM(model=model, tokenizer=tok, **kw)
 
@@ -239,17 +240,17 @@ def test_request_longer_than_context(tiny_model, tokenizer):
 
 def test_bad_constructor_arguments(tiny_model, tokenizer):
     with pytest.raises(InvalidRequestError):
-        LazyLLM(model=tiny_model, tokenizer=tokenizer, reuse="sometimes")
+        LazyLLM(model=tiny_model, tokenizer=tokenizer, reuse="sometimes", quality="isolated")
     with pytest.raises(InvalidRequestError):
-        LazyLLM(model=tiny_model, tokenizer=tokenizer, chunk_context="everything")
+        LazyLLM(model=tiny_model, tokenizer=tokenizer, chunk_context="everything", quality="isolated")
     with pytest.raises(InvalidRequestError):
-        LazyLLM(model=tiny_model, tokenizer=tokenizer, kv_cache_bytes=-1)
+        LazyLLM(model=tiny_model, tokenizer=tokenizer, kv_cache_bytes=-1, quality="isolated")
     with pytest.raises(InvalidRequestError):
-        LazyLLM(model=tiny_model)
+        LazyLLM(model=tiny_model, quality="isolated")
     with pytest.raises(ModelLoadError):
-        LazyLLM("/no/such/model/dir")
+        LazyLLM("/no/such/model/dir", quality="isolated")
     with pytest.raises(ModelLoadError):
-        LazyLLM("./missing.gguf")
+        LazyLLM("./missing.gguf", quality="isolated")
 
 
 def test_unsupported_architecture_names_supported_ones(tokenizer):
@@ -258,7 +259,7 @@ def test_unsupported_architecture_names_supported_ones(tokenizer):
     cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=100)
     model = transformers.GPT2LMHeadModel(cfg)
     with pytest.raises(UnsupportedModelError, match="llama"):
-        LazyLLM(model=model, tokenizer=tokenizer)
+        LazyLLM(model=model, tokenizer=tokenizer, quality="isolated")
 
 
 def test_timeout_cancels(tiny_model, tokenizer):
@@ -542,13 +543,13 @@ def test_batch_invariant_mode_matches_transformers(tokenizer):
     from tests.hf_reference import hf_generate
 
     model = make_tiny("llama", seed=3)
-    llm = LazyLLM(model=model, tokenizer=tokenizer, reuse="none", batch_invariant=True)
+    llm = LazyLLM(model=model, tokenizer=tokenizer, reuse="none", batch_invariant=True, quality="isolated")
     assert llm.model.batch_invariant
     out = llm.generate("What is the capital?", chunks=["Paris is the capital of France."], max_new_tokens=8)
     assert out.token_ids == hf_generate(model, out.prompt_token_ids, 8, llm.eos_token_ids)
     llm.close()
     with pytest.raises(InvalidRequestError):
-        LazyLLM(model=model, tokenizer=tokenizer, batch_invariant="yes")
+        LazyLLM(model=model, tokenizer=tokenizer, batch_invariant="yes", quality="isolated")
 
 
 def test_graph_stats_reports_captures(tiny_model, tokenizer):

@@ -22,6 +22,7 @@ NEW = 12
 
 
 def _llm(model, tok, **kw):
+    kw.setdefault("quality", "isolated")  # the configuration these tests were written for
     # the reuse modes' own semantics, without the learned packet shipped for the default model
     # (tests/engine/test_packets.py holds packets to the reference with their embeddings put in)
     kw.setdefault("packets", None)

@@ -19,6 +19,7 @@ LONG_Q = "Considering " + " ".join(f"clause {j}" for j in range(30)) + ", which 
 
 
 def _pair(model, tokenizer, budget, **kw):
+    kw.setdefault("quality", "isolated")  # the configuration these tests were written for
     off = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=64 << 20, **kw)
     on = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=64 << 20, mixed_steps=True,
                  step_token_budget=budget, **kw)
@@ -194,6 +195,6 @@ def test_options_are_checked(tokenizer):
     for bad in ({"mixed_steps": 1}, {"step_token_budget": 0}, {"step_token_budget": 2.5}):
         with pytest.raises(InvalidRequestError, match=next(iter(bad))):
             LazyLLM(model=model, tokenizer=tokenizer, **bad)
-    llm = LazyLLM(model=model, tokenizer=tokenizer)
+    llm = LazyLLM(model=model, tokenizer=tokenizer, quality="isolated")
     assert llm.config.mixed_steps is False and llm.config.step_token_budget == 2048 and llm.engine.mixed is None
     llm.close()

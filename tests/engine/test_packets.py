@@ -42,6 +42,7 @@ def tiny(request):
 
 
 def _llm(model, tok, **kw):
+    kw.setdefault("quality", "isolated")  # the configuration these tests were written for
     return LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=64 << 20, **kw)
 
 

@@ -27,6 +27,7 @@ NEW = 6
 
 
 def _llm(model, tok, **kw):
+    kw.setdefault("quality", "isolated")  # the configuration these tests were written for
     return LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=32 << 20, attention_backend="triton", page_size=16,
                    **kw)
 

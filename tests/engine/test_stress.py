@@ -31,7 +31,7 @@ def test_1000_mixed_requests_from_64_threads(tokenizer):
         kind = rng.choices(["plain", "stream_cancel", "stream", "async_cancel", "deadline"],
                            weights=[50, 15, 15, 10, 10])[0]
         reqs.append((kind, f"q{i % 97}?", rng.sample(DOCS, rng.randint(1, 4)), rng.randint(2, 9)))
-    solo_llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=8 << 20)
+    solo_llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=8 << 20, quality="isolated")
     solo = {}
     for kind, q, c, n in reqs:
         if kind in ("plain", "stream"):
@@ -40,7 +40,7 @@ def test_1000_mixed_requests_from_64_threads(tokenizer):
                 solo[key] = solo_llm.generate(q, chunks=c, max_new_tokens=n).text
     solo_llm.close()
     # a small pool, so eviction and preemption happen while requests are cancelled
-    llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=2 << 20)
+    llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=2 << 20, quality="isolated")
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     results = {}

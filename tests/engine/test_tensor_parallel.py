@@ -17,6 +17,7 @@ DOCS = [f"Document {i}: " + " ".join(f"fact{i}_{j}" for j in range(12 + 3 * i)) 
 
 
 def _llm(model, tok, **kw):
+    kw.setdefault("quality", "isolated")  # the configuration these tests were written for
     kw.setdefault("kv_cache_bytes", 32 << 20)
     return LazyLLM(model=model, tokenizer=tok, **kw)
 
@@ -86,7 +87,8 @@ def test_default_model_tensor_parallel_3(default_llm_parts):
     ref = _session(one, n_new=6)
     one.close()
     # by name: every rank loads the checkpoint itself
-    tp = LazyLLM(device="cpu", dtype="float32", kv_cache_bytes=32 << 20, tensor_parallel=3, progress=False)
+    tp = LazyLLM(device="cpu", dtype="float32", kv_cache_bytes=32 << 20, tensor_parallel=3, progress=False,
+                 quality="isolated")
     try:
         got = _session(tp, n_new=6)
     finally:

@@ -79,7 +79,7 @@ def test_triton_cache_defaults_to_lazyllm_cache_folder_unless_set(monkeypatch, t
 
 @pytest.fixture(scope="module")
 def llm(tokenizer):
-    llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=1 << 21)
+    llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=1 << 21, quality="isolated")
     yield llm
     llm.close()
 
@@ -98,8 +98,8 @@ def test_late_compiles_reach_cache_stats(llm, caplog):
     assert any("_paged_decode_fwd" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(reuse="block"), dict(quality="balanced")],
-                         ids=["lazy", "block", "balanced"])
+@pytest.mark.parametrize("kw", [dict(quality="isolated"), dict(quality="isolated", reuse="block"), dict()],
+                         ids=["lazy", "block", "balanced (default)"])
 def test_warm_up_requests_leave_no_trace(tokenizer, tmp_path, kw, caplog):
     """The synthetic requests run through the engine (on CPU when asked), every step of them
     without failing, and leave the cache, its counters, the engine's metrics, the disk tier
@@ -134,7 +134,8 @@ def test_prefill_lengths_cover_every_launch_plan_of_a_dense_sweep(tokenizer):
     from lazyllm.kernels.triton.launcher import launch_variants
 
     model = make_tiny("llama", hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=128)
-    llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=1 << 26, attention_backend="triton", page_size=64)
+    llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=1 << 26, attention_backend="triton", page_size=64,
+                  quality="isolated")
     try:
         r = llm.engine.runner
 
@@ -155,7 +156,8 @@ def test_prefill_lengths_cover_every_launch_plan_of_a_dense_sweep(tokenizer):
 def test_padded_decode_steps_leave_answers_unchanged(tokenizer, backend):
     """The warm-up's decode steps with every row padding (captured in CUDA graphs on a GPU)
     write only the scratch slot: a request after them gets the same tokens as before."""
-    llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=1 << 22, attention_backend=backend)
+    llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=1 << 22, attention_backend=backend,
+                  quality="isolated")
     try:
         before = llm.generate("Where?", chunks=["The lamp is in room 7."], max_new_tokens=5).token_ids
         e = llm.engine

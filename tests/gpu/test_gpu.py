@@ -35,7 +35,7 @@ def tiny_cuda(request):
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_triton_engine_matches_transformers_4d_mask(tiny_cuda, tokenizer, reuse, ctx, page_size):
     llm = LazyLLM(model=tiny_cuda, tokenizer=tokenizer, reuse=reuse, chunk_context=ctx, page_size=page_size,
-                  kv_cache_bytes=256 << 20, attention_backend="triton")
+                  kv_cache_bytes=256 << 20, attention_backend="triton", quality="isolated")
     assert llm.attention_backend == "triton"
     rng = random.Random(0)
     for _ in range(3):
@@ -79,7 +79,7 @@ def test_head_dim_128_prefill_kernel_in_engine_matches_torch_backend(tokenizer, 
         for backend in ("triton", "torch"):
             # warmup=False: the routing seen above is the one of this test's requests, not the warm-up's
             llm = LazyLLM(model=model, tokenizer=tokenizer, reuse=reuse, page_size=64, kv_cache_bytes=256 << 20,
-                          attention_backend=backend, warmup=False)
+                          attention_backend=backend, warmup=False, quality="isolated")
             outs.append([llm.generate("Which was completed in 1889? Answer in one sentence, please, and explain "
                                       "why the tower was built at all.", chunks=c, max_new_tokens=10).token_ids
                          for c in (docs[:3], docs[1:4][::-1])])
@@ -93,7 +93,7 @@ def test_head_dim_128_prefill_kernel_in_engine_matches_torch_backend(tokenizer, 
 @pytest.mark.parametrize("reuse", ["none", "prefix"])
 def test_triton_engine_full_modes_match_generate(tiny_cuda, tokenizer, reuse):
     llm = LazyLLM(model=tiny_cuda, tokenizer=tokenizer, reuse=reuse, kv_cache_bytes=256 << 20,
-                  attention_backend="triton")
+                  attention_backend="triton", quality="isolated")
     for docs in (DOCS[:3], DOCS[:4]):
         out = llm.generate("Which was completed in 1889?", chunks=docs, max_new_tokens=12)
         assert out.token_ids == hf_generate(tiny_cuda, out.prompt_token_ids, 12, llm.eos_token_ids)
@@ -110,7 +110,7 @@ def test_256_concurrent_requests_equal_solo_on_gpu(tokenizer, dtype, invariant):
     model = make_tiny("llama", seed=21).to("cuda", dtype)
     reqs = _requests(256, seed=1)
     llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=256 << 20, attention_backend="triton",
-                  batch_invariant=invariant)
+                  batch_invariant=invariant, quality="isolated")
     solo = [llm.generate(q, chunks=c, max_new_tokens=n).token_ids for q, c, n in reqs]
     llm.clear_cache()
     assert _run_concurrently(llm, reqs, 32) == solo
@@ -137,7 +137,7 @@ def test_batch_invariant_8b_layer_shapes_equal_solo(tokenizer, overlap):
     reqs = _requests(64, seed=5)
     # overlapped decode (the default on CUDA) or one step at a time
     llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=2 << 30, batch_invariant=True,
-                  overlap_decode=overlap)
+                  overlap_decode=overlap, quality="isolated")
     llm.engine.output.eos_ids = set()  # random weights: every request runs to its length
     solo = [llm.generate(q, chunks=c, max_new_tokens=n).token_ids for q, c, n in reqs]
     llm.clear_cache()
@@ -203,7 +203,7 @@ def test_gemma_sliding_window_engine_on_triton(tokenizer, page_size):
     model = make_tiny("gemma3", seed=1, window=24).to("cuda")
     for reuse, ctx in (("none", "isolated"), ("prefix", "isolated"), ("lazy", "isolated"), ("lazy", "prefix")):
         llm = LazyLLM(model=model, tokenizer=tokenizer, reuse=reuse, chunk_context=ctx, page_size=page_size,
-                      kv_cache_bytes=256 << 20, attention_backend="triton")
+                      kv_cache_bytes=256 << 20, attention_backend="triton", quality="isolated")
         assert llm.model.graph_capturable and llm.model.fused is not None and llm.model.windows == [24, None, 24]
         rng = random.Random(2)
         for _ in range(2):
@@ -290,7 +290,7 @@ def test_recompute_pass_over_256_tokens_runs_from_a_graph_as_eager(tiny_cuda, to
     outs = []
     for cuda_graphs in (True, False):
         llm = LazyLLM(model=tiny_cuda, tokenizer=tokenizer, chunk_context="prefix", recompute_first_tokens=10_000,
-                      kv_cache_bytes=256 << 20, attention_backend="triton", cuda_graphs=cuda_graphs)
+                      kv_cache_bytes=256 << 20, attention_backend="triton", cuda_graphs=cuda_graphs, quality="isolated")
         graphs = llm.engine.runner.prefill_graphs
         llm.warm(long_docs, system="Be brief.")
         outs.append(llm.generate("Which was completed in 1889?", chunks=long_docs[::-1], system="Be brief.",
@@ -305,7 +305,8 @@ def test_layer1_key_deviation_from_cached_layer0_equals_dense_probe_on_triton(ti
     """Two-stage selection's key deviation for its shortlist only, from the cached layer-0
     K/V through the Triton prefill kernel, equals the dense probe over the whole prompt."""
     llm = LazyLLM(model=tiny_cuda, tokenizer=tokenizer, chunk_context="prefix", recompute_ratio=0.2,
-                  recompute_selection="two-stage", kv_cache_bytes=256 << 20, attention_backend="triton")
+                  recompute_selection="two-stage", kv_cache_bytes=256 << 20, attention_backend="triton",
+                      quality="isolated")
     rec, seen = llm.engine.recovery, []
     real = rec.key_deviation
 
@@ -356,7 +357,7 @@ def test_fused_attention_mass_equals_unfused_layers(tiny_cuda, tokenizer, monkey
     # eager steps: both passes run the model's layers, not a graph
     llm = LazyLLM(model=tiny_cuda, tokenizer=tokenizer, chunk_context="prefix", recompute_ratio=0.2,
                   recompute_selection="attention", recompute_selection_depth=depth, kv_cache_bytes=256 << 20,
-                  attention_backend="triton", warmup=False, cuda_graphs=False)
+                  attention_backend="triton", warmup=False, cuda_graphs=False, quality="isolated")
     docs = DOCS[:4]
     llm.warm(docs, system="Be brief.")
     # one token: no decode graph is captured after the unfused pass (on CUDA the model never
@@ -388,7 +389,7 @@ def test_question_attention_pass_from_cuda_graph_equals_eager(tiny_cuda, tokeniz
         llm = LazyLLM(model=tiny_cuda, tokenizer=tokenizer, chunk_context="prefix", recompute_ratio=0.2,
                       recompute_selection=selection, recompute_selection_depth=depth, kv_cache_bytes=256 << 20,
                       attention_backend="triton", cuda_graphs=cuda_graphs,
-                      warmup=False)  # the recorded pass is this test's request only
+                      warmup=False, quality="isolated")  # the recorded pass is this test's request only
         llm.warm(docs, system="Be brief.")
         out = llm.generate("Which was completed in 1889?", chunks=docs[::-1], system="Be brief.", max_new_tokens=4)
         chunk_tokens = sum(len(ids) for kind, ids in out.prompt_segments if kind == "chunk")
@@ -410,7 +411,7 @@ def test_round_selection_equals_per_request_on_triton(tiny_cuda, tokenizer, sele
 
     llm = LazyLLM(model=tiny_cuda, tokenizer=tokenizer, chunk_context="prefix", recompute_first_tokens=2,
                   recompute_ratio=0.2, recompute_selection=selection, kv_cache_bytes=256 << 20,
-                  attention_backend="triton")
+                  attention_backend="triton", quality="isolated")
     rounds = record_rounds(llm, regroup=True)
     llm.warm(RECORDS[:6])
     llm.generate_batch(_requests(6, 1))

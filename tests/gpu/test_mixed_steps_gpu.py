@@ -19,9 +19,9 @@ def test_mixed_steps_on_gpu_give_the_same_tokens_and_kv(tokenizer):
         pytest.skip("needs CUDA")
     model = make_tiny("llama", seed=21).to("cuda")
     budget = 48
-    off = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=256 << 20)
+    off = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=256 << 20, quality="isolated")
     on = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=256 << 20, mixed_steps=True,
-                 step_token_budget=budget)
+                 step_token_budget=budget, quality="isolated")
     assert on.engine.async_decode and on.engine.graphs.enabled
     on.engine.mixed.trace = []
     _same_tokens_while_decoding(off, on, _batch(8))

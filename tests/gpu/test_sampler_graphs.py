@@ -33,7 +33,7 @@ def test_graph_decode_with_sampled_and_constrained_rows(tokenizer):
     got = {}
     for graphs, overlap in ((False, False), (True, False), (True, True)):
         llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=256 << 20, attention_backend="triton",
-                      cuda_graphs=graphs, overlap_decode=overlap)
+                      cuda_graphs=graphs, overlap_decode=overlap, quality="isolated")
         llm.engine.output.eos_ids = set()
         specs = _specs()
         outs = _run(llm, specs)

@@ -51,7 +51,7 @@ def empty_triton_cache(tmp_path_factory):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kw", [dict(), dict(quality="balanced"), dict(reuse="block")],
+@pytest.mark.parametrize("kw", [dict(quality="isolated"), dict(), dict(quality="isolated", reuse="block")],
                          ids=["lazy", "balanced", "block"])
 def test_no_kernel_compiles_after_ready(tokenizer, empty_triton_cache, caplog, kw):
     if not torch.cuda.is_available():

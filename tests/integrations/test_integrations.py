@@ -109,6 +109,7 @@ def make_engine(default_llm_parts):
     made = []
 
     def make(**kw):
+        kw.setdefault("quality", "isolated")  # the configuration these tests were written for
         model, tok = default_llm_parts
         e = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=KV_BYTES, **kw)
         made.append(e)

@@ -33,7 +33,7 @@ _ENGINE: dict[str, LazyLLM] = {}
 @pytest.fixture(scope="module", autouse=True)
 def shared_engine(default_llm_parts):
     model, tok = default_llm_parts
-    _ENGINE["llm"] = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=64 << 20)
+    _ENGINE["llm"] = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=64 << 20, quality="isolated")
     yield _ENGINE["llm"]
     _ENGINE.pop("llm").close()
 

@@ -55,7 +55,7 @@ WEATHER = {"type": "function", "function": {"name": "weather", "description": "W
 
 @pytest.fixture(scope="module")
 def chat(tokenizer):
-    llm = LazyLLM(model=make_tiny("llama", seed=5), tokenizer=tokenizer, kv_cache_bytes=32 << 20)
+    llm = LazyLLM(model=make_tiny("llama", seed=5), tokenizer=tokenizer, kv_cache_bytes=32 << 20, quality="isolated")
     yield ChatLazyLLM(llm=llm, max_tokens=80)
     llm.close()
 

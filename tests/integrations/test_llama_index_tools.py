@@ -59,7 +59,7 @@ def index():
 
 @pytest.fixture(scope="module")
 def li(tokenizer):
-    llm = LazyLLM(model=make_tiny("llama", seed=5), tokenizer=tokenizer, kv_cache_bytes=32 << 20)
+    llm = LazyLLM(model=make_tiny("llama", seed=5), tokenizer=tokenizer, kv_cache_bytes=32 << 20, quality="isolated")
     yield LlamaIndexLLM(llm=llm, max_new_tokens=60)
     llm.close()
 
@@ -69,7 +69,7 @@ def test_function_tool_with_a_model_argument(tokenizer):
     that validates and runs."""
     tool = FunctionTool.from_defaults(fn=tool_models.save)
     assert "$defs" in tool.metadata.to_openai_tool()["function"]["parameters"]
-    llm = LazyLLM(model=make_tiny("llama", seed=5), tokenizer=tokenizer, kv_cache_bytes=32 << 20)
+    llm = LazyLLM(model=make_tiny("llama", seed=5), tokenizer=tokenizer, kv_cache_bytes=32 << 20, quality="isolated")
     try:
         li = LlamaIndexLLM(llm=llm, max_new_tokens=300)
         resp = li.chat_with_tools([tool], user_msg="Save Ann.", tool_required=True)
@@ -125,7 +125,7 @@ def _agent_run(agent, question: str, max_iterations: int):
 @pytest.fixture
 def fresh(tokenizer):
     """An LLM over an engine of its own: an empty chunk cache."""
-    llm = LazyLLM(model=make_tiny("llama", seed=5), tokenizer=tokenizer, kv_cache_bytes=32 << 20)
+    llm = LazyLLM(model=make_tiny("llama", seed=5), tokenizer=tokenizer, kv_cache_bytes=32 << 20, quality="isolated")
     yield LlamaIndexLLM(llm=llm, max_new_tokens=60)
     llm.close()
 

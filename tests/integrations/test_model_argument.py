@@ -69,7 +69,7 @@ def test_a_model_that_cannot_load_is_an_error_naming_it(tmp_path, make):
 
 def test_a_name_and_an_engine_that_disagree_are_refused(tiny_dir, default_llm_parts):
     model, tok = default_llm_parts
-    engine = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=KV)
+    engine = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=KV, quality="isolated")
     try:
         for make in (lambda **kw: ChatLazyLLM(llm=engine, **kw), lambda **kw: LlamaIndexLLM(llm=engine, **kw)):
             for kw in ({"model": tiny_dir}, {"model_name": tiny_dir}):
@@ -88,7 +88,7 @@ def test_a_name_and_an_engine_that_disagree_are_refused(tiny_dir, default_llm_pa
 @pytest.mark.parametrize("cls", [ChatLazyLLM, LazyLLMText, LlamaIndexLLM])
 def test_an_unknown_argument_is_refused(cls, default_llm_parts):
     model, tok = default_llm_parts
-    engine = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=KV)
+    engine = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=KV, quality="isolated")
     try:
         with pytest.raises(ValueError, match="repetition_penalty"):
             cls(llm=engine, repetition_penalty=1.1)

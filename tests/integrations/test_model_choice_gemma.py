@@ -22,7 +22,8 @@ def gemma():
 
     from lazyllm.model.loader import gemma3_gguf_path
 
-    llm = LazyLLM(str(gemma3_gguf_path()), device="cpu", dtype=torch.float32, kv_cache_bytes=64 << 20)
+    llm = LazyLLM(str(gemma3_gguf_path()), device="cpu", dtype=torch.float32, kv_cache_bytes=64 << 20,
+                  quality="isolated")
     yield llm
     llm.close()
 

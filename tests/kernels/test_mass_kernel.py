@@ -120,7 +120,7 @@ def test_attention_selected_recompute_is_the_same_on_the_triton_backend(tokenize
     runs = {}
     for backend in ("torch", "triton"):
         llm = LazyLLM(model=model, tokenizer=tokenizer, recompute_ratio=0.2, recompute_selection="attention",
-                      chunk_context="prefix", kv_cache_bytes=16 << 20, attention_backend=backend)
+                      chunk_context="prefix", kv_cache_bytes=16 << 20, attention_backend=backend, quality="isolated")
         assert llm.attention_backend == backend
         seen = []
         real = llm.engine.recovery.question_attention

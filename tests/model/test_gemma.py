@@ -15,7 +15,7 @@ DOCS = [f"Passage {i}: " + " ".join(f"g{i}_{j}" for j in range(12 + 4 * i)) for 
 def test_sliding_window_full_attention_matches_generate(tokenizer, reuse):
     """A window of 24 tokens, prompts of ~150: the local layers must mask by distance."""
     model = make_tiny("gemma3", seed=1, window=24)
-    llm = LazyLLM(model=model, tokenizer=tokenizer, reuse=reuse, kv_cache_bytes=16 << 20)
+    llm = LazyLLM(model=model, tokenizer=tokenizer, reuse=reuse, kv_cache_bytes=16 << 20, quality="isolated")
     assert llm.model.windows == [24, None, 24] and len(llm.model.inv_freqs) == 2
     for docs in (DOCS[:3], DOCS[1:4]):
         out = llm.generate("Which passage?", chunks=docs, max_new_tokens=10)
@@ -28,7 +28,8 @@ def test_sliding_window_full_attention_matches_generate(tokenizer, reuse):
                                        ("block", "prefix")])
 def test_gemma_chunked_modes_match_reference(tokenizer, reuse, ctx):
     model = make_tiny("gemma3", seed=2)
-    llm = LazyLLM(model=model, tokenizer=tokenizer, reuse=reuse, chunk_context=ctx, kv_cache_bytes=16 << 20)
+    llm = LazyLLM(model=model, tokenizer=tokenizer, reuse=reuse, chunk_context=ctx, kv_cache_bytes=16 << 20,
+                  quality="isolated")
     rng = random.Random(3)
     for _ in range(2):
         docs = rng.sample(DOCS, 3)
@@ -40,7 +41,7 @@ def test_gemma_chunked_modes_match_reference(tokenizer, reuse, ctx):
 
 def test_gemma_recovery_everything_is_full_attention(tokenizer):
     model = make_tiny("gemma3", seed=4, window=24)
-    llm = LazyLLM(model=model, tokenizer=tokenizer, recompute_ratio=1.0, kv_cache_bytes=16 << 20)
+    llm = LazyLLM(model=model, tokenizer=tokenizer, recompute_ratio=1.0, kv_cache_bytes=16 << 20, quality="isolated")
     out = llm.generate("Which passage?", chunks=DOCS[:3], max_new_tokens=8)
     assert out.token_ids == hf_generate(model, out.prompt_token_ids, 8, llm.eos_token_ids)
     llm.close()
@@ -80,7 +81,7 @@ def test_gemma270m_triton_matches_transformers(gemma270m, reuse, ctx, page_size)
     past it, cached chunks reused at another offset; CUDA graphs would be allowed."""
     model, tok = gemma270m
     llm = LazyLLM(model=model, tokenizer=tok, reuse=reuse, chunk_context=ctx, page_size=page_size,
-                  kv_cache_bytes=64 << 20, attention_backend="triton")
+                  kv_cache_bytes=64 << 20, attention_backend="triton", quality="isolated")
     assert llm.attention_backend == "triton" and llm.model.graph_capturable
     assert G270_WINDOW in llm.model.windows and None in llm.model.windows and len(llm.model.inv_freqs) == 2
     for docs in (G270_DOCS[:3], G270_DOCS[2::-1]):

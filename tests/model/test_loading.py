@@ -13,8 +13,9 @@ def test_load_from_local_folder_matches_in_memory_model(tmp_path, tokenizer):
     from transformers import AutoTokenizer
 
     # transformers picks the tokenizer class from the folder's config: compare like with like
-    a = LazyLLM(model=model, tokenizer=AutoTokenizer.from_pretrained(tmp_path), kv_cache_bytes=16 << 20)
-    b = LazyLLM(str(tmp_path), device="cpu", kv_cache_bytes=16 << 20)
+    a = LazyLLM(model=model, tokenizer=AutoTokenizer.from_pretrained(tmp_path), kv_cache_bytes=16 << 20,
+                quality="isolated")
+    b = LazyLLM(str(tmp_path), device="cpu", kv_cache_bytes=16 << 20, quality="isolated")
     assert a.fingerprint == b.fingerprint
     q = dict(chunks=["one doc", "another doc"], max_new_tokens=6)
     assert a.generate("q?", **q).token_ids == b.generate("q?", **q).token_ids
@@ -23,8 +24,8 @@ def test_load_from_local_folder_matches_in_memory_model(tmp_path, tokenizer):
 
 
 def test_fingerprint_differs_between_checkpoints(tokenizer):
-    a = LazyLLM(model=make_tiny("llama", seed=1), tokenizer=tokenizer, kv_cache_bytes=8 << 20)
-    b = LazyLLM(model=make_tiny("llama", seed=2), tokenizer=tokenizer, kv_cache_bytes=8 << 20)
+    a = LazyLLM(model=make_tiny("llama", seed=1), tokenizer=tokenizer, kv_cache_bytes=8 << 20, quality="isolated")
+    b = LazyLLM(model=make_tiny("llama", seed=2), tokenizer=tokenizer, kv_cache_bytes=8 << 20, quality="isolated")
     assert a.fingerprint != b.fingerprint
 
 
@@ -32,8 +33,8 @@ def test_fingerprint_differs_between_checkpoints(tokenizer):
 def test_gguf_file_and_cached_default_agree(default_llm_parts):
     model, tok = default_llm_parts
     assert (default_model_dir() / "model.safetensors").exists()
-    a = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=32 << 20)
-    b = LazyLLM(str(default_gguf_path()), device="cpu", kv_cache_bytes=32 << 20)
+    a = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=32 << 20, quality="isolated")
+    b = LazyLLM(str(default_gguf_path()), device="cpu", kv_cache_bytes=32 << 20, quality="isolated")
     q = dict(chunks=["Paris is the capital of France."], max_new_tokens=8)
     assert a.generate("What is the capital of France?", **q).token_ids == \
         b.generate("What is the capital of France?", **q).token_ids
@@ -55,7 +56,7 @@ def test_safe_defaults_no_remote_code_and_no_network(tmp_path, tokenizer, monkey
     model = make_tiny("llama", seed=6)
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    llm = LazyLLM(str(tmp_path), device="cpu", kv_cache_bytes=8 << 20)
+    llm = LazyLLM(str(tmp_path), device="cpu", kv_cache_bytes=8 << 20, quality="isolated")
     assert llm.generate("q?", max_new_tokens=1).usage.completion_tokens == 1
     llm.close()
     assert calls == []

@@ -13,7 +13,7 @@ CASES = Path(__file__).parents[1] / "data" / "quality_cases.jsonl"
 
 @pytest.fixture(scope="module")
 def llm():
-    m = LazyLLM(reuse="none", kv_cache_bytes=64 << 20, progress=False)
+    m = LazyLLM(reuse="none", kv_cache_bytes=64 << 20, progress=False, quality="isolated")
     yield m
     m.close()
 

@@ -44,12 +44,13 @@ def test_floor_is_full_attention_in_other_orders(tiny):
     hf, tok = tiny
     cases = [dict(question="When was the lighthouse lit?", documents=DOCS),
              dict(question="What colours the glass green?", documents=DOCS[::-1])]
-    rep = q.compare(LazyLLM(model=hf, tokenizer=tok, reuse="none", kv_cache_bytes=16 << 20, progress=False), cases,
+    rep = q.compare(LazyLLM(model=hf, tokenizer=tok, reuse="none", kv_cache_bytes=16 << 20, progress=False,
+                            quality="isolated"), cases,
                     settings=["default"], progress=False, ttft_cases=0, answer_tokens=6, orders=2, workers=1)
     f = rep.floor
     assert f["pairs"] == 4 and f["orders"] == 2 and 0.0 <= f["top1"] <= 1.0 and f["kl"] > 0.0
     # the same measure taken by hand for the first case: its answer, then the two other orders
-    full = LazyLLM(model=hf, tokenizer=tok, reuse="none", kv_cache_bytes=16 << 20, progress=False)
+    full = LazyLLM(model=hf, tokenizer=tok, reuse="none", kv_cache_bytes=16 << 20, progress=False, quality="isolated")
     c = cases[0]
     ids = list(full.generate(c["question"], chunks=c["documents"], max_new_tokens=6).token_ids)
     ref = full.score(c["question"], chunks=c["documents"], continuation=ids, return_logits=True).logits
@@ -94,7 +95,7 @@ def test_a_slice_of_the_prose_suite_runs_through_the_report(tiny):
 
     hf, tok = tiny
     cases = q.load_cases(Path(__file__).parents[2] / "benchmarks" / "data" / "prose" / "test.jsonl")[:20]
-    llm = LazyLLM(model=hf, tokenizer=tok, reuse="none", kv_cache_bytes=64 << 20, progress=False)
+    llm = LazyLLM(model=hf, tokenizer=tok, reuse="none", kv_cache_bytes=64 << 20, progress=False, quality="isolated")
     rep = q.compare(llm, cases, settings=["default", "balanced"], progress=False, ttft_cases=0, answer_tokens=4,
                     orders=1)
     llm.close()

@@ -32,9 +32,10 @@ def test_selection_names(model, tokenizer):
     assert recovery.SELECTIONS.count("oracle-kv") == 1
     for sel in ("deviation", "attention", "two-stage", *quality.ORACLE_SELECTIONS):
         LazyLLM(model=model, tokenizer=tokenizer, recompute_ratio=0.1, recompute_selection=sel,
-                kv_cache_bytes=8 << 20).close()
+                kv_cache_bytes=8 << 20, quality="isolated").close()
     with pytest.raises(InvalidRequestError):
-        LazyLLM(model=model, tokenizer=tokenizer, recompute_selection="oracle-random", kv_cache_bytes=8 << 20)
+        LazyLLM(model=model, tokenizer=tokenizer, recompute_selection="oracle-random", kv_cache_bytes=8 << 20,
+                quality="isolated")
 
 
 def test_recovery_names_parse_to_oracle_kwargs():
@@ -51,7 +52,7 @@ def test_recovery_names_parse_to_oracle_kwargs():
 
 
 def test_dense_forward_matches_probe_keys_and_mass_sums(model, tokenizer):
-    llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=8 << 20)
+    llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=8 << 20, quality="isolated")
     m = llm.engine.recovery.model
     ids = torch.tensor(tokenizer.encode(" ".join(DOCS[:2])), dtype=torch.long)
     ks, vs, mass = quality.full_context_kv(m, ids, query_from=5)
@@ -72,7 +73,7 @@ def test_kv_oracle_sees_no_deviation_in_the_first_prefix_chunk(model, tokenizer,
     layer: its KV deviation is ~0; later chunks' is not."""
     quality._oracle_log_start(True)
     llm = LazyLLM(model=model, tokenizer=tokenizer, chunk_context="prefix", recompute_ratio=0.1,
-                  recompute_selection=sel, kv_cache_bytes=8 << 20)
+                  recompute_selection=sel, kv_cache_bytes=8 << 20, quality="isolated")
     llm.score("Which item is first?", chunks=DOCS[:3], continuation=[5, 6, 7])
     llm.close()
     (e,) = quality.ORACLE_LOG
@@ -91,7 +92,7 @@ def test_kv_oracle_sees_no_deviation_in_the_first_prefix_chunk(model, tokenizer,
 @pytest.mark.parametrize("ctx", ["isolated", "prefix"])
 def test_oracle_recompute_of_everything_is_full_attention(model, tokenizer, sel, ctx):
     llm = LazyLLM(model=model, tokenizer=tokenizer, chunk_context=ctx, recompute_ratio=1.0,
-                  recompute_selection=sel, kv_cache_bytes=8 << 20)
+                  recompute_selection=sel, kv_cache_bytes=8 << 20, quality="isolated")
     llm.warm(DOCS[2:5])
     out = llm.generate("Which item is first?", chunks=DOCS[4:1:-1], max_new_tokens=8)
     assert out.token_ids == hf_generate(model, out.prompt_token_ids, 8, llm.eos_token_ids)

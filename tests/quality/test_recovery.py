@@ -22,7 +22,7 @@ def test_recomputing_every_chunk_token_is_full_attention(model, tokenizer, reuse
     """With k past every chunk's length each chunk token is recomputed with full context,
     so the answer must be exactly full attention's."""
     llm = LazyLLM(model=model, tokenizer=tokenizer, reuse=reuse, chunk_context=ctx,
-                  recompute_first_tokens=10_000, kv_cache_bytes=32 << 20)
+                  recompute_first_tokens=10_000, kv_cache_bytes=32 << 20, quality="isolated")
     rng = random.Random(0)
     for _ in range(2):
         docs = rng.sample(DOCS, 4)
@@ -33,7 +33,7 @@ def test_recomputing_every_chunk_token_is_full_attention(model, tokenizer, reuse
 
 @pytest.mark.parametrize("k", [1, 4, 20])
 def test_partial_recompute_is_position_independent_and_accounted(model, tokenizer, k):
-    kw = dict(model=model, tokenizer=tokenizer, recompute_first_tokens=k, kv_cache_bytes=32 << 20)
+    kw = dict(model=model, tokenizer=tokenizer, recompute_first_tokens=k, kv_cache_bytes=32 << 20, quality="isolated")
     cold = LazyLLM(**kw)
     ref = cold.generate("q?", chunks=DOCS[:3], max_new_tokens=8)
     warm = LazyLLM(**kw)
@@ -46,7 +46,7 @@ def test_partial_recompute_is_position_independent_and_accounted(model, tokenize
     sc = warm.score("q?", chunks=DOCS[:3], continuation=out.token_ids)
     assert sc.prefilled_tokens == recomputed + len(out.prompt_segments[-1][1]) + len(out.token_ids) - 1
     # the recompute changes the answer's logits relative to no recovery
-    plain = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=32 << 20)
+    plain = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=32 << 20, quality="isolated")
     s0 = plain.score("q?", chunks=DOCS[:3], continuation=out.token_ids)
     assert s0.logprobs != sc.logprobs
     # shared chunk pages were not modified: a plain request still reads clean KV
@@ -71,9 +71,10 @@ def test_recompute_leaves_the_shared_cache_untouched(model, tokenizer):
     """A lazy request with recomputation must not write into shared chunk pages: every cached
     chunk's pages hold the same KV before and after it, which is what an engine without
     recovery caches for the chunk."""
-    plain = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=32 << 20)
+    plain = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=32 << 20, quality="isolated")
     plain.warm(DOCS[1:4])
-    llm = LazyLLM(model=model, tokenizer=tokenizer, recompute_first_tokens=6, kv_cache_bytes=32 << 20)
+    llm = LazyLLM(model=model, tokenizer=tokenizer, recompute_first_tokens=6, kv_cache_bytes=32 << 20,
+                  quality="isolated")
     llm.warm(DOCS[1:4])
     before = _chunk_kv(llm)
     out = llm.generate("q?", chunks=DOCS[1:4], max_new_tokens=8)
@@ -87,7 +88,7 @@ def test_recompute_leaves_the_shared_cache_untouched(model, tokenizer):
 @pytest.mark.parametrize("reuse,ctx", [("lazy", "isolated"), ("block", "prefix")])
 def test_selective_recompute_of_everything_is_full_attention(model, tokenizer, reuse, ctx):
     llm = LazyLLM(model=model, tokenizer=tokenizer, reuse=reuse, chunk_context=ctx, recompute_ratio=1.0,
-                  kv_cache_bytes=32 << 20)
+                  kv_cache_bytes=32 << 20, quality="isolated")
     out = llm.generate("Which item is first?", chunks=DOCS[1:5], max_new_tokens=10)
     assert out.token_ids == hf_generate(model, out.prompt_token_ids, 10, llm.eos_token_ids)
     llm.close()
@@ -95,7 +96,7 @@ def test_selective_recompute_of_everything_is_full_attention(model, tokenizer, r
 
 def test_selective_recompute_counts_and_reuse(model, tokenizer):
     kw = dict(model=model, tokenizer=tokenizer, recompute_ratio=0.2, recompute_first_tokens=2,
-              kv_cache_bytes=32 << 20)
+              kv_cache_bytes=32 << 20, quality="isolated")
     cold = LazyLLM(**kw)
     ref = cold.generate("q?", chunks=DOCS[:4], max_new_tokens=8)
     warm = LazyLLM(**kw)
@@ -115,7 +116,7 @@ def test_selective_recompute_counts_and_reuse(model, tokenizer):
 @pytest.mark.parametrize("reuse,ctx", [("lazy", "isolated"), ("lazy", "prefix"), ("block", "prefix")])
 def test_attention_selected_recompute_of_everything_is_full_attention(model, tokenizer, reuse, ctx):
     llm = LazyLLM(model=model, tokenizer=tokenizer, reuse=reuse, chunk_context=ctx, recompute_ratio=1.0,
-                  recompute_selection="attention", kv_cache_bytes=32 << 20)
+                  recompute_selection="attention", kv_cache_bytes=32 << 20, quality="isolated")
     out = llm.generate("Which item is first?", chunks=DOCS[1:5], max_new_tokens=10)
     assert out.token_ids == hf_generate(model, out.prompt_token_ids, 10, llm.eos_token_ids)
     llm.close()
@@ -124,7 +125,7 @@ def test_attention_selected_recompute_of_everything_is_full_attention(model, tok
 @pytest.mark.parametrize("reuse", ["lazy", "block"])
 def test_attention_selected_recompute_counts_and_reuse(model, tokenizer, reuse):
     kw = dict(model=model, tokenizer=tokenizer, reuse=reuse, chunk_context="prefix", recompute_ratio=0.2,
-              recompute_selection="attention", kv_cache_bytes=32 << 20)
+              recompute_selection="attention", kv_cache_bytes=32 << 20, quality="isolated")
     cold = LazyLLM(**kw)
     ref = cold.generate("q?", chunks=DOCS[:4], max_new_tokens=8)
     warm = LazyLLM(**kw)
@@ -137,7 +138,8 @@ def test_attention_selected_recompute_counts_and_reuse(model, tokenizer, reuse):
     assert warm.engine.metrics["recovery_skipped"] == 0
     # the first pass wrote nothing into the shared cache: its chunks' pages hold what an engine
     # without recovery caches for the same requests
-    plain = LazyLLM(model=model, tokenizer=tokenizer, reuse=reuse, chunk_context="prefix", kv_cache_bytes=32 << 20)
+    plain = LazyLLM(model=model, tokenizer=tokenizer, reuse=reuse, chunk_context="prefix", kv_cache_bytes=32 << 20,
+                    quality="isolated")
     plain.warm(DOCS[:4][::-1])
     plain.generate("q?", chunks=DOCS[:4], max_new_tokens=8)
     _assert_same_chunk_kv(_chunk_kv(warm), _chunk_kv(plain))
@@ -150,7 +152,7 @@ def test_attention_selection_picks_what_the_question_attends_to(model, tokenizer
     non-negative, summing to (layers x heads x question tokens) less the mass on the prefix
     and on the question itself."""
     llm = LazyLLM(model=model, tokenizer=tokenizer, recompute_ratio=0.1, recompute_selection="attention",
-                  kv_cache_bytes=32 << 20)
+                  kv_cache_bytes=32 << 20, quality="isolated")
     seen = {}
     real = llm.engine.recovery.question_attention
 
@@ -174,14 +176,15 @@ def test_recompute_selection_is_validated(model, tokenizer):
     from lazyllm.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError):
-        LazyLLM(model=model, tokenizer=tokenizer, recompute_selection="random", kv_cache_bytes=32 << 20)
+        LazyLLM(model=model, tokenizer=tokenizer, recompute_selection="random", kv_cache_bytes=32 << 20,
+                quality="isolated")
 
 
 def test_key_deviation_is_zero_for_the_first_isolated_chunk_only(model, tokenizer):
     """In 'prefix' context the first chunk directly follows the prefix, so its cached
     keys equal full attention's (deviation ~0); later chunks' keys differ."""
     llm = LazyLLM(model=model, tokenizer=tokenizer, chunk_context="prefix", recompute_ratio=0.1,
-                  kv_cache_bytes=32 << 20)
+                  kv_cache_bytes=32 << 20, quality="isolated")
     seen = {}
     real = llm.engine.recovery.key_deviation
 
@@ -204,7 +207,7 @@ def test_layer1_key_deviation_from_cached_layer0_equals_dense_probe(tokenizer, f
     layer-0 K/V (exact: they depend on token and position only); it gives the deviations of
     the dense probe, which runs the whole prompt head, for every token and for a subset."""
     llm = LazyLLM(model=make_tiny(family, seed=5), tokenizer=tokenizer, chunk_context="prefix",
-                  recompute_ratio=0.1, kv_cache_bytes=32 << 20)
+                  recompute_ratio=0.1, kv_cache_bytes=32 << 20, quality="isolated")
     rec, seen = llm.engine.recovery, []
     real = rec.key_deviation
 
@@ -248,9 +251,9 @@ def test_quality_presets_set_options_and_explicit_options_win(model, tokenizer):
     llm = LazyLLM(quality="balanced", recompute_ratio=0.3, recompute_first_tokens=0, **kw)
     assert (llm.recompute_ratio, llm.recompute_first_tokens, llm.chunk_context) == (0.3, 0, "prefix")
     llm.close()
-    plain = LazyLLM(**kw)  # no preset: today's defaults
-    assert (plain.reuse, plain.chunk_context, plain.recompute_first_tokens, plain.recompute_ratio) == \
-        ("lazy", "isolated", 0, 0.0)
+    plain = LazyLLM(**kw)  # no preset: the defaults, which are balanced's values
+    assert (plain.reuse, plain.chunk_context, plain.recompute_first_tokens, plain.recompute_ratio,
+            plain.recompute_selection) == ("lazy", "prefix", 4, 0.14, "two-stage")
     plain.close()
     with pytest.raises(InvalidRequestError, match="quality"):
         LazyLLM(quality="best", **kw)
@@ -293,12 +296,12 @@ def test_one_shared_copy_serves_every_neighbour_and_position(model, tokenizer, p
 def test_query_aware_selections(model, tokenizer, selection):
     """Everything selected is full attention; a partial selection recomputes its share."""
     llm = LazyLLM(model=model, tokenizer=tokenizer, chunk_context="prefix", recompute_ratio=1.0,
-                  recompute_selection=selection, kv_cache_bytes=32 << 20)
+                  recompute_selection=selection, kv_cache_bytes=32 << 20, quality="isolated")
     out = llm.generate("Which item is first?", chunks=DOCS[1:5], max_new_tokens=10)
     assert out.token_ids == hf_generate(model, out.prompt_token_ids, 10, llm.eos_token_ids)
     llm.close()
     llm = LazyLLM(model=model, tokenizer=tokenizer, chunk_context="prefix", recompute_ratio=0.25,
-                  recompute_selection=selection, kv_cache_bytes=32 << 20)
+                  recompute_selection=selection, kv_cache_bytes=32 << 20, quality="isolated")
     llm.warm(DOCS[1:5])
     out = llm.generate("Which item is first?", chunks=DOCS[4:0:-1], max_new_tokens=4)
     total = sum(len(ids) for kind, ids in out.prompt_segments if kind == "chunk")
@@ -323,7 +326,7 @@ def test_prefix_context_recomputes_nothing_of_the_chunk_at_home(model, tokenizer
         picked.append((spans, list(r.plan.job.positions)))
 
     kw = dict(model=model, tokenizer=tokenizer, chunk_context="prefix", recompute_first_tokens=3,
-              recompute_ratio=0.25, recompute_selection=selection, kv_cache_bytes=32 << 20)
+              recompute_ratio=0.25, recompute_selection=selection, kv_cache_bytes=32 << 20, quality="isolated")
     cold = LazyLLM(**kw)
     ref = cold.generate("Which item is first?", chunks=DOCS[:3], system="Be brief.", max_new_tokens=6)
     warm = LazyLLM(**kw)
@@ -368,7 +371,8 @@ def test_recompute_job_holds_the_first_tokens_and_the_picks_at_their_cached_slot
         return s
 
     llm = LazyLLM(model=model, tokenizer=tokenizer, chunk_context=ctx, recompute_first_tokens=k,
-                  recompute_ratio=0.3, recompute_selection=f"test-seeded-random-{ctx}", kv_cache_bytes=32 << 20)
+                  recompute_ratio=0.3, recompute_selection=f"test-seeded-random-{ctx}", kv_cache_bytes=32 << 20,
+                      quality="isolated")
     rec, seen = llm.engine.recovery, []
     real = rec.apply
 
@@ -415,7 +419,7 @@ def test_selection_depth_sums_the_question_attention_over_the_first_layers(model
     docs, seen = DOCS[:3], {}
     for depth in (1.0, 0.5):
         llm = LazyLLM(model=model, tokenizer=tokenizer, recompute_ratio=0.1, recompute_selection="attention",
-                      recompute_selection_depth=depth, kv_cache_bytes=32 << 20)
+                      recompute_selection_depth=depth, kv_cache_bytes=32 << 20, quality="isolated")
         rec = llm.engine.recovery
         L = llm.model.spec.num_layers
         assert rec.mass_layers == (L if depth == 1.0 else -(-L // 2)) and 1 <= rec.mass_layers <= L
@@ -435,4 +439,5 @@ def test_selection_depth_is_validated(model, tokenizer, depth):
     from lazyllm.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="recompute_selection_depth"):
-        LazyLLM(model=model, tokenizer=tokenizer, recompute_selection_depth=depth, kv_cache_bytes=32 << 20)
+        LazyLLM(model=model, tokenizer=tokenizer, recompute_selection_depth=depth, kv_cache_bytes=32 << 20,
+                quality="isolated")

@@ -81,7 +81,7 @@ def test_round_picks_equal_each_requests_own(tokenizer, selection, backend):
     n = 3 if backend == "triton" else 6
     llm = LazyLLM(model=make_tiny("llama", seed=3), tokenizer=tokenizer, chunk_context="prefix",
                   recompute_first_tokens=2, recompute_ratio=0.2, recompute_selection=selection,
-                  attention_backend=backend, kv_cache_bytes=32 << 20)
+                  attention_backend=backend, kv_cache_bytes=32 << 20, quality="isolated")
     rounds = record_rounds(llm, regroup=backend == "torch")
     llm.warm(DOCS[:n])
     llm.generate_batch(_requests(n, 1, k=2 if backend == "triton" else 5))
@@ -122,7 +122,7 @@ def test_user_selections_run_per_request_and_groups_keep_the_budget(tokenizer):
     assert batched_selection("test-round-user") is None
     model = make_tiny("llama", seed=3)
     llm = LazyLLM(model=model, tokenizer=tokenizer, recompute_ratio=0.2, recompute_selection="test-round-user",
-                  kv_cache_bytes=32 << 20)
+                  kv_cache_bytes=32 << 20, quality="isolated")
     rec = llm.engine.recovery
     assert not batches(rec)
     rec.selection = "two-stage"
@@ -144,7 +144,7 @@ def test_warm_up_runs_a_rounds_question_pass(tokenizer):
     seen = []
     for selection in ("two-stage", "deviation"):
         llm = LazyLLM(model=make_tiny("llama", seed=3), tokenizer=tokenizer, chunk_context="prefix",
-                      recompute_ratio=0.2, recompute_selection=selection, kv_cache_bytes=32 << 20)
+                      recompute_ratio=0.2, recompute_selection=selection, kv_cache_bytes=32 << 20, quality="isolated")
         model, rec = llm.engine.recovery.model, llm.engine.recovery
         real = model.attention_mass
 

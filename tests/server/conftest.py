@@ -23,7 +23,7 @@ def app_options() -> dict:
 def llm(tokenizer):
     from lazyllm import LazyLLM
 
-    llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=32 << 20)
+    llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=32 << 20, quality="isolated")
     yield llm
     llm.close()
 

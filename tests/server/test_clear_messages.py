@@ -53,7 +53,7 @@ def test_stream_options_needs_stream():
 
 
 def test_a_ref_to_a_missing_definition_is_named(tokenizer):
-    llm = LazyLLM(model=make_tiny("llama", seed=4), tokenizer=tokenizer, kv_cache_bytes=8 << 20)
+    llm = LazyLLM(model=make_tiny("llama", seed=4), tokenizer=tokenizer, kv_cache_bytes=8 << 20, quality="isolated")
     try:
         schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}, "$defs": {"B": {}}}
         with pytest.raises(InvalidRequestError) as e:

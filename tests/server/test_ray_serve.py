@@ -155,7 +155,7 @@ def test_a_request_without_chunks_uses_power_of_two_choices():
 def tiny_llm(tokenizer):
     from conftest import make_tiny
 
-    llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=1 << 22)
+    llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=1 << 22, quality="isolated")
     yield llm
     llm.close()
 
@@ -164,7 +164,8 @@ def tiny_llm(tokenizer):
 def test_router_keys_are_the_engine_keys(tokenizer, context):
     from conftest import make_tiny
 
-    llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=1 << 22, chunk_context=context)
+    llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=1 << 22, chunk_context=context,
+                  quality="isolated")
     try:
         docs = ["The Eiffel Tower is 330 metres tall.", Chunk("Mount Fuji is 3776 metres high.", id="fuji")]
         llm.generate("How tall?", chunks=docs, system="Be brief.", max_new_tokens=2)
@@ -189,7 +190,8 @@ def test_router_keys_are_the_engine_keys_on_the_default_model_with_its_packet(co
     model, tok = default_llm_parts
     # the shipped packet: "auto" for isolated chunks, given by path for prefix-encoded ones
     packets = "auto" if context == "isolated" else str(SHIPPED_DIR / "smollm2-135m-instruct.safetensors")
-    llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=1 << 24, chunk_context=context, packets=packets)
+    llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=1 << 24, chunk_context=context, packets=packets,
+                  quality="isolated")
     try:
         assert llm.packets is not None
         docs = ["The Eiffel Tower is 330 metres tall.", Chunk("Mount Fuji is 3776 metres high.", id="fuji")]
@@ -226,7 +228,7 @@ def _tiny_factory():
     from lazyllm.model.loader import default_model_dir
 
     tok = AutoTokenizer.from_pretrained(os.environ.get("LAZYLLM_TEST_TOKENIZER") or str(default_model_dir()))
-    return LazyLLM(model=make_tiny("llama"), tokenizer=tok, kv_cache_bytes=1 << 22)
+    return LazyLLM(model=make_tiny("llama"), tokenizer=tok, kv_cache_bytes=1 << 22, quality="isolated")
 
 
 @pytest.mark.timeout(240)
@@ -397,7 +399,7 @@ def test_ray_backend_serves_every_endpoint_of_the_single_process_app(tokenizer):
     from lazyllm.integrations.server import Backend, create_app
 
     dep = LazyLLMDeployment(llm_factory=lambda: LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer,
-                                                        kv_cache_bytes=8 << 20))
+                                                        kv_cache_bytes=8 << 20, quality="isolated"))
     llm = dep.llm
     handle = _FakeHandle(dep, n_replicas=2)
     backend = RayBackend(handle, model_name="tiny")
@@ -550,7 +552,8 @@ def test_replica_warms_up_in_its_constructor_and_reports_health(tokenizer):
     calls = []
 
     def factory():
-        llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=4 << 20, warmup=False)
+        llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=4 << 20, warmup=False,
+                      quality="isolated")
         llm.config = llm.config.replace(warmup=True)  # as if made with warmup=True, its warm-up not run yet
         run = llm.warmup
         llm.warmup = lambda: calls.append("warmup") or run()

@@ -37,7 +37,8 @@ class SlowWarmup(LocalBackend):
 
 @pytest.fixture(scope="module")
 def llm(tokenizer):
-    llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=8 << 20, warmup=False)
+    llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=8 << 20, warmup=False,
+                  quality="isolated")
     yield llm
     llm.close()
 
