@@ -250,20 +250,37 @@ def case_loss(hf_model, case: TrainCase, rows: torch.Tensor, k_header: int, base
 
 @torch.no_grad()
 def build_case(llm_full, question: str, docs: Sequence[str], system: str | None, answer_tokens: int = 16,
-               answer: list[int] | None = None) -> TrainCase:
+               answer: list[int] | None = None, *, teacher_orders: int = 0, seed: int = 0) -> TrainCase:
     """A distillation case: the teacher's greedy answer (``llm_full``: a ``LazyLLM`` with full
     attention, ``reuse="none"``) and its log-probabilities at the question's and answer's
-    positions."""
+    positions.
+
+    ``teacher_orders``: 0, the teacher is full attention over the documents in the case's
+    order; ``k`` > 0, the order-mean: the mean of full attention's distributions over the
+    case's order and ``k`` other orders of its documents (``lazyllm.quality.floor.other_orders``,
+    seeded by ``seed``), teacher-forced on the same answer: what an order-independent cache can
+    aim for."""
+    from .floor import other_orders
+
     segs = [(s.kind, list(s.ids)) for s in llm_full.prompts.build(question, [_chunk(d) for d in docs], system)]
     if answer is None:
         out = llm_full.generate(question, chunks=list(docs), system=system, max_new_tokens=answer_tokens)
         answer = list(out.token_ids) or [llm_full.tokenizer.eos_token_id]
     hf = llm_full.hf_model
     dev = next(hf.parameters()).device
-    ids = torch.tensor(_ids(segs) + answer[:-1], dtype=torch.long, device=dev)
     last = len(segs[-1][1]) + len(answer) - 1
-    logits = hf(input_ids=ids[None], use_cache=False, logits_to_keep=last).logits[0].float()
-    return TrainCase(segs, answer, torch.log_softmax(logits, -1).half().cpu(), list(docs))
+
+    def logp(s):
+        ids = torch.tensor(_ids(s) + answer[:-1], dtype=torch.long, device=dev)
+        return torch.log_softmax(hf(input_ids=ids[None], use_cache=False, logits_to_keep=last).logits[0].float(), -1)
+
+    teacher = logp(segs)
+    perms = other_orders(len(docs), teacher_orders, seed) if teacher_orders > 0 else []
+    if perms:
+        others = [logp([(s.kind, list(s.ids)) for s in llm_full.prompts.build(
+            question, [_chunk(docs[j]) for j in p], system)]) for p in perms]
+        teacher = torch.logsumexp(torch.stack([teacher, *others]), 0) - math.log(len(others) + 1)
+    return TrainCase(segs, answer, teacher.half().cpu(), list(docs))
 
 
 def _chunk(text: str):
@@ -272,18 +289,20 @@ def _chunk(text: str):
     return Chunk(text)
 
 
-def build_cases(llm_full, items: Sequence[dict], *, answer_tokens: int = 16, progress: bool = True
-                ) -> list[TrainCase]:
+def build_cases(llm_full, items: Sequence[dict], *, answer_tokens: int = 16, progress: bool = True,
+                teacher_orders: int = 0) -> list[TrainCase]:
     """``build_case`` over items ``{"question", "documents", "system"?}``; the teachers' answers
-    come from one batched ``generate_batch``."""
+    come from one batched ``generate_batch``. ``teacher_orders``: ``build_case``'s (0: the
+    case's order; k: the order-mean over it and k other orders, item ``i`` seeded by ``i``)."""
     from tqdm.auto import tqdm
 
     gens = llm_full.generate_batch([dict(question=it["question"], chunks=list(it["documents"]),
                                          system=it.get("system"), max_new_tokens=answer_tokens) for it in items])
     out = []
-    for it, g in tqdm(list(zip(items, gens)), desc="teacher", unit="case", disable=not progress):
+    for i, (it, g) in enumerate(tqdm(list(zip(items, gens)), desc="teacher", unit="case", disable=not progress)):
         ans = list(g.token_ids) or [llm_full.tokenizer.eos_token_id]
-        out.append(build_case(llm_full, it["question"], it["documents"], it.get("system"), answer=ans))
+        out.append(build_case(llm_full, it["question"], it["documents"], it.get("system"), answer=ans,
+                              teacher_orders=teacher_orders, seed=i))
     return out
 
 

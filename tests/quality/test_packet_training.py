@@ -215,3 +215,28 @@ def test_bridge_training_with_recompute_in_the_loop_lowers_the_loss(tokenizer):
         train_packets(model, tokenizer, cases, k_header=1, k_trailer=1, steps=1, deep=True, progress=False)
     llm.close()
     full.close()
+
+
+def test_order_mean_teacher_is_the_mean_of_full_attention_over_the_orders(tokenizer):
+    """``teacher_orders=k``: the teacher's distributions are the mean over the case's order
+    and k other orders (each scored by the engine's full attention on the same answer)."""
+    from lazyllm.quality.floor import other_orders
+    from lazyllm.quality.packet_training import build_case
+
+    model = make_tiny("llama", seed=4)
+    full = _llm(model, tokenizer, reuse="none")
+    docs = DOCS[:4]
+    plain = build_case(full, QUESTION, docs, SYSTEM, answer_tokens=5)
+    mean = build_case(full, QUESTION, docs, SYSTEM, answer=plain.answer, teacher_orders=3, seed=7)
+    assert mean.answer == plain.answer and mean.segments == plain.segments
+    probs = []
+    for order in [tuple(range(4)), *other_orders(4, 3, 7)]:
+        sc = full.score(QUESTION, chunks=[docs[j] for j in order], system=SYSTEM, continuation=plain.answer,
+                        return_logits=True)
+        probs.append(torch.softmax(sc.logits.double(), -1))
+    want = torch.stack(probs).mean(0).log()
+    rows = len(plain.answer)  # the teacher's last rows: the answer's positions
+    got = mean.teacher_logp[-rows:].double()
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-2)  # float16 storage of log-probs near -11
+    assert (plain.teacher_logp[-rows:].double() - want).abs().max() > 0.1  # the orders differ
+    full.close()
