@@ -3,9 +3,9 @@ seeded shuffles): does each setting's answer start with the same 8 tokens as ful
 attention's (``quality="exact"``)?
 
     python benchmarks/demo_fidelity.py                                  # defaults vs exact
-    python benchmarks/demo_fidelity.py --settings default,balanced,no-packet --packets my.safetensors
-    python benchmarks/demo_fidelity.py --settings default --with bridge=bridge.safetensors  # another packet beside
-    python benchmarks/demo_fidelity.py --with 'b+f4={"packets": "b.safetensors", "recompute_first_tokens": 4}'
+    python benchmarks/demo_fidelity.py --settings default,isolated,isolated-no-packet --packets my.safetensors
+    python benchmarks/demo_fidelity.py --settings isolated --with bridge=bridge.safetensors  # another packet beside
+    python benchmarks/demo_fidelity.py --with 'r0.3={"quality": "balanced", "recompute_ratio": 0.3}'
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ SYSTEM = "You are a helpful assistant. Answer in one short sentence using only t
 QUESTIONS = ["How tall is the Eiffel Tower?", "In which year did Marie Curie win the Nobel Prize in Chemistry?"]
 FIRST = ["eiffel", "fuji", "python", "amazon", "curie", "honey"]
 SECOND = ["honey", "curie", "eiffel", "amazon", "python", "fuji"]
-SETTINGS = {"default": {}, "no-packet": {"packets": None}, "fast": {"quality": "fast"},
+SETTINGS = {"default": {}, "isolated": {"quality": "isolated"},
+            "isolated-no-packet": {"quality": "isolated", "packets": None}, "fast": {"quality": "fast"},
             "balanced": {"quality": "balanced"}}
 
 
@@ -50,10 +51,10 @@ def answers(llm: LazyLLM, cases, n: int) -> list[list[int]]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--settings", default="default", help=f"comma separated, of {sorted(SETTINGS)} (may be empty)")
-    ap.add_argument("--packets", default=None, help="a packet file for the 'default' setting (default: shipped)")
+    ap.add_argument("--packets", default=None, help="a packet file for the 'isolated' setting (default: shipped)")
     ap.add_argument("--with", dest="extra", action="append", default=[], metavar="NAME=PACKETS|JSON",
-                    help="also the default setting with this packet file, or with these LazyLLM options (a JSON "
-                         "object), reported as NAME (repeatable)")
+                    help="also quality='isolated' with this packet file, or a setting of these LazyLLM options (a "
+                         "JSON object), reported as NAME (repeatable)")
     ap.add_argument("--tokens", type=int, default=8)
     a = ap.parse_args(argv)
     cases = [(q, o) for o in orders() for q in QUESTIONS]
@@ -65,11 +66,12 @@ def main(argv=None) -> None:
     runs = []
     for name in filter(None, a.settings.split(",")):
         kw = dict(SETTINGS[name])
-        if a.packets and name == "default":
+        if a.packets and name == "isolated":
             kw["packets"] = a.packets
         runs.append((name, kw))
     for name, value in (e.split("=", 1) for e in a.extra):
-        runs.append((name, json.loads(value) if value.lstrip().startswith("{") else {"packets": value}))
+        runs.append((name, json.loads(value) if value.lstrip().startswith("{")
+                     else {"quality": "isolated", "packets": value}))
     for name, kw in runs:
         llm = LazyLLM(progress=False, **kw)
         got = answers(llm, cases, a.tokens)

@@ -186,26 +186,6 @@ def _run_workers(argv: list[str], jobs: int) -> None:
         raise SystemExit(f"a worker failed (exit codes {codes})")
 
 
-def _unique_settings(names: list[str]) -> tuple[list[tuple[str, dict]], dict[str, str]]:
-    """The settings to measure, one per distinct configuration (``default`` is ``balanced``
-    today), and each other name's twin among them."""
-    from lazyllm.config import EngineConfig
-
-    unknown = [n for n in names if n not in SETTINGS]
-    if unknown:
-        raise SystemExit(f"unknown setting(s) {unknown}; choose from {sorted(SETTINGS)}")
-    run, aliases, seen = [], {}, []
-    for n in names:
-        cfg = EngineConfig.resolve(**SETTINGS[n]).replace(quality=None)
-        twin = next((m for m, c in seen if c == cfg), None)
-        if twin is None:
-            seen.append((n, cfg))
-            run.append((n, SETTINGS[n]))
-        else:
-            aliases[n] = twin
-    return run, aliases
-
-
 def _path(a) -> str:
     return a.cases or os.path.join(HERE, "data", "prose", f"{a.split}.jsonl")
 
@@ -215,7 +195,11 @@ def _measure(a) -> None:
     from lazyllm.quality import compare, load_cases
 
     cases = load_cases(_path(a))[: a.limit]
-    settings, aliases = _unique_settings([n for n in a.settings.split(",") if n])
+    names = [n for n in a.settings.split(",") if n]
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown:
+        raise SystemExit(f"unknown setting(s) {unknown}; choose from {sorted(SETTINGS)}")
+    settings = [(n, SETTINGS[n]) for n in names]
     llm = LazyLLM(a.model, reuse="none", kv_cache_bytes=256 << 20, progress=False)
     try:
         for i in range(a.first_slice * a.slice, len(cases), a.slice):
@@ -225,9 +209,6 @@ def _measure(a) -> None:
             t0 = time.perf_counter()
             rep = compare(llm, cases[i:i + a.slice], settings, progress=False, ttft_cases=0, orders=a.orders)
             d = rep.to_dict()
-            for name, same in aliases.items():  # a setting whose configuration another one has: its figures
-                d["rows"] += [dict(r, setting=name) for r in d["rows"] if r["setting"] == same]
-                d["cases"] += [dict(c, setting=name) for c in d["cases"] if c["setting"] == same]
             d["wall_s"] = time.perf_counter() - t0
             with open(out + ".part", "w", encoding="utf-8") as f:
                 json.dump(d, f, default=str)

@@ -13,7 +13,8 @@ from typing import Any
 from ..errors import InvalidRequestError
 from ..presets import PRESETS
 
-DEFAULT_SETTINGS: tuple[str, ...] = ("default", "fast", "balanced", "exact")
+# LazyLLM()'s own (today balanced's values), the two that recompute nothing, and full attention
+DEFAULT_SETTINGS: tuple[str, ...] = ("default", "isolated", "fast", "exact")
 # ``adapt``'s defaults (its signature uses these; the command line shows them)
 ADAPT_DEFAULTS: dict[str, Any] = dict(k_header=8, k_trailer=8, cases=80, heldout=0.2, heldout_cases=16,
                                       docs_per_case=4, steps=120, minutes=15.0, lr=1e-2, questions="templates")

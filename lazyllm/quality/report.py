@@ -305,6 +305,23 @@ def _floor(hf, tok, backend, kv_cache_bytes, cases, refs, ref_row, ref_cases, *,
     return floor
 
 
+def _distinct(named: list[tuple[str, dict]]) -> tuple[list[tuple[str, dict]], dict[str, str]]:
+    """The settings to run, one per distinct engine configuration (``"default"`` and
+    ``"balanced"`` are one today), and each other name's twin among them."""
+    from ..config import EngineConfig
+
+    runs, twins, seen = [], {}, []
+    for name, kw in named:
+        cfg = EngineConfig.resolve(**kw).replace(quality=None)
+        twin = next((n for n, c in seen if c == cfg), None)
+        if twin is None:
+            seen.append((name, cfg))
+            runs.append((name, kw))
+        else:
+            twins[name] = twin
+    return runs, twins
+
+
 def compare(llm_or_model: Any = None, cases: Any = None, settings: Any = None, target: Any = None, *,
             retriever: Any = None, system: str | None = None, answer_tokens: int = 16, same_answer_tokens: int = 8,
             ttft_cases: int = 8, workers: int = 4, progress: bool = True,
@@ -318,7 +335,9 @@ def compare(llm_or_model: Any = None, cases: Any = None, settings: Any = None, t
     cases : a JSONL path, a list of ``Case`` / dicts, or (with ``retriever``) questions.
     settings : candidates: names (``"default"``: ``LazyLLM()``'s own; ``"fast"``,
         ``"balanced"``, ``"exact"``: the presets) or ``(name, LazyLLM kwargs)`` pairs or a
-        ``{name: kwargs}`` dict. Default: ``DEFAULT_SETTINGS``.
+        ``{name: kwargs}`` dict. Default: ``DEFAULT_SETTINGS``. Settings that configure the
+        engine alike (``"default"`` and ``"balanced"`` today) are run once and reported under
+        each name.
     target : what ``recommend`` asks for: ``{"top1": 0.97, "kl": 0.01, "same_answer": 0.9}``
         (the default) or ``"top1>=0.97,kl<=0.01,same>=0.9"``.
     retriever : a LangChain or LlamaIndex retriever that supplies the documents.
@@ -379,10 +398,15 @@ def compare(llm_or_model: Any = None, cases: Any = None, settings: Any = None, t
                            seed=order_seed, same_n=same_answer_tokens, bar=bar)
         rows.append(ref_row)
         per_case += ref_cases
-        for name, kw in named:
+        runs, twins = _distinct(named)
+        for name, kw in runs:
             row, pcs = run(name, kw, refs)
             rows.append(row)
             per_case += pcs
+        for name, twin in twins.items():  # the same configuration under another name: its figures
+            kw = dict(named)[name]
+            rows += [dict(r, setting=name, kwargs=kw) for r in rows if r["setting"] == twin]
+            per_case += [dict(pc, setting=name) for pc in per_case if pc["setting"] == twin]
     if own is not None:
         own.close()
     for r in rows:

@@ -27,7 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from lazyllm import ContextLengthError, InvalidRequestError, LazyLLM
 from tests.conftest import make_tiny
 
-PRESETS = ["default", "fast", "balanced", "exact", "block-ft"]
+PRESETS = ["default", "isolated", "fast", "balanced", "exact", "block-ft"]
 DOCS = [f"Document {i}: " + " ".join(f"fact{i}_{j}" for j in range(10 + 4 * i)) for i in range(6)]
 QUESTIONS = ["Which fact comes first?", "Summarize the documents.", "q?"]
 SYSTEMS = [None, "Answer briefly."]

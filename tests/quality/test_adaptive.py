@@ -67,16 +67,3 @@ def test_curve_refuses_cases_it_cannot_replay():
     cases[0]["margin"] = None
     with pytest.raises(ValueError, match="margin"):
         escalation_curve(cases, "s", {})
-
-
-def test_prose_report_measures_each_configuration_once():
-    """``default`` is ``balanced`` today: the report runs it once and prints it under both names;
-    settings that differ are each run."""
-    from tests.conftest import load_benchmark
-
-    pf = load_benchmark("prose_fidelity")
-    run, aliases = pf._unique_settings(["default", "balanced", "fast", "isolated+packet", "isolated"])
-    assert [n for n, _ in run] == ["default", "fast", "isolated+packet", "isolated"]
-    assert aliases == {"balanced": "default"}
-    with pytest.raises(SystemExit, match="unknown"):
-        pf._unique_settings(["nope"])

@@ -20,21 +20,27 @@ def llm():
 
 @pytest.fixture(scope="module")
 def report(llm):
-    return q.compare(llm, str(CASES), settings=["default", "fast", "balanced"], progress=False, ttft_cases=1,
-                     answer_tokens=10)
+    return q.compare(llm, str(CASES), settings=["isolated", "fast", "balanced", "default"], progress=False,
+                     ttft_cases=1, answer_tokens=10)
 
 
 def test_report_rows_are_consistent(report):
-    assert [r["setting"] for r in report.rows] == [q.REFERENCE_NAME, "default", "fast", "balanced"]
+    assert [r["setting"] for r in report.rows] == [q.REFERENCE_NAME, "isolated", "fast", "balanced", "default"]
     full = report.row(q.REFERENCE_NAME)
     assert full["top1"] == 1.0 and full["kl"] == 0.0 and full["same_answer"] == 1.0
     assert full["recomputed"] == 1.0  # full attention computes every chunk token
     for r in report.rows:
         assert r["cases"] == 3 and 0.0 <= r["top1"] <= 1.0 and r["kl"] >= 0.0
         assert r["ttft_ms"] > 0 and r["exact_match"] is not None and r["contains"] is not None
-    assert report.row("default")["recomputed"] == 0.0 and report.row("fast")["recomputed"] == 0.0
+    assert report.row("isolated")["recomputed"] == 0.0 and report.row("fast")["recomputed"] == 0.0
     assert 0.0 < report.row("balanced")["recomputed"] < 0.5
-    assert report.row("default")["kl"] > 0.0  # isolated chunks differ from full attention
+    assert report.row("isolated")["kl"] > 0.0  # isolated chunks differ from full attention
+    # LazyLLM()'s default is balanced's configuration: run once, reported under both names
+    b, d = report.row("balanced"), report.row("default")
+    assert (d["kl"], d["top1"], d["same_answer"], d["recomputed"]) == (b["kl"], b["top1"], b["same_answer"],
+                                                                      b["recomputed"])
+    assert d["kwargs"] == {} and b["kwargs"] == {"quality": "balanced"}
+    assert sum(pc["setting"] == "default" for pc in report.cases) == 3
 
 
 def test_report_outputs(report, tmp_path):
@@ -42,7 +48,7 @@ def test_report_outputs(report, tmp_path):
     assert "| balanced |" in md and "Recommended" in md
     assert report._repr_markdown_() == md
     d = json.loads(report.to_json(tmp_path / "r.json"))
-    assert d["recommendation"] == report.recommend() and len(d["cases"]) == 12
+    assert d["recommendation"] == report.recommend() and len(d["cases"]) == 15
     pytest.importorskip("matplotlib")
     import matplotlib
 
@@ -57,7 +63,7 @@ def test_recommend_picks_the_cheapest_setting_that_meets_the_target(report):
     assert report.recommend("kl<=0") == "exact"
     EngineConfig.resolve(quality=report.recommend("kl<=0"))
     # without a quality target the cheapest (nothing recomputed, then fastest) wins
-    assert report.recommend({"kl": 100.0}) in ("default", "fast")
+    assert report.recommend({"kl": 100.0}) in ("isolated", "fast")
     rows = [dict(setting="a", top1=0.99, kl=0.001, recomputed=0.3, ttft_ms=5.0),
             dict(setting="b", top1=0.98, kl=0.004, recomputed=0.1, ttft_ms=9.0),
             dict(setting="c", top1=0.90, kl=0.1, recomputed=0.0, ttft_ms=1.0)]
