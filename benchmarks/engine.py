@@ -279,7 +279,8 @@ def main(argv=None):
                 json.dump(results, fh, indent=2, default=str)
         return results
     llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=args.kv_bytes, page_size=args.page_size,
-                  overlap_decode=args.overlap, kernel_options=KernelOptions(shared_decode=args.shared_decode))
+                  overlap_decode=args.overlap, kernel_options=KernelOptions(shared_decode=args.shared_decode),
+                      quality="isolated")
     run_to_length(llm)
     results = {"device": device_name(args.device), "model": f"{name}, random weights", "copy_TBps": bw / 1e12,
                "date": time.strftime("%Y-%m-%d"), "overlapped_decode": llm.engine.async_decode,

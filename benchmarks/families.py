@@ -128,7 +128,7 @@ def measure(family: str, tok, args) -> dict:
     log = logging.getLogger("lazyllm")
     log.addHandler(handler)
     try:
-        llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=args.kv_gb << 30, device=device)
+        llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=args.kv_gb << 30, device=device, quality="isolated")
     finally:
         log.removeHandler(handler)
     run_to_length(llm)  # random weights: run every request to its length

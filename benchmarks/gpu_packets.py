@@ -69,7 +69,8 @@ def run_ttft(args, tok, model, packets) -> list[dict]:
     system = "You answer from the documents."
     bridge = Packets(packets.header, packets.trailer, packets.model, bridge=True)
     for name, p in (("no packet", None), ("packet 8+8", packets), ("bridge 8+8", bridge), ("no packet (again)", None)):
-        llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=(16 << 30) if cuda else (256 << 20), packets=p)
+        llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=(16 << 30) if cuda else (256 << 20), packets=p,
+                      quality="isolated")
         run_to_length(llm)
         if chunks is None:
             chunks = [text_of_tokens(llm, args.chunk_tokens, seed=i) for i in range(args.chunks)]

@@ -132,7 +132,7 @@ def main(argv=None) -> dict:
     from lazyllm import LazyLLM
 
     hf, tok, name = _load(args)
-    llm = LazyLLM(model=hf, tokenizer=tok, packets=None, progress=False)
+    llm = LazyLLM(model=hf, tokenizer=tok, packets=None, progress=False, quality="isolated")
     run_to_length(llm)
     docs = [text_of_tokens(llm, args.doc_tokens, 1000 + i) for i in range(args.docs)]
     llm.warm(docs, batch_size=4)

@@ -63,7 +63,7 @@ def run(args, model, tok, results: dict) -> dict:
     for name, on in (("off", False), ("on", True)):
         engines[name] = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=args.kv_bytes // 2,
                                 page_size=args.page_size, overlap_decode=args.overlap, mixed_steps=on,
-                                step_token_budget=args.step_token_budget)
+                                step_token_budget=args.step_token_budget, quality="isolated")
         run_to_length(engines[name])
     chunks = [text_of_tokens(engines["off"], args.chunk_tokens, seed=i) for i in range(args.chunks)]
     question = text_of_tokens(engines["off"], 50, seed=99)

@@ -191,7 +191,8 @@ def engine_selections(hf, tok, items, cases, packets, opts):
     """Per case, the chunk tokens (per chunk, indices in its ids with the packet) the engine's
     recovery recomputes when it scores the case's answer under ``opts`` (recompute options,
     isolated chunks) with ``packets``: what compare() measures, recorded from the engine."""
-    llm = LazyLLM(model=hf, tokenizer=tok, packets=packets, kv_cache_bytes=256 << 20, progress=False, **opts)
+    llm = LazyLLM(model=hf, tokenizer=tok, packets=packets, kv_cache_bytes=256 << 20, progress=False, **opts,
+                  quality="isolated")
     rec, got = llm.engine.recovery, []
     inner = rec.apply
 
@@ -267,7 +268,8 @@ def main(argv=None):
                     help="training cases: packet_corpus.py, or packet_mixture.py (keep another --cases-cache)")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
-    full = LazyLLM(a.model, device="cpu", reuse="none", kv_cache_bytes=256 << 20, progress=False, packets=None)
+    full = LazyLLM(a.model, device="cpu", reuse="none", kv_cache_bytes=256 << 20, progress=False, packets=None,
+                   quality="isolated")
     hf, tok = full.hf_model, full.tokenizer
     base = int(hf.get_input_embeddings().weight.shape[0])
     sizes = [int(x) for x in a.train_cases.split(",")]

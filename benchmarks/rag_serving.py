@@ -327,7 +327,8 @@ class LazyRunner:
         if variant not in ("", "mixed"):
             raise SystemExit(f"unknown system variant {system!r} (known: +mixed)")
         self.base = base
-        kw = dict(quality="balanced") if base == "balanced" else dict(reuse=base)
+        # the reuse modes as they are (quality="isolated": nothing recomputed), or balanced's recompute
+        kw = dict(quality="balanced") if base == "balanced" else dict(quality="isolated", reuse=base)
         if variant == "mixed":
             kw.update(mixed_steps=True, step_token_budget=args.step_token_budget)
         self.llm = LazyLLM(model=hf, tokenizer=tok, packets=None, warmup=args.warmup, **kw,

@@ -119,7 +119,7 @@ def engine_table(args) -> dict:
         cfg = shrink_to_tiny(cfg, len(tok))
     model = random_model(cfg, device=args.device, dtype=torch.bfloat16 if args.device != "cpu" else torch.float32)
     llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=(256 << 20) if args.tiny else 24 << 30,
-                  overlap_decode=args.overlap)
+                  overlap_decode=args.overlap, quality="isolated")
     run_to_length(llm)  # random weights: every request runs to its length
     V = cfg.vocab_size
     factory = None

@@ -60,7 +60,7 @@ def tiny_llm() -> LazyLLM:
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(str(default_model_dir()))
-    return LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=64 << 20)
+    return LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=64 << 20, quality="isolated")
 
 
 def random_8b_llm(tokenizer: str | None) -> LazyLLM:
@@ -69,7 +69,7 @@ def random_8b_llm(tokenizer: str | None) -> LazyLLM:
 
     # no warm-up: the untimed pass compiles and captures what the measured one runs
     llm = LazyLLM(model=random_model(llama31_8b_config(32)), tokenizer=load_tokenizer(tokenizer), packets=None,
-                  kv_cache_bytes=16 << 30, progress=False, warmup=False)
+                  kv_cache_bytes=16 << 30, progress=False, warmup=False, quality="isolated")
     run_to_length(llm)
     return llm
 
@@ -80,7 +80,7 @@ def build(model: str, tokenizer: str | None = None) -> LazyLLM:
     torch.set_num_threads(1)
     if model == "tiny":
         return tiny_llm()
-    return LazyLLM(None if model == "default" else model, device="cpu", progress=False)
+    return LazyLLM(None if model == "default" else model, device="cpu", progress=False, quality="isolated")
 
 
 def serve(model: str, port: int, tokenizer: str | None = None) -> None:

@@ -47,9 +47,9 @@ def build(args):
     from lazyllm import LazyLLM
 
     if args.model == "default":
-        return LazyLLM(device=args.device, kv_cache_bytes=2 << 30)
+        return LazyLLM(device=args.device, kv_cache_bytes=2 << 30, quality="isolated")
     model = random_model(llama31_8b_config(args.layers), device=args.device)
-    llm = LazyLLM(model=model, tokenizer=load_tokenizer(args.tokenizer), kv_cache_bytes=32 << 30)
+    llm = LazyLLM(model=model, tokenizer=load_tokenizer(args.tokenizer), kv_cache_bytes=32 << 30, quality="isolated")
     run_to_length(llm)  # random weights: unconstrained rows run to their length
     return llm
 

@@ -36,8 +36,8 @@ def main():
     rows = []
     base = None
     for mode in args.modes.split(","):
-        llm = LazyLLM(args.model, device=args.device, reuse=mode) if base is None else \
-            LazyLLM(model=base.hf_model, tokenizer=base.tokenizer, reuse=mode)
+        llm = LazyLLM(args.model, device=args.device, reuse=mode, quality="isolated") if base is None else \
+            LazyLLM(model=base.hf_model, tokenizer=base.tokenizer, reuse=mode, quality="isolated")
         base = base or llm
         llm.generate("warm-up", chunks=chunks[:1], max_new_tokens=1)
         cold, warm = [], []

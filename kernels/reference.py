@@ -131,6 +131,23 @@ def _visible(q_pos, kpos, window):
     return allowed
 
 
+def _sdpa(qb, kb, vb, allowed, sm_scale, group):
+    """``softmax(q k^T * scale, masked by allowed) v`` for one sequence, ``(h, nq, d)``. Where
+    ``allowed`` is plain causal attention of the queries over keys ending with their own (a
+    prompt prefilled after a cached prefix of at most its length), the same result through
+    ``is_causal`` (the queries padded in front to the keys' count): CPU's fused kernel then
+    skips the masked half instead of reading an explicit mask."""
+    nq, nk = allowed.shape
+    if nk - nq <= nq and torch.equal(allowed, torch.ones(nq, nk, dtype=torch.bool, device=allowed.device)
+                                     .tril(nk - nq)):
+        qp = qb if nq == nk else torch.cat([qb.new_zeros(qb.shape[0], nk - nq, qb.shape[2]), qb], 1)
+        o = F.scaled_dot_product_attention(qp[None], kb[None], vb[None], is_causal=True, scale=sm_scale,
+                                           enable_gqa=group > 1)[0]
+        return o[:, nk - nq:]
+    return F.scaled_dot_product_attention(qb[None], kb[None], vb[None], attn_mask=allowed[None, None],
+                                          scale=sm_scale, enable_gqa=group > 1)[0]
+
+
 def paged_attention_ref(
     q: torch.Tensor,
     q_pos: torch.Tensor,
@@ -221,8 +238,7 @@ def paged_attention_ref(
                 o = o.masked_fill(~allowed.any(-1)[None, :, None], 0.0)
                 out[q0:q1] = o.transpose(0, 1).to(out.dtype)
                 continue
-        o = F.scaled_dot_product_attention(qb[None], kb[None], vb[None], attn_mask=allowed[None, None],
-                                           scale=sm_scale, enable_gqa=group > 1)[0]
+        o = _sdpa(qb, kb, vb, allowed, sm_scale, group)
         o = o.masked_fill(~allowed.any(-1)[None, :, None], 0.0)  # rows with no visible key
         out[q0:q1] = o.transpose(0, 1).to(out.dtype)
     return out

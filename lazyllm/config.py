@@ -19,6 +19,7 @@ command line checks its flags before it pays for torch and transformers.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import re
@@ -31,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 from .errors import InvalidRequestError
 from .option_docs import OPTION_DOCS
 from .presets import PRESETS, QUALITY_OPTIONS
+
+log = logging.getLogger("lazyllm")
 
 if TYPE_CHECKING:
     import torch
@@ -188,13 +191,23 @@ class EngineConfig:
         """The configuration of preset ``quality`` (``None``: each option's default) with the
         options in ``explicit`` taking precedence; for the options a preset sets
         (``QUALITY_OPTIONS``), ``None`` means "not given". Raises ``InvalidRequestError`` for
-        an unknown option or preset and for bad values."""
+        an unknown option or preset and for bad values.
+
+        With ``tensor_parallel`` > 1 and neither a preset nor a quality option given, the
+        options are ``quality="isolated"``'s (logged): tensor parallelism does not run the
+        default's recompute yet."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(explicit) - names)
         if unknown:
             raise InvalidRequestError(f"unknown engine option(s): {', '.join(unknown)}")
         if quality is not None and quality not in PRESETS:
             raise InvalidRequestError(f"quality must be one of {tuple(PRESETS)} or None, got {quality!r}")
+        tp = explicit.get("tensor_parallel")
+        if (quality is None and isinstance(tp, int) and tp > 1
+                and all(explicit.get(k) is None for k in QUALITY_OPTIONS)):
+            log.warning("tensor_parallel=%d does not run the default's recompute yet: running "
+                        "quality='isolated' (pass quality= to choose another)", tp)
+            quality = "isolated"
         values = dict(PRESETS[quality]) if quality is not None else {}
         values.update({k: v for k, v in explicit.items() if v is not None or k not in QUALITY_OPTIONS})
         return cls(quality=quality, **values)

@@ -322,6 +322,24 @@ def _distinct(named: list[tuple[str, dict]]) -> tuple[list[tuple[str, dict]], di
     return runs, twins
 
 
+def _reference_answers(ref_row: dict, ref_cases: list[dict], cs: list[Case]) -> None:
+    """Full attention's own answers against the cases' references (exact match, contains)."""
+    for pc, c in zip(ref_cases, cs):
+        pc["exact_match"] = exact_match(pc["text"], c.reference) if c.reference is not None else None
+        pc["contains"] = contains_answer(pc["text"], c.reference) if c.reference is not None else None
+    for key in ("exact_match", "contains"):
+        vals = [pc[key] for pc in ref_cases if pc[key] is not None]
+        ref_row[key] = sum(vals) / len(vals) if vals else None
+    ref_row["references"] = sum(c.reference is not None for c in cs)
+
+
+def _add_twins(rows: list[dict], per_case: list[dict], kwargs: dict[str, dict], twins: dict[str, str]) -> None:
+    """Each setting that ``_distinct`` left out: its twin's row and cases under its own name."""
+    for name, twin in twins.items():
+        rows += [dict(r, setting=name, kwargs=kwargs[name]) for r in rows if r["setting"] == twin]
+        per_case += [dict(pc, setting=name) for pc in per_case if pc["setting"] == twin]
+
+
 def compare(llm_or_model: Any = None, cases: Any = None, settings: Any = None, target: Any = None, *,
             retriever: Any = None, system: str | None = None, answer_tokens: int = 16, same_answer_tokens: int = 8,
             ttft_cases: int = 8, workers: int = 4, progress: bool = True,
@@ -367,7 +385,8 @@ def compare(llm_or_model: Any = None, cases: Any = None, settings: Any = None, t
     gen_answers = any(c.reference is not None for c in cs)
     per_case: list[dict] = []
     rows = []
-    total = len(cs) * (len(named) + 1 + (orders > 0))
+    runs, twins = _distinct(named)
+    total = len(cs) * (len(runs) + 1 + (orders > 0))
     with tqdm(total=total, desc="fidelity", unit="case", disable=not progress) as bar:
         def run(name, kw, refs):
             bar.set_postfix_str(name)
@@ -383,13 +402,7 @@ def compare(llm_or_model: Any = None, cases: Any = None, settings: Any = None, t
 
         ref_row, ref_cases = run(REFERENCE_NAME, dict(_FULL), None)
         if gen_answers:
-            for pc, c in zip(ref_cases, cs):
-                pc["exact_match"] = exact_match(pc["text"], c.reference) if c.reference is not None else None
-                pc["contains"] = contains_answer(pc["text"], c.reference) if c.reference is not None else None
-            for key in ("exact_match", "contains"):
-                vals = [pc[key] for pc in ref_cases if pc[key] is not None]
-                ref_row[key] = sum(vals) / len(vals) if vals else None
-            ref_row["references"] = sum(c.reference is not None for c in cs)
+            _reference_answers(ref_row, ref_cases, cs)
         refs = [dict(ids=pc["ids"], logits=pc["logits"], chunk_tokens=pc["chunk_tokens"]) for pc in ref_cases]
         floor = None
         if orders > 0:
@@ -398,15 +411,11 @@ def compare(llm_or_model: Any = None, cases: Any = None, settings: Any = None, t
                            seed=order_seed, same_n=same_answer_tokens, bar=bar)
         rows.append(ref_row)
         per_case += ref_cases
-        runs, twins = _distinct(named)
         for name, kw in runs:
             row, pcs = run(name, kw, refs)
             rows.append(row)
             per_case += pcs
-        for name, twin in twins.items():  # the same configuration under another name: its figures
-            kw = dict(named)[name]
-            rows += [dict(r, setting=name, kwargs=kw) for r in rows if r["setting"] == twin]
-            per_case += [dict(pc, setting=name) for pc in per_case if pc["setting"] == twin]
+        _add_twins(rows, per_case, dict(named), twins)
     if own is not None:
         own.close()
     for r in rows:

@@ -28,7 +28,10 @@ def test_defaults_are_the_documented_ones():
     assert {k: getattr(c, k) for k in QUALITY_OPTIONS} == QUALITY_OPTIONS
     assert (c.device, c.dtype, c.page_size, c.kv_cache_bytes, c.attention_backend) == ("auto", None, None, None, "auto")
     assert (c.tensor_parallel, c.batch_invariant, c.overlap_decode, c.packets) == (1, False, None, "auto")
-    assert c.calibration == (1.0, 1.0) and not c.recovery_enabled
+    assert c.calibration == (1.0, 1.0) and c.recovery_enabled
+    # LazyLLM()'s default is the balanced preset's configuration, the rule's choice on real prose
+    assert c == EngineConfig.resolve("balanced").replace(quality=None)
+    assert c != EngineConfig.resolve("isolated").replace(quality=None)
 
 
 def test_lazyllm_takes_exactly_the_config_fields_with_their_defaults():
@@ -192,3 +195,20 @@ def test_registered_selection_is_used(model, tokenizer):
     assert n_pick == math.ceil(0.25 * n) and out.usage.prompt_tokens > n
     assert llm.engine.metrics["recovery_skipped"] == 0
     llm.close()
+
+
+def test_tensor_parallel_without_a_preset_runs_isolated_and_says_so(caplog):
+    """The default recomputes, which tensor parallelism does not run yet: with no preset and no
+    quality option named, a tensor-parallel configuration is ``isolated``'s, with a warning;
+    asking for the recompute is still refused."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="lazyllm"):
+        c = EngineConfig.resolve(tensor_parallel=2)
+    assert c.quality == "isolated" and (c.recompute_ratio, c.recompute_first_tokens) == (0.0, 0)
+    assert any("tensor_parallel=2" in r.getMessage() and "isolated" in r.getMessage() for r in caplog.records)
+    with pytest.raises(InvalidRequestError, match="recompute_ratio"):  # an option named: the others the default's
+        EngineConfig.resolve(tensor_parallel=2, chunk_context="prefix")
+    with pytest.raises(InvalidRequestError, match="recompute_ratio is not supported with tensor_parallel"):
+        EngineConfig.resolve("balanced", tensor_parallel=2)
+    assert EngineConfig.resolve(tensor_parallel=1) == EngineConfig()

@@ -128,7 +128,8 @@ def make_engine(reuse: str = "lazy", *, num_pages: int = 64, page_size: int = 4,
     store = make_store(num_pages, page_size)
     options.setdefault("max_batch_tokens", 256)
     options.setdefault("overlap_decode", False)
-    config = EngineConfig(reuse=reuse, device="cpu", packets=None, **options)
+    # the previous default (no recompute unless asked): FakeModel has no attention-mass pass
+    config = EngineConfig.resolve("isolated", reuse=reuse, device="cpu", packets=None, **options)
     return Engine(FakeModel(), FakeTokenizer(), store, config, fingerprint="fake", eos_ids={EOS},
                   max_batch_size=max_batch_size, cuda_graphs=False, rerotate_copy=fake_rerotate_copy)
 

@@ -170,3 +170,26 @@ def test_linear_rows_is_batch_invariant(dtype):
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)
     torch.testing.assert_close(full, torch.nn.functional.linear(x, w, bias), **tol)
     assert linear_rows(x[:0], w, None, rows=32).shape == (0, 96)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_causal_fast_path_equals_the_masked_softmax(seed):
+    """``_sdpa`` takes ``is_causal`` where the mask is causal over keys that end with the
+    queries' own; every pattern, taken that way or not, equals softmax with the mask."""
+    from lazyllm.kernels.reference import _sdpa
+
+    g = torch.Generator().manual_seed(seed)
+    nq = int(torch.randint(1, 40, (1,), generator=g))
+    group = [1, 2, 3][seed % 3]
+    for nk, window in ((nq, None), (nq + nq // 2, None), (nq + 5 * nq + 3, None), (nq + 3, 4)):
+        hkv, d = 2, 16
+        q = torch.randn(hkv * group, nq, d, generator=g)
+        k, v = torch.randn(hkv, nk, d, generator=g), torch.randn(hkv, nk, d, generator=g)
+        qpos = torch.arange(nk - nq, nk)
+        allowed = torch.arange(nk)[None, :] <= qpos[:, None]
+        if window is not None:
+            allowed &= qpos[:, None] - torch.arange(nk)[None, :] < window
+        kk, vv = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        z = (q @ kk.transpose(1, 2)) * 0.25
+        want = torch.softmax(z.masked_fill(~allowed[None], float("-inf")), -1) @ vv
+        torch.testing.assert_close(_sdpa(q, k, v, allowed, 0.25, group), want, atol=2e-5, rtol=1e-5)

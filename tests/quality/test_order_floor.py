@@ -96,9 +96,9 @@ def test_a_slice_of_the_prose_suite_runs_through_the_report(tiny):
     hf, tok = tiny
     cases = q.load_cases(Path(__file__).parents[2] / "benchmarks" / "data" / "prose" / "test.jsonl")[:20]
     llm = LazyLLM(model=hf, tokenizer=tok, reuse="none", kv_cache_bytes=64 << 20, progress=False, quality="isolated")
-    rep = q.compare(llm, cases, settings=["default", "balanced"], progress=False, ttft_cases=0, answer_tokens=4,
+    rep = q.compare(llm, cases, settings=["isolated", "balanced"], progress=False, ttft_cases=0, answer_tokens=4,
                     orders=1)
     llm.close()
     assert rep.n_cases == 20 and rep.floor["pairs"] == 20  # every case has at least two documents
-    assert rep.row("default")["recomputed"] == 0.0 and 0.0 < rep.row("balanced")["recomputed"] < 0.5
-    assert rep.floor["kl"] > 0.0 and rep.row("default")["kl_mean"] > 0.0  # reordering moves full attention too
+    assert rep.row("isolated")["recomputed"] == 0.0 and 0.0 < rep.row("balanced")["recomputed"] < 0.5
+    assert rep.floor["kl"] > 0.0 and rep.row("isolated")["kl_mean"] > 0.0  # reordering moves full attention too

@@ -184,7 +184,7 @@ def test_key_deviation_is_zero_for_the_first_isolated_chunk_only(model, tokenize
     """In 'prefix' context the first chunk directly follows the prefix, so its cached
     keys equal full attention's (deviation ~0); later chunks' keys differ."""
     llm = LazyLLM(model=model, tokenizer=tokenizer, chunk_context="prefix", recompute_ratio=0.1,
-                  kv_cache_bytes=32 << 20, quality="isolated")
+                  recompute_selection="deviation", kv_cache_bytes=32 << 20, quality="isolated")
     seen = {}
     real = llm.engine.recovery.key_deviation
 
@@ -207,7 +207,7 @@ def test_layer1_key_deviation_from_cached_layer0_equals_dense_probe(tokenizer, f
     layer-0 K/V (exact: they depend on token and position only); it gives the deviations of
     the dense probe, which runs the whole prompt head, for every token and for a subset."""
     llm = LazyLLM(model=make_tiny(family, seed=5), tokenizer=tokenizer, chunk_context="prefix",
-                  recompute_ratio=0.1, kv_cache_bytes=32 << 20, quality="isolated")
+                  recompute_ratio=0.1, recompute_selection="deviation", kv_cache_bytes=32 << 20, quality="isolated")
     rec, seen = llm.engine.recovery, []
     real = rec.key_deviation
 

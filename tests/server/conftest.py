@@ -23,7 +23,9 @@ def app_options() -> dict:
 def llm(tokenizer):
     from lazyllm import LazyLLM
 
-    llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=32 << 20, quality="isolated")
+    # isolated chunks, nothing recomputed, and no preset named (the server's refusals name it)
+    llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=32 << 20, chunk_context="isolated",
+                  recompute_first_tokens=0, recompute_ratio=0.0)
     yield llm
     llm.close()
 
