@@ -27,8 +27,12 @@ SYSTEM = "You are a helpful assistant. Answer in one short sentence using only t
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: embedded SmolLM2)")
-    ap.add_argument("--reuse", default="lazy", choices=["lazy", "block", "prefix", "none"])
-    ap.add_argument("--chunk-context", default="isolated", choices=["isolated", "prefix"])
+    ap.add_argument("--quality", default=None, choices=["isolated", "fast", "balanced", "exact"],
+                    help="a preset (default: LazyLLM()'s own, which is balanced's)")
+    ap.add_argument("--reuse", default=None, choices=["lazy", "block", "prefix", "none"],
+                    help="override the preset's reuse mode")
+    ap.add_argument("--chunk-context", default=None, choices=["isolated", "prefix"],
+                    help="override the preset's chunk context")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--max-new-tokens", type=int, default=40)
     ap.add_argument("--check", action="store_true",
@@ -42,7 +46,8 @@ def main() -> None:
     hf_logging.disable_progress_bar()
     print("loading the model ...", flush=True)
     t0 = time.perf_counter()
-    llm = LazyLLM(args.model, device=args.device, reuse=args.reuse, chunk_context=args.chunk_context)
+    llm = LazyLLM(args.model, device=args.device, quality=args.quality, reuse=args.reuse,
+                  chunk_context=args.chunk_context)
     print(f"loaded {llm} in {time.perf_counter() - t0:.1f} s\n")
     # full attention over the same weights, for --check
     exact = LazyLLM(model=llm.hf_model, tokenizer=llm.tokenizer, device=args.device, quality="exact",
