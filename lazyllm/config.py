@@ -193,21 +193,25 @@ class EngineConfig:
         (``QUALITY_OPTIONS``), ``None`` means "not given". Raises ``InvalidRequestError`` for
         an unknown option or preset and for bad values.
 
-        With ``tensor_parallel`` > 1 and neither a preset nor a quality option given, the
+        With ``tensor_parallel`` > 1, or a packet given (a file or ``Packets``: packets are
+        trained for isolated chunks), and neither a preset nor a quality option given, the
         options are ``quality="isolated"``'s (logged): tensor parallelism does not run the
-        default's recompute yet."""
+        default's recompute yet, and a packet belongs to isolated chunks without it."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(explicit) - names)
         if unknown:
             raise InvalidRequestError(f"unknown engine option(s): {', '.join(unknown)}")
         if quality is not None and quality not in PRESETS:
             raise InvalidRequestError(f"quality must be one of {tuple(PRESETS)} or None, got {quality!r}")
-        tp = explicit.get("tensor_parallel")
-        if (quality is None and isinstance(tp, int) and tp > 1
-                and all(explicit.get(k) is None for k in QUALITY_OPTIONS)):
-            log.warning("tensor_parallel=%d does not run the default's recompute yet: running "
-                        "quality='isolated' (pass quality= to choose another)", tp)
-            quality = "isolated"
+        tp, pk = explicit.get("tensor_parallel"), explicit.get("packets")
+        if quality is None and all(explicit.get(k) is None for k in QUALITY_OPTIONS):
+            if isinstance(tp, int) and tp > 1:
+                log.warning("tensor_parallel=%d does not run the default's recompute yet: running "
+                            "quality='isolated' (pass quality= to choose another)", tp)
+                quality = "isolated"
+            elif pk is not None and not (isinstance(pk, str) and pk == "auto"):
+                log.info("a packet is trained for isolated chunks: running quality='isolated'")
+                quality = "isolated"
         values = dict(PRESETS[quality]) if quality is not None else {}
         values.update({k: v for k, v in explicit.items() if v is not None or k not in QUALITY_OPTIONS})
         return cls(quality=quality, **values)

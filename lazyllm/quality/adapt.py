@@ -303,8 +303,9 @@ def adapt(llm_or_model: Any = None, documents: Any = None, *, out: str | os.Path
             res.heldout_loss_before = mean_loss(hf, held, None)
             res.heldout_loss_after = mean_loss(hf, held, packets.rows, packets.k_header)
         if report and held_items:
-            res.report = compare(full, held_items, settings=[("no packet", {"packets": None}),
-                                                             ("packet", {"packets": path})], progress=progress)
+            iso = {"quality": "isolated"}  # the layout a packet is trained for
+            res.report = compare(full, held_items, settings=[("no packet", {**iso, "packets": None}),
+                                                             ("packet", {**iso, "packets": path})], progress=progress)
         return res
     finally:
         full.close()

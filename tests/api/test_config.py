@@ -212,3 +212,14 @@ def test_tensor_parallel_without_a_preset_runs_isolated_and_says_so(caplog):
     with pytest.raises(InvalidRequestError, match="recompute_ratio is not supported with tensor_parallel"):
         EngineConfig.resolve("balanced", tensor_parallel=2)
     assert EngineConfig.resolve(tensor_parallel=1) == EngineConfig()
+
+
+def test_a_packet_without_a_preset_runs_isolated_chunks():
+    """Packets are trained for isolated chunks without recompute: given one and no preset or
+    quality option, the configuration is ``isolated``'s; naming an option keeps the defaults."""
+    c = EngineConfig.resolve(packets="my.packets.safetensors")
+    assert c.quality == "isolated" and c.chunk_context == "isolated" and c.recompute_ratio == 0.0
+    assert EngineConfig.resolve(packets=None) == EngineConfig(packets=None)
+    assert EngineConfig.resolve(packets="auto") == EngineConfig()
+    kept = EngineConfig.resolve(packets="my.packets.safetensors", chunk_context="isolated")
+    assert kept.quality is None and kept.recompute_ratio == EngineConfig().recompute_ratio
