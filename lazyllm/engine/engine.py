@@ -47,7 +47,7 @@ from .metrics import EngineMetrics
 from .mixed import MixedSteps
 from .model_runner import DecodeStep, ModelRunner
 from .output import OutputProcessor
-from .recovery import Recovery
+from .recovery import Recovery, top2_margins
 from .request import Request
 from .scheduler import Scheduler
 
@@ -380,15 +380,15 @@ class Engine:
         """Adaptive recompute (``escalate_below``): each request whose reuse pass left the top-2
         probability margin of its first answer token (a generation's last logit row, a score's
         first) below the threshold goes back to the queue, holding nothing, to be prefilled
-        again with every chunk token recomputed (``Recovery.budget``): full attention's answer.
-        One batched margin and one read for the round. Returns the requests that go on."""
+        again with every chunk token recomputed (``Recovery.apply``): full attention's answer.
+        One batched margin (``top2_margins``) and one read for the round. Returns the requests
+        that go on."""
         rec = self.recovery
         check = [i for i, r in enumerate(own) if rec.escalates(r)]
         if not check:
             return own, logits
-        rows = torch.stack([logits[i][-1 if own[i].score is None else 0].float() for i in check])
-        top = torch.softmax(rows, dim=-1).topk(2, dim=-1).values
-        margins = (top[:, 0] - top[:, 1]).tolist()
+        rows = torch.stack([logits[i][-1 if own[i].score is None else 0] for i in check])
+        margins = top2_margins(rows).tolist()
         low = {i for i, m in zip(check, margins) if m < rec.escalate_below}
         for i in low:
             own[i].state.escalated = True

@@ -43,6 +43,14 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def top2_margins(rows: torch.Tensor) -> torch.Tensor:
+    """Per row of logits ``(..., vocab)``: the probability of the likeliest token minus the
+    second's (float64), the signal ``escalate_below`` compares: how firmly the prompt decides
+    the answer's first token (0: a tie)."""
+    top = torch.softmax(rows.double(), dim=-1).topk(2, dim=-1).values
+    return top[..., 0] - top[..., 1]
+
+
 class Recovery:
     """Recomputes chosen chunk tokens of a request (engine thread only)."""
 

@@ -65,8 +65,7 @@ def curve_markdown(points: Sequence[dict]) -> str:
     for p in points:
         q = p.get("ratios") or {}
         thr = "-" if p["threshold"] is None else f"{p['threshold']:.3f}"
-        r = {k: f" ({v:.2f}x)" if v is not None else "" for k, v in q.items()}
-        r = {k: r.get(k, "") for k in ("top1", "kl", "same_answer")}
+        r = {k: f" ({q[k]:.2f}x)" if q.get(k) is not None else "" for k in ("top1", "kl", "same_answer")}
         lines.append(f"| {100 * p['escalated']:.0f}% ({p['escalated_n']}) | {thr} | {100 * p['recomputed']:.1f}% | "
                      f"{100 * p['top1']:.1f}%{r['top1']} | {p['kl']:.3f}{r['kl']} | "
                      f"{100 * p['same_answer']:.1f}%{r['same_answer']} | "

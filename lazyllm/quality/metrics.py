@@ -35,11 +35,11 @@ def kl_and_agreement(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[li
 
 def first_token_margin(logits: torch.Tensor) -> float:
     """The probability of the most likely next token minus the second's, from one row of
-    logits ``(vocab,)``: how firmly the prompt decides the answer's first token (0: a tie)."""
-    import torch
+    logits ``(vocab,)``: the margin the engine's ``escalate_below`` compares
+    (``lazyllm.engine.recovery.top2_margins``), so a report replays what the engine decides."""
+    from ..engine.recovery import top2_margins
 
-    top = torch.softmax(logits.double(), dim=-1).topk(2).values
-    return float(top[0] - top[1])
+    return float(top2_margins(logits))
 
 
 def normalize_answer(text: str) -> str:

@@ -24,10 +24,8 @@ REFERENCE_NAME = "full attention"
 # what recommend() answers when no setting meets the target: full attention's answers, as a
 # preset LazyLLM(quality=...) takes
 FALLBACK = "exact"
-# full attention, every prompt computed afresh (identical-prefix reuse gives the first
-# continuation token other logits where the whole prompt is cached on a page boundary)
-# identical-prefix reuse: the reference's score after its greedy answer finds the prompt cached
-# and computes only the answer's tokens
+# full attention with identical-prefix reuse: the reference's score after its greedy answer
+# finds the prompt cached and computes only the answer's tokens
 _FULL = {"reuse": "prefix"}
 
 
