@@ -28,9 +28,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-# each setting spelled out, so a row means the same whatever LazyLLM()'s default is
-_ISOLATED = {"chunk_context": "isolated", "recompute_first_tokens": 0, "recompute_ratio": 0.0}
-SETTINGS = {"default": {}, "isolated+packet": _ISOLATED, "isolated": {**_ISOLATED, "packets": None},
+# each setting named by its preset, so a row means the same whatever LazyLLM()'s default is
+SETTINGS = {"default": {}, "isolated+packet": {"quality": "isolated"},
+            "isolated": {"quality": "isolated", "packets": None},
             "fast": {"quality": "fast"}, "balanced": {"quality": "balanced"}}
 
 
