@@ -32,7 +32,7 @@ from .kv_planner import KVPlanner
 from .metrics import EngineMetrics
 from .model_runner import ModelRunner
 from .pinned import to_device
-from .recovery_round import batches, select_round
+from .recovery_round import batches, question_ids, select_round
 from .request import ChunkSpan, Job, Request, slot_of
 
 
@@ -277,14 +277,18 @@ class Recovery:
         """Per chunk token (in chunk order), the attention mass the question's queries give
         it (summed over the first ``mass_layers`` layers, heads and queries) in a forward of
         the suffix over the cached prefix and chunk KV as they are (nothing recomputed yet).
-        The suffix's K/V go to its own pages and are overwritten by the real pass."""
+        The suffix's K/V go to its own pages and are overwritten by the real pass. A score's
+        continuation is not part of the question: its tokens are left out, so a score
+        recomputes what a generation of those tokens would (the selection never sees the
+        answer it is scored on)."""
         plan = r.plan
         probe = self._cached_table(r)
-        S, pos0 = len(plan.suffix_ids), plan.suffix_pos
+        ids = question_ids(r)
+        S, pos0 = len(ids), plan.suffix_pos
         ps = self.pool.page_size
         slots = [slot_of(plan.own, i, ps) for i in range(S)]
         table = probe + self.planner.own_table(plan.own, pos0, S)
-        ids, pos = list(plan.suffix_ids), list(range(pos0, pos0 + S))
+        pos = list(range(pos0, pos0 + S))
         self.metrics.prefill_tokens += S
         mass = None
         graphs = getattr(self.runner, "prefill_graphs", None)

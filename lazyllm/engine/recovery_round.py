@@ -103,18 +103,29 @@ def _gather(rec, reqs: list[Request]) -> _Round | None:
                   np.concatenate([[0], np.cumsum(n)]), np.concatenate(excl), dev, int(n.max()))
 
 
+def question_ids(r: Request) -> list[int]:
+    """The suffix tokens whose attention picks what a request recomputes: its suffix, less a
+    score's continuation (a score recomputes what a generation of its tokens would; the
+    selection never sees the answer it is scored on)."""
+    ids = r.plan.suffix_ids
+    if r.score is not None:
+        ids = ids[:max(1, len(ids) - (len(r.score.ids) - 1))]
+    return list(ids)
+
+
 def _question_mass(rec, rnd: _Round) -> torch.Tensor:
     """``(B, width)``: each request's question attention per chunk token (``question_attention``),
     -inf where excluded or padded; the questions run together, ``max_batch_tokens`` a pass."""
     ps = rec.pool.page_size
     flat = []
-    for group in budget_groups([len(r.plan.suffix_ids) for r in rnd.reqs], rec.runner.max_batch_tokens):
+    questions = [question_ids(r) for r in rnd.reqs]
+    for group in budget_groups([len(q) for q in questions], rec.runner.max_batch_tokens):
         ids, pos, slots, cu, tables, probe_slots = [], [], [], [0], [], []
         for i in group:
             r = rnd.reqs[i]
             plan = r.plan
-            S, pos0 = len(plan.suffix_ids), plan.suffix_pos
-            ids += plan.suffix_ids
+            S, pos0 = len(questions[i]), plan.suffix_pos
+            ids += questions[i]
             pos += range(pos0, pos0 + S)
             slots += [slot_of(plan.own, j, ps) for j in range(S)]
             cu.append(cu[-1] + S)

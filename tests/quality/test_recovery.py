@@ -441,3 +441,27 @@ def test_selection_depth_is_validated(model, tokenizer, depth):
     with pytest.raises(InvalidRequestError, match="recompute_selection_depth"):
         LazyLLM(model=model, tokenizer=tokenizer, recompute_selection_depth=depth, kv_cache_bytes=32 << 20,
                 quality="isolated")
+
+
+@pytest.mark.parametrize("selection", ["attention", "two-stage"])
+def test_a_score_selects_without_seeing_its_continuation(model, tokenizer, selection):
+    """The question's attention picks what is recomputed, and a score's continuation is no
+    part of the question: the logits of the first continuation token (which depend only on
+    the prompt and the recompute) are the same whatever continuation follows, and equal to
+    those a generation starts from. Before, the continuation's tokens joined the question
+    pass, so a fidelity report's teacher-forced scores recomputed what a generation never
+    would."""
+    llm = LazyLLM(model=model, tokenizer=tokenizer, kv_cache_bytes=32 << 20, quality="fast",
+                  recompute_ratio=0.3, recompute_selection=selection)
+    llm.warm(DOCS, progress=False)
+    rng = random.Random(7)
+    for _ in range(3):
+        docs = rng.sample(DOCS, 4)
+        a = [rng.randrange(100, 400) for _ in range(12)]
+        b = [rng.randrange(100, 400) for _ in range(12)]
+        sa = llm.score("Which item is first?", chunks=docs, continuation=a, return_logits=True)
+        sb = llm.score("Which item is first?", chunks=docs, continuation=b, return_logits=True)
+        torch.testing.assert_close(sa.logits[0], sb.logits[0], rtol=1e-5, atol=1e-5)
+        gen = llm.generate("Which item is first?", chunks=docs, max_new_tokens=1)
+        assert gen.token_ids[0] == int(sa.logits[0].argmax())
+    llm.close()
