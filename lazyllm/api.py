@@ -97,6 +97,7 @@ class LazyLLM:
         context_temperature: float | None = None,
         context_lse_scale: float | None = None,
         escalate_below: float | None = None,
+        escalate_tokens: int | None = None,
         quality: str | None = None,
         kv_disk_dir: str | os.PathLike | None = None,
         kv_disk_bytes: int = 16 << 30,
@@ -133,6 +134,7 @@ class LazyLLM:
     context_temperature = _from_config("context_temperature")
     context_lse_scale = _from_config("context_lse_scale")
     escalate_below = _from_config("escalate_below")
+    escalate_tokens = _from_config("escalate_tokens")
     attention_backend = _from_config("attention_backend")
     page_size = _from_config("page_size")
     batch_invariant = _from_config("batch_invariant")

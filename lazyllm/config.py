@@ -152,6 +152,8 @@ class EngineConfig:
     escalate_below: float = _opt(QUALITY_OPTIONS["escalate_below"],
                                  "answer with full attention a request whose first answer token's top-2 "
                                  "probability margin after reuse is below this, in [0, 1] (0: never)")
+    escalate_tokens: int = _opt(QUALITY_OPTIONS["escalate_tokens"],
+                                "escalate_below checks this many first answer tokens, 1-64")
     quality: str | None = _opt(None, "a named fidelity preset; explicit options override it",
                                (None, *PRESETS))
     kv_disk_dir: str | os.PathLike | None = _opt(None, "folder of a persistent chunk KV tier")
@@ -330,6 +332,8 @@ def _value_problems(c: EngineConfig) -> list[str]:
         bad.append(f"recompute_ratio must be in [0, 1], got {c.recompute_ratio!r}")
     if not _is_number(c.escalate_below) or not 0.0 <= c.escalate_below <= 1.0:
         bad.append(f"escalate_below must be in [0, 1], got {c.escalate_below!r}")
+    if not _is_int(c.escalate_tokens) or not 1 <= c.escalate_tokens <= 64:
+        bad.append(f"escalate_tokens must be an int in [1, 64], got {c.escalate_tokens!r}")
     d = c.recompute_selection_depth
     if not _is_number(d) or not 0.0 < d <= 1.0:
         bad.append(f"recompute_selection_depth must be in (0, 1], got {d!r}")

@@ -37,6 +37,7 @@ QUALITY_OPTIONS: dict[str, object] = {
     "context_temperature": 1.0,
     "context_lse_scale": 1.0,
     "escalate_below": 0.0,
+    "escalate_tokens": 8,
 }
 
 PRESETS: dict[str, dict[str, object]] = {

@@ -37,6 +37,7 @@ from ..intmath import cdiv, next_pow2
 from ..model.attention import AttentionMetadata, SharedMeta
 from .pinned import PinnedTurns
 from .request import pack_tables
+from .sampler import top2_margins
 
 _PAGE, _POS, _DELTA, _LEN = range(4)
 log = logging.getLogger("lazyllm")
@@ -280,6 +281,9 @@ class GraphRunner:
         self.pool = None
         self.capture_s = 0.0  # host time spent capturing (a step that meets a new bucket waits it)
         self.last_key: tuple[int, int, int] | None = None  # the bucket of the last step run
+        # each step also computes its rows' top-2 margins (adaptive recompute's window:
+        # ``escalate_tokens``), inside the graph; set before the first step
+        self.margins = False
 
     def batch_bucket(self, B: int) -> int:
         return self._bucket(B) if self.enabled else B
@@ -308,13 +312,13 @@ class GraphRunner:
         logits = self.model.forward(st.ids[:B], meta, self.k, self.v)
         picks = torch.argmax(logits, dim=-1)
         st.next_ids[:B].copy_(picks)
-        return logits, picks
+        return logits, picks, (top2_margins(logits) if self.margins else None)
 
-    def run(self, B: int, W: int, S: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits ``(B, vocab)`` and their argmax ``(B,)`` of the step staged in ``state``
-        (``B`` the batch bucket; rows past the real batch are padding; ``S``: the item bucket
-        of the shared-chunk plan in ``shared``, 0 for none). Both are overwritten by the next
-        step of the same bucket."""
+    def run(self, B: int, W: int, S: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Logits ``(B, vocab)``, their argmax ``(B,)`` and (with ``margins``) their top-2
+        margins ``(B,)`` of the step staged in ``state`` (``B`` the batch bucket; rows past
+        the real batch are padding; ``S``: the item bucket of the shared-chunk plan in
+        ``shared``, 0 for none). All are overwritten by the next step of the same bucket."""
         self.last_key = (B, W, S)
         if not self.enabled:
             return self._step(B, W, S)

@@ -47,8 +47,9 @@ from .metrics import EngineMetrics
 from .mixed import MixedSteps
 from .model_runner import DecodeStep, ModelRunner
 from .output import OutputProcessor
-from .recovery import Recovery, top2_margins
+from .recovery import Recovery
 from .request import Request
+from .sampler import top2_margins
 from .scheduler import Scheduler
 
 __all__ = ["Engine"]
@@ -126,7 +127,9 @@ class Engine:
             selection=config.recompute_selection, selection_depth=config.recompute_selection_depth,
             probe_layer=probe_layer, metrics=self.metrics, bridge_tokens=bridge_tokens,
             exact_at_home=config.reuse == "lazy" and config.chunk_context == "prefix",
-            escalate_below=config.escalate_below)
+            escalate_below=config.escalate_below, escalate_tokens=config.escalate_tokens)
+        # decode steps carry their margins where a request may escalate after its first token
+        self.runner.graphs.margins = config.escalate_below > 0 and config.escalate_tokens > 1
         self.output = OutputProcessor(tokenizer, eos_ids, model.spec.max_context, self.metrics)
         self.inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -378,22 +381,28 @@ class Engine:
 
     def _escalate(self, own: list[Request], logits: list) -> tuple[list[Request], list]:
         """Adaptive recompute (``escalate_below``): each request whose reuse pass left the top-2
-        probability margin of its first answer token (a generation's last logit row, a score's
-        first) below the threshold goes back to the queue, holding nothing, to be prefilled
-        again with every chunk token recomputed (``Recovery.apply``): full attention's answer.
-        One batched margin (``top2_margins``) and one read for the round. Returns the requests
-        that go on."""
+        probability margin of its first answer token (a generation's last logit row; a
+        score's lowest over its first ``escalate_tokens`` rows) below the threshold goes back
+        to the queue, holding nothing, to be prefilled again with every chunk token
+        recomputed (``Recovery.apply``): full attention's answer. A generation that keeps
+        its answer is watched while it decodes its next ``escalate_tokens - 1`` tokens
+        (``_read_step``). One batched margin (``top2_margins``) and one read for the round.
+        Returns the requests that go on."""
         rec = self.recovery
         check = [i for i, r in enumerate(own) if rec.escalates(r)]
         if not check:
             return own, logits
-        rows = torch.stack([logits[i][-1 if own[i].score is None else 0] for i in check])
-        margins = top2_margins(rows).tolist()
+        n = rec.escalate_tokens
+        rows = [logits[i][-1:] if own[i].score is None else logits[i][:n] for i in check]
+        margins = top2_margins(torch.cat(rows)).split([len(x) for x in rows])
+        margins = [float(m.min()) for m in margins]
         low = {i for i, m in zip(check, margins) if m < rec.escalate_below}
         for i in low:
             own[i].state.escalated = True
             self.scheduler.requeue(own[i])
             self.metrics.escalations += 1
+        for i in check:
+            own[i].state.watched = n > 1 and i not in low and own[i].score is None
         keep = [i for i in range(len(own)) if i not in low]
         return [own[i] for i in keep], [logits[i] for i in keep]
 
@@ -463,11 +472,22 @@ class Engine:
         elif not step.overlapped:
             self.decode_step_log.append((B, now - step.t_launch))
         self._last_read = (now, B)
-        for r, tok in zip(step.reqs, picks):
+        margins = step.margins.tolist() if step.margins is not None else [None] * B
+        for r, tok, m in zip(step.reqs, picks, margins):
             if r.state.row is None:
                 continue  # finished, cancelled or preempted after the step was launched
-            r.state.next_pos += 1
-            self._emit(r, tok)
+            self._decoded(r, tok, m)
+
+    def _decoded(self, r: Request, tok: int, margin: float | None) -> None:
+        """A decode step's token for ``r``, handed out; or, where ``r`` is inside its
+        adaptive-recompute window and the step left this token undecided (``margin`` below
+        ``escalate_below``), dropped, and ``r`` queued to be prefilled again with its tokens
+        so far and every chunk token recomputed: it goes on as full attention."""
+        if margin is not None and r.state.watched and self.recovery.low_margin(r, margin):
+            self.scheduler.preempt(r, escalated=True)
+            return
+        r.state.next_pos += 1
+        self._emit(r, tok)
 
     # -- output ----------------------------------------------------------------------
     def _emit(self, r: Request, tok: int) -> None:

@@ -33,6 +33,7 @@ import torch
 
 from ..intmath import cdiv
 from .request import Job, Request, TableEntry, entry_table, slot_of
+from .sampler import top2_margins
 
 if TYPE_CHECKING:
     from .kv_planner import PendingEntry
@@ -217,14 +218,15 @@ class MixedSteps:
         if decode:
             picks = e.runner.first_picks(decode, list(logits))
             failed = {r.id: err for r, err in e.runner.sampler.failed}
-            for r, tok in zip(decode, picks):
+            margins = (top2_margins(torch.stack(list(logits))).tolist() if any(r.state.watched for r in decode)
+                       else [None] * len(decode))
+            for r, tok, m in zip(decode, picks, margins):
                 if r.state.row is None:
                     continue
                 if r.id in failed:
                     e._finish(r, error=failed[r.id])
                     continue
-                r.state.next_pos += 1
-                e._emit(r, tok)
+                e._decoded(r, tok, m)
         rnd = self.round
         ended = [(rnd.owner[id(p.job)], lg) for p, lg in zip(pieces, piece_logits)
                  if p.last and id(p.job) in rnd.owner]

@@ -46,6 +46,8 @@ class DecodeStep:
     overlapped: bool = False  # launched while the step before it was still unread
     dead: frozenset = frozenset()
     picks: tuple | None = None
+    margins_dev: torch.Tensor | None = None  # each row's top-2 margin on the device (``GraphRunner.margins``)
+    margins: torch.Tensor | None = None  # and on the host, copied by ``pick`` where a row is watched
 
 
 def budget_groups(sizes: list[int], budget: int) -> list[list[int]]:
@@ -108,6 +110,7 @@ class ModelRunner(RunnerWarmUp):
                                             pool.scratch_page * pool.page_size, enabled=graphs,
                                             ctx_ranges=self.calibrated)
         self._picks = PinnedTurns(self.device, n=max_batch_size)  # each step's tokens, on their way to the host
+        self._margins = PinnedTurns(self.device, torch.float32, max_batch_size)  # and their margins, where asked
         self.sampler = Sampler(self.device)
 
     def graph_stats(self) -> dict:
@@ -325,11 +328,12 @@ class ModelRunner(RunnerWarmUp):
         S = self._shared_bucket(reqs) if self.shared is not None else 0
         # the graph loads the staged inputs, runs the forward and the argmax
         state.stage(updates, ids, pos, slots, Bp, scratch, src=src if pending else None)
-        logits, argmax = self.graphs.run(Bp, Wp, S)
+        logits, argmax, margins = self.graphs.run(Bp, Wp, S)
         self.metrics.decode_steps += 1
         self.metrics.shared_decode_steps += S > 0
         self.metrics.decode_tokens += B
-        return DecodeStep(reqs, logits[:B], argmax[:B], t_step, overlapped=bool(pending), dead=frozenset(dead))
+        return DecodeStep(reqs, logits[:B], argmax[:B], t_step, overlapped=bool(pending), dead=frozenset(dead),
+                          margins_dev=None if margins is None else margins[:B])
 
     def pick(self, step: DecodeStep) -> list[tuple[Request, Exception]]:
         """Choose a launched step's tokens on the device and start their copy to the host.
@@ -346,6 +350,11 @@ class ModelRunner(RunnerWarmUp):
         if not self.sampler.plain_greedy(rows):
             picks = self.sampler.pick(step.logits, rows)
             self.decode_state.next_ids[:B].copy_(picks)
+        if step.margins_dev is not None and any(r is not None and r.state.watched for r in rows):
+            k = self._margins.take(B)  # adaptive recompute's window: the margins go with the tokens
+            step.margins = self._margins.bufs[k][:B]
+            step.margins.copy_(step.margins_dev, non_blocking=True)
+            self._margins.record(k)
         step.picks = self._picks_to_host(picks, B)
         return self.sampler.failed if picks is not step.argmax else []
 

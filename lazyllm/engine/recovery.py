@@ -43,21 +43,13 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def top2_margins(rows: torch.Tensor) -> torch.Tensor:
-    """Per row of logits ``(..., vocab)``: the probability of the likeliest token minus the
-    second's (float64), the signal ``escalate_below`` compares: how firmly the prompt decides
-    the answer's first token (0: a tie)."""
-    top = torch.softmax(rows.double(), dim=-1).topk(2, dim=-1).values
-    return top[..., 0] - top[..., 1]
-
-
 class Recovery:
     """Recomputes chosen chunk tokens of a request (engine thread only)."""
 
     def __init__(self, runner: ModelRunner, planner: KVPlanner, *, first_tokens: int = 0, ratio: float = 0.0,
                  selection: str = "deviation", selection_depth: float = 1.0, probe_layer: int = 1,
                  metrics: EngineMetrics | None = None, exact_at_home: bool = False, bridge_tokens: int = 0,
-                 escalate_below: float = 0.0):
+                 escalate_below: float = 0.0, escalate_tokens: int = 1):
         """``selection_depth``: the question's attention (``question_attention``) is summed over
         the first ``ceil(selection_depth * layers)`` layers.
 
@@ -71,13 +63,16 @@ class Recovery:
 
         ``escalate_below``: a request whose reuse pass leaves its first answer token's top-2
         probability margin below this is prefilled again with every chunk token recomputed
-        (``escalates``; the engine requeues it with ``state.escalated``)."""
+        (``escalates``; the engine requeues it with ``state.escalated``). ``escalate_tokens``:
+        how many first answer tokens are checked (a score's first continuation rows; a
+        generation's later tokens while it decodes, ``state.watched``)."""
         self.runner, self.planner = runner, planner
         self.model, self.pool = runner.model, runner.pool
         self.first_tokens, self.ratio, self.selection = first_tokens, ratio, selection
         self.bridge_tokens = bridge_tokens
         self.exact_at_home = exact_at_home
         self.escalate_below = escalate_below
+        self.escalate_tokens = escalate_tokens
         n_layers = self.model.spec.num_layers
         self.probe_layer = min(probe_layer, n_layers - 1)
         self.mass_layers = max(1, min(n_layers, math.ceil(selection_depth * n_layers)))
@@ -93,6 +88,14 @@ class Recovery:
     def enabled(self) -> bool:
         """Whether any request may recompute chunk tokens (every one, or escalated ones)."""
         return self.recovers or self.escalate_below > 0
+
+    def low_margin(self, r: Request, margin: float) -> bool:
+        """Whether ``r``, decoding inside its window (``state.watched``), is escalated by its
+        next token's ``margin``; past the window it is watched no more."""
+        if len(r.state.generated) >= self.escalate_tokens:
+            r.state.watched = False
+            return False
+        return margin < self.escalate_below
 
     def escalates(self, r: Request) -> bool:
         """Whether ``r``, just prefilled over reused chunks, is one whose first token's margin

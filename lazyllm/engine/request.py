@@ -122,6 +122,9 @@ class RequestState:
     # prefilled again with every chunk token recomputed (``escalate_below``: its reuse pass left
     # the first answer token undecided)
     escalated: bool = False
+    # its answer tokens' margins are checked while decoding (``escalate_tokens`` > 1: it was
+    # checked at its first token and kept its reuse answer)
+    watched: bool = False
     # what to prefill when readmitted after preemption: the submitted segments with the
     # generated tokens appended to the suffix (None: the submitted segments)
     resumed: list[Segment] | None = None

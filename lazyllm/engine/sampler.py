@@ -26,7 +26,17 @@ from ..errors import LazyLLMError
 from ..intmath import cdiv
 from .pinned import PinnedTurns
 
-__all__ = ["TokenConstraint", "Sampler", "row_uniform", "bitmask_words", "apply_bitmask"]
+__all__ = ["TokenConstraint", "Sampler", "top2_margins", "row_uniform", "bitmask_words", "apply_bitmask"]
+
+
+def top2_margins(rows: torch.Tensor) -> torch.Tensor:
+    """Per row of logits ``(..., vocab)``: the probability of the likeliest token minus the
+    second's (float32), the signal ``escalate_below`` compares: how firmly the logits decide
+    the next token (0: a tie). Two reductions (top-2, log-sum-exp), nothing the size of the
+    vocabulary written, so a decode step can carry it."""
+    top = rows.topk(2, dim=-1).values.float()
+    p = (top - torch.logsumexp(rows.float(), dim=-1, keepdim=True)).exp()
+    return p[..., 0] - p[..., 1]
 
 
 @runtime_checkable

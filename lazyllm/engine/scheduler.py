@@ -90,15 +90,21 @@ class Scheduler:
             r.state.solo = True
             self.metrics.prefill_retries += 1
 
-    def preempt(self, r: Request) -> None:
+    def preempt(self, r: Request, *, escalated: bool = False) -> None:
         """Give back everything ``r`` holds and queue it again; when readmitted, its
         generated tokens are prefilled as part of its suffix (same semantics: they attend
-        to everything before them), and decoding continues where it stopped."""
+        to everything before them), and decoding continues where it stopped.
+        ``escalated``: not for room but for adaptive recompute (``escalate_tokens``): the
+        prefill recomputes every chunk token."""
         self.requeue(r)
         base = r.segments
         r.state.resumed = base[:-1] + [Segment("suffix", base[-1].ids + r.state.generated)]
         r.state.preempted = True
-        self.metrics.preemptions += 1
+        if escalated:
+            r.state.escalated, r.state.watched = True, False
+            self.metrics.escalations += 1
+        else:
+            self.metrics.preemptions += 1
 
     def grow_decode_pages(self, pending: dict[int, int], dead: set[int]) -> None:
         """Give every decoding request room for its next token and claim that token's slot

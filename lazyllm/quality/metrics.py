@@ -33,13 +33,14 @@ def kl_and_agreement(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[li
     return kl.tolist(), agree.tolist()
 
 
-def first_token_margin(logits: torch.Tensor) -> float:
-    """The probability of the most likely next token minus the second's, from one row of
-    logits ``(vocab,)``: the margin the engine's ``escalate_below`` compares
-    (``lazyllm.engine.recovery.top2_margins``), so a report replays what the engine decides."""
-    from ..engine.recovery import top2_margins
+def answer_margins(logits: torch.Tensor) -> list[float]:
+    """Per answer position (rows of logits ``(n, vocab)``): the probability of the most
+    likely next token minus the second's, the margin the engine's ``escalate_below``
+    compares (``lazyllm.engine.sampler.top2_margins``), so a report replays what the engine
+    decides."""
+    from ..engine.sampler import top2_margins
 
-    return float(top2_margins(logits))
+    return top2_margins(logits).tolist()
 
 
 def normalize_answer(text: str) -> str:

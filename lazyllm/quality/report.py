@@ -17,7 +17,7 @@ from ..presets import QUALITY_OPTIONS
 from .cases import Case, _as_cases
 from .checks import check_settings as _settings
 from .floor import FLOOR_NAME, kl_from_mean, measure_floor, ratios, within_floor
-from .metrics import _METRICS, _meets, contains_answer, exact_match, first_token_margin, kl_and_agreement, parse_target
+from .metrics import _METRICS, _meets, answer_margins, contains_answer, exact_match, kl_and_agreement, parse_target
 
 # the candidates compared when the caller names none: the default and the presets
 REFERENCE_NAME = "full attention"
@@ -248,12 +248,15 @@ def _measure(llm: LazyLLM, name: str, kwargs: dict, cases: list[Case], refs: lis
         kl_means += km
         arg = sc.logits.argmax(-1).tolist()
         same = arg[:same_n] == conts[i][:same_n]
+        margins = answer_margins(sc.logits)
+        first_miss = next((j for j, (a, b) in enumerate(zip(arg, conts[i])) if a != b), len(conts[i]))
         rec = chunk_tokens - sc.usage.cached_chunk_tokens
         recomputed += rec
         chunk_total += chunk_tokens
         per_case.append(dict(id=c.id, setting=name, kl=sum(kl) / len(kl), top1=sum(ag) / len(ag), same_answer=same,
                              recomputed=rec, chunk_tokens=chunk_tokens, ids=conts[i], logits=sc.logits,
-                             kl_mean=sum(km) / len(km) if km else None, margin=first_token_margin(sc.logits[0])))
+                             kl_mean=sum(km) / len(km) if km else None, margin=margins[0], margins=margins,
+                             first_miss=first_miss))
         bar.update(1)
     # the setting's own greedy answers, for exact match against the references
     if generate_answers:

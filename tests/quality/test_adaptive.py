@@ -6,19 +6,28 @@ import random
 import pytest
 import torch
 
-from lazyllm.quality.adaptive import curve_markdown, escalation_curve
+from lazyllm.quality.adaptive import curve_markdown, escalation_curve, escalation_signal
 from lazyllm.quality.floor import within_floor
-from lazyllm.quality.metrics import first_token_margin
+from lazyllm.quality.metrics import answer_margins
 
 
 def test_margin_is_the_gap_between_the_two_likeliest_tokens():
     g = torch.Generator().manual_seed(0)
-    for _ in range(20):
-        logits = torch.randn(50, generator=g) * 3
-        p = torch.softmax(logits.double(), -1).sort(descending=True).values
-        assert math.isclose(first_token_margin(logits), float(p[0] - p[1]), rel_tol=1e-9, abs_tol=1e-12)
-    assert first_token_margin(torch.tensor([2.0, 2.0, -1.0])) == 0.0
-    assert first_token_margin(torch.tensor([50.0, 0.0, 0.0])) > 0.999
+    logits = torch.randn(20, 50, generator=g) * 3
+    got = answer_margins(logits)
+    for row, m in zip(logits, got):
+        p = torch.softmax(row.double(), -1).sort(descending=True).values
+        assert math.isclose(m, float(p[0] - p[1]), rel_tol=1e-5, abs_tol=1e-6)
+    assert answer_margins(torch.tensor([[2.0, 2.0, -1.0], [50.0, 0.0, 0.0]]))[0] == 0.0
+    assert answer_margins(torch.tensor([[50.0, 0.0, 0.0]]))[0] > 0.999
+
+
+def test_the_window_signal_stops_where_the_answer_leaves_full_attentions():
+    c = dict(margin=0.9, margins=[0.9, 0.8, 0.05, 0.01, 0.7], first_miss=5)
+    assert [escalation_signal(c, w) for w in (1, 2, 3, 4, 8)] == [0.9, 0.8, 0.05, 0.01, 0.01]
+    # the answer leaves full attention's at its second token: later margins are not its own
+    c = dict(c, first_miss=1)
+    assert [escalation_signal(c, w) for w in (1, 2, 3, 8)] == [0.9, 0.8, 0.8, 0.8]
 
 
 def _cases(n, seed):
@@ -26,7 +35,9 @@ def _cases(n, seed):
     out = []
     for i in range(n):
         k = rnd.randint(1, 16)
-        out.append(dict(id=f"c{i}", setting="s", margin=rnd.random(), kl=rnd.random() * 0.3, top1=rnd.random(),
+        margins = [rnd.random() for _ in range(k)]
+        out.append(dict(id=f"c{i}", setting="s", margin=margins[0], margins=margins,
+                        first_miss=rnd.randint(0, k), kl=rnd.random() * 0.3, top1=rnd.random(),
                         same_answer=rnd.random() < 0.5, recomputed=rnd.randint(0, 50),
                         chunk_tokens=rnd.randint(200, 600), ids=list(range(k))))
         out.append(dict(out[-1], setting="other", margin=0.0))
@@ -58,6 +69,19 @@ def test_curve_replays_full_attention_for_the_lowest_margins(seed):
     assert pts[2]["inside"] == within_floor(pts[2], floor) is True
     table = curve_markdown(pts)
     assert table.count("\n") == 4 and "25% (10)" in table
+
+
+@pytest.mark.parametrize("window", [2, 4, 16])
+def test_a_window_orders_cases_by_their_window_signal(window):
+    cases = _cases(40, window)
+    mine = [c for c in cases if c["setting"] == "s"]
+    pts = escalation_curve(cases, "s", {}, fractions=(0.0, 0.25), window=window)
+    low = sorted(mine, key=lambda c: escalation_signal(c, window))[:10]
+    assert pts[1]["threshold"] == escalation_signal(low[-1], window) and pts[1]["window"] == window
+    assert pts[1]["same_answer_n"] == 10 + sum(c["same_answer"] for c in mine if c not in low)
+    del mine[0]["margins"]
+    with pytest.raises(ValueError, match="margins"):
+        escalation_curve(cases, "s", {}, window=window)
 
 
 def test_curve_refuses_cases_it_cannot_replay():

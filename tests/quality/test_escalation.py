@@ -1,5 +1,7 @@
 """Adaptive recompute (``escalate_below``): a request whose reuse pass leaves its first answer
-token undecided is answered by full attention; every other request keeps the reuse answer."""
+token undecided is answered by full attention; every other request keeps the reuse answer.
+With ``escalate_tokens``, a later answer token left undecided while decoding makes the
+request go on as full attention from that token."""
 import random
 
 import pytest
@@ -7,7 +9,7 @@ import torch
 
 from lazyllm import LazyLLM
 from lazyllm.errors import InvalidRequestError
-from lazyllm.quality.metrics import first_token_margin
+from lazyllm.quality.metrics import answer_margins
 from tests.conftest import make_tiny
 from tests.hf_reference import hf_generate
 
@@ -74,13 +76,13 @@ def test_only_the_requests_below_the_threshold_escalate(model, tokenizer):
     for q, docs in prompts:
         out = fast.generate(q, chunks=docs, max_new_tokens=6)
         sc = fast.score(q, chunks=docs, continuation=list(out.token_ids), return_logits=True)
-        margins.append(first_token_margin(sc.logits[0]))
+        margins.append(answer_margins(sc.logits)[0])
         answers.append(list(out.token_ids))
     fast.close()
     ms = sorted(margins)
     tau = (ms[2] + ms[3]) / 2  # half of them below
     assert ms[2] < tau < ms[3]
-    esc = _llm(model, tokenizer, quality="fast", escalate_below=tau)
+    esc = _llm(model, tokenizer, quality="fast", escalate_below=tau, escalate_tokens=1)
     esc.warm(DOCS, progress=False)
     for (q, docs), m, ans in zip(prompts, margins, answers):
         before = esc.engine.metrics.escalations
@@ -104,10 +106,69 @@ def test_batched_requests_escalate_alone_and_finish(model, tokenizer):
     llm.close()
 
 
+def _window_threshold(margins: list[list[float]], window: int) -> float:
+    """A threshold in a clear gap between the measured margins under which some request keeps
+    its first token and escalates at a later one, and another never escalates."""
+    values = sorted({m for ms in margins for m in ms[:window]})
+    for lo, hi in zip(values, values[1:]):
+        tau = (lo + hi) / 2
+        later = any(ms[0] > tau and min(ms[:window]) < tau for ms in margins)
+        never = any(min(ms[:window]) > tau for ms in margins)
+        if later and never and hi - lo > max(1e-6, 0.05 * hi):
+            return tau
+    raise AssertionError(f"no threshold separates these margins: {margins}")
+
+
+@pytest.mark.parametrize("kw", [dict(overlap_decode=True), dict(overlap_decode=False), dict(mixed_steps=True)])
+def test_a_later_undecided_token_goes_on_as_full_attention(model, tokenizer, kw):
+    """``escalate_tokens=4``: the reuse setting's own margins over its first 4 answer tokens
+    (a score of its answer over the same cache); a request whose margin falls below the
+    threshold at token ``p`` keeps its first ``p`` tokens and continues as full attention
+    after them (transformers' greedy continuation of the prompt and those tokens); the
+    others keep the reuse answer."""
+    n, window = 8, 4
+    fast = _llm(model, tokenizer, quality="fast")
+    fast.warm(DOCS, progress=False)
+    prompts = _prompts(5) + _prompts(6)
+    answers, margins = [], []
+    for q, docs in prompts:
+        out = fast.generate(q, chunks=docs, max_new_tokens=n)
+        sc = fast.score(q, chunks=docs, continuation=list(out.token_ids), return_logits=True)
+        answers.append(list(out.token_ids))
+        margins.append(answer_margins(sc.logits))
+    fast.close()
+    tau = _window_threshold(margins, window)
+    esc = _llm(model, tokenizer, quality="fast", escalate_below=tau, escalate_tokens=window, **kw)
+    esc.warm(DOCS, progress=False)
+    later = 0
+    for (q, docs), ans, ms in zip(prompts, answers, margins):
+        before = esc.engine.metrics.escalations
+        out = esc.generate(q, chunks=docs, max_new_tokens=n)
+        p = next((i for i, m in enumerate(ms[:min(window, len(ans))]) if m < tau), None)
+        assert esc.engine.metrics.escalations - before == (p is not None)
+        if p is None:
+            assert list(out.token_ids) == ans
+        else:
+            later += p > 0
+            head = ans[:p]
+            tail = hf_generate(model, list(out.prompt_token_ids) + head, n - p, esc.eos_token_ids)
+            assert list(out.token_ids) == head + tail, p
+            assert len(out.token_ids) == len(head + tail)
+    assert later > 0
+    assert esc.engine.metrics.preemptions == 0  # escalations are not counted as preemptions
+    esc.close()
+
+
 @pytest.mark.parametrize("bad", [-0.1, 1.5, "x", float("nan")])
 def test_bad_thresholds_are_refused(model, tokenizer, bad):
     with pytest.raises(InvalidRequestError, match="escalate_below"):
         _llm(model, tokenizer, escalate_below=bad)
+
+
+@pytest.mark.parametrize("bad", [0, 65, 2.0, "4", True])
+def test_bad_windows_are_refused(model, tokenizer, bad):
+    with pytest.raises(InvalidRequestError, match="escalate_tokens"):
+        _llm(model, tokenizer, escalate_below=0.1, escalate_tokens=bad)
 
 
 def test_escalation_needs_cached_chunks(model, tokenizer):
