@@ -31,7 +31,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 # each setting named by its preset, so a row means the same whatever LazyLLM()'s default is
 SETTINGS = {"default": {}, "isolated+packet": {"quality": "isolated"},
             "isolated": {"quality": "isolated", "packets": None},
-            "fast": {"quality": "fast"}, "balanced": {"quality": "balanced"}}
+            "fast": {"quality": "fast"}, "balanced": {"quality": "balanced"},
+            # balanced's recompute without its adaptive escalation: the base of its curve
+            "recompute-only": {"quality": "balanced", "escalate_below": 0.0}}
 
 
 def aggregate(reports: list[dict]) -> tuple[list[dict], dict]:
@@ -128,6 +130,9 @@ def main(argv=None) -> None:
                     help=f"comma separated, of {sorted(SETTINGS)}")
     ap.add_argument("--orders", type=int, default=4, help="other orders of each case's documents (the floor)")
     ap.add_argument("--slice", type=int, default=20, help="cases a saved slice")
+    ap.add_argument("--answer-tokens", type=int, default=8,
+                    help="full attention's answer length every setting is teacher-forced on (top-1 and KL are "
+                         "over these; same answer over the first 8)")
     ap.add_argument("--limit", type=int, default=None, help="the first N cases only")
     ap.add_argument("--first-slice", type=int, default=0, help="start at this slice (another process runs the earlier)")
     ap.add_argument("--jobs", type=int, default=1, help="processes measuring slices at once")
@@ -135,6 +140,8 @@ def main(argv=None) -> None:
     ap.add_argument("--table-only", action="store_true", help="print the table of what is saved")
     ap.add_argument("--curve", default=None, metavar="SETTING",
                     help="also print the adaptive-recompute curve over this setting (lazyllm.quality.adaptive)")
+    ap.add_argument("--escalate-tokens", type=int, default=1, metavar="N",
+                    help="the curve's window: the first N answer tokens' margins (escalate_tokens)")
     a = ap.parse_args(argv)
     if a.jobs < 1:
         ap.error("--jobs must be at least 1")
@@ -147,7 +154,7 @@ def main(argv=None) -> None:
         if a.jobs == 1:
             _measure(a)
         else:
-            _run_workers(argv if argv is not None else sys.argv[1:], a.jobs)
+            _run_workers(argv if argv is not None else sys.argv[1:], a.jobs, a.out)
         print(f"measured in {time.perf_counter() - t0:.0f} s of wall time ({a.jobs} process(es))", flush=True)
     reports = []
     for p in sorted(glob.glob(os.path.join(a.out, "slice-*.json"))):
@@ -169,21 +176,36 @@ def main(argv=None) -> None:
             ap.error(f"--curve {a.curve}: the engine escalates only without packets (full attention has no "
                      "packet tokens), so a packet setting's curve would not be what it runs")
         cases = [pc for rep in reports for pc in rep["cases"]]
-        print(f"\nAdaptive recompute over {a.curve}: requests whose first answer token's top-2 margin is "
-              "lowest answered by full attention\n")
-        print(curve_markdown(escalation_curve(cases, a.curve, floor)))
+        print(f"\nAdaptive recompute over {a.curve}: requests whose top-2 margin over their first "
+              f"{a.escalate_tokens} answer token(s) is lowest answered by full attention\n")
+        print(curve_markdown(escalation_curve(cases, a.curve, floor, window=a.escalate_tokens)))
 
 
-def _run_workers(argv: list[str], jobs: int) -> None:
-    """The same command in ``jobs`` processes, worker ``w`` measuring slices ``w, w + jobs, ...``,
-    each with ``cpu_count // jobs`` threads."""
+def _run_workers(argv: list[str], jobs: int, out: str) -> None:
+    """The same command in ``jobs`` processes, each taking the next slice nobody has claimed
+    (``_claim``), each with ``cpu_count // jobs`` threads."""
     threads = str(max(1, (os.cpu_count() or 1) // jobs))
     env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+    for p in glob.glob(os.path.join(out, "slice-*.json.claim")):
+        os.remove(p)  # a stopped run's claims: its unsaved slices are measured again
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--worker", str(w)], env=env)
              for w in range(jobs)]
     codes = [p.wait() for p in procs]
     if any(codes):
         raise SystemExit(f"a worker failed (exit codes {codes})")
+
+
+def _claim(out: str, worker: int | None) -> bool:
+    """Whether this process measures the slice saved as ``out``: the first worker to create
+    its claim file takes it (slices take unequal times, so the workers share them as they
+    free up); a lone process takes every slice not saved yet."""
+    if worker is None:
+        return True
+    try:
+        os.close(os.open(out + ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _path(a) -> str:
@@ -204,10 +226,11 @@ def _measure(a) -> None:
     try:
         for i in range(a.first_slice * a.slice, len(cases), a.slice):
             out = os.path.join(a.out, f"slice-{i // a.slice:03d}.json")
-            if os.path.exists(out) or (a.worker is not None and (i // a.slice) % a.jobs != a.worker):
+            if os.path.exists(out) or not _claim(out, a.worker):
                 continue
             t0 = time.perf_counter()
-            rep = compare(llm, cases[i:i + a.slice], settings, progress=False, ttft_cases=0, orders=a.orders)
+            rep = compare(llm, cases[i:i + a.slice], settings, progress=False, ttft_cases=0, orders=a.orders,
+                          answer_tokens=a.answer_tokens)
             d = rep.to_dict()
             d["wall_s"] = time.perf_counter() - t0
             with open(out + ".part", "w", encoding="utf-8") as f:
