@@ -128,6 +128,41 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 20 / (ev[0].elapsed_time(ev[1]) / 1e3)
 
 
+def gemm_floor_ms(engine_model, tokens: int, reps: int = 20) -> float:
+    """The engine's own projection GEMMs of one forward over ``tokens`` rows (every layer's
+    fused q/k/v, output, fused gate/up and down weights, then the LM head for one row), alone:
+    no attention, norm or activation, replayed from one CUDA graph. The time a forward cannot
+    beat with these GEMMs (cuBLAS through ``torch.nn.functional.linear``)."""
+    import torch.nn.functional as F
+
+    names = ("wqkv", "wo", "wgu", "wd")
+    ws = [w[n] for w in engine_model.layers for n in names]
+    xs = {k: torch.randn(tokens, k, device=ws[0].device, dtype=ws[0].dtype) for k in {w.shape[1] for w in ws}}
+    head_x = torch.randn(1, engine_model.lm_head.shape[1], device=ws[0].device, dtype=ws[0].dtype)
+
+    def chain():
+        for w in ws:
+            F.linear(xs[w.shape[1]], w)
+        F.linear(head_x, engine_model.lm_head)
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    graph.replay()
+    ev[0].record()
+    for _ in range(reps):
+        graph.replay()
+    ev[1].record()
+    torch.cuda.synchronize()
+    return ev[0].elapsed_time(ev[1]) / reps
+
+
 def step_ms(llm, batch: int) -> tuple[float, int]:
     """Median time (ms) of the logged decode steps that had exactly ``batch`` requests
     decoding, and how many there were."""

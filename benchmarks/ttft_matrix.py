@@ -45,6 +45,7 @@ if ROOT not in sys.path:
 from benchmarks._common import (  # noqa: E402
     copy_bandwidth,
     device_name,
+    gemm_floor_ms,
     llama31_8b_config,
     load_tokenizer,
     random_model,
@@ -253,11 +254,28 @@ class Turns:
         self._write("stop" if stop else str(slot + 1))
 
 
-def build(model, tok, preset: str, kv_bytes: int):
-    from lazyllm import LazyLLM
+# a preset's options where its name is not a preset of lazyllm.presets
+PRESET_OPTIONS = {"default": {}, "recompute-only": {"quality": "balanced", "escalate_below": 0.0}}
+# what an older tree (the baseline of compare_trees.sh) ran for the same options before the
+# name existed: ``isolated`` was LazyLLM()'s default, ``balanced`` had no escalation
+OLDER_TREE = {"isolated": {}, "recompute-only": {"quality": "balanced"}}
 
-    kw = {} if preset == "default" else {"quality": preset}
-    llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=kv_bytes, **kw)
+
+def build(model, tok, preset: str, kv_bytes: int):
+    """The engine of ``preset`` over ``model``. Random weights decide nothing, so a setting
+    with adaptive recompute would escalate every request: matrix cells measure a preset's
+    reuse and recompute, and ``recompute-only`` is ``balanced`` without its escalation
+    (an escalated request costs a full prefill: ``preset_ttft.py``'s ``escalated`` row)."""
+    from lazyllm import LazyLLM
+    from lazyllm.errors import InvalidRequestError
+
+    kw = PRESET_OPTIONS.get(preset, {"quality": preset})
+    try:
+        llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=kv_bytes, **kw)
+    except (InvalidRequestError, TypeError):
+        if preset not in OLDER_TREE:
+            raise
+        llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=kv_bytes, **OLDER_TREE[preset])
     run_to_length(llm)
     return llm, Clock(llm)
 
@@ -276,13 +294,20 @@ def run_item(name: str, llms: dict, args, item: int) -> list[dict] | str:
     return run_cell(llm, clock, cell, args.reps, texts)
 
 
-def _floor(model, results: dict) -> None:
+def _floor(model, results: dict, llms: dict) -> None:
     """The weight-read floor of one forward: the weights (less the embedding table, one row a
-    token) over the device-to-device copy bandwidth measured now."""
+    token) over the device-to-device copy bandwidth measured now; and the GEMM floor: the
+    engine's projection GEMMs alone for workload A's 57 rows (``gemm_floor_ms``), where the
+    tree's engine exposes its layers."""
     emb = model.model.embed_tokens.weight
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - emb.numel() * emb.element_size()
     bw = copy_bandwidth()
     results.update(copy_TBps=bw / 1e12, weight_read_floor_ms=weight_bytes / bw * 1e3)
+    llm = next(iter(llms.values()))[0]
+    try:
+        results["gemm_floor_ms"] = gemm_floor_ms(llm.engine.model, 57)
+    except (AttributeError, KeyError) as e:  # an engine without fused layer weights
+        results["gemm_floor_error"] = repr(e)
 
 
 def run(args) -> dict:
@@ -315,7 +340,7 @@ def run(args) -> dict:
         stop = time.perf_counter() > deadline
         if not stop:
             if cuda and "copy_TBps" not in results:
-                _floor(model, results)
+                _floor(model, results, llms)
             _record(results, name, run_item(name, llms, args, item), args)
         if turns:
             turns.done(slot, stop)
@@ -383,10 +408,16 @@ def compare(old_path: str, new_path: str) -> list[dict]:
                                                                                     else ""))
     if "weight_read_floor_ms" in new:
         fl = new["weight_read_floor_ms"]
-        b = medians(new["cells"].get("q50-n8-L512-cached-alone-t4-default", {}))
-        print(f"weight-read floor {fl:.2f} ms (copy {new['copy_TBps']:.2f} TB/s); 50-token question over 8 x 512 "
-              f"cached, 4 tokens: engine {b.get('engine_ms', float('nan')):.2f} ms = "
-              f"{b.get('engine_ms', float('nan')) / fl:.2f}x the floor")
+        for p in ("isolated", "fast", "default"):
+            b = medians(new["cells"].get(f"q50-n8-L512-cached-alone-t4-{p}", {}))
+            if b.get("engine_ms"):
+                print(f"weight-read floor {fl:.2f} ms (copy {new['copy_TBps']:.2f} TB/s); 50-token question over "
+                      f"8 x 512 cached, 4 tokens, {p}: engine {b['engine_ms']:.2f} ms = {b['engine_ms'] / fl:.2f}x "
+                      "the floor")
+        if "gemm_floor_ms" in new:
+            g = new["gemm_floor_ms"]
+            print(f"GEMM floor (the engine's projection GEMMs alone, 57 rows, one CUDA graph): {g:.2f} ms = "
+                  f"{g / fl:.2f}x the weight-read floor")
     return rows
 
 
