@@ -93,3 +93,16 @@ def test_the_build_is_deterministic():
     if installed != meta["package"].split("=")[1]:
         pytest.skip(f"another python3-doc ({installed}) than the suite's ({meta['package']})")
     assert r.returncode == 0 and "identical" in r.stdout, r.stdout + r.stderr
+
+
+def test_report_workers_each_take_a_slice_once(tmp_path):
+    """``prose_fidelity.py --jobs N``: a slice goes to the first worker that claims it, and
+    to no other; a lone process takes every slice."""
+    from tests.conftest import load_benchmark
+
+    pf = load_benchmark("prose_fidelity")
+    out = str(tmp_path / "slice-000.json")
+    assert pf._claim(out, 0) is True
+    assert pf._claim(out, 1) is False and pf._claim(out, 0) is False
+    assert pf._claim(str(tmp_path / "slice-001.json"), 1) is True
+    assert pf._claim(out, None) is True
