@@ -31,7 +31,7 @@ from .model.llama import LlamaFamilyModel
 from .model.loader import eos_token_ids, load_hf
 from .model.packets import resolve_packets
 from .stream import TextStream
-from .types import Chunk, GenerationOutput, ScoreOutput, as_chunk
+from .types import DEFAULT_MAX_NEW_TOKENS, Chunk, GenerationOutput, ScoreOutput, as_chunk
 
 
 def _from_config(name: str) -> property:
@@ -258,7 +258,7 @@ class LazyLLM:
                 raise val
 
     def generate(self, question: str | None = None, chunks: Sequence[str | Chunk] | None = None,
-                 system: str | None = None, *, max_new_tokens: int = 64, temperature: float = 0.0,
+                 system: str | None = None, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,
                  timeout: float | None = None, response_format: Any = None, tools: Sequence[dict] | None = None,
                  tool_choice: str | dict | None = None, messages: Sequence[dict] | None = None,

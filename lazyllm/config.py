@@ -238,10 +238,6 @@ class EngineConfig:
         return (self.reuse in CHUNK_CACHING_MODES and not self.block_ft and self.tensor_parallel == 1
                 and self.escalate_below == 0)
 
-    @property
-    def recovery_enabled(self) -> bool:
-        return self.recompute_first_tokens > 0 or self.recompute_ratio > 0
-
     def as_kwargs(self) -> dict[str, Any]:
         """The options as keyword arguments of ``LazyLLM`` (``LazyLLM(path, **c.as_kwargs())``
         runs this configuration); shallow, unlike ``dataclasses.asdict``."""

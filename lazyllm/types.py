@@ -65,12 +65,15 @@ def as_chunks(chunks: Any) -> list[Chunk]:
     return chunks
 
 
+DEFAULT_MAX_NEW_TOKENS = 64  # a generation's length limit where the caller gives none
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Decoding options. ``temperature == 0`` is greedy; ``top_k == 0`` and
     ``top_p == 1`` switch those filters off; ``seed`` makes sampling reproducible."""
 
-    max_new_tokens: int = 64
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0

@@ -20,7 +20,7 @@ from ..config import CHUNK_CACHING_MODES
 from ..engine.detokenizer import Detokenizer
 from ..engine.request import Request, Scoring, Segment
 from ..errors import ContextLengthError, InvalidRequestError
-from ..types import Chunk, GenerationOutput, SamplingParams, as_chunks
+from ..types import DEFAULT_MAX_NEW_TOKENS, Chunk, GenerationOutput, SamplingParams, as_chunks
 from .conversation import render_request
 from .prompt import PromptBuilder, check_text
 
@@ -52,9 +52,9 @@ class InputProcessor:
         self._grammar_compiler = None
 
     # -- the requests --------------------------------------------------------------
-    def generation(self, question, chunks=None, system=None, *, max_new_tokens=64, temperature=0.0, top_p=1.0,
-                   top_k=0, seed=None, stop=None, timeout=None, response_format=None, tools=None,
-                   tool_choice=None, messages=None, parallel_tool_calls=False, streaming=True,
+    def generation(self, question, chunks=None, system=None, *, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
+                   temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None, timeout=None, response_format=None,
+                   tools=None, tool_choice=None, messages=None, parallel_tool_calls=False, streaming=True,
                    logprobs=False, top_logprobs=0, raw=False, received_at=None) -> Request:
         """A request to answer ``question`` over ``chunks`` (``LazyLLM.generate``'s arguments);
         raises ``InvalidRequestError`` / ``ContextLengthError`` for what cannot run.

@@ -28,7 +28,7 @@ def test_defaults_are_the_documented_ones():
     assert {k: getattr(c, k) for k in QUALITY_OPTIONS} == QUALITY_OPTIONS
     assert (c.device, c.dtype, c.page_size, c.kv_cache_bytes, c.attention_backend) == ("auto", None, None, None, "auto")
     assert (c.tensor_parallel, c.batch_invariant, c.overlap_decode, c.packets) == (1, False, None, "auto")
-    assert c.calibration == (1.0, 1.0) and c.recovery_enabled
+    assert c.calibration == (1.0, 1.0) and c.recompute_first_tokens > 0 and c.recompute_ratio > 0
     # LazyLLM()'s default is the balanced preset's configuration, the rule's choice on real prose
     assert c == EngineConfig.resolve("balanced").replace(quality=None)
     assert c != EngineConfig.resolve("isolated").replace(quality=None)
