@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .cache.store import ChunkStore, PagePool
-from .config import EngineConfig, options_docstring, warm_skipped
+from .config import EngineConfig, options_docstring, resolve_page_size, warm_skipped
 from .config import resolve_device as _resolve_device
 from .config import resolve_dtype as _resolve_dtype
 from .engine.compiles import COMPILES, default_triton_cache
@@ -153,9 +153,7 @@ class LazyLLM:
         if backend.name == "triton" and self.device.type == "cuda":
             default_triton_cache()  # read by Triton at each compile: set before the first
             COMPILES.install()
-        page_size = config.page_size
-        if page_size is None:
-            page_size = 64 if self.device.type == "cuda" and backend.name == "triton" else 16
+        page_size = resolve_page_size(config.page_size, self.device, backend.name)
         self.hf_model, self.tokenizer = hf, tok
         runner = {"cuda_graphs": config.cuda_graphs}
         if config.tensor_parallel > 1:

@@ -423,5 +423,13 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else getattr(torch, DTYPES[dtype])
 
 
+def resolve_page_size(page_size: int | None, device: torch.device, backend: str) -> int:
+    """The KV page size of a ``page_size`` option (``None``: 64 tokens for the Triton kernels
+    on CUDA, 16 elsewhere)."""
+    if page_size is not None:
+        return page_size
+    return 64 if device.type == "cuda" and backend == "triton" else 16
+
+
 __all__ = ["EngineConfig", "register_selection", "selection_names", "selection", "options_docstring",
            "options_markdown", "REUSE_MODES", "CHUNK_CONTEXTS", "CHUNK_CACHING_MODES", "BACKENDS"]

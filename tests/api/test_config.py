@@ -223,3 +223,14 @@ def test_a_packet_without_a_preset_runs_isolated_chunks():
     assert EngineConfig.resolve(packets="auto") == EngineConfig()
     kept = EngineConfig.resolve(packets="my.packets.safetensors", chunk_context="isolated")
     assert kept.quality is None and kept.recompute_ratio == EngineConfig().recompute_ratio
+
+
+def test_page_size_is_chosen_in_one_place():
+    import torch
+
+    from lazyllm.config import resolve_page_size
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_page_size(None, cuda, "triton") == 64
+    assert resolve_page_size(None, cuda, "torch") == resolve_page_size(None, cpu, "torch") == 16
+    assert resolve_page_size(32, cuda, "triton") == 32
