@@ -49,7 +49,6 @@ from .model_runner import DecodeStep, ModelRunner
 from .output import OutputProcessor
 from .recovery import Recovery
 from .request import Request
-from .sampler import top2_margins
 from .scheduler import Scheduler
 
 __all__ = ["Engine"]
@@ -380,29 +379,17 @@ class Engine:
                 self.decode_state.attach(r)
 
     def _escalate(self, own: list[Request], logits: list) -> tuple[list[Request], list]:
-        """Adaptive recompute (``escalate_below``): each request whose reuse pass left the top-2
-        probability margin of its first answer token (a generation's last logit row; a
-        score's lowest over its first ``escalate_tokens`` rows) below the threshold goes back
-        to the queue, holding nothing, to be prefilled again with every chunk token
-        recomputed (``Recovery.apply``): full attention's answer. A generation that keeps
-        its answer is watched while it decodes its next ``escalate_tokens - 1`` tokens
-        (``_read_step``). One batched margin (``top2_margins``) and one read for the round.
-        Returns the requests that go on."""
-        rec = self.recovery
-        check = [i for i, r in enumerate(own) if rec.escalates(r)]
-        if not check:
-            return own, logits
-        n = rec.escalate_tokens
-        rows = [logits[i][-1:] if own[i].score is None else logits[i][:n] for i in check]
-        margins = top2_margins(torch.cat(rows)).split([len(x) for x in rows])
-        margins = [float(m.min()) for m in margins]
-        low = {i for i, m in zip(check, margins) if m < rec.escalate_below}
+        """Adaptive recompute (``escalate_below``): the requests whose reuse pass left their
+        first answer token undecided (``Recovery.first_escalations``) go back to the queue,
+        holding nothing, to be prefilled again with every chunk token recomputed
+        (``Recovery.apply``): full attention's answer; the others are watched while they
+        decode their next ``escalate_tokens - 1`` tokens (``_decoded``). Returns the
+        requests that go on."""
+        low = self.recovery.first_escalations(own, logits)
         for i in low:
             own[i].state.escalated = True
             self.scheduler.requeue(own[i])
             self.metrics.escalations += 1
-        for i in check:
-            own[i].state.watched = n > 1 and i not in low and own[i].score is None
         keep = [i for i in range(len(own)) if i not in low]
         return [own[i] for i in keep], [logits[i] for i in keep]
 

@@ -34,6 +34,7 @@ from .model_runner import ModelRunner
 from .pinned import to_device
 from .recovery_round import batches, question_ids, select_round
 from .request import ChunkSpan, Job, Request, slot_of
+from .sampler import top2_margins
 
 
 def __getattr__(name: str):
@@ -96,6 +97,23 @@ class Recovery:
             r.state.watched = False
             return False
         return margin < self.escalate_below
+
+    def first_escalations(self, own: list[Request], logits: list) -> set[int]:
+        """The indices of ``own`` (just prefilled; ``logits``: each one's logit rows) whose
+        first answer token's top-2 margin is below ``escalate_below`` (a generation's last
+        row; a score's lowest over its first ``escalate_tokens`` rows), in one batched
+        reduction and one read; the generations that keep their answer are marked watched
+        (``state.watched``) for the rest of their window."""
+        check = [i for i, r in enumerate(own) if self.escalates(r)]
+        if not check:
+            return set()
+        n = self.escalate_tokens
+        rows = [logits[i][-1:] if own[i].score is None else logits[i][:n] for i in check]
+        margins = [float(m.min()) for m in top2_margins(torch.cat(rows)).split([len(x) for x in rows])]
+        low = {i for i, m in zip(check, margins) if m < self.escalate_below}
+        for i in check:
+            own[i].state.watched = n > 1 and i not in low and own[i].score is None
+        return low
 
     def escalates(self, r: Request) -> bool:
         """Whether ``r``, just prefilled over reused chunks, is one whose first token's margin
