@@ -267,15 +267,14 @@ def build(model, tok, preset: str, kv_bytes: int):
     reuse and recompute, and ``recompute-only`` is ``balanced`` without its escalation
     (an escalated request costs a full prefill: ``preset_ttft.py``'s ``escalated`` row)."""
     from lazyllm import LazyLLM
-    from lazyllm.errors import InvalidRequestError
+    from lazyllm.presets import PRESETS, QUALITY_OPTIONS
 
     kw = PRESET_OPTIONS.get(preset, {"quality": preset})
-    try:
-        llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=kv_bytes, **kw)
-    except (InvalidRequestError, TypeError):
-        if preset not in OLDER_TREE:
-            raise
-        llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=kv_bytes, **OLDER_TREE[preset])
+    # a tree that lacks the preset or one of its options runs what it had under another name
+    known = kw.get("quality") in (None, *PRESETS) and all(k in QUALITY_OPTIONS for k in kw if k != "quality")
+    if not known and preset in OLDER_TREE:
+        kw = OLDER_TREE[preset]
+    llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=kv_bytes, **kw)
     run_to_length(llm)
     return llm, Clock(llm)
 
