@@ -1,4 +1,4 @@
-"""Cost of the batched sampler (``lazyllm.engine.sampler.Sampler``) per decode step.
+"""Cost of the batched sampler (``lazyllm.engine.running.sampler.Sampler``) per decode step.
 
 CPU (default): the sampler alone on random ``(batch, vocab)`` logits, batch 1/8/32, for greedy
 rows (the argmax the engine takes when no row samples), sampled rows (temperature; temperature
@@ -58,14 +58,14 @@ class DenseMask:
 
 
 def dense_words(vocab: int, seed: int) -> np.ndarray:
-    from lazyllm.engine.sampler import bitmask_words
+    from lazyllm.engine.running.sampler import bitmask_words
 
     rng = np.random.default_rng(seed)
     return rng.integers(-(2 ** 31), 2 ** 31, size=bitmask_words(vocab), dtype=np.int64).astype(np.int32)
 
 
 def cpu_table(vocab: int, reps: int) -> list[dict]:
-    from lazyllm.engine.sampler import Sampler
+    from lazyllm.engine.running.sampler import Sampler
     from lazyllm.types import SamplingParams
 
     sampler = Sampler(torch.device("cpu"))

@@ -18,10 +18,10 @@ from .cache.store import ChunkStore, PagePool
 from .config import EngineConfig, options_docstring, resolve_page_size, warm_skipped
 from .config import resolve_device as _resolve_device
 from .config import resolve_dtype as _resolve_dtype
-from .engine.compiles import COMPILES, default_triton_cache
 from .engine.engine import Engine
 from .engine.request import Request
-from .engine.warmup import Readiness
+from .engine.warmup.compiles import COMPILES, default_triton_cache
+from .engine.warmup.driver import Readiness
 from .errors import InvalidRequestError
 from .inputs import InputProcessor, check_text, prompt_builder
 from .inputs.encodings import ChunkEncodings
@@ -157,7 +157,7 @@ class LazyLLM:
         self.hf_model, self.tokenizer = hf, tok
         runner = {"cuda_graphs": config.cuda_graphs}
         if config.tensor_parallel > 1:
-            from .engine.tp_runner import TensorParallelRunner, start_group
+            from .engine.running.tp_runner import TensorParallelRunner, start_group
 
             self._check_tensor_parallel(hf.config)
             # the workers load a checkpoint themselves; a model passed in travels to them
@@ -233,7 +233,7 @@ class LazyLLM:
         return kv_cache_bytes
 
     def _check_tensor_parallel(self, cfg) -> None:
-        from .engine.tp_runner import check_group
+        from .engine.running.tp_runner import check_group
 
         check_group(self.tensor_parallel, cfg, self.device)
 
@@ -421,7 +421,7 @@ class LazyLLM:
 
     def warmup(self, progress: bool | None = None) -> dict:
         """Launch every kernel specialization and capture the CUDA graphs this engine uses
-        before the first request (``lazyllm.engine.warmup``; skipped on CPU). Runs once
+        before the first request (``lazyllm.engine.warmup.driver``; skipped on CPU). Runs once
         (``LazyLLM(warmup=True)`` calls it); returns its report: ``seconds``, ``kernels_compiled``,
         ``decode_graphs``, ``prefill_graphs``, ``capture_s``, ``requests``, ``skipped``."""
         return self._readiness.warm(self.engine, self.inputs.synthetic,

@@ -42,14 +42,14 @@ from ..cache.disk_tier import DiskTier
 from ..cache.store import ChunkStore
 from ..config import EngineConfig
 from ..errors import LazyLLMError, RequestCancelled
-from .kv_planner import KVPlanner
+from .kv.planner import KVPlanner
 from .metrics import EngineMetrics
-from .mixed import MixedSteps
-from .model_runner import DecodeStep, ModelRunner
 from .output import OutputProcessor
-from .recovery import Recovery
+from .recovery.recompute import Recovery
 from .request import Request
-from .scheduler import Scheduler
+from .running.model_runner import DecodeStep, ModelRunner
+from .scheduling.mixed import MixedSteps
+from .scheduling.scheduler import Scheduler
 
 __all__ = ["Engine"]
 

@@ -14,18 +14,30 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from ..types import Chunk, GenerationOutput, SamplingParams
-from .page_table import Allocation, TableEntry
 
 if TYPE_CHECKING:
     from .detokenizer import Detokenizer
-    from .sampler import TokenConstraint
+    from .kv.page_table import Allocation
+    from .running.sampler import TokenConstraint
 
 _request_ids = itertools.count(1)
+
+
+class TableEntry(NamedTuple):
+    """One row of a page table (immutable: a tuple, cheap to make once per decode step)."""
+
+    page: int
+    pos: int  # position of slot 0 in the request's frame
+    delta: int  # rotation added to stored keys
+    length: int  # valid slots
+
+    def astuple(self) -> tuple[int, int, int, int]:
+        return (self.page, self.pos, self.delta, self.length)
 
 
 @dataclass

@@ -8,7 +8,7 @@ the same pages: the page tables and the deferred-RoPE metadata (positions, delta
 once on rank 0 and broadcast with each forward (``Channel``), never recomputed per rank.
 
 Rank 0 runs the engine; its ``TensorParallelModel`` is the *lead*: each ``forward`` first
-broadcasts its inputs, then runs its shard. The other ranks (``lazyllm.engine.tp_runner``)
+broadcasts its inputs, then runs its shard. The other ranks (``lazyllm.engine.running.tp_runner``)
 receive and run the same forward. ``LlamaFamilyModel`` itself is untouched: the single-process
 path has no branch for any of this.
 

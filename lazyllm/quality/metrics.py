@@ -36,9 +36,9 @@ def kl_and_agreement(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[li
 def answer_margins(logits: torch.Tensor) -> list[float]:
     """Per answer position (rows of logits ``(n, vocab)``): the probability of the most
     likely next token minus the second's, the margin the engine's ``escalate_below``
-    compares (``lazyllm.engine.sampler.top2_margins``), so a report replays what the engine
+    compares (``lazyllm.engine.running.sampler.top2_margins``), so a report replays what the engine
     decides."""
-    from ..engine.sampler import top2_margins
+    from ..engine.running.sampler import top2_margins
 
     return top2_margins(logits).tolist()
 

@@ -40,7 +40,7 @@ class _Refused(Exception):
 
 
 class GrammarConstraint:
-    """One request's grammar state; the engine's ``TokenConstraint`` (``engine/sampler.py``).
+    """One request's grammar state; the engine's ``TokenConstraint`` (``engine/running/sampler.py``).
 
     ``fill_bitmask(bitmask, row)`` writes the allowed next tokens into row ``row`` of an int32
     ``(B, ceil(V / 32))`` CPU tensor (bit ``j`` of word ``i`` allows token ``32 * i + j``);

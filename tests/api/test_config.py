@@ -185,7 +185,7 @@ def test_registered_selection_is_used(model, tokenizer):
         register_selection("test-last-tokens")(lambda *a: None)
     with pytest.raises(ValueError, match="already registered"):
         register_selection("deviation")(last_tokens)
-    from lazyllm.engine import recovery
+    from lazyllm.engine.recovery import recompute as recovery
 
     assert "test-last-tokens" in selection_names() and selection_names() == recovery.SELECTIONS
     llm = LazyLLM(model=model, tokenizer=tokenizer, recompute_ratio=0.25, recompute_selection="test-last-tokens",

@@ -199,7 +199,7 @@ def test_batched_mask_fill_equals_row_by_row(llm):
     batch) writes the same rows as one ``fill_bitmask`` per row."""
     import torch
 
-    from lazyllm.engine.sampler import bitmask_words
+    from lazyllm.engine.running.sampler import bitmask_words
     from lazyllm.structured import GrammarConstraint, normalize_response_format
 
     grammars = [normalize_response_format(f).grammar for f in (SCHEMA, ["yes", "no"], lazyllm.Regex("[0-9]{3}"))]

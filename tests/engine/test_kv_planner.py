@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from lazyllm.engine.kv_planner import KVPlanner, NonePolicy, PrefixPolicy, Reservation
-from lazyllm.engine.page_table import Allocation
+from lazyllm.engine.kv.page_table import Allocation
+from lazyllm.engine.kv.planner import KVPlanner, NonePolicy, PrefixPolicy, Reservation
 from lazyllm.engine.request import TableEntry
 from tests.engine.fakes import make_request, make_store
 
@@ -240,24 +240,24 @@ _ENTRY_FIELDS = ("page", "pos", "delta", "length")
 _TABLE_LISTS = ("table", "private_pages", "pinned")
 _LIST_EDITS = ("append", "extend", "insert", "remove", "pop", "clear", "__setitem__")
 _ALLOWED = {
-    "lazyllm/engine/page_table.py": _EDITS,
-    "lazyllm/engine/kv_planner.py": _EDITS,
-    "lazyllm/engine/scheduler.py": {"append_page", "advance"},  # decode pages and slots
-    "lazyllm/engine/recovery.py": {"privatize"},  # private copies of recomputed pages
+    "lazyllm/engine/kv/page_table.py": _EDITS,
+    "lazyllm/engine/kv/planner.py": _EDITS,
+    "lazyllm/engine/scheduling/scheduler.py": {"append_page", "advance"},  # decode pages and slots
+    "lazyllm/engine/recovery/recompute.py": {"privatize"},  # private copies of recomputed pages
 }
 
 
 def _table_writes(rel: str, tree: ast.AST) -> list[tuple[str, int, str]]:
     """Where module ``rel`` writes page-table state other than through the calls its role
     may make (``_ALLOWED``)."""
-    planner = rel == "lazyllm/engine/page_table.py"
+    planner = rel == "lazyllm/engine/kv/page_table.py"
     allowed = _ALLOWED.get(rel, set())
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and not planner:
             if node.attr in ("_table", "_private", "_pinned"):  # the allocation's storage
                 found.append((rel, node.lineno, node.attr))
-            makes_it = node.attr == "alloc" and rel == "lazyllm/engine/kv_planner.py"  # the planner makes it
+            makes_it = node.attr == "alloc" and rel == "lazyllm/engine/kv/planner.py"  # the planner makes it
             if isinstance(node.ctx, ast.Store) and node.attr in ("table", "alloc", *_TABLE_LISTS) and not makes_it:
                 found.append((rel, node.lineno, f"assigns .{node.attr}"))
             own = isinstance(node.value, ast.Name) and node.value.id == "self"  # an object's own field

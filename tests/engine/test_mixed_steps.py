@@ -1,4 +1,4 @@
-"""Mixed steps (``LazyLLM(mixed_steps=True, step_token_budget=...)``, ``lazyllm/engine/mixed.py``):
+"""Mixed steps (``LazyLLM(mixed_steps=True, step_token_budget=...)``, ``lazyllm/engine/scheduling/mixed.py``):
 decode rows and prefill pieces in one forward under a token budget, long jobs prefilled in
 pieces. Checked against the engine without them: the same greedy tokens (torch reference and
 the Triton kernels in the interpreter), the same chunk KV in the cache pages, and a step trace

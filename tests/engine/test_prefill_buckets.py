@@ -2,7 +2,7 @@
 that holds it, with little padding above 256 tokens."""
 import torch
 
-from lazyllm.engine.cuda_graphs import PrefillGraphs
+from lazyllm.engine.running.cuda_graphs import PrefillGraphs
 
 
 def test_every_prefill_size_has_a_listed_bucket_that_holds_it():

@@ -1,4 +1,4 @@
-"""The batched sampler (``lazyllm.engine.sampler``) on its own: greedy rows are the argmax,
+"""The batched sampler (``lazyllm.engine.running.sampler``) on its own: greedy rows are the argmax,
 sampled rows follow softmax(logits / T) restricted to top-k and top-p (chi-square against
 the probabilities computed here independently), a row's draws depend only on its seed and
 token index (not on its neighbours), and token bitmasks remove exactly the tokens they
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from lazyllm.engine.sampler import Sampler, TokenConstraint, apply_bitmask, bitmask_words, row_uniform
+from lazyllm.engine.running.sampler import Sampler, TokenConstraint, apply_bitmask, bitmask_words, row_uniform
 from lazyllm.types import SamplingParams
 
 # chi-square quantiles at 1 - 1e-4 by degrees of freedom (a correct sampler fails one

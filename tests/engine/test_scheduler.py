@@ -2,11 +2,11 @@
 pages, decode pages and slots, preemption; on a CPU page pool with no model."""
 import pytest
 
-from lazyllm.engine.cuda_graphs import DecodeState
-from lazyllm.engine.kv_planner import KVPlanner
+from lazyllm.engine.kv.planner import KVPlanner
 from lazyllm.engine.metrics import EngineMetrics
 from lazyllm.engine.request import pack_tables
-from lazyllm.engine.scheduler import Scheduler
+from lazyllm.engine.running.cuda_graphs import DecodeState
+from lazyllm.engine.scheduling.scheduler import Scheduler
 from lazyllm.errors import CacheCapacityError
 from tests.engine.fakes import make_request, make_store
 

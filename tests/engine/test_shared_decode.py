@@ -105,7 +105,7 @@ def test_little_sharing_keeps_the_per_request_kernel(model, tokenizer):
 def test_a_plan_larger_than_the_buffers_falls_back():
     """A plan that does not fit the fixed-size buffers is not uploaded (bucket 0: the step
     runs the per-request kernel); one that fits is laid out with its unused items zeroed."""
-    from lazyllm.engine.cuda_graphs import SharedPlanBuffers
+    from lazyllm.engine.running.cuda_graphs import SharedPlanBuffers
     from lazyllm.kernels.grouping import plan_groups
 
     rows = [[(p, 16 * c, 0, 16) for c, p in enumerate(range(8))] + [(100 + b, 128, 0, 3)] for b in range(6)]

@@ -1,4 +1,4 @@
-"""The warm-up (lazyllm.engine.warmup): Triton's cache folder, the counter of kernels compiled
+"""The warm-up (lazyllm.engine.warmup.driver): Triton's cache folder, the counter of kernels compiled
 after ready (fed with Triton's hook events directly: nothing compiles on CPU), and the
 warm-up's synthetic requests through a real engine on CPU, which must leave no trace."""
 from __future__ import annotations
@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from lazyllm import LazyLLM
-from lazyllm.engine import compiles as cw
-from lazyllm.engine import warmup as wu
+from lazyllm.engine.warmup import compiles as cw
+from lazyllm.engine.warmup import driver as wu
+from lazyllm.engine.warmup.shapes import RunnerShapes
 from tests.conftest import make_tiny
 
 
@@ -142,7 +143,7 @@ def test_prefill_lengths_cover_every_launch_plan_of_a_dense_sweep(tokenizer):
         def keys(n):
             return launch_variants(r.model, r.pool.k, r.pool.v, 1, n, cdiv(n, 64), cdiv(n, 64))
 
-        shapes = r.warm_shapes(3064)  # the longest prefill: 3000 tokens
+        shapes = RunnerShapes(r).warm_shapes(3064)  # the longest prefill: 3000 tokens
         lengths = shapes.prefill_lengths
         reached = set().union(*(keys(n) for n in lengths))
         assert max(lengths) <= 3000 and len(lengths) < 40

@@ -334,7 +334,7 @@ def test_layer1_key_deviation_from_cached_layer0_equals_dense_probe_on_triton(ti
 def test_fused_attention_mass_equals_unfused_layers(tiny_cuda, tokenizer, monkeypatch, depth):
     """The question's mass pass runs on the forward's fused kernels; it gives the mass of
     the unfused layers (``PagedPass`` with ``mass``), over every layer or the first ones."""
-    from lazyllm.engine.recovery import Recovery
+    from lazyllm.engine.recovery.recompute import Recovery
 
     seen = []
     orig = Recovery.question_attention
@@ -372,7 +372,7 @@ def test_question_attention_pass_from_cuda_graph_equals_eager(tiny_cuda, tokeniz
     """Attention-guided recompute selection runs the question's first pass (the attention
     mass over the cached chunks) from a CUDA graph; it gives the mass of the eager pass (an
     engine with ``cuda_graphs=False``, same request)."""
-    from lazyllm.engine.recovery import Recovery
+    from lazyllm.engine.recovery.recompute import Recovery
 
     seen: dict[bool, list] = {True: [], False: []}
     orig = Recovery.question_attention

@@ -51,7 +51,7 @@ def test_graph_decode_with_sampled_and_constrained_rows(tokenizer):
 
 
 def test_device_sampler_follows_the_filtered_softmax():
-    from lazyllm.engine.sampler import Sampler
+    from lazyllm.engine.running.sampler import Sampler
     from tests.engine.test_sampler import CHI2_9999, LOGITS, _AllowedSet, _chi2, _expected, _row
 
     sampler = Sampler(torch.device("cuda"))

@@ -27,7 +27,7 @@ def installed():
 
 
 def test_selection_names(model, tokenizer):
-    from lazyllm.engine import recovery
+    from lazyllm.engine.recovery import recompute as recovery
 
     assert recovery.SELECTIONS.count("oracle-kv") == 1
     for sel in ("deviation", "attention", "two-stage", *quality.ORACLE_SELECTIONS):

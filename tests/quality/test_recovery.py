@@ -315,7 +315,7 @@ def test_prefix_context_recomputes_nothing_of_the_chunk_at_home(model, tokenizer
     already holds full attention's KV: neither the first tokens nor the selected ones are
     taken from it, the budget goes to the other chunks, and the answer is the same whether
     its chunks were cached in another order or not."""
-    from lazyllm.engine.recovery import Recovery
+    from lazyllm.engine.recovery.recompute import Recovery
 
     picked = []
     real = Recovery.apply

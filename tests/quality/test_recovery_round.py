@@ -1,4 +1,4 @@
-"""Recovery's selection for a whole round (``lazyllm/engine/recovery_round.py``) picks, for
+"""Recovery's selection for a whole round (``lazyllm/engine/recovery/rounds.py``) picks, for
 every request, the tokens the per-request selection picks for it alone: each of the engine's
 selections, the torch reference and the Triton kernels (Triton's interpreter on CPU), with
 the round's passes split by ``max_batch_tokens`` or not, chunks at home excluded."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lazyllm import LazyLLM
-from lazyllm.engine.model_runner import budget_groups
-from lazyllm.engine.recovery_round import batched_selection, batches, select_round
+from lazyllm.engine.recovery.rounds import batched_selection, batches, select_round
+from lazyllm.engine.running.model_runner import budget_groups
 from tests.conftest import make_tiny
 from tests.quality.test_recovery import DOCS
 

@@ -12,7 +12,7 @@ pytest.importorskip("uvicorn")
 from conftest import loopback_server, make_tiny  # noqa: E402
 
 from lazyllm import LazyLLM  # noqa: E402
-from lazyllm.engine import compiles as cw  # noqa: E402
+from lazyllm.engine.warmup import compiles as cw  # noqa: E402
 from lazyllm.integrations.server import create_app  # noqa: E402
 from lazyllm.integrations.server.backends import LocalBackend  # noqa: E402
 from lazyllm.integrations.server.cli import build_parser, engine_config  # noqa: E402

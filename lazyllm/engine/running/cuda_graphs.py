@@ -33,10 +33,10 @@ import torch
 
 from lazyllm.kernels.grouping import ITEM_FIELDS, MEMBER_FIELDS, PAGE_FIELDS, GroupPlan, GroupTensors
 
-from ..intmath import cdiv, next_pow2
-from ..model.attention import AttentionMetadata, SharedMeta
-from .pinned import PinnedTurns
-from .request import pack_tables
+from ...intmath import cdiv, next_pow2
+from ...model.attention import AttentionMetadata, SharedMeta
+from ..pinned import PinnedTurns
+from ..request import pack_tables
 from .sampler import top2_margins
 
 _PAGE, _POS, _DELTA, _LEN = range(4)

@@ -29,13 +29,13 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from ..cache.disk_tier import DiskTier
-from ..cache.store import ChunkStore, Entry, segment_keys
-from ..config import CHUNK_CACHING_MODES, REUSE_MODES
-from ..intmath import cdiv
-from .metrics import EngineMetrics
+from ...cache.disk_tier import DiskTier
+from ...cache.store import ChunkStore, Entry, segment_keys
+from ...config import CHUNK_CACHING_MODES, REUSE_MODES
+from ...intmath import cdiv
+from ..metrics import EngineMetrics
+from ..request import ChunkSpan, Job, PrefillPlan, Request, TableEntry, entry_table
 from .page_table import Allocation
-from .request import ChunkSpan, Job, PrefillPlan, Request, TableEntry, entry_table
 
 
 @dataclass

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..cache.store import PagePool
-from ..errors import InvalidRequestError
-from ..model.attention import make_backend
-from ..model.tensor_parallel import (
+from ...cache.store import PagePool
+from ...errors import InvalidRequestError
+from ...model.attention import make_backend
+from ...model.tensor_parallel import (
     COPY,
     FORWARD,
     MULTICAST_OFF_ENV,
@@ -35,7 +35,7 @@ from ..model.tensor_parallel import (
     TensorParallelModel,
     tensor_parallel_error,
 )
-from .metrics import EngineMetrics
+from ..metrics import EngineMetrics
 from .model_runner import ModelRunner
 
 START_TIMEOUT_S = 600.0
@@ -220,7 +220,7 @@ def _worker_main(rank: int, device: str, a: dict, status) -> None:
                                 device_id=dev if dev.type == "cuda" else None)
         src = a["source"]
         if isinstance(src, tuple):
-            from ..model.loader import load_hf
+            from ...model.loader import load_hf
 
             # on the CPU: only this rank's shard goes to its GPU
             src, _, _ = load_hf(src[1], device="cpu", dtype=a["dtype"], trust_remote_code=src[2], progress=False)

@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..intmath import cdiv
-from .request import Job, Request, TableEntry, entry_table, slot_of
-from .sampler import top2_margins
+from ...intmath import cdiv
+from ..request import Job, Request, TableEntry, entry_table, slot_of
+from ..running.sampler import top2_margins
 
 if TYPE_CHECKING:
-    from .kv_planner import PendingEntry
+    from ..kv.planner import PendingEntry
 
 log = logging.getLogger("lazyllm")
 

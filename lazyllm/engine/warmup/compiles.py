@@ -12,7 +12,7 @@ import os
 import threading
 from contextlib import contextmanager
 
-from ..model.loader import cache_root
+from ...model.loader import cache_root
 
 log = logging.getLogger("lazyllm")
 

@@ -24,17 +24,17 @@ import torch
 
 from lazyllm.kernels.reference import rotate_by_delta
 
-from ..config import register_selection, selection_names
-from ..config import selection as scorer_of
-from ..intmath import cdiv
+from ...config import register_selection, selection_names
+from ...config import selection as scorer_of
+from ...intmath import cdiv
+from ..kv.planner import KVPlanner
+from ..metrics import EngineMetrics
+from ..pinned import to_device
+from ..request import ChunkSpan, Job, Request, slot_of
+from ..running.model_runner import ModelRunner
+from ..running.sampler import top2_margins
 from .chunk_index import DELTA, PAGE, PROBE, ROW, SLOT, SPAN, TOK, TOKEN, ChunkIndex
-from .kv_planner import KVPlanner
-from .metrics import EngineMetrics
-from .model_runner import ModelRunner
-from .pinned import to_device
-from .recovery_round import batches, question_ids, select_round
-from .request import ChunkSpan, Job, Request, slot_of
-from .sampler import top2_margins
+from .rounds import batches, question_ids, select_round
 
 
 def __getattr__(name: str):

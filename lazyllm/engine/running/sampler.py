@@ -22,9 +22,9 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from ..errors import LazyLLMError
-from ..intmath import cdiv
-from .pinned import PinnedTurns
+from ...errors import LazyLLMError
+from ...intmath import cdiv
+from ..pinned import PinnedTurns
 
 __all__ = ["TokenConstraint", "Sampler", "top2_margins", "row_uniform", "bitmask_words", "apply_bitmask"]
 

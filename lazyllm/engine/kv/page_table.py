@@ -10,22 +10,9 @@ by the scheduler through ``append_page`` and ``advance``, and only copied by eve
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NamedTuple
 
-from ..cache.store import ChunkStore, Entry
-
-
-class TableEntry(NamedTuple):
-    """One row of a page table (immutable: a tuple, cheap to make once per decode step)."""
-
-    page: int
-    pos: int  # position of slot 0 in the request's frame
-    delta: int  # rotation added to stored keys
-    length: int  # valid slots
-
-    def astuple(self) -> tuple[int, int, int, int]:
-        return (self.page, self.pos, self.delta, self.length)
-
+from ...cache.store import ChunkStore, Entry
+from ..request import TableEntry
 
 _new_tuple = tuple.__new__
 

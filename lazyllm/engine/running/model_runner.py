@@ -20,14 +20,13 @@ import torch
 from lazyllm.kernels.grouping import plan_groups
 from lazyllm.kernels.options import KernelOptions
 
-from ..cache.store import PagePool
-from ..intmath import cdiv
-from ..model.attention import AttentionMetadata
+from ...cache.store import PagePool
+from ...intmath import cdiv
+from ...model.attention import AttentionMetadata
+from ..metrics import EngineMetrics
+from ..pinned import PinnedTurns
+from ..request import Job, Request, TableEntry, entry_table, pack_tables, slot_of
 from .cuda_graphs import DecodeState, GraphRunner, PrefillGraphs, SharedPlanBuffers
-from .metrics import EngineMetrics
-from .pinned import PinnedTurns
-from .request import Job, Request, TableEntry, entry_table, pack_tables, slot_of
-from .runner_warm import RunnerWarmUp
 from .sampler import Sampler
 
 
@@ -67,9 +66,9 @@ def budget_groups(sizes: list[int], budget: int) -> list[list[int]]:
     return out
 
 
-class ModelRunner(RunnerWarmUp):
-    """Forwards of one model over one page pool (engine thread only); its warm-up steps and
-    shapes in ``RunnerWarmUp``."""
+class ModelRunner:
+    """Forwards of one model over one page pool (engine thread only); the warm-up's shapes
+    of it in ``lazyllm.engine.warmup.shapes.RunnerShapes``."""
 
     supports_shared = True  # shared-chunk decode (a runner that ships metadata elsewhere says no)
     supports_mixed = True  # mixed steps (``run_mixed``; the same)

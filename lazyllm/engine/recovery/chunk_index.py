@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .pinned import to_device
+from ..pinned import to_device
 
 # rows of the index: its page, its slot in the page, the entry's delta, its position in the
 # prompt, its slot in the question pass's table, its token id, its chunk and its index there;

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import time
 
-from ..errors import CacheCapacityError, LazyLLMError
-from .cuda_graphs import DecodeState
-from .kv_planner import KVPlanner
-from .metrics import EngineMetrics
-from .request import Request, Segment
+from ...errors import CacheCapacityError, LazyLLMError
+from ..kv.planner import KVPlanner
+from ..metrics import EngineMetrics
+from ..request import Request, Segment
+from ..running.cuda_graphs import DecodeState
 
 
 class Scheduler:

@@ -4,7 +4,7 @@ captures, and the shapes of the synthetic requests that reach every launch plan 
 ``RunnerWarmUp`` is part of ``ModelRunner`` (a base class, kept in its own module): the runner
 knows its graphs' buckets, its pool and its attention backend, so it chooses the shapes; the
 launcher tells which shapes compile different kernels (``launch_variants``). The warm-up
-driver (``lazyllm.engine.warmup``) only asks for these and runs them.
+driver (``lazyllm.engine.warmup.driver``) only asks for these and runs them.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..intmath import cdiv
+from ...intmath import cdiv
 
 # the decode and short-prefill graphs are captured for table widths up to this many tokens of
 # context (a request longer than that captures its width bucket on first use, compiling nothing
@@ -40,9 +40,16 @@ class WarmShapes:
     page_size: int
 
 
-class RunnerWarmUp:
-    """The warm-up part of ``ModelRunner`` (its attributes: ``model``, ``pool``, ``graphs``,
-    ``prefill_graphs``, ``decode_state``, ``max_batch_tokens`` and the ``dummy_*`` steps)."""
+class RunnerShapes:
+    """The warm-up's view of a ``ModelRunner`` (``runner``): the captures and the synthetic
+    requests' shapes that reach every launch it can make. It reads the runner's ``model``,
+    ``pool``, ``graphs``, ``prefill_graphs``, ``decode_state`` and ``max_batch_tokens`` and
+    runs its ``dummy_decode`` and ``dummy_prefill`` steps."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.model, self.pool, self.max_batch_tokens = runner.model, runner.pool, runner.max_batch_tokens
+        self.graphs, self.prefill_graphs, self.decode_state = runner.graphs, runner.prefill_graphs, runner.decode_state
 
     def warm_context_tokens(self) -> int:
         """Tokens of context the warm-up covers: up to ``WARM_CONTEXT_TOKENS``, within the
@@ -66,7 +73,7 @@ class RunnerWarmUp:
             for W in widths:
                 for T in pg.token_buckets():  # questions, and recompute passes
                     for m in mass_passes if T <= 256 else [0]:  # the mass pass runs a question alone
-                        out.append(("prefill graphs", lambda T=T, W=W, m=m: self.dummy_prefill(T, W, m) or True))
+                        out.append(("prefill graphs", lambda T=T, W=W, m=m: self.runner.dummy_prefill(T, W, m) or True))
         return out
 
     def warm_shapes(self, context_tokens: int) -> WarmShapes:
@@ -95,7 +102,7 @@ class RunnerWarmUp:
         of the rows it covers)."""
         if self.decode_state.rows:
             return False
-        self.dummy_decode(B, W)
+        self.runner.dummy_decode(B, W)
         return True
 
     def _variants(self, batch: int, max_seqlen_q: int, width: int, row_stride: int, plane: int | None = None):
@@ -153,4 +160,4 @@ class RunnerWarmUp:
         return first_of_each_variant(points, lambda p: self._variants(p[0], p[1], p[2], p[2]))
 
 
-__all__ = ["RunnerWarmUp", "WarmShapes", "WARM_CONTEXT_TOKENS"]
+__all__ = ["RunnerShapes", "WarmShapes", "WARM_CONTEXT_TOKENS"]

@@ -22,11 +22,11 @@ import torch
 
 from lazyllm.kernels.reference import rotate_by_delta
 
-from ..config import selection as scorer_of
+from ...config import selection as scorer_of
+from ..pinned import to_device
+from ..request import Request, slot_of
+from ..running.model_runner import budget_groups
 from .chunk_index import DELTA, DEVICE_ROWS, PAGE, PROBE, ROW, SLOT, TOKEN
-from .model_runner import budget_groups
-from .pinned import to_device
-from .request import Request, slot_of
 
 
 def batched_selection(name: str) -> str | None:

@@ -12,11 +12,12 @@ pay for all of it while they wait.
 launch for this model and pool before the first request. It chooses no shape itself; it asks
 the parts that own them:
 
-- the model runner (``RunnerWarmUp``): its CUDA graph captures (the decode step of every batch
-  bucket at every table-width bucket it covers, the short prefills of every token bucket; an
-  empty step needs no request and compiles what a full one does, as the kernels specialize on
-  shapes, never on the tokens), and the token counts of synthetic requests whose launch plans
-  differ, found by asking the launcher (``launch_variants``);
+- the model runner, through ``RunnerShapes`` (``shapes.py``, made with it): its CUDA graph
+  captures (the decode step of every batch bucket at every table-width bucket it covers, the
+  short prefills of every token bucket; an empty step needs no request and compiles what a
+  full one does, as the kernels specialize on shapes, never on the tokens), and the token
+  counts of synthetic requests whose launch plans differ, found by asking the launcher
+  (``launch_variants``);
 - recovery: its attention-mass passes and its eager launches at the shapes requests leave open
   (``Recovery.warm_launches``);
 - the front door (``make_request``: ``InputProcessor.synthetic``): the synthetic requests,
@@ -39,10 +40,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..intmath import cdiv
-from ..types import Chunk
+from ...intmath import cdiv
+from ...types import Chunk
+from ..request import Request
 from .compiles import COMPILES
-from .request import Request
+from .shapes import RunnerShapes, WarmShapes
 
 log = logging.getLogger("lazyllm")
 
@@ -156,16 +158,17 @@ class _Requests:
 
 
 # -- the plan: what the owners list --------------------------------------------------------
-def _capture_stages(engine, context_pages: int) -> list[tuple[str, Callable[[], None]]]:
+def _capture_stages(engine, runner: RunnerShapes, context_pages: int) -> list[tuple[str, Callable[[], None]]]:
     """The runner's graph captures and recovery's eager launches, each run between requests."""
     out = [(label, lambda fn=fn: engine.when_idle(fn))
-           for label, fn in engine.runner.warm_captures(context_pages, engine.recovery.mass_passes())]
+           for label, fn in runner.warm_captures(context_pages, engine.recovery.mass_passes())]
     if engine.recovery.enabled:
         out.append(("recovery", lambda: engine.when_idle(engine.recovery.warm_launches)))
     return out
 
 
-def _request_stages(engine, shapes, gen: _Requests) -> list[tuple[str, Callable[[], None]]]:
+def _request_stages(engine, runner: RunnerShapes, shapes: WarmShapes,
+                    gen: _Requests) -> list[tuple[str, Callable[[], None]]]:
     """Synthetic requests of the runner's ``WarmShapes`` through the engine: chunk prefills of every
     differing launch plan, batched questions, a question past the prefill graphs, the sampler's
     paths, shared decode at each batch bucket the pool holds (recovery and copies run where the
@@ -192,7 +195,7 @@ def _request_stages(engine, shapes, gen: _Requests) -> list[tuple[str, Callable[
     own = cdiv(len(gen.prefix) + 8 + DECODE_TOKENS, ps)
     if engine.config.reuse != "lazy" or engine.recovery.enabled:
         own += sum(cdiv(len(c), ps) + 1 for c in shared)
-    for B in engine.runner.warm_decode_batches(own):
+    for B in runner.warm_decode_batches(own):
         out.append(("shared decode", lambda B=B: gen.run([gen.make(shared, 8, DECODE_TOKENS) for _ in range(B)])))
     return out
 
@@ -211,9 +214,11 @@ def warm_up(engine, make_request: Callable[..., Request], progress: bool = True,
     compiled0, g0 = COMPILES.compiled, engine.graph_stats()
     gen = _Requests(engine, make_request, engine.runner.model.spec.vocab_size)
     try:
-        context = engine.runner.warm_context_tokens()
-        shapes = engine.runner.warm_shapes(context)
-        stages = _capture_stages(engine, cdiv(context, shapes.page_size) + 2) + _request_stages(engine, shapes, gen)
+        runner = RunnerShapes(engine.runner)
+        context = runner.warm_context_tokens()
+        shapes = runner.warm_shapes(context)
+        stages = (_capture_stages(engine, runner, cdiv(context, shapes.page_size) + 2)
+                  + _request_stages(engine, runner, shapes, gen))
     except Exception as e:  # noqa: BLE001  (a model or backend the planning does not know)
         log.warning("the warm-up could not be planned (%r); the first requests will compile", e)
         stages = []
