@@ -137,13 +137,22 @@ class PagePool:
         self._free.extend(pages)
 
 
+@dataclass(frozen=True)
+class StoreMark:
+    """What ``ChunkStore.mark`` saw: the keys cached then, and a copy of the counters."""
+
+    keys: frozenset
+    counters: CacheStats
+
+
 class ChunkStore:
     """Keyed, pinned, LRU-evicted KV segments inside a ``PagePool``.
 
     The engine uses it only through these methods: ``acquire`` (look up and pin),
     ``release`` (unpin, or drop a reservation nobody else waits for), ``create`` /
     ``adopt`` / ``mark_ready`` (new entries), ``alloc_pages`` (pages for private tokens,
-    evicting LRU-first), ``evictable_pages``, ``clear_unpinned`` and ``stats``; ``key in
+    evicting LRU-first), ``evictable_pages``, ``clear_unpinned``, ``mark`` / ``rollback`` /
+    ``drop_except`` (the warm-up's scratch work) and ``stats``; ``key in
     store`` says whether an entry (ready or still being computed) exists. ``entries`` is
     the store's own LRU order, read by tests.
 
@@ -214,6 +223,17 @@ class ChunkStore:
         for k in keys:
             self._evict(k)
         return len(keys)
+
+    def mark(self) -> StoreMark:
+        """The cached keys and the counters now, for ``rollback`` (work that leaves no trace)."""
+        with self._lock:
+            counters = replace(self.counters)
+        return StoreMark(frozenset(self.entries), counters)
+
+    def rollback(self, mark: StoreMark) -> None:
+        """Evict every unpinned entry cached since ``mark`` and put the counters back to it."""
+        self.drop_except(mark.keys)
+        self.reset_counters(mark.counters)
 
     def reset_counters(self, counters: CacheStats) -> None:
         """Put the hit, miss and eviction counters back to ``counters`` (a copy is kept)."""

@@ -27,7 +27,6 @@ launch), ``cuda_graphs``, ``recovery``, ``output`` (tokens, text, results), ``re
 from __future__ import annotations
 
 import collections
-import copy
 import logging
 import queue
 import threading
@@ -42,7 +41,7 @@ from ..cache.disk_tier import DiskTier
 from ..cache.store import ChunkStore
 from ..config import EngineConfig
 from ..errors import LazyLLMError, RequestCancelled
-from .kv.planner import KVPlanner
+from .kv.planner import KVPlanner, PendingEntry
 from .metrics import EngineMetrics
 from .output import OutputProcessor
 from .recovery.recompute import Recovery
@@ -190,19 +189,17 @@ class Engine:
         counters, metrics and decode step log are as before. Yields a function that drops
         what it cached so far (so that it evicts none of the callers' entries)."""
         store = self.store
-        saved = self.call(lambda: (set(store.entries), copy.deepcopy(store.counters), self.metrics.snapshot(),
-                                   list(self.decode_step_log)))
+        saved = self.call(lambda: (store.mark(), self.metrics.snapshot(), list(self.decode_step_log)))
         self.save_to_disk = False
         try:
-            yield lambda: self.call(lambda: store.drop_except(saved[0]))
+            yield lambda: self.call(lambda: store.drop_except(saved[0].keys))
         finally:
             self.call(lambda: self._restore(saved))
             self.save_to_disk = True
 
     def _restore(self, saved) -> None:
-        keys, counters, metrics, steps = saved
-        self.store.drop_except(keys)
-        self.store.reset_counters(counters)
+        mark, metrics, steps = saved
+        self.store.rollback(mark)
         self.metrics.restore(metrics)
         self.decode_step_log.clear()
         self.decode_step_log.extend(steps)
@@ -253,9 +250,9 @@ class Engine:
             except Exception as e:  # never let one bad step kill the engine
                 log.exception("engine step failed")
                 for r in list(sched.running):
-                    self._finish(r, error=e)
+                    self.finish(r, error=e)
         for r in sched.running + sched.waiting:
-            self._finish(r, error=LazyLLMError("engine closed"))
+            self.finish(r, error=LazyLLMError("engine closed"))
 
     def _step(self) -> None:
         self._drop_cancelled()
@@ -265,7 +262,7 @@ class Engine:
             return
         admitted, failed = self.scheduler.admit()
         for r, e in failed:
-            self._finish(r, error=e)
+            self.finish(r, error=e)
         self._note_peak_pages()
         t0 = time.perf_counter()
         if admitted:
@@ -275,11 +272,11 @@ class Engine:
                 log.exception("prefill failed")
                 if self.device.type == "cuda" and isinstance(e, torch.cuda.OutOfMemoryError):
                     torch.cuda.empty_cache()
-                self._prefill_failed(admitted, e)
+                self.prefill_failed(admitted, e)
         t1 = time.perf_counter()
         decoding = bool(self.decode_state.rows)
         if decoding:
-            self._decode_or_fail()
+            self.decode_or_fail()
         self._note_peak_pages()
         # where the engine thread's time goes (a prefill waits for its first tokens; a decode
         # step, with overlap, for the step before it)
@@ -287,7 +284,7 @@ class Engine:
         m.prefill_s += t1 - t0 if admitted else 0.0
         m.decode_s += t2 - t1 if decoding else 0.0
 
-    def _decode_or_fail(self) -> None:
+    def decode_or_fail(self) -> None:
         """One decode step; when it fails, every request it decoded fails with the error."""
         decoding = list(self.decode_state.rows)
         try:
@@ -295,9 +292,9 @@ class Engine:
         except Exception as e:
             log.exception("decode failed")
             for r in decoding:
-                self._finish(r, error=e)
+                self.finish(r, error=e)
 
-    def _prefill_failed(self, reqs: list[Request], e: Exception) -> None:
+    def prefill_failed(self, reqs: list[Request], e: Exception) -> None:
         """The prefill of ``reqs`` failed: each one not yet decoding is retried alone (a bad
         request then fails only itself), or fails when it was alone."""
         for r in reqs:
@@ -306,7 +303,7 @@ class Engine:
             if len(reqs) > 1:
                 self.scheduler.requeue(r, solo=True)
             else:
-                self._finish(r, error=e)
+                self.finish(r, error=e)
 
     def _note_peak_pages(self) -> None:
         used = self.pool.num_pages - self.pool.num_free
@@ -321,7 +318,7 @@ class Engine:
                 r.state.finish_reason = "timeout"
             if r.cancelled.is_set() and not (self.mixed is not None and self.mixed.holds(r)):
                 timed_out = r.state.finish_reason == "timeout"
-                self._finish(r, error=RequestCancelled("timed out" if timed_out else "cancelled"))
+                self.finish(r, error=RequestCancelled("timed out" if timed_out else "cancelled"))
 
     # -- prefill ---------------------------------------------------------------------
     def _prefill(self, reqs: list[Request]) -> None:
@@ -331,14 +328,19 @@ class Engine:
                 # On failure the entries stay not-ready and are discarded when the
                 # failed requests release them, so no half-written KV is ever found.
                 self.runner.run_jobs([p.job for p in stage])
-                for p in stage:
-                    self.store.mark_ready(p.entry)
-                if self.disk_tier is not None and self.save_to_disk:
-                    self.disk_tier.save([p.entry for p in stage])
-        own = self._before_own(reqs)
-        self._after_own(own, self.runner.run_jobs([r.plan.job for r in own]) if own else [])
+                self.stage_ready(stage)
+        own = self.before_own(reqs)
+        self.after_own(own, self.runner.run_jobs([r.plan.job for r in own]) if own else [])
 
-    def _before_own(self, reqs: list[Request]) -> list[Request]:
+    def stage_ready(self, stage: list[PendingEntry]) -> None:
+        """A stage's entries are computed: later lookups may use them (and the disk tier
+        keeps them, outside ``scratch``)."""
+        for p in stage:
+            self.store.mark_ready(p.entry)
+        if self.disk_tier is not None and self.save_to_disk:
+            self.disk_tier.save([p.entry for p in stage])
+
+    def before_own(self, reqs: list[Request]) -> list[Request]:
         """Once the entries ``reqs`` read are in the pool: quality recovery and re-rotated
         copies; warm-only requests are done. Returns the requests whose own job runs next."""
         if self.recovery.enabled:  # one selection for the round's requests
@@ -350,10 +352,10 @@ class Engine:
             if r.warm_only:
                 r.state.first_token_time = time.perf_counter()
                 r.state.finish_reason = "warm"
-                self._finish(r)
+                self.finish(r)
         return [r for r in reqs if not r.warm_only]
 
-    def _after_own(self, own: list[Request], logits: list) -> None:
+    def after_own(self, own: list[Request], logits: list) -> None:
         """The own jobs of ``own`` ran (``logits``: each one's logit rows): requeue those whose
         first answer token the reuse left undecided (``_escalate``), pick every other
         generating request's first token, score the scoring ones, start decoding."""
@@ -372,7 +374,7 @@ class Engine:
                 continue
             r.state.preempted = False
             if r.id in failed:
-                self._finish(r, error=failed[r.id])
+                self.finish(r, error=failed[r.id])
                 continue
             self._emit(r, firsts[r.id])
             if r.state.finish_reason is None and r in self.scheduler.running:
@@ -383,13 +385,11 @@ class Engine:
         first answer token undecided (``Recovery.first_escalations``) go back to the queue,
         holding nothing, to be prefilled again with every chunk token recomputed
         (``Recovery.apply``): full attention's answer; the others are watched while they
-        decode their next ``escalate_tokens - 1`` tokens (``_decoded``). Returns the
+        decode their next ``escalate_tokens - 1`` tokens (``decoded``). Returns the
         requests that go on."""
         low = self.recovery.first_escalations(own, logits)
         for i in low:
-            own[i].state.escalated = True
-            self.scheduler.requeue(own[i])
-            self.metrics.escalations += 1
+            self.scheduler.escalate(own[i])
         keep = [i for i in range(len(own)) if i not in low]
         return [own[i] for i in keep], [logits[i] for i in keep]
 
@@ -441,11 +441,19 @@ class Engine:
             self._inflight = None
             self._read_step(inflight)  # step n's tokens, while step n + 1 runs
         for r, e in self.runner.pick(step):
-            self._finish(r, error=e)  # its constraint failed: its token is dropped
+            self.finish(r, error=e)  # its constraint failed: its token is dropped
         if self.async_decode:
             self._inflight = step
         else:
             self._inflight = None
+            self._read_step(step)
+
+    def settle_inflight(self) -> None:
+        """The next forward is no plain decode step (a mixed one): read the overlapped step
+        in flight, if any, and start the step-time log afresh."""
+        self._last_read = None
+        if self._inflight is not None:
+            step, self._inflight = self._inflight, None
             self._read_step(step)
 
     def _read_step(self, step: DecodeStep) -> None:
@@ -463,15 +471,15 @@ class Engine:
         for r, tok, m in zip(step.reqs, picks, margins):
             if r.state.row is None:
                 continue  # finished, cancelled or preempted after the step was launched
-            self._decoded(r, tok, m)
+            self.decoded(r, tok, m)
 
-    def _decoded(self, r: Request, tok: int, margin: float | None) -> None:
+    def decoded(self, r: Request, tok: int, margin: float | None) -> None:
         """A decode step's token for ``r``, handed out; or, where ``r`` is inside its
         adaptive-recompute window and the step left this token undecided (``margin`` below
         ``escalate_below``), dropped, and ``r`` queued to be prefilled again with its tokens
         so far and every chunk token recomputed: it goes on as full attention."""
         if margin is not None and r.state.watched and self.recovery.low_margin(r, margin):
-            self.scheduler.preempt(r, escalated=True)
+            self.scheduler.escalate(r)
             return
         r.state.next_pos += 1
         self._emit(r, tok)
@@ -479,17 +487,17 @@ class Engine:
     # -- output ----------------------------------------------------------------------
     def _emit(self, r: Request, tok: int) -> None:
         if r.cancelled.is_set():
-            self._finish(r, error=RequestCancelled("cancelled"))
+            self.finish(r, error=RequestCancelled("cancelled"))
             return
         try:
             done = self.output.emit(r, tok)
         except LazyLLMError as e:  # its constraint rejected the token
-            self._finish(r, error=e)
+            self.finish(r, error=e)
             return
         if done:
-            self._finish(r)
+            self.finish(r)
 
-    def _finish(self, r: Request, error: Exception | None = None) -> None:
+    def finish(self, r: Request, error: Exception | None = None) -> None:
         """Retire ``r`` (its pages are free before the caller hears of it), then hand out
         its result or error."""
         self.scheduler.retire(r)

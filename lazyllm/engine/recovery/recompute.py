@@ -232,7 +232,7 @@ class Recovery:
             picked = np.flatnonzero(~np.repeat(home, lens))
         elif picked is None:
             picked = self._pick(r, home, lens, n_pick)
-        ix = self._index(r)
+        ix = self.index(r)
         span, tok = ix.host[SPAN], ix.host[TOK]
         chosen = (tok < k) & ~home[span]  # each chunk's first k tokens, unless at home
         if self.bridge_tokens:  # a bridge packet's trailer, at each chunk's end
@@ -266,7 +266,7 @@ class Recovery:
                        positions=positions, slots=slots, ctx=plan.ctx_range)
 
     # -- the per-request chunk token index ---------------------------------------------------------
-    def _index(self, r: Request) -> ChunkIndex:
+    def index(self, r: Request) -> ChunkIndex:
         """Per chunk token of ``r`` (chunk order: by chunk, then by token): where it is cached
         (page, slot in the page, the entry's delta), its position in the prompt, its slot in
         the question pass's table, its id, its chunk and its index there. Host arrays, and
@@ -303,7 +303,7 @@ class Recovery:
         recomputes what a generation of those tokens would (the selection never sees the
         answer it is scored on)."""
         plan = r.plan
-        probe = self._cached_table(r)
+        probe = self.cached_table(r)
         ids = question_ids(r)
         S, pos0 = len(ids), plan.suffix_pos
         ps = self.pool.page_size
@@ -321,10 +321,10 @@ class Recovery:
             mass = self.model.attention_mass(ids_t, meta, self.pool.k, self.pool.v, layers=self.mass_layers)
         # the index is built while the device runs the pass; a chunk's pages are consecutive
         # entries of the probe table from its offset on
-        return mass[0].reshape(-1)[self._index(r).dev[PROBE]].float()
+        return mass[0].reshape(-1)[self.index(r).dev[PROBE]].float()
 
     @staticmethod
-    def _cached_table(r: Request) -> list:
+    def cached_table(r: Request) -> list:
         """The request's cached prefix and chunk entries as they are (nothing recomputed or
         copied yet): the question pass's and the probe's table (``_index`` holds each chunk
         token's slot in it)."""
@@ -362,7 +362,7 @@ class Recovery:
         (``probe_keys_paged``); deeper probes run the whole prompt head densely."""
         spans: list[ChunkSpan] = r.plan.spans
         layer = self.probe_layer
-        d = self._index(r).dev
+        d = self.index(r).dev
         pages, slot_idx, deltas, rows, tokens = d[PAGE], d[SLOT], d[DELTA], d[ROW], d[TOKEN]
         idx = only if only is not None else torch.arange(rows.numel(), device=rows.device)
         idx = idx.to(rows.device).sort().values  # by position: the prefill kernels' query order
@@ -383,7 +383,7 @@ class Recovery:
         """Keys of ``layer`` under full attention for the prompt tokens ``ids`` at
         ``positions`` (device tensors, by position), from the cached K/V below it
         (``model.probe_keys_paged``); their own K/V go to the scratch slot."""
-        table = self._cached_table(r)
+        table = self.cached_table(r)
         n = int(positions.shape[0])
         zeros = np.zeros(n, dtype=np.int64)
         slots = np.full(n, self.pool.scratch_page * self.pool.page_size, dtype=np.int64)
@@ -395,7 +395,7 @@ class Recovery:
         """Where each chunk token of ``r`` (in chunk order, as the selections score them) is
         cached: its page, its slot in the page, its entry's delta, and its position in the
         prompt; ``(chunk tokens,)`` int64 each, on the pool's device."""
-        d = self._index(r).dev
+        d = self.index(r).dev
         return d[PAGE], d[SLOT], d[DELTA], d[ROW]
 
 

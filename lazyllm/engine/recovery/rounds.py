@@ -93,7 +93,7 @@ def _gather(rec, reqs: list[Request]) -> _Round | None:
         picks.append(n_pick)
         oks.append(int(lens[~home].sum()))
         excl.append(np.repeat(home, lens))
-        hosts.append(rec._index(r).host)
+        hosts.append(rec.index(r).host)
     if not sel:
         return None
     n = np.array([h.shape[1] for h in hosts], dtype=np.int64)
@@ -129,8 +129,8 @@ def _question_mass(rec, rnd: _Round) -> torch.Tensor:
             pos += range(pos0, pos0 + S)
             slots += [slot_of(plan.own, j, ps) for j in range(S)]
             cu.append(cu[-1] + S)
-            tables.append(rec._cached_table(r) + rec.planner.own_table(plan.own, pos0, S))
-            probe_slots.append(rec._index(r).host[PROBE])
+            tables.append(rec.cached_table(r) + rec.planner.own_table(plan.own, pos0, S))
+            probe_slots.append(rec.index(r).host[PROBE])
         W = max(len(t) for t in tables)
         ids_t, _, meta = rec.runner.metadata(ids, pos, slots, cu, tables, max(np.diff(cu)), [])
         rec.metrics.prefill_tokens += cu[-1]
@@ -164,7 +164,7 @@ def _deviation(rec, rnd: _Round, g: torch.Tensor, per_req: np.ndarray) -> torch.
         if a == b:
             continue
         cu = np.concatenate([[0], np.cumsum(counts)])
-        tables = [rec._cached_table(rnd.reqs[i]) for i in group]
+        tables = [rec.cached_table(rnd.reqs[i]) for i in group]
         zeros = np.zeros(b - a, dtype=np.int64)
         slots = np.full(b - a, rec.pool.scratch_page * rec.pool.page_size, dtype=np.int64)
         _, _, meta = rec.runner.metadata(zeros, zeros, slots, cu, tables, int(counts.max()), [])

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -36,7 +36,11 @@ from ..request import Job, Request, TableEntry, entry_table, slot_of
 from ..running.sampler import top2_margins
 
 if TYPE_CHECKING:
-    from ..kv.planner import PendingEntry
+    from ..kv.planner import KVPlanner, PendingEntry
+    from ..metrics import EngineMetrics
+    from ..running.cuda_graphs import DecodeState
+    from ..running.model_runner import ModelRunner
+    from .scheduler import Scheduler
 
 log = logging.getLogger("lazyllm")
 
@@ -126,14 +130,35 @@ class Round:
         return 0 <= self.k < len(self.stages)
 
 
+class StepHost(Protocol):
+    """What mixed steps use of the engine that makes them (``Engine``): its parts, and the
+    step operations they share with its plain steps. Nothing else of the engine is read."""
+
+    scheduler: Scheduler
+    planner: KVPlanner
+    runner: ModelRunner
+    decode_state: DecodeState
+    metrics: EngineMetrics
+    device: torch.device
+
+    def finish(self, r: Request, error: Exception | None = None) -> None: ...
+    def decode_or_fail(self) -> None: ...
+    def stage_ready(self, stage: list[PendingEntry]) -> None: ...
+    def before_own(self, reqs: list[Request]) -> list[Request]: ...
+    def after_own(self, own: list[Request], logits: list) -> None: ...
+    def settle_inflight(self) -> None: ...
+    def decoded(self, r: Request, tok: int, margin: float | None) -> None: ...
+    def prefill_failed(self, reqs: list[Request], e: Exception) -> None: ...
+
+
 class MixedSteps:
-    """The steps of ``engine`` (the ``Engine`` that makes it) while ``mixed_steps`` is on
-    (engine thread only).
+    """The steps of ``engine`` (the ``Engine`` that makes it, through ``StepHost``) while
+    ``mixed_steps`` is on (engine thread only).
 
     ``trace``: set it to a list to record every mixed step as ``(decode rows, prefill
     tokens)`` (tests and benchmarks)."""
 
-    def __init__(self, engine, budget: int):
+    def __init__(self, engine: StepHost, budget: int):
         self.engine, self.budget = engine, budget
         self.round: Round | None = None
         self.trace: list[tuple[int, int]] | None = None
@@ -151,7 +176,7 @@ class MixedSteps:
         if self.round is None:
             admitted, failed = e.scheduler.admit()
             for r, err in failed:
-                e._finish(r, error=err)
+                e.finish(r, error=err)
             if admitted:
                 self.round = Round(admitted, e.planner.take_pending())
         pieces: list[Piece] = []
@@ -167,7 +192,7 @@ class MixedSteps:
         t0 = time.perf_counter()
         if not pieces:
             if e.decode_state.rows:
-                e._decode_or_fail()
+                e.decode_or_fail()
                 e.metrics.decode_s += time.perf_counter() - t0
             return
         self._mixed(pieces)
@@ -180,17 +205,13 @@ class MixedSteps:
         e, rnd = self.engine, self.round
         while rnd.phase is None or rnd.phase.done:
             if rnd.in_stages:
-                stage = rnd.stages[rnd.k]
-                for p in stage:
-                    e.store.mark_ready(p.entry)
-                if e.disk_tier is not None and e.save_to_disk:
-                    e.disk_tier.save([p.entry for p in stage])
+                e.stage_ready(rnd.stages[rnd.k])
             rnd.k += 1
             if rnd.in_stages:
                 rnd.phase = Phase([p.job for p in rnd.stages[rnd.k]])
             elif rnd.k == len(rnd.stages):
                 live = [r for r in rnd.reqs if r in e.scheduler.running]
-                own = e._before_own(live)
+                own = e.before_own(live)
                 rnd.owner = {id(r.plan.job): r for r in own}
                 rnd.phase = Phase([r.plan.job for r in own])
             else:
@@ -201,11 +222,8 @@ class MixedSteps:
         """Run one mixed forward and hand out its tokens: the decode rows' next tokens, and
         the first token of every request whose own job it ends."""
         e = self.engine
-        e._last_read = None  # the next decode interval is not a plain decode step
         try:
-            if e._inflight is not None:  # the overlapped step in flight: read it first
-                step, e._inflight = e._inflight, None
-                e._read_step(step)
+            e.settle_inflight()  # the overlapped step in flight, read first
             e.scheduler.grow_decode_pages({}, set())
             decode = list(e.decode_state.rows)
             logits, piece_logits = e.runner.run_mixed(decode, pieces)
@@ -224,15 +242,15 @@ class MixedSteps:
                 if r.state.row is None:
                     continue
                 if r.id in failed:
-                    e._finish(r, error=failed[r.id])
+                    e.finish(r, error=failed[r.id])
                     continue
-                e._decoded(r, tok, m)
+                e.decoded(r, tok, m)
         rnd = self.round
         ended = [(rnd.owner[id(p.job)], lg) for p, lg in zip(pieces, piece_logits)
                  if p.last and id(p.job) in rnd.owner]
         if ended:
             try:
-                e._after_own([r for r, _ in ended], [lg for _, lg in ended])
+                e.after_own([r for r, _ in ended], [lg for _, lg in ended])
             except Exception as err:
                 self._fail(err, [])
                 return
@@ -249,7 +267,7 @@ class MixedSteps:
         if e.device.type == "cuda" and isinstance(err, torch.cuda.OutOfMemoryError):
             torch.cuda.empty_cache()
         for r in decode:
-            e._finish(r, error=err)
+            e.finish(r, error=err)
         rnd, self.round = self.round, None
         if rnd is not None:
-            e._prefill_failed(rnd.reqs, err)
+            e.prefill_failed(rnd.reqs, err)

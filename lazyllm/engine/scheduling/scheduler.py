@@ -6,7 +6,8 @@ token budget and the batch size allow, planning each one's pages through the ``K
 decode it gives each a new page when its last one fills up and claims the slot of its next
 token (both through the request's ``Allocation``), preempting the most recently
 started requests when the pool is exhausted (they are queued again and recomputed later,
-their generated tokens prefilled as part of their suffix).
+their generated tokens prefilled as part of their suffix). Adaptive recompute's escalations,
+of a first answer token or a later one, go through it too (``escalate``).
 """
 from __future__ import annotations
 
@@ -90,21 +91,32 @@ class Scheduler:
             r.state.solo = True
             self.metrics.prefill_retries += 1
 
-    def preempt(self, r: Request, *, escalated: bool = False) -> None:
-        """Give back everything ``r`` holds and queue it again; when readmitted, its
-        generated tokens are prefilled as part of its suffix (same semantics: they attend
-        to everything before them), and decoding continues where it stopped.
-        ``escalated``: not for room but for adaptive recompute (``escalate_tokens``): the
-        prefill recomputes every chunk token."""
+    def preempt(self, r: Request) -> None:
+        """Give back everything ``r`` holds, for room, and queue it again; when readmitted,
+        its generated tokens are prefilled as part of its suffix (same semantics: they
+        attend to everything before them), and decoding continues where it stopped."""
+        self._resume_later(r)
+        self.metrics.preemptions += 1
+
+    def escalate(self, r: Request) -> None:
+        """Adaptive recompute (``escalate_below``): the reuse pass left ``r``'s latest token
+        undecided, so the token is dropped and ``r`` gives back everything it holds and is
+        queued to be prefilled again with every chunk token recomputed (``state.escalated``):
+        full attention's answer. Its first answer token (not decoding yet): queued as it
+        came; a later one (``escalate_tokens``): as a preempted request, its tokens so far
+        joining its suffix, and it decodes on as full attention. No longer watched."""
+        if r.state.row is not None:
+            self._resume_later(r)
+        else:
+            self.requeue(r)
+        r.state.escalated, r.state.watched = True, False
+        self.metrics.escalations += 1
+
+    def _resume_later(self, r: Request) -> None:
         self.requeue(r)
         base = r.segments
         r.state.resumed = base[:-1] + [Segment("suffix", base[-1].ids + r.state.generated)]
         r.state.preempted = True
-        if escalated:
-            r.state.escalated, r.state.watched = True, False
-            self.metrics.escalations += 1
-        else:
-            self.metrics.preemptions += 1
 
     def grow_decode_pages(self, pending: dict[int, int], dead: set[int]) -> None:
         """Give every decoding request room for its next token and claim that token's slot
