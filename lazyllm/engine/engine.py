@@ -16,13 +16,9 @@ queue. Each step of the worker:
 5. retires finished requests (``Scheduler.retire``: unpin, free) before handing out their
    results.
 
-With ``mixed_steps`` on, steps 3 and 4 become one forward under a token budget: the decode
-rows and the next pieces of the admitted round's prefill (``mixed.py``); steps with nothing
-to prefill are the decode steps of 4.
-
-The parts, each in its own module: ``scheduler`` (admission, preemption, decode pages),
-``kv_planner`` (one policy per reuse mode), ``model_runner`` (forwards, metadata, decode
-launch), ``cuda_graphs``, ``recovery``, ``output`` (tokens, text, results), ``request``.
+With ``mixed_steps`` on, steps 3 and 4 become one forward under a token budget
+(``scheduling.MixedSteps``). The rooms it calls (each a package with what it owns):
+``scheduling``, ``kv``, ``running``, ``recovery``, ``warmup``; and ``output``, ``request``.
 """
 from __future__ import annotations
 
@@ -143,7 +139,7 @@ class Engine:
         self.async_decode = self.graphs.enabled if config.overlap_decode is None else config.overlap_decode
         self._inflight: DecodeStep | None = None
         self._last_read: tuple[float, int] | None = None
-        # mixed steps (``mixed.py``): decode rows and prefill pieces in one forward per step
+        # mixed steps (``scheduling/mixed.py``): decode rows and prefill pieces in one forward per step
         self.mixed = (MixedSteps(self, config.step_token_budget)
                       if config.mixed_steps and self.runner.supports_mixed else None)
 
@@ -381,12 +377,9 @@ class Engine:
                 self.decode_state.attach(r)
 
     def _escalate(self, own: list[Request], logits: list) -> tuple[list[Request], list]:
-        """Adaptive recompute (``escalate_below``): the requests whose reuse pass left their
-        first answer token undecided (``Recovery.first_escalations``) go back to the queue,
-        holding nothing, to be prefilled again with every chunk token recomputed
-        (``Recovery.apply``): full attention's answer; the others are watched while they
-        decode their next ``escalate_tokens - 1`` tokens (``decoded``). Returns the
-        requests that go on."""
+        """Adaptive recompute: the requests whose first answer token recovery finds
+        undecided (``Recovery.first_escalations``) are escalated (``Scheduler.escalate``);
+        returns the requests that go on, and their logits."""
         low = self.recovery.first_escalations(own, logits)
         for i in low:
             self.scheduler.escalate(own[i])
@@ -428,14 +421,13 @@ class Engine:
             return
         # pages first: a request whose last page is full needs a new one; if the pool is
         # exhausted, the most recently started requests are preempted
-        self.scheduler.grow_decode_pages(pending, dead)
-        reqs = list(self.decode_state.rows)  # rows 0..B-1, compact
-        if not reqs:
+        batch = self.scheduler.decode_batch(pending, dead)
+        if not batch.reqs:
             if inflight is not None:
                 self._read_step(inflight)
                 self._inflight = None
             return
-        step = self.runner.launch_decode(reqs, pending, dead)
+        step = self.runner.launch_decode(batch)
         if inflight is not None:
             self.metrics.overlapped_steps += 1
             self._inflight = None
@@ -449,8 +441,7 @@ class Engine:
             self._read_step(step)
 
     def settle_inflight(self) -> None:
-        """The next forward is no plain decode step (a mixed one): read the overlapped step
-        in flight, if any, and start the step-time log afresh."""
+        """Before a mixed forward: read the overlapped decode step in flight, if any."""
         self._last_read = None
         if self._inflight is not None:
             step, self._inflight = self._inflight, None

@@ -20,9 +20,9 @@ def _watch_launches(engine, req):
     seen = []
     launch = engine.runner.launch_decode
 
-    def spy(reqs, pending, dead):
+    def spy(batch):
         seen.append((list(req.events.queue), req.state.first_token_time))
-        return launch(reqs, pending, dead)
+        return launch(batch)
 
     engine.runner.launch_decode = spy
     return seen

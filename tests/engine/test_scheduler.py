@@ -5,7 +5,7 @@ import pytest
 from lazyllm.engine.kv.planner import KVPlanner
 from lazyllm.engine.metrics import EngineMetrics
 from lazyllm.engine.request import pack_tables
-from lazyllm.engine.running.cuda_graphs import DecodeState
+from lazyllm.engine.running.decode_state import DecodeState
 from lazyllm.engine.scheduling.scheduler import Scheduler
 from lazyllm.errors import CacheCapacityError
 from tests.engine.fakes import make_request, make_store

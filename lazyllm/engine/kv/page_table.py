@@ -3,7 +3,7 @@
 A table lists ``TableEntry`` rows in logical order: a page, the logical position of its first
 slot in the request, the rotation (delta) the attention kernel applies to its stored keys,
 and how many of its slots are valid. Entries are frozen; a request's table lives in its
-``Allocation``, made and laid out by the KV planner (``kv_planner.py``), grown while decoding
+``Allocation``, made and laid out by the KV planner (``planner.py``), grown while decoding
 by the scheduler through ``append_page`` and ``advance``, and only copied by everything else
 (the model runner's metadata, the decode state on the device).
 """

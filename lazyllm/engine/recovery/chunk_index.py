@@ -1,7 +1,7 @@
 """The chunk token index of a request, as quality recovery reads it: per chunk token (chunk
 order: by chunk, then by token), where it is cached and where it sits in the prompt. One
-layout, read by the per-request selection (``recovery``) and the round's
-(``recovery_round``)."""
+layout, read by the per-request selection (``recompute``) and the round's
+(``rounds``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

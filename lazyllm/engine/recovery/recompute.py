@@ -182,7 +182,7 @@ class Recovery:
 
     def apply_round(self, reqs: list[Request]) -> None:
         """``apply`` for every request of an admission round. With one of the engine's own
-        selections (``recovery_round.batches``) and more than one request to select for, the
+        selections (``rounds.batches``) and more than one request to select for, the
         selection runs once for all of them (``select_round``: one batched question pass, one
         key probe per ``max_batch_tokens``, one read of every pick), not once per request."""
         reqs = [r for r in reqs if r.plan is not None and r.plan.spans]
@@ -421,7 +421,7 @@ def _two_stage(rec: Recovery, r: Request, n_pick: int, exclude: torch.Tensor | N
     return rec.two_stage(r, n_pick, exclude=exclude)
 
 
-# their form for a whole round (``recovery_round.select_round``)
+# their form for a whole round (``rounds.select_round``)
 _by_key_deviation.batched = "deviation"
 _by_question_attention.batched = "attention"
 _two_stage.batched = "two-stage"

@@ -26,7 +26,9 @@ from ...model.attention import AttentionMetadata
 from ..metrics import EngineMetrics
 from ..pinned import PinnedTurns
 from ..request import Job, Request, TableEntry, entry_table, pack_tables, slot_of
-from .cuda_graphs import DecodeState, GraphRunner, PrefillGraphs, SharedPlanBuffers
+from ..step import DecodeBatch
+from .cuda_graphs import GraphRunner, PrefillGraphs, SharedPlanBuffers
+from .decode_state import DecodeState
 from .sampler import Sampler
 
 
@@ -295,13 +297,12 @@ class ModelRunner:
         self.model.attention_mass(ids_t, meta, self.pool.k, self.pool.v, layers=layers)
 
     # -- decode --------------------------------------------------------------------------
-    def launch_decode(self, reqs: list[Request], pending: dict[int, int], dead: set[int]) -> DecodeStep:
-        """Stage and launch one decode step's forward for ``reqs`` (the decode state's rows,
-        each with its next token's slot claimed in its last page); ``pick`` then chooses its
-        tokens. ``pending``: requests (by ``id``) whose latest token is still in the unread
-        step in flight, to the row it has there: their input is that step's pick on the
-        device. ``dead``: requests that ride along with no page (their K/V to the scratch
-        slot, their token dropped)."""
+    def launch_decode(self, batch: DecodeBatch) -> DecodeStep:
+        """Stage and launch the forward of the decode step the scheduler decided (``batch``:
+        its rows, each with its next token's slot claimed in its last page, those whose
+        input is the unread step's pick on the device, those that ride along with no page);
+        ``pick`` then chooses its tokens."""
+        reqs, pending, dead = list(batch.reqs), batch.pending, batch.dead
         ps = self.pool.page_size
         state = self.decode_state
         updates, ids, src, pos, slots = [], [], [], [], []

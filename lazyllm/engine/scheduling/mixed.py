@@ -38,7 +38,7 @@ from ..running.sampler import top2_margins
 if TYPE_CHECKING:
     from ..kv.planner import KVPlanner, PendingEntry
     from ..metrics import EngineMetrics
-    from ..running.cuda_graphs import DecodeState
+    from ..running.decode_state import DecodeState
     from ..running.model_runner import ModelRunner
     from .scheduler import Scheduler
 
@@ -224,8 +224,7 @@ class MixedSteps:
         e = self.engine
         try:
             e.settle_inflight()  # the overlapped step in flight, read first
-            e.scheduler.grow_decode_pages({}, set())
-            decode = list(e.decode_state.rows)
+            decode = list(e.scheduler.decode_batch({}, set()).reqs)
             logits, piece_logits = e.runner.run_mixed(decode, pieces)
         except Exception as err:
             self._fail(err, list(e.decode_state.rows))

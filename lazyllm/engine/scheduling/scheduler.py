@@ -17,7 +17,8 @@ from ...errors import CacheCapacityError, LazyLLMError
 from ..kv.planner import KVPlanner
 from ..metrics import EngineMetrics
 from ..request import Request, Segment
-from ..running.cuda_graphs import DecodeState
+from ..running.decode_state import DecodeState
+from ..step import Admission, DecodeBatch
 
 
 class Scheduler:
@@ -32,9 +33,9 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
 
-    def admit(self) -> tuple[list[Request], list[tuple[Request, Exception]]]:
-        """Admit what fits this step: ``(admitted, failed)``; failed requests are out of the
-        queue and their errors are for the caller."""
+    def admit(self) -> Admission:
+        """Admit what fits this step: ``Admission(admitted, failed)``; failed requests are
+        out of the queue and their errors are for the caller."""
         admitted: list[Request] = []
         failed: list[tuple[Request, Exception]] = []
         budget = self.max_batch_tokens
@@ -68,7 +69,7 @@ class Scheduler:
             r.state.admit_time = time.perf_counter()  # a solo request too: its queue_s counts from here
             if r.state.solo:
                 break
-        return admitted, failed
+        return Admission(admitted, failed)
 
     def retire(self, r: Request) -> None:
         """``r`` is over: it leaves the queues and gives back everything it holds."""
@@ -118,11 +119,19 @@ class Scheduler:
         r.state.resumed = base[:-1] + [Segment("suffix", base[-1].ids + r.state.generated)]
         r.state.preempted = True
 
-    def grow_decode_pages(self, pending: dict[int, int], dead: set[int]) -> None:
+    def decode_batch(self, pending: dict[int, int], dead: set[int]) -> DecodeBatch:
+        """The next decode step: every decoding request's room for its next token claimed
+        (``grow_decode_pages``), then the rows that step runs. ``pending``/``dead`` as in
+        ``DecodeBatch``."""
+        preempted = self.grow_decode_pages(pending, dead)
+        return DecodeBatch.of(self.decode_state.rows, pending, dead, preempted)
+
+    def grow_decode_pages(self, pending: dict[int, int], dead: set[int]) -> list[Request]:
         """Give every decoding request room for its next token and claim that token's slot
         (``Allocation.advance``): a new page when its last one is full (or shared),
-        preempting the most recently started requests when the pool is exhausted.
-        ``pending``/``dead`` as in ``ModelRunner.launch_decode``: a dead row gets nothing."""
+        preempting the most recently started requests when the pool is exhausted (returned).
+        ``pending``/``dead`` as in ``DecodeBatch``: a dead row gets nothing."""
+        preempted: list[Request] = []
         rows = self.decode_state.rows
         for r in list(rows):
             state = r.state
@@ -136,5 +145,7 @@ class Scheduler:
                     continue
                 victim = rows[-1]
                 self.preempt(victim)
+                preempted.append(victim)
                 if victim is r:
                     break
+        return preempted
