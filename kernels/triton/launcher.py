@@ -29,7 +29,7 @@ from .decode import _merge_splits, _paged_decode_fwd
 from .prefill import _paged_attn_fwd
 from .rope import delta_runs, rope_table
 
-__all__ = ["paged_attention_triton", "LaunchPlan", "specialization", "launch_variants", "first_of_each_variant"]
+__all__ = ["paged_attention_triton", "LaunchPlan", "specialization", "launch_variants"]
 
 _DEFAULT_OPTIONS = KernelOptions()
 _NUM_SMS: dict = {}
@@ -145,20 +145,6 @@ def launch_variants(model, k_cache, v_cache, batch: int, max_seqlen_q: int, widt
                         att.batch_invariant, att.padding_finite, opts, window, att.calibrated)
         keys.add(specialization(p, width, row_stride, plane))
     return frozenset(keys)
-
-
-def first_of_each_variant(points, variants_of) -> list:
-    """The first point (in the order given: cheapest first) of each new set of launch variants
-    (``variants_of(point)``, e.g. ``launch_variants``): the points that compile something the
-    earlier ones did not."""
-    seen: set = set()
-    out = []
-    for p in points:
-        new = variants_of(p) - seen
-        if new:
-            seen |= new
-            out.append(p)
-    return out
 
 
 def _validate(q, k_cache, v_cache, inv_freq) -> None:

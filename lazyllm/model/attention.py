@@ -127,6 +127,13 @@ class AttentionBackend:
         """What every paged launch of the step shares (``StepPlan.launch``)."""
         return {}
 
+    def launch_variants(self, model, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: int, max_seqlen_q: int,
+                        width: int, row_stride: int, plane: int | None = None) -> frozenset:
+        """What one launch shape compiles (the warm-up asks, to find the shapes that compile
+        different kernels): two shapes with the same variants run the same compiled kernels.
+        Nothing here: no kernel of this backend specializes on shapes."""
+        return frozenset()
+
     def run(self, q: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
             inv_freq: torch.Tensor, sm_scale: float, plan: StepPlan, *, window: int | None = None) -> torch.Tensor:
         """Attention output ``(total_q, num_q_heads, head_dim)`` of queries ``q`` (RoPE
@@ -210,6 +217,12 @@ class TritonAttention(AttentionBackend):
         if self.options is not None:
             extras["options"] = self.options
         return extras
+
+    def launch_variants(self, model, k_cache, v_cache, batch, max_seqlen_q, width, row_stride, plane=None):
+        # the ``specialization`` of each ``LaunchPlan`` the launcher would make
+        from lazyllm.kernels.triton.launcher import launch_variants
+
+        return launch_variants(model, k_cache, v_cache, batch, max_seqlen_q, width, row_stride, plane)
 
     def launch(self, kernel, q, meta, k_cache, v_cache, inv_freq, sm_scale, plan, window):
         if kernel is Kernel.GROUPED:

@@ -1,10 +1,12 @@
 """What the model runner runs before the first request: its dummy steps and CUDA graph
 captures, and the shapes of the synthetic requests that reach every launch plan it can make.
 
-``RunnerWarmUp`` is part of ``ModelRunner`` (a base class, kept in its own module): the runner
-knows its graphs' buckets, its pool and its attention backend, so it chooses the shapes; the
-launcher tells which shapes compile different kernels (``launch_variants``). The warm-up
-driver (``lazyllm.engine.warmup.driver``) only asks for these and runs them.
+``RunnerShapes`` is a collaborator the warm-up driver (``driver.py``) makes with the model
+runner: it reads the runner's public parts (its graphs' buckets, its pool, its decode state,
+its attention backend) and calls its public dummy steps, so it chooses the shapes; the
+attention backend tells which shapes compile different kernels (``launch_variants``, the
+launcher's on Triton). The driver only asks for these and runs them. The runner knows
+nothing of it.
 """
 from __future__ import annotations
 
@@ -38,6 +40,20 @@ class WarmShapes:
     long_question: int
     many_chunk_tokens: int
     page_size: int
+
+
+def first_of_each_variant(points, variants_of) -> list:
+    """The first point (in the order given: cheapest first) of each new set of launch variants
+    (``variants_of(point)``, e.g. the backend's ``launch_variants``): the points that compile something the
+    earlier ones did not."""
+    seen: set = set()
+    out = []
+    for p in points:
+        new = variants_of(p) - seen
+        if new:
+            seen |= new
+            out.append(p)
+    return out
 
 
 class RunnerShapes:
@@ -106,9 +122,8 @@ class RunnerShapes:
         return True
 
     def _variants(self, batch: int, max_seqlen_q: int, width: int, row_stride: int, plane: int | None = None):
-        from lazyllm.kernels.triton.launcher import launch_variants
-
-        return launch_variants(self.model, self.pool.k, self.pool.v, batch, max_seqlen_q, width, row_stride, plane)
+        return self.model.attention.launch_variants(self.model, self.pool.k, self.pool.v, batch, max_seqlen_q,
+                                                    width, row_stride, plane)
 
     def _decode_widths(self, context_pages: int) -> list[int]:
         """Width buckets of the decode graphs: every one up to ``context_pages``, then the wider
@@ -139,8 +154,6 @@ class RunnerShapes:
         cands = [n for n in cands if 1 < n <= max_tokens]
         if self.model.attention.name != "triton":
             return [cands[0], cands[len(cands) // 2], cands[-1]]
-        from lazyllm.kernels.triton.launcher import first_of_each_variant
-
         chosen = first_of_each_variant(cands, lambda n: self._variants(1, n, cdiv(n, ps), cdiv(n, ps)))
         return sorted({m for n in chosen for m in (n, n + 1) if m <= max_tokens})
 
@@ -150,8 +163,6 @@ class RunnerShapes:
         together get) whose launch plans differ, the cheapest of each."""
         if self.model.attention.name != "triton":
             return [(2, 40, min(8, max_pages)), (3, 300, min(40, max_pages))]
-        from lazyllm.kernels.triton.launcher import first_of_each_variant
-
         widths = sorted({w for b in (2, 4, 8, 16, 32, 64, 128, 256) for w in (b - 1, b, b + 1) if 2 < w <= max_pages})
         graph_max = self.prefill_graphs.max_tokens if self.prefill_graphs.enabled else 0
         points = [(b, n, w) for w in widths for n in (16, 40, 64, 100, 200, 300, 600) for b in (1, 2, 3, 4, 6, 8, 16)
