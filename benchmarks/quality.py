@@ -448,7 +448,7 @@ def full_context_kv(model, ids: torch.Tensor, query_from: int | None = None):
     h = model._embed(ids)
     ks, vs, mass = [], [], []
     for w in model.layers:
-        q, k, v = model._qkv(h, w, *tables[w["freq"]])
+        q, k, v = model.qkv_proj(h, w, *tables[w["freq"]])
         ks.append(k)
         vs.append(v)
         mask = pos[None, :] <= pos[:, None]
@@ -463,7 +463,7 @@ def full_context_kv(model, ids: torch.Tensor, query_from: int | None = None):
             logits = (qq @ kk.transpose(1, 2)) * spec.sm_scale
             probs = logits.masked_fill(~mask[query_from:], float("-inf")).softmax(-1).sum(0)
             mass.append(probs)
-        h = model._finish_layer(h, o, w)
+        h = model.finish_layer(h, o, w)
     return ks, vs, (torch.stack(mass) if query_from is not None else None)
 
 

@@ -8,7 +8,7 @@ exactly what the torch code it replaces computes (same float32 intermediates, sa
 rounding points, no fused multiply-add contraction; only the order of RMSNorm's sum
 differs), so the engine gives the same tokens with or without them:
 
-* ``rms_norm``      == ``llama._rms_norm``: ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)``;
+* ``rms_norm``      == ``llama.rms_norm``: ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)``;
   with ``gemma``, ``llama._gemma_norm``: ``(x * rsqrt(mean(x^2) + eps) * (1 + w)).to(dtype)``;
 * ``add_rms_norm``  == ``h = h + y`` (rounded to the dtype) followed by ``rms_norm(h)``; for
   Gemma's sandwich norms ``h = h + gemma_norm(y, y_weight)`` first;
@@ -192,7 +192,7 @@ def silu_mul(gu: torch.Tensor, dtype: torch.dtype | None = None, *, gelu_tanh: b
 @triton.jit
 def _head_norm(x, rs, w, QK_NORM: tl.constexpr, DT: tl.constexpr):
     """One head's row ``x`` (float32) normalised by its ``rs = rsqrt(mean(x^2) + eps)``,
-    as float32 holding a ``DT`` value: ``QK_NORM == 1`` ``llama._rms_norm`` (round, then
+    as float32 holding a ``DT`` value: ``QK_NORM == 1`` ``llama.rms_norm`` (round, then
     scale by ``w`` in the dtype), ``2`` ``llama._gemma_norm`` (``x rs (1 + w)``, one rounding)."""
     if QK_NORM == 2:
         return (x * rs * (1.0 + w)).to(DT).to(tl.float32)
@@ -254,7 +254,7 @@ def rope_qkv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     """RoPE on q and k of the fused projection and K/V written to their slots.
 
     With ``q_norm``/``k_norm`` (``(head_dim,)`` weights: Qwen3, Gemma 3) each head's q and k
-    row is RMS-normalised first, as ``llama._rms_norm`` (``gemma``: ``llama._gemma_norm``)
+    row is RMS-normalised first, as ``llama.rms_norm`` (``gemma``: ``llama._gemma_norm``)
     computes it, then rotated.
 
     Parameters

@@ -20,7 +20,7 @@ from ..engine.request import Segment
 from ..errors import InvalidRequestError
 from ..structured.tools import CALL_CLOSE, CALL_OPEN, Tool
 from ..types import Chunk, ToolCall
-from .prompt import _MARK, DOC_HEADER, PromptBuilder
+from .prompt import DOC_HEADER, DOCUMENTS_MARK, PromptBuilder
 from .prompt import check_text as _check_text
 
 __all__ = ["build_conversation", "normalize_messages", "FALLBACK_TOOL_PROMPT"]
@@ -155,7 +155,7 @@ def build_conversation(prompts: PromptBuilder, messages: list, chunks: list[Chun
         if at is None:
             raise InvalidRequestError("messages need a user message")
     # the split point: the prefix (system, tools, turns before it) is the same at every step
-    msgs[at] = {**msgs[at], "content": f"{DOC_HEADER if chunks else ''}{_MARK}{msgs[at]['content']}"}
+    msgs[at] = {**msgs[at], "content": f"{DOC_HEADER if chunks else ''}{DOCUMENTS_MARK}{msgs[at]['content']}"}
     for i, c in enumerate(chunks):
         _check_text(c.text, f"chunks[{i}].text")
     kw: dict[str, Any] = {"tools": [t.to_openai() for t in tools]} if native else {}
@@ -166,7 +166,7 @@ def build_conversation(prompts: PromptBuilder, messages: list, chunks: list[Chun
             rendered = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kw)
         except Exception as e:  # templates raise their own errors for conversations they refuse
             raise InvalidRequestError(f"the model's chat template refused the messages: {e}") from None
-    pre, post = rendered.split(_MARK)
+    pre, post = rendered.split(DOCUMENTS_MARK)
     segs = [Segment("prefix", prompts.encode(pre))]
     segs += prompts.chunk_segments(chunks)  # keyed as in every other request
     segs.append(Segment("suffix", prompts.encode(post)))

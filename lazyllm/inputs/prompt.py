@@ -17,7 +17,7 @@ from ..errors import InvalidRequestError
 from ..types import Chunk
 from .encodings import ChunkEncodings, tokenizer_identity
 
-_MARK = "\u2063LAZYLLM_DOCUMENTS\u2063"
+DOCUMENTS_MARK = "\u2063LAZYLLM_DOCUMENTS\u2063"
 DOC_HEADER = "Answer the question using the documents below.\n\nDocuments:\n\n"
 QUESTION_HEADER = "Question: "
 
@@ -153,8 +153,8 @@ class PromptBuilder:
         for i, c in enumerate(chunks):
             check_text(c.text, f"chunks[{i}].text")
         header = DOC_HEADER if chunks else ""
-        rendered = self._render(system, f"{header}{_MARK}{QUESTION_HEADER}{question.strip()}")
-        pre, post = rendered.split(_MARK)
+        rendered = self._render(system, f"{header}{DOCUMENTS_MARK}{QUESTION_HEADER}{question.strip()}")
+        pre, post = rendered.split(DOCUMENTS_MARK)
         segs = [self.prefix_segment(pre)]
         segs += self.chunk_segments(chunks)
         segs.append(Segment("suffix", self.encode(post)))

@@ -59,7 +59,7 @@ def _gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return (xf * (1.0 + weight.float())).to(x.dtype)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same arithmetic as transformers' LlamaRMSNorm: normalise in fp32, scale in x.dtype.
     xf = x.to(torch.float32)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -118,7 +118,7 @@ class LlamaFamilyModel:
             qk_norm=hasattr(attn0, "q_norm"),
             gemma=gemma,
         )
-        self._norm = _gemma_norm if gemma else _rms_norm
+        self._norm = _gemma_norm if gemma else rms_norm
         self.embed_scale = float(cfg.hidden_size ** 0.5) if gemma else None
         self.embed = base.embed_tokens.weight
         self.final_norm = base.norm.weight
@@ -129,7 +129,7 @@ class LlamaFamilyModel:
         # batch_invariant: every projection in fixed-size row blocks (``linear_rows``), so a
         # token's logits do not depend on what else shares its step
         self.batch_invariant = bool(batch_invariant)
-        self._linear = linear_rows if self.batch_invariant else F.linear
+        self.linear = linear_rows if self.batch_invariant else F.linear
         self.inv_freqs = [f.to(self.device) for f in self.inv_freqs]
         self.inv_freq = self.inv_freqs[self.freq_index[0]] if len(self.inv_freqs) == 1 else \
             self.inv_freq.to(self.device)
@@ -224,44 +224,44 @@ class LlamaFamilyModel:
             bs = [w["bq"], w["bk"], w["bv"]]
             w["bqkv"] = torch.cat([b.data for b in bs]) if all(b is not None for b in bs) else None
 
-    def _qkv(self, h: torch.Tensor, w: dict, cos: torch.Tensor, sin: torch.Tensor):
+    def qkv_proj(self, h: torch.Tensor, w: dict, cos: torch.Tensor, sin: torch.Tensor):
         """q ``(n, heads, d)``, k and v ``(n, kv_heads, d)`` of one layer, RoPE applied."""
         s = self.spec
         n = h.shape[0]
         nq, nk = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         x = self._norm(h, w["ln1"], s.rms_eps)
         if "wqkv" in w:
-            qkv = self._linear(x, w["wqkv"], w["bqkv"])
+            qkv = self.linear(x, w["wqkv"], w["bqkv"])
             q = qkv[:, :nq].view(n, s.num_heads, s.head_dim)
             k = qkv[:, nq:nq + nk].view(n, s.num_kv_heads, s.head_dim)
             v = qkv[:, nq + nk:].view(n, s.num_kv_heads, s.head_dim)
         else:
-            q = self._linear(x, w["wq"], w["bq"]).view(n, s.num_heads, s.head_dim)
-            k = self._linear(x, w["wk"], w["bk"]).view(n, s.num_kv_heads, s.head_dim)
-            v = self._linear(x, w["wv"], w["bv"]).view(n, s.num_kv_heads, s.head_dim)
+            q = self.linear(x, w["wq"], w["bq"]).view(n, s.num_heads, s.head_dim)
+            k = self.linear(x, w["wk"], w["bk"]).view(n, s.num_kv_heads, s.head_dim)
+            v = self.linear(x, w["wv"], w["bv"]).view(n, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
             q = self._norm(q, w["qn"], s.rms_eps)
             k = self._norm(k, w["kn"], s.rms_eps)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def _finish_layer(self, h: torch.Tensor, o: torch.Tensor, w: dict) -> torch.Tensor:
+    def finish_layer(self, h: torch.Tensor, o: torch.Tensor, w: dict) -> torch.Tensor:
         """Output projection, residual and MLP of one layer."""
         s = self.spec
         if s.gemma:  # sandwich norms around attention and MLP, gelu-tanh
-            h = h + self._norm(self._linear(o.reshape(h.shape[0], -1), w["wo"], w["bo"]), w["post_attn"], s.rms_eps)
+            h = h + self._norm(self.linear(o.reshape(h.shape[0], -1), w["wo"], w["bo"]), w["post_attn"], s.rms_eps)
             x = self._norm(h, w["pre_ff"], s.rms_eps)
             if "wgu" in w:
-                g, u = self._linear(x, w["wgu"]).chunk(2, dim=-1)
+                g, u = self.linear(x, w["wgu"]).chunk(2, dim=-1)
             else:
-                g, u = self._linear(x, w["wg"]), self._linear(x, w["wu"])
-            m = self._linear(F.gelu(g, approximate="tanh") * u, w["wd"])
+                g, u = self.linear(x, w["wg"]), self.linear(x, w["wu"])
+            m = self.linear(F.gelu(g, approximate="tanh") * u, w["wd"])
             return h + self._norm(m, w["post_ff"], s.rms_eps)
-        h = h + self._linear(o.reshape(h.shape[0], -1), w["wo"], w["bo"])
-        x = _rms_norm(h, w["ln2"], s.rms_eps)
+        h = h + self.linear(o.reshape(h.shape[0], -1), w["wo"], w["bo"])
+        x = rms_norm(h, w["ln2"], s.rms_eps)
         if "wgu" in w:
-            g, u = self._linear(x, w["wgu"]).chunk(2, dim=-1)
-            return h + self._linear(F.silu(g) * u, w["wd"])
-        return h + self._linear(F.silu(self._linear(x, w["wg"])) * self._linear(x, w["wu"]), w["wd"])
+            g, u = self.linear(x, w["wgu"]).chunk(2, dim=-1)
+            return h + self.linear(F.silu(g) * u, w["wd"])
+        return h + self.linear(F.silu(self.linear(x, w["wg"])) * self.linear(x, w["wu"]), w["wd"])
 
     @property
     def graph_capturable(self) -> bool:
@@ -287,7 +287,7 @@ class LlamaFamilyModel:
         p = DensePass(self, input_ids.shape[0], input_ids.device)
         h = self._run_layers(self._embed(input_ids), p, layer)
         w = self.layers[layer]
-        return self._qkv(h, w, *p.tables[w["freq"]])[1]
+        return self.qkv_proj(h, w, *p.tables[w["freq"]])[1]
 
     @torch.inference_mode()
     def probe_keys_paged(self, input_ids: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
@@ -302,7 +302,7 @@ class LlamaFamilyModel:
         p = PagedPass(self, meta, k_cache, v_cache)
         h = self._run_layers(self._embed(input_ids), p, layer)
         w = self.layers[layer]
-        return self._qkv(h, w, *p.tables[w["freq"]])[1]
+        return self.qkv_proj(h, w, *p.tables[w["freq"]])[1]
 
     @torch.inference_mode()
     def attention_mass(self, input_ids: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
@@ -378,4 +378,4 @@ class LlamaFamilyModel:
         if logits_index is not None:
             h = h[logits_index]
         h = self._norm(h, self.final_norm, s.rms_eps)
-        return self._linear(h, self.lm_head).float()
+        return self.linear(h, self.lm_head).float()

@@ -27,7 +27,7 @@ from .attention import AttentionMetadata
 
 class LayerPass:
     """What one run of the layer loop shares, and the unfused layer: q/k/v with RoPE,
-    ``attend``, then the rest of the layer (the model's ``_qkv`` and ``_finish_layer``).
+    ``attend``, then the rest of the layer (the model's ``qkv_proj`` and ``finish_layer``).
     ``mass_last``: a layer whose attention ends the run (the rest of it is skipped)."""
 
     mass_last: int | None = None
@@ -43,11 +43,11 @@ class LayerPass:
     def layer(self, h: torch.Tensor, li: int, w: dict) -> torch.Tensor:
         """Hidden states after layer ``li`` (weights ``w``)."""
         m = self.model
-        q, k, v = m._qkv(h, w, *self.tables[w["freq"]])
+        q, k, v = m.qkv_proj(h, w, *self.tables[w["freq"]])
         o = self.attend(q, k, v, li, w)
         if li == self.mass_last:
             return h
-        return m._finish_layer(h, o, w)
+        return m.finish_layer(h, o, w)
 
 
 class DensePass(LayerPass):
@@ -109,8 +109,8 @@ class FusedPass(PagedPass):
     def __init__(self, model, meta, k_cache, v_cache, mass: int = 0):
         super().__init__(model, meta, k_cache, v_cache, mass)
         fk = self.fk = model.fused
-        self.proj = model._linear if model.batch_invariant else functools.partial(fk.linear_or_parts,
-                                                                                 linear=model._linear)
+        self.proj = model.linear if model.batch_invariant else functools.partial(fk.linear_or_parts,
+                                                                                 linear=model.linear)
         s = self.spec = model.spec
         self.g = dict(gemma=True) if s.gemma else {}
         self.pending = self.post_ff = None  # the last layer's MLP output and (Gemma) its norm, not yet added
@@ -151,7 +151,7 @@ class FusedPass(PagedPass):
             _, x = self.fk.add_rms_norm(h, pending, m.final_norm, s.rms_eps, gemma=True, y_weight=self.post_ff)
         else:
             _, x = self.fk.add_rms_norm(h, pending, m.final_norm, s.rms_eps)
-        return m._linear(x, m.lm_head).float()
+        return m.linear(x, m.lm_head).float()
 
 
 __all__ = ["LayerPass", "DensePass", "PagedPass", "FusedPass"]

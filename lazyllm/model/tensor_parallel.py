@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..intmath import cdiv
 from ..shapes import tensor_parallel_error
 from .attention import AttentionMetadata
-from .llama import LlamaFamilyModel, _rms_norm
+from .llama import LlamaFamilyModel, rms_norm
 from .passes import PagedPass
 
 # NVLink multicast (NVLS) off in NCCL, PyTorch's symmetric memory and NVSHMEM: set in every
@@ -181,10 +181,10 @@ class TensorParallelModel(LlamaFamilyModel):
         dist.all_reduce(x)
         return x
 
-    def _finish_layer(self, h: torch.Tensor, o: torch.Tensor, w: dict) -> torch.Tensor:
-        """``LlamaFamilyModel._finish_layer`` with the row-parallel output and down
+    def finish_layer(self, h: torch.Tensor, o: torch.Tensor, w: dict) -> torch.Tensor:
+        """``LlamaFamilyModel.finish_layer`` with the row-parallel output and down
         projections summed over the ranks."""
-        s, lin = self.spec, self._linear
+        s, lin = self.spec, self.linear
         a = self._reduce(lin(o.reshape(h.shape[0], -1), w["wo"], w["bo"]))
         if s.gemma:
             h = h + self._norm(a, w["post_attn"], s.rms_eps)
@@ -192,7 +192,7 @@ class TensorParallelModel(LlamaFamilyModel):
             m = self._reduce(lin(F.gelu(lin(x, w["wg"]), approximate="tanh") * lin(x, w["wu"]), w["wd"]))
             return h + self._norm(m, w["post_ff"], s.rms_eps)
         h = h + a
-        x = _rms_norm(h, w["ln2"], s.rms_eps)
+        x = rms_norm(h, w["ln2"], s.rms_eps)
         return h + self._reduce(lin(F.silu(lin(x, w["wg"])) * lin(x, w["wu"]), w["wd"]))
 
     @torch.inference_mode()
@@ -217,7 +217,7 @@ class TensorParallelModel(LlamaFamilyModel):
         h = self._run_layers(self._embed(input_ids), PagedPass(self, meta, k_cache, v_cache))  # this rank's heads
         if logits_index is not None:
             h = h[logits_index]
-        part = self._linear(self._norm(h, self.final_norm, s.rms_eps), self.lm_head).float().contiguous()
+        part = self.linear(self._norm(h, self.final_norm, s.rms_eps), self.lm_head).float().contiguous()
         if self.rank != 0:
             dist.gather(part, None, dst=0)
             return None

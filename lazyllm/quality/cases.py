@@ -100,7 +100,7 @@ def cases_from_retriever(retriever: Any, questions: Sequence[str], *, references
     return out
 
 
-def _as_cases(cases: Any, retriever: Any, system: str | None) -> list[Case]:
+def as_cases(cases: Any, retriever: Any, system: str | None) -> list[Case]:
     if isinstance(cases, (str, os.PathLike)):
         out = load_cases(cases)
     elif retriever is not None:

@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # imported where used: parse_target serves the command line b
 # what a setting must reach to be recommended when the caller names no target
 DEFAULT_TARGET: dict[str, float] = {"top1": 0.97, "kl": 0.01, "same_answer": 0.9}
 # metrics a target may name; True: higher is better
-_METRICS = {"top1": True, "kl": False, "same_answer": True, "exact_match": True, "contains": True,
+HIGHER_IS_BETTER = {"top1": True, "kl": False, "same_answer": True, "exact_match": True, "contains": True,
             "recomputed": False, "ttft_ms": False}
 # the metrics that are fractions in [0, 1]
 _FRACTIONS = ("top1", "same_answer", "exact_match", "contains", "recomputed")
@@ -84,8 +84,8 @@ def parse_target(target: str | Mapping[str, float] | None) -> dict[str, float]:
     out = {}
     for k, v in target.items():
         k = _ALIASES.get(k, k)
-        if k not in _METRICS:
-            raise ValueError(f"unknown target metric {k!r}; one of {sorted(_METRICS)}")
+        if k not in HIGHER_IS_BETTER:
+            raise ValueError(f"unknown target metric {k!r}; one of {sorted(HIGHER_IS_BETTER)}")
         v = float(v)
         if k in _FRACTIONS and not 0.0 <= v <= 1.0:
             hint = f" (a fraction: {v / 100:g} for {v:g}%)" if 1.0 < v <= 100.0 else ""
@@ -96,11 +96,11 @@ def parse_target(target: str | Mapping[str, float] | None) -> dict[str, float]:
     return out
 
 
-def _meets(row: dict, target: dict[str, float]) -> dict[str, bool]:
+def check_target(row: dict, target: dict[str, float]) -> dict[str, bool]:
     out = {}
     for k, v in target.items():
         x = row.get(k)
-        out[k] = x is not None and ((x >= v) if _METRICS[k] else (x <= v))
+        out[k] = x is not None and ((x >= v) if HIGHER_IS_BETTER[k] else (x <= v))
     return out
 
 

@@ -14,10 +14,18 @@ from typing import Any
 from ..api import LazyLLM
 from ..extras import require
 from ..presets import QUALITY_OPTIONS
-from .cases import Case, _as_cases
+from .cases import Case, as_cases
 from .checks import check_settings as _settings
 from .floor import FLOOR_NAME, kl_from_mean, measure_floor, ratios, within_floor
-from .metrics import _METRICS, _meets, answer_margins, contains_answer, exact_match, kl_and_agreement, parse_target
+from .metrics import (
+    HIGHER_IS_BETTER,
+    answer_margins,
+    check_target,
+    contains_answer,
+    exact_match,
+    kl_and_agreement,
+    parse_target,
+)
 
 # the candidates compared when the caller names none: the default and the presets
 REFERENCE_NAME = "full attention"
@@ -71,7 +79,7 @@ class FidelityReport:
         ``target`` (default: the report's); ``"exact"`` (the preset that gives full
         attention's answers, ``LazyLLM(quality="exact")``) when no reusing setting does."""
         t = self.target if target is None else parse_target(target)
-        ok = [r for r in self.rows if r["setting"] != REFERENCE_NAME and all(_meets(r, t).values())]
+        ok = [r for r in self.rows if r["setting"] != REFERENCE_NAME and all(check_target(r, t).values())]
         if not ok:
             return FALLBACK
         ok.sort(key=lambda r: (r["recomputed"], r["ttft_ms"] if r["ttft_ms"] is not None else math.inf))
@@ -135,13 +143,13 @@ class FidelityReport:
             ttft = "-" if r["ttft_ms"] is None else f"{r['ttft_ms']:.1f}"
             same = f"{pct(r['same_answer'])} ({r['same_answer_n']}/{r['cases']})"
             meets = "yes" if r["meets_target"] else "no (" + ", ".join(
-                k for k, v in _meets(r, t).items() if not v) + ")"
+                k for k, v in check_target(r, t).items() if not v) + ")"
             n_ref = r.get("references") or 0
             em = "-" if not n_ref else f"{pct(r['exact_match'])} ({round(r['exact_match'] * n_ref)}/{n_ref})"
             cont = "-" if not n_ref else f"{pct(r.get('contains'))} ({round(r['contains'] * n_ref)}/{n_ref})"
             lines.append(f"| {r['setting']} | {pct(r['top1'])} | {r['kl']:.4f} | {same} | "
                          f"{em} | {cont} | {pct(r['recomputed'])} | {ttft} | {meets} |")
-        tgt = ", ".join(f"{k} {'>=' if _METRICS[k] else '<='} {v:g}" for k, v in t.items())
+        tgt = ", ".join(f"{k} {'>=' if HIGHER_IS_BETTER[k] else '<='} {v:g}" for k, v in t.items())
         rec = self.recommend()
         refs = max((r.get("references") or 0 for r in self.rows), default=0)
         return "\n".join(lines) + (
@@ -374,7 +382,7 @@ def compare(llm_or_model: Any = None, cases: Any = None, settings: Any = None, t
     from tqdm.auto import tqdm
 
     tgt = parse_target(target)
-    cs = _as_cases(cases, retriever, system)
+    cs = as_cases(cases, retriever, system)
     named = _settings(settings)
     if isinstance(llm_or_model, LazyLLM):
         base = llm_or_model
@@ -420,7 +428,7 @@ def compare(llm_or_model: Any = None, cases: Any = None, settings: Any = None, t
     if own is not None:
         own.close()
     for r in rows:
-        r["meets_target"] = all(_meets(r, tgt).values())
+        r["meets_target"] = all(check_target(r, tgt).values())
     for pc in per_case:
         pc.pop("logits", None)
     model = str(getattr(hf.config, "_name_or_path", "") or type(hf).__name__)

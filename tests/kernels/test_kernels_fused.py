@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from lazyllm.kernels.reference import apply_rope, rope_cos_sin, write_kv_ref
-from lazyllm.model.llama import _gemma_norm, _rms_norm
+from lazyllm.model.llama import _gemma_norm, rms_norm
 from tests._triton_load import load_kernel_module
 
 pytest.importorskip("triton", reason="triton is not installed")
@@ -30,10 +30,10 @@ def test_rms_norm_and_add(dtype, n, hidden):
     h = torch.randn(n, hidden, generator=g).to(dtype)
     y = torch.randn(n, hidden, generator=g).to(dtype)
     w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
-    torch.testing.assert_close(fk.rms_norm(h, w, 1e-5), _rms_norm(h, w, 1e-5), **_tol(dtype))
+    torch.testing.assert_close(fk.rms_norm(h, w, 1e-5), rms_norm(h, w, 1e-5), **_tol(dtype))
     hs, x = fk.add_rms_norm(h, y, w, 1e-6)
     assert torch.equal(hs, h + y)  # the residual stream: exact
-    torch.testing.assert_close(x, _rms_norm(h + y, w, 1e-6), **_tol(dtype))
+    torch.testing.assert_close(x, rms_norm(h + y, w, 1e-6), **_tol(dtype))
     h0 = h.clone()
     fk.add_rms_norm(h, y, w, 1e-6)
     assert torch.equal(h, h0)
@@ -75,7 +75,7 @@ def test_gelu_tanh_mul(dtype):
 @pytest.mark.parametrize("hq,hkv,d,rd", [(4, 2, 32, 32), (3, 1, 16, 8)])
 def test_rope_qkv_write_with_qk_norm(gemma, dtype, hq, hkv, d, rd):
     """Per-head q/k RMSNorm (Qwen3; Gemma 3 with ``gemma``) then RoPE, then the K/V write:
-    what the model's ``_qkv`` computes."""
+    what the model's ``qkv_proj`` computes."""
     g = torch.Generator().manual_seed(hq * d + rd + gemma)
     n, pages, ps = 5, 3, 4
     qkv = (3 * torch.randn(n, (hq + 2 * hkv) * d, generator=g)).to(dtype)
@@ -88,7 +88,7 @@ def test_rope_qkv_write_with_qk_norm(gemma, dtype, hq, hkv, d, rd):
     vc = torch.full_like(kc, float("nan"))
     kr, vr = kc.clone(), vc.clone()
     q = fk.rope_qkv_write(qkv, cos, sin, kc, vc, slots, hq, hkv, q_norm=qn, k_norm=kn, eps=1e-6, gemma=gemma)
-    norm = _gemma_norm if gemma else _rms_norm
+    norm = _gemma_norm if gemma else rms_norm
     qs = norm(qkv[:, : hq * d].view(n, hq, d), qn, 1e-6)
     ks = norm(qkv[:, hq * d: (hq + hkv) * d].view(n, hkv, d), kn, 1e-6)
     vs = qkv[:, (hq + hkv) * d:].view(n, hkv, d)

@@ -110,10 +110,10 @@ def test_cases_from_langchain_and_llamaindex_sources():
     assert [c.documents for c in cases] == [["doc about tides", "other"], ["doc about moons", "other"]]
     assert cases[0].reference == "a" and cases[1].system == "S"
     nodes = [NodeWithScore(node=TextNode(text="node one"), score=0.9), TextNode(text="node two")]
-    [c] = q.cases._as_cases([{"question": "q?", "documents": nodes}], None, None)
+    [c] = q.cases.as_cases([{"question": "q?", "documents": nodes}], None, None)
     assert c.documents == ["node one", "node two"]
     # questions only, documents filled from the retriever
-    [c] = q.cases._as_cases(["why?"], Fixed(), "sys")
+    [c] = q.cases.as_cases(["why?"], Fixed(), "sys")
     assert c.documents[0] == "doc about why?" and c.system == "sys"
     with pytest.raises(TypeError):
         q.document_text(object())
