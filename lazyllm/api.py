@@ -20,6 +20,7 @@ from .config import resolve_device as _resolve_device
 from .config import resolve_dtype as _resolve_dtype
 from .engine.engine import Engine
 from .engine.request import Request
+from .engine.warmup import heap
 from .engine.warmup.compiles import COMPILES, default_triton_cache
 from .engine.warmup.driver import Readiness
 from .errors import InvalidRequestError
@@ -459,6 +460,7 @@ class LazyLLM:
         """Stop the engine thread (and the tensor-parallel workers); pending requests fail
         with ``LazyLLMError``."""
         self.engine.close()
+        heap.release(self.engine)  # the heap its warm-up froze goes back to the collector
         self._readiness.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False)

@@ -213,3 +213,43 @@ def test_the_warm_up_driver_reaches_no_private_attribute_of_another_part():
 def test_the_warm_up_takes_the_engine_and_the_front_doors_request_maker():
     params = list(inspect.signature(wu.warm_up).parameters)
     assert params[:2] == ["engine", "make_request"]
+
+
+def test_a_warm_up_freezes_the_heap_until_its_engine_closes(tokenizer):
+    """After a warm-up the objects alive then sit in the collector's permanent generation (a
+    full collection no longer walks the model and the libraries); closing the engine gives
+    them back, and garbage made before the freeze is freed then, not kept forever."""
+    import gc
+    import weakref
+
+    from lazyllm.engine.warmup import heap
+
+    class Cycle:
+        pass
+
+    gc.collect()
+    base = gc.get_freeze_count()
+    llm = LazyLLM(model=make_tiny("llama"), tokenizer=tokenizer, kv_cache_bytes=1 << 23)
+    try:
+        report = wu.warm_up(llm.engine, llm.inputs.synthetic, progress=False, on_cpu=True, freeze_heap=True)
+        assert heap.holds(llm.engine) and report["heap_frozen"] > base + 1000 and gc.get_freeze_count() > base
+        b = Cycle()  # made after the freeze: a second warm-up of the same engine freezes nothing more
+        b.self = b
+        probe_b = weakref.ref(b)
+        wu.warm_up(llm.engine, llm.inputs.synthetic, progress=False, on_cpu=True, freeze_heap=True)
+        del b
+        gc.collect()
+        assert probe_b() is None
+        # an object frozen while alive and later dropped inside a cycle stays until the close
+        a = Cycle()
+        a.self = a
+        probe = weakref.ref(a)
+        gc.collect()
+        gc.freeze()  # as a later warm-up would
+        del a
+        gc.collect()
+        assert probe() is not None
+    finally:
+        llm.close()
+    assert not heap.holds(llm.engine) and gc.get_freeze_count() == 0 and probe() is None
+    assert wu.warm_up(llm.engine, llm.inputs.synthetic, progress=False)["heap_frozen"] == 0  # CPU: skipped

@@ -43,6 +43,7 @@ import torch
 from ...intmath import cdiv
 from ...types import Chunk
 from ..request import Request
+from . import heap
 from .compiles import COMPILES
 from .shapes import RunnerShapes, WarmShapes
 
@@ -200,17 +201,21 @@ def _request_stages(engine, runner: RunnerShapes, shapes: WarmShapes,
     return out
 
 
-def warm_up(engine, make_request: Callable[..., Request], progress: bool = True, *, on_cpu: bool = False) -> dict:
+def warm_up(engine, make_request: Callable[..., Request], progress: bool = True, *, on_cpu: bool = False,
+            freeze_heap: bool | None = None) -> dict:
     """Run the warm-up (module docstring) on ``engine``, its synthetic requests made by
     ``make_request`` (the front door's ``InputProcessor.synthetic``); returns what it did:
     ``seconds``, ``kernels_compiled`` (Triton specializations compiled or loaded from its
     cache), ``decode_graphs`` / ``prefill_graphs`` captured, ``capture_s``, ``requests``, and
     ``skipped`` (``"cpu"``, or ``None`` when it ran). ``on_cpu``: run the synthetic requests on
-    CPU anyway (to test it, or to measure what it would bring there)."""
+    CPU anyway (to test it, or to measure what it would bring there). ``freeze_heap`` (default:
+    on CUDA): once it has run, what is alive moves to the garbage collector's permanent
+    generation (``lazyllm.engine.warmup.heap``), so no full collection walks the model and the
+    libraries again while serving; ``heap_frozen`` in the report counts those objects."""
     t0 = time.perf_counter()
     if engine.device.type != "cuda" and not on_cpu:
         return {"skipped": "cpu", "seconds": 0.0, "kernels_compiled": 0, "decode_graphs": 0, "prefill_graphs": 0,
-                "capture_s": 0.0, "requests": 0}
+                "capture_s": 0.0, "requests": 0, "heap_frozen": 0}
     compiled0, g0 = COMPILES.compiled, engine.graph_stats()
     gen = _Requests(engine, make_request, engine.runner.model.spec.vocab_size)
     try:
@@ -227,7 +232,9 @@ def warm_up(engine, make_request: Callable[..., Request], progress: bool = True,
     report = {"skipped": None, "seconds": time.perf_counter() - t0, "kernels_compiled": COMPILES.compiled - compiled0,
               "decode_graphs": g1["decode_graphs"] - g0["decode_graphs"],
               "prefill_graphs": g1["prefill_graphs"] - g0["prefill_graphs"],
-              "capture_s": g1["capture_s"] - g0["capture_s"], "requests": gen.sent}
+              "capture_s": g1["capture_s"] - g0["capture_s"], "requests": gen.sent, "heap_frozen": 0}
+    if engine.device.type == "cuda" if freeze_heap is None else freeze_heap:
+        report["heap_frozen"] = heap.freeze(engine)
     log.info("warm-up: %d Triton kernels compiled or loaded, %d decode and %d prefill CUDA graphs captured, "
              "%d requests, %.1f s", report["kernels_compiled"], report["decode_graphs"], report["prefill_graphs"],
              report["requests"], report["seconds"])
