@@ -1,8 +1,10 @@
 """Rules of docs/architecture.md that import contracts cannot say (its "Rules the layout
-keeps"): the engine uses the chunk store only through its methods, and no behaviour switch is
-an environment variable."""
+keeps"): the engine uses the chunk store only through its methods, no behaviour switch is an
+environment variable, mixed steps use the engine only through their StepHost; and the names
+and files the document cites exist."""
 import ast
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ENGINE = ROOT / "lazyllm" / "engine"
@@ -73,3 +75,37 @@ def test_mixed_steps_use_the_engine_only_through_the_step_host():
             if (isinstance(v, ast.Name) and v.id == "e") or ast.unparse(v) == "self.engine":
                 used.add(node.attr)
     assert used and used <= declared, used - declared
+
+
+def _class_members() -> dict[str, set[str]]:
+    """Every class of the product, by name: its methods and the attributes it assigns."""
+    out: dict[str, set[str]] = {}
+    for p in _sources("lazyllm", "integrations", "kernels"):
+        if p.relative_to(ROOT).parts[:2] in (("lazyllm", "kernels"), ("lazyllm", "integrations")):
+            continue
+        for c in ast.walk(ast.parse(p.read_text())):
+            if isinstance(c, ast.ClassDef):
+                m = out.setdefault(c.name, set())
+                for n in ast.walk(c):
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        m.add(n.name)
+                    elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                        m.add(n.id)
+                    elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+                        m.add(n.attr)
+    return out
+
+
+def test_docs_architecture_names_what_exists():
+    """Every ``Class.member`` docs/architecture.md names is a member of a class of the
+    product, and every file its diagram names exists."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    parts = text.split("```")
+    prose, diagram = "".join(parts[0::2]), "".join(parts[1::2])
+    members = _class_members()
+    named = [p for span in re.findall(r"`([^`]+)`", prose) for p in re.findall(r"(?<![\w.])([A-Z]\w*)\.(\w+)", span)]
+    wrong = [f"{c}.{a}" for c, a in named if a not in members.get(c, ())]
+    assert len(named) > 10 and not wrong, wrong
+    files = re.findall(r"((?:lazyllm|engine|cache|model|inputs|kernels|integrations)/[\w/]+\.py)", diagram)
+    missing = [f for f in files if not (ROOT / f).exists() and not (ROOT / "lazyllm" / f).exists()]
+    assert len(files) > 10 and not missing, missing
