@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import InvalidRequestError
 from .option_docs import OPTION_DOCS
 from .presets import PRESETS, QUALITY_OPTIONS
+from .reuse_modes import CHUNK_CACHING_MODES, MODES, REUSE_MODES, ReuseMode
 
 log = logging.getLogger("lazyllm")
 
@@ -40,8 +41,6 @@ if TYPE_CHECKING:
 
     from .kernels.options import KernelOptions
 
-REUSE_MODES = ("lazy", "block", "prefix", "none")
-CHUNK_CACHING_MODES = ("lazy", "block")  # the modes that cache chunk KV
 CHUNK_CONTEXTS = ("isolated", "prefix")
 BACKENDS = ("auto", "torch", "triton")
 # dtype option names -> the torch dtype's name (``getattr(torch, ...)``)
@@ -219,6 +218,11 @@ class EngineConfig:
         return cls(quality=quality, **values)
 
     @property
+    def mode(self) -> ReuseMode:
+        """The reuse mode (``lazyllm.reuse_modes``): whether it caches chunks, makes copies..."""
+        return MODES[self.reuse]
+
+    @property
     def calibration(self) -> tuple[float, float]:
         """``(context_temperature, context_lse_scale)``; ``(1, 1)`` is off."""
         return self.context_temperature, self.context_lse_scale
@@ -235,7 +239,7 @@ class EngineConfig:
         in the chat template's layout, in one process, and does not escalate to full
         attention (whose prompt has no packet tokens) (``packets="auto"`` takes the shipped
         packet only then; any other packet raises otherwise)."""
-        return (self.reuse in CHUNK_CACHING_MODES and not self.block_ft and self.tensor_parallel == 1
+        return (self.mode.caches_chunks and not self.block_ft and self.tensor_parallel == 1
                 and self.escalate_below == 0)
 
     def as_kwargs(self) -> dict[str, Any]:
@@ -280,6 +284,9 @@ def _choice(name: str, v, choices) -> list[str]:
     return [] if v in choices else [f"{name} must be one of {tuple(choices)}, got {v!r}"]
 
 
+_CACHING = "reuse=" + " or ".join(f"'{m}'" for m in CHUNK_CACHING_MODES) + " (the modes that cache chunks)"
+
+
 def _problems(c: EngineConfig) -> list[str]:
     """Every bad option of ``c``, each as a sentence naming it."""
     bad = _value_problems(c)
@@ -288,18 +295,18 @@ def _problems(c: EngineConfig) -> list[str]:
     tp = c.tensor_parallel
     if tp > 1 and c.recompute_ratio > 0:
         bad.append("recompute_ratio is not supported with tensor_parallel yet")
-    if c.escalate_below > 0 and (tp > 1 or c.reuse not in CHUNK_CACHING_MODES):
-        bad.append("escalate_below needs reuse='lazy' or 'block' (the modes that cache chunks) and no "
+    if c.escalate_below > 0 and (tp > 1 or not c.mode.caches_chunks):
+        bad.append(f"escalate_below needs {_CACHING} and no "
                    "tensor_parallel")
     if tp > 1 and c.kv_disk_dir is not None:
         bad.append("kv_disk_dir is not supported with tensor_parallel yet")
     if tp > 1 and c.calibration != (1.0, 1.0):
         bad.append("context calibration is not supported with tensor_parallel yet")
-    if c.kv_disk_dir is not None and c.reuse not in CHUNK_CACHING_MODES:
-        bad.append("kv_disk_dir needs reuse='lazy' or 'block' (the modes that cache chunks)")
+    if c.kv_disk_dir is not None and not c.mode.caches_chunks:
+        bad.append(f"kv_disk_dir needs {_CACHING}")
     if c.packets is not None and not (isinstance(c.packets, str) and c.packets == "auto"):
-        if c.reuse not in CHUNK_CACHING_MODES:  # full attention has no chunks to carry a packet
-            bad.append(f"packets need reuse='lazy' or 'block' (the modes that cache chunks), not {c.reuse!r}")
+        if not c.mode.caches_chunks:  # full attention has no chunks to carry a packet
+            bad.append(f"packets need {_CACHING}, not {c.reuse!r}")
         if c.block_ft or tp > 1:
             bad.append("packets are not supported with quality='block-ft' or tensor_parallel")
         if c.escalate_below > 0:  # an escalated request is answered as full attention, without packet tokens
