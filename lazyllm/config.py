@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import re
 import sys
@@ -30,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidRequestError
+from .kernels.options import calibration_on, calibration_problems
 from .option_docs import OPTION_DOCS
 from .presets import PRESETS, QUALITY_OPTIONS
 from .reuse_modes import CHUNK_CACHING_MODES, MODES, REUSE_MODES, ReuseMode
@@ -224,7 +224,8 @@ class EngineConfig:
 
     @property
     def calibration(self) -> tuple[float, float]:
-        """``(context_temperature, context_lse_scale)``; ``(1, 1)`` is off."""
+        """``(context_temperature, context_lse_scale)``; off or on as
+        ``lazyllm.kernels.options.calibration_on`` decides (``(1, 1)`` is off)."""
         return self.context_temperature, self.context_lse_scale
 
     @property
@@ -300,7 +301,7 @@ def _problems(c: EngineConfig) -> list[str]:
                    "tensor_parallel")
     if tp > 1 and c.kv_disk_dir is not None:
         bad.append("kv_disk_dir is not supported with tensor_parallel yet")
-    if tp > 1 and c.calibration != (1.0, 1.0):
+    if tp > 1 and calibration_on(*c.calibration):
         bad.append("context calibration is not supported with tensor_parallel yet")
     if c.kv_disk_dir is not None and not c.mode.caches_chunks:
         bad.append(f"kv_disk_dir needs {_CACHING}")
@@ -322,10 +323,7 @@ def _value_problems(c: EngineConfig) -> list[str]:
     bad += _choice("recompute_selection", c.recompute_selection, (*BUILTIN_SELECTIONS, *selection_names()))
     bad += _choice("quality", c.quality, (None, *PRESETS))
     bad += _device_problems(c.device) + _dtype_problems(c.dtype)
-    for name in ("context_temperature", "context_lse_scale"):
-        v = getattr(c, name)
-        if not _is_number(v) or not 0.0 < v < math.inf:
-            bad.append(f"{name} must be a positive finite number, got {v!r}")
+    bad += calibration_problems(*c.calibration, ("context_temperature", "context_lse_scale"))
     p = c.page_size
     if p is not None and (not _is_int(p) or p < 1 or p & (p - 1)):
         bad.append(f"page_size must be a power of two, got {p!r}")
