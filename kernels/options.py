@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["KernelOptions", "KeyLoop", "LOOPS", "calibration_on", "calibration_problems"]
+__all__ = ["KernelOptions", "KeyLoop", "LOOPS", "calibration_on", "calibration_problem", "calibration_problems"]
 
 
 # -- APE-style context calibration ------------------------------------------------------
@@ -26,13 +26,17 @@ def calibration_on(temperature, lse_scale) -> bool:
     return (temperature, lse_scale) != CALIBRATION_OFF
 
 
+def calibration_problem(name: str, v) -> list[str]:
+    """``[]`` where ``v`` is a valid temperature or LSE scale (a positive finite number), else
+    the sentence saying why, naming ``name``."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v < float("inf"):
+        return [f"{name} must be a positive finite number, got {v!r}"]
+    return []
+
+
 def calibration_problems(temperature, lse_scale, names=("temperature", "lse_scale")) -> list[str]:
     """A sentence for each value that is not a positive finite number, named by ``names``."""
-    bad = []
-    for name, v in zip(names, (temperature, lse_scale)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v < float("inf"):
-            bad.append(f"{name} must be a positive finite number, got {v!r}")
-    return bad
+    return calibration_problem(names[0], temperature) + calibration_problem(names[1], lse_scale)
 
 
 class KeyLoop(enum.IntEnum):
