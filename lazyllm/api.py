@@ -40,19 +40,18 @@ def _from_config(name: str) -> property:
     return property(lambda self: getattr(self.config, name), doc=f"``config.{name}``")
 
 
-def _signature() -> inspect.Signature:
-    """``LazyLLM.__init__``'s: the model arguments, then every engine option with its default
-    (``None``, "not given", for those a preset sets)."""
+def _signature(config_cls: type = EngineConfig) -> inspect.Signature:
+    """``LazyLLM.__init__``'s: the model arguments, then every option of ``config_cls`` with its
+    default (``None``, "not given", for those a preset sets)."""
     kw = inspect.Parameter.KEYWORD_ONLY
     head = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
             inspect.Parameter("model_name_or_path", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
                               annotation="str | None"),
             inspect.Parameter("model", kw, default=None, annotation="Any"),
             inspect.Parameter("tokenizer", kw, default=None, annotation="Any")]
-    return options_signature(EngineConfig, head, set(QUALITY_OPTIONS))
+    return options_signature(config_cls, head, set(QUALITY_OPTIONS))
 
 
-_SIGNATURE = _signature()
 
 
 _LIVE_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -93,7 +92,10 @@ class LazyLLM:
                  **options: Any):
         # the options are EngineConfig's fields: ``__signature__`` (below) lists each with its
         # default, and binding to it refuses an unknown keyword as Python does (TypeError)
-        _SIGNATURE.bind(self, model_name_or_path, model=model, tokenizer=tokenizer, **options)
+        try:
+            LazyLLM.__init__.__signature__.bind(self, model_name_or_path, model=model, tokenizer=tokenizer, **options)
+        except TypeError as e:
+            raise TypeError(f"LazyLLM(): {e}") from None
         config = EngineConfig.resolve(**options)
         self._tp = None
         self._load(config, model_name_or_path, model, tokenizer)
@@ -434,7 +436,7 @@ class LazyLLM:
 
 
 LazyLLM.__doc__ += options_docstring()
-LazyLLM.__init__.__signature__ = _SIGNATURE
+LazyLLM.__init__.__signature__ = _signature()
 # ``llm.<option>`` for the options declared ``attr``: the running configuration's value
 for _f in dataclasses.fields(EngineConfig):
     if _f.metadata.get("attr"):
