@@ -140,7 +140,7 @@ class LazyLLM:
         # cache keys and the disk tier separate packet versions: a packet changes every chunk's KV
         self.fingerprint = self.model_fingerprint + (f":packets:{self.packets.digest}" if self.packets else "")
         kv_cache_bytes = self._make_store(page_size, config.kv_cache_bytes)
-        self.prompts = prompt_builder(tok, "auto" if config.block_ft else None,
+        self.prompts = prompt_builder(tok, config.prompt_layout,
                                       self.packets.ids(self.model.embed_rows) if self.packets else None,
                                       encodings=ChunkEncodings())
         self.inputs = InputProcessor(tok, self.prompts, max_context=self.model.spec.max_context,

@@ -106,18 +106,12 @@ class EngineConfig(EngineOptions):
         return self.context_temperature, self.context_lse_scale
 
     @property
-    def block_ft(self) -> bool:
-        """The ``block-ft`` preset: prompts in the Block-Attention training layout
-        (``lazyllm.inputs.prompt_blockft``)."""
-        return self.quality == "block-ft"
-
-    @property
     def packets_fit(self) -> bool:
         """Whether this configuration can carry learned chunk packets: it caches chunk KV,
         in the chat template's layout, in one process, and does not escalate to full
         attention (whose prompt has no packet tokens) (``packets="auto"`` takes the shipped
         packet only then; any other packet raises otherwise)."""
-        return (self.mode.caches_chunks and not self.block_ft and self.tensor_parallel == 1
+        return (self.mode.caches_chunks and self.prompt_layout == "chat" and self.tensor_parallel == 1
                 and self.escalate_below == 0)
 
     def as_kwargs(self) -> dict[str, Any]:
@@ -164,8 +158,9 @@ def _problems(c: EngineConfig) -> list[str]:
     if c.packets is not None and not (isinstance(c.packets, str) and c.packets == "auto"):
         if not c.mode.caches_chunks:  # full attention has no chunks to carry a packet
             bad.append(f"packets need {_CACHING}, not {c.reuse!r}")
-        if c.block_ft or tp > 1:
-            bad.append("packets are not supported with quality='block-ft' or tensor_parallel")
+        if c.prompt_layout != "chat" or tp > 1:
+            bad.append(f"packets are not supported with prompt_layout={c.prompt_layout!r} (quality='block-ft') "
+                       "or tensor_parallel")
         if c.escalate_below > 0:  # an escalated request is answered as full attention, without packet tokens
             bad.append("packets are not supported with escalate_below (an escalated request is answered by full "
                        "attention, whose prompt has no packet tokens)")

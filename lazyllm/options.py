@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from .kernels.options import KernelOptions
 
 CHUNK_CONTEXTS = ("isolated", "prefix")
+PROMPT_LAYOUTS = ("chat", "block-ft")
 BACKENDS = ("auto", "torch", "triton")
 # dtype option names -> the torch dtype's name (``getattr(torch, ...)``)
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
@@ -273,6 +274,14 @@ class EngineOptions:
              "measures them on your own data."),
         choices=(None, *PRESETS), attr=True,
     )
+    prompt_layout: str = opt(
+        QUALITY_OPTIONS["prompt_layout"],
+        "the prompt's layout: the model's chat template, or the Block-Attention training layout",
+        doc=('``"chat"`` (default): the model\'s chat template; ``"block-ft"``: the prompt layout '
+             "Block-Attention fine-tuned checkpoints were trained with (``lazyllm.inputs.prompt_blockft``; "
+             'the ``"block-ft"`` preset sets it). Not with ``packets``.'),
+        choices=PROMPT_LAYOUTS, attr=True,
+    )
     kv_disk_dir: str | os.PathLike | None = opt(
         None,
         "folder of a persistent chunk KV tier",
@@ -399,5 +408,5 @@ class EngineOptions:
     )
 
 
-__all__ = ["EngineOptions", "CHUNK_CONTEXTS", "BACKENDS", "DTYPES", "DEFAULT_MAX_STRING_LENGTH",
+__all__ = ["EngineOptions", "CHUNK_CONTEXTS", "PROMPT_LAYOUTS", "BACKENDS", "DTYPES", "DEFAULT_MAX_STRING_LENGTH",
            "DEFAULT_MAX_ARRAY_LENGTH", "DEFAULT_MAX_JSON_DEPTH", "device_problems", "dtype_problems"]

@@ -109,8 +109,9 @@ def test_every_bad_option_in_one_error():
     (dict(quality="block-ft", packets="p.safetensors"), "block-ft"),
 ])
 def test_combinations(kw, needle):
+    # through resolve: a preset is the option values it sets (block-ft: prompt_layout)
     with pytest.raises(InvalidRequestError, match=needle):
-        EngineConfig(**kw)
+        EngineConfig.resolve(**kw)
 
 
 def test_numbers_are_normalized():
