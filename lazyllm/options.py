@@ -13,6 +13,7 @@ read itself), so a command line checks its flags before it pays for torch and tr
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -408,5 +409,12 @@ class EngineOptions:
     )
 
 
-__all__ = ["EngineOptions", "CHUNK_CONTEXTS", "PROMPT_LAYOUTS", "BACKENDS", "DTYPES", "DEFAULT_MAX_STRING_LENGTH",
-           "DEFAULT_MAX_ARRAY_LENGTH", "DEFAULT_MAX_JSON_DEPTH", "device_problems", "dtype_problems"]
+def option_help(name: str) -> str:
+    """The one-line help of option ``name``: another command's flag for the same option (the
+    ``--device`` of ``lazyllm adapt`` and ``lazyllm quality``) says what ``lazyllm serve``'s says."""
+    return {f.name: f.metadata["help"] for f in dataclasses.fields(EngineOptions)}[name]
+
+
+__all__ = ["EngineOptions", "option_help", "CHUNK_CONTEXTS", "PROMPT_LAYOUTS", "BACKENDS", "DTYPES",
+           "DEFAULT_MAX_STRING_LENGTH", "DEFAULT_MAX_ARRAY_LENGTH", "DEFAULT_MAX_JSON_DEPTH",
+           "device_problems", "dtype_problems"]
