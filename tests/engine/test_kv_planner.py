@@ -116,7 +116,7 @@ def test_prefix_and_none_policies_are_siblings():
     assert not issubclass(PrefixPolicy, NonePolicy) and not issubclass(NonePolicy, PrefixPolicy)
 
 
-@pytest.mark.parametrize("reuse", ["lazy", "block", "prefix", "none"])
+@pytest.mark.parametrize("reuse", list(MODES))  # a mode declared without a policy fails here
 def test_each_policy_answers_from_its_mode_what_it_does(reuse):
     """What a mode is (``lazyllm.reuse_modes``) is what its policy does: one that caches
     chunks creates chunk entries, one that makes copies holds private chunk pages, and the
