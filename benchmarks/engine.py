@@ -24,18 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from benchmarks._common import (  # noqa: E402
+from _common import (
     copy_bandwidth,
     device_name,
     llama31_8b_config,

@@ -27,18 +27,11 @@ import argparse
 import gc
 import json
 import logging
-import os
 import statistics
-import sys
 import time
 
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from benchmarks._common import (  # noqa: E402
+from _common import (
     copy_bandwidth,
     llama31_8b_config,
     load_tokenizer,

@@ -42,12 +42,7 @@ import time
 import types
 
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from benchmarks._common import load_tokenizer, run_to_length, shrink_to_tiny, sibling, text_of_tokens  # noqa: E402
+from _common import load_tokenizer, run_to_length, shrink_to_tiny, sibling, text_of_tokens
 
 MODELS = ("llama", "qwen3", "gemma3")
 TAG = "FIRST_REQUEST_RESULT "

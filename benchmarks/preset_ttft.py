@@ -17,18 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from benchmarks._common import (  # noqa: E402
+from _common import (
     device_name,
     llama31_8b_config,
     load_tokenizer,
@@ -37,7 +30,8 @@ from benchmarks._common import (  # noqa: E402
     shrink_to_tiny,
     text_of_tokens,
 )
-from lazyllm.presets import PRESETS  # noqa: E402
+
+from lazyllm.presets import PRESETS
 
 SETTINGS = {"default": {}, **{name: {"quality": name} for name in PRESETS},
             # balanced with the question's first pass over the first quarter of the layers

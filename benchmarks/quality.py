@@ -76,16 +76,13 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import _common  # noqa: F401  (the repository root on sys.path: benchmarks/_common.py)
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from lazyllm import LazyLLM  # noqa: E402
-from lazyllm.errors import LazyLLMError, UnsupportedModelError  # noqa: E402
-from lazyllm.presets import PRESETS, QUALITY_OPTIONS  # noqa: E402
-from lazyllm.quality import kl_and_agreement  # noqa: E402  (the fidelity report's metric code)
+from lazyllm import LazyLLM
+from lazyllm.errors import LazyLLMError, UnsupportedModelError
+from lazyllm.presets import PRESETS, QUALITY_OPTIONS
+from lazyllm.quality import kl_and_agreement  # the fidelity report's metric code
 
 SYSTEM = "You are a helpful assistant. Answer the question briefly, using only the documents."
 

@@ -62,19 +62,12 @@ import math
 import os
 import random
 import statistics
-import sys
 import threading
 import time
 from dataclasses import dataclass
 
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from benchmarks._common import llama31_8b_config, random_model, run_to_length  # noqa: E402
-from benchmarks._floor import floor, floor_line, measure_rates  # noqa: E402
+from _common import floor, floor_line, llama31_8b_config, measure_rates, random_model, run_to_length
 
 PRESETS = {
     "ci": dict(docs=12, doc_tokens=48, k=2, requests=6, output_tokens=3, budgets="0.6,1.0", rates="0",

@@ -27,17 +27,13 @@ import argparse
 import importlib
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import _common  # noqa: F401  (the repository root on sys.path: benchmarks/_common.py)
 import numpy as np
 import torch
-
-ROOT = str(Path(__file__).resolve().parents[1])
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 
 class DenseMask:
@@ -101,7 +97,7 @@ def _submit(llm, question, chunks, n, constraint=None, **kw):
 
 
 def engine_table(args) -> dict:
-    from benchmarks._common import (
+    from _common import (
         device_name,
         llama31_8b_config,
         load_tokenizer,
@@ -111,6 +107,7 @@ def engine_table(args) -> dict:
         step_ms,
         text_of_tokens,
     )
+
     from lazyllm import LazyLLM
 
     tok = load_tokenizer(args.tokenizer)

@@ -26,24 +26,18 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
 import random
 import socket
 import statistics
-import sys
 import time
 
 import httpx
 import torch
 import uvicorn
+from _common import sibling
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from benchmarks._common import sibling  # noqa: E402
-from lazyllm import LazyLLM  # noqa: E402
-from lazyllm.integrations.server import create_app  # noqa: E402
+from lazyllm import LazyLLM
+from lazyllm.integrations.server import create_app
 
 DOCS = [f"Document {i}: the {w} is kept in room {i * 7}, next to the {v}." for i, (w, v) in enumerate(
     zip(["lamp", "chair", "table", "clock", "vase", "piano"], ["door", "window", "shelf", "bed", "desk", "sofa"]))]
@@ -65,7 +59,7 @@ def tiny_llm() -> LazyLLM:
 
 def random_8b_llm(tokenizer: str | None) -> LazyLLM:
     """Llama-3.1-8B shapes with random bf16 weights on CUDA; no end-of-sequence token."""
-    from benchmarks._common import llama31_8b_config, load_tokenizer, random_model, run_to_length
+    from _common import llama31_8b_config, load_tokenizer, random_model, run_to_length
 
     # no warm-up: the untimed pass compiles and captures what the measured one runs
     llm = LazyLLM(model=random_model(llama31_8b_config(32)), tokenizer=load_tokenizer(tokenizer), packets=None,
@@ -103,7 +97,7 @@ def _rate(n_streams: int, jobs: list, run_one) -> dict:
 
 def streams(args, llm: LazyLLM, port: int) -> dict:
     """N concurrent streams in process, then over HTTP: the request rates side by side."""
-    from benchmarks._common import text_of_tokens
+    from _common import text_of_tokens
 
     docs = [text_of_tokens(llm, args.doc_tokens, 1000 + i) for i in range(args.docs)]
     rng = random.Random(0)

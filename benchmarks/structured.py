@@ -14,18 +14,12 @@ unconstrained request to its length; the tokenizer is the default model's (carry
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from benchmarks._common import llama31_8b_config, load_tokenizer, random_model, run_to_length  # noqa: E402
+from _common import llama31_8b_config, load_tokenizer, random_model, run_to_length
 
 # a nested JSON Schema: objects in objects, arrays of objects, a pattern, an enum
 NESTED = {

@@ -32,17 +32,11 @@ import json
 import os
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from benchmarks._common import (  # noqa: E402
+from _common import (
     copy_bandwidth,
     device_name,
     gemm_floor_ms,

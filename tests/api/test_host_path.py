@@ -261,7 +261,7 @@ def test_a_large_batch_is_built_in_order_and_a_bad_item_runs_nothing(slow_llm):
 def test_the_floor_of_a_loop():
     from tests.conftest import load_benchmark
 
-    fl = load_benchmark("_floor")
+    fl = load_benchmark("_common")
     rates = fl.Rates(prefill_token_s=1e-4, step_s=0.01)
     m0 = dict(prefill_tokens=100, decode_steps=10, prefill_s=1.0, decode_s=1.0)
     m1 = dict(prefill_tokens=1100, decode_steps=30, prefill_s=1.5, decode_s=1.6, selection_s=0.1)
