@@ -119,6 +119,14 @@ def text_of_tokens(llm, n: int, seed: int) -> str:
     return " ".join(words)
 
 
+def demo_docs() -> dict:
+    """The demo's six documents (``examples/corpus.py``'s ``DOCS``), loaded by path."""
+    spec = importlib.util.spec_from_file_location("_lazyllm_demo_corpus", os.path.join(ROOT, "examples", "corpus.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.DOCS
+
+
 def run_to_length(llm) -> None:
     """No end-of-sequence token: with random weights every request runs to its length, so each
     one does the same work."""
@@ -293,18 +301,71 @@ def timed(llm, question: str, chunks, sync=None, **kw) -> tuple[dict, object]:
     return row, out
 
 
-def warm_ttft(llm, requests, sync=None, **kw) -> tuple[dict, object]:
+def warm_ttft(llm, requests, sync=None, **kw) -> tuple[dict, list]:
     """``timed`` over ``requests`` (``(question, chunks)`` pairs, each its own call), one
-    output token unless ``kw`` says otherwise: the median of each figure (``*_ms``), every
-    reading (``*_all_ms``), and the last output."""
+    output token unless ``kw`` says otherwise: the median of each figure (``*_ms``) and every
+    reading of the first two (``ttft_all_ms``, ``engine_all_ms``); and the outputs."""
     kw.setdefault("max_new_tokens", 1)
-    rows, out = [], None
+    rows, outs = [], []
     for question, chunks in requests:
         row, out = timed(llm, question, chunks, sync=sync, **kw)
         rows.append(row)
+        outs.append(out)
     res = {k: statistics.median(r[k] for r in rows) for k in rows[0] if all(k in r for r in rows)}
     res.update({k.replace("_ms", "_all_ms"): [r[k] for r in rows] for k in ("ttft_ms", "engine_ms")})
-    return res, out
+    return res, outs
+
+
+class Turns:
+    """Two processes, ``old`` and ``new``, taking turns through a counter file in ``folder``:
+    slot ``s`` runs when the counter reads ``s``; ``stop`` ends both."""
+
+    def __init__(self, folder: str, side: str, timeout_s: float = 600.0):
+        os.makedirs(folder, exist_ok=True)
+        self.folder, self.side, self.timeout_s = folder, side, timeout_s
+        self.path = os.path.join(folder, "turn")
+
+    def _read(self) -> str:
+        try:
+            with open(self.path) as fh:
+                return fh.read().strip()
+        except FileNotFoundError:
+            return ""
+
+    def _write(self, text: str) -> None:
+        tmp = f"{self.path}.{self.side}"
+        with open(tmp, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, self.path)
+
+    def _until(self, ok) -> bool:
+        end = time.perf_counter() + self.timeout_s
+        while not ok():
+            if time.perf_counter() > end:
+                raise TimeoutError(f"{self.side}: the other side never took its turn")
+            time.sleep(0.002)
+        return True
+
+    def ready(self) -> None:
+        """Both sides built and warmed up (no timed work overlaps the other's warm-up)."""
+        if self.side == "old":
+            self._write("0")
+        open(os.path.join(self.folder, f"ready_{self.side}"), "w").close()
+        self._until(lambda: all(os.path.exists(os.path.join(self.folder, f"ready_{s}")) for s in ("old", "new")))
+
+    def slot(self, item: int) -> int:
+        """Item ``item``'s slot for this side: old first in even passes of the list, new first
+        in odd ones (``item`` counts across passes: pass * items + index)."""
+        first = "old" if (item // self.items) % 2 == 0 else "new"
+        return 2 * item + (self.side != first)
+
+    def wait(self, slot: int) -> bool:
+        """Wait for ``slot``; False once the other side stopped."""
+        self._until(lambda: self._read() in (str(slot), "stop"))
+        return self._read() != "stop"
+
+    def done(self, slot: int, stop: bool = False) -> None:
+        self._write("stop" if stop else str(slot + 1))
 
 
 def write_json(path: str | None, results) -> None:
