@@ -55,6 +55,18 @@ oracle setting also reports which tokens it picked (``oracle_picks``).
 Options the engine does not have yet (``recompute_first_tokens``, ``recompute_ratio``) are
 detected with ``inspect.signature(LazyLLM.__init__)``; their settings are skipped with a
 note. A model that lazyllm does not support is reported as such (exit status 2).
+
+Subcommands (``quality.py NAME --help``; their code is in ``benchmarks/prose/``):
+
+    python benchmarks/quality.py prose --split test --out DIR --slice 10 --jobs 2   # real prose
+    python benchmarks/quality.py prose-suite [--check]    # (re)build benchmarks/data/prose/
+    python benchmarks/quality.py demo --settings default  # the demo's questions against exact
+
+``prose``: the fidelity report on a split of the real-prose suite, in slices saved as they
+finish (``--jobs N`` processes claim slices through claim files), then one table beside the
+order floor. ``prose-suite``: builds that suite from Python's library reference. ``demo``: the
+demo's two questions over its six documents in five orders, each setting against full
+attention's first tokens.
 """
 from __future__ import annotations
 
@@ -800,7 +812,9 @@ def run_cases(args, log) -> dict:
 # -- main ------------------------------------------------------------------------------
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="subcommands, each with its own --help: prose (the real-prose fidelity "
+                                        "report), prose-suite (build its cases), demo (the demo's questions)")
     ap.add_argument("--model", default=None, help="model folder / .gguf / hub id (default: the embedded SmolLM2)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default=None)
@@ -850,7 +864,15 @@ def parse_args(argv=None):
     return args
 
 
+SUBCOMMANDS = {"prose": "benchmarks.prose.report", "prose-suite": "benchmarks.prose.suite",
+               "demo": "benchmarks.prose.demo"}
+
+
 def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] and argv[0] in SUBCOMMANDS:
+        importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
+        return {}
     args = parse_args(argv)
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
     t_start = time.perf_counter()
