@@ -83,7 +83,23 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+def hf_prefill_ms(model, token_ids, device) -> float:
+    """transformers' own prefill of ``token_ids`` (the last row's logits), median of 3 (ms)."""
+    ids = torch.tensor([token_ids], device=device)
+    with torch.inference_mode():
+        model(ids, use_cache=True, logits_to_keep=1)
+        _sync(device)
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            model(ids, use_cache=True, logits_to_keep=1)
+            _sync(device)
+            times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
 def measure(family: str, tok, args) -> dict:
+    """One shape's figures (``--mode figures``)."""
     from lazyllm import LazyLLM
 
     device = "cpu" if args.dry_run else "cuda"
@@ -120,17 +136,7 @@ def measure(family: str, tok, args) -> dict:
         llm.clear_cache()
         cold.append(timed(llm, f"c{i} {question}", chunks, max_new_tokens=1)[0]["ttft_ms"])
     res["cold_prefill_ms"] = statistics.median(cold)
-    ids = torch.tensor([out.prompt_token_ids], device=device)
-    with torch.inference_mode():
-        model(ids, use_cache=True, logits_to_keep=1)
-        _sync(device)
-        times = []
-        for _ in range(3):
-            t = time.perf_counter()
-            model(ids, use_cache=True, logits_to_keep=1)
-            _sync(device)
-            times.append(time.perf_counter() - t)
-    res["transformers_prefill_ms"] = statistics.median(times) * 1e3
+    res["transformers_prefill_ms"] = hf_prefill_ms(model, out.prompt_token_ids, device)
 
     # decode: each request over the same cached chunks with its own question
     for batch in args.batches:

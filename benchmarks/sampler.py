@@ -31,9 +31,18 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import _common  # noqa: F401  (the repository root on sys.path: benchmarks/_common.py)
 import numpy as np
 import torch
+from _common import (
+    device_name,
+    llama31_8b_config,
+    load_tokenizer,
+    random_model,
+    run_to_length,
+    shrink_to_tiny,
+    step_ms,
+    text_of_tokens,
+)
 
 
 class DenseMask:
@@ -97,17 +106,6 @@ def _submit(llm, question, chunks, n, constraint=None, **kw):
 
 
 def engine_table(args) -> dict:
-    from _common import (
-        device_name,
-        llama31_8b_config,
-        load_tokenizer,
-        random_model,
-        run_to_length,
-        shrink_to_tiny,
-        step_ms,
-        text_of_tokens,
-    )
-
     from lazyllm import LazyLLM
 
     tok = load_tokenizer(args.tokenizer)
