@@ -98,7 +98,7 @@ def test_the_build_is_deterministic():
 def test_report_workers_each_take_a_slice_once(tmp_path):
     """``quality.py prose --jobs N``: a slice goes to the first worker that claims it, and
     to no other; a lone process takes every slice."""
-    from benchmarks.prose import report as pf
+    from benchmarks.fidelity import report as pf
     out = str(tmp_path / "slice-000.json")
     assert pf._claim(out, 0) is True
     assert pf._claim(out, 1) is False and pf._claim(out, 0) is False

@@ -33,7 +33,7 @@ import os
 import random
 
 from benchmarks._common import HERE
-from benchmarks.prose.rst import parse_page
+from benchmarks.fidelity.rst import parse_page
 
 OUT = os.path.join(HERE, "data", "prose")
 SPLITS = {"train": 0.5, "dev": 0.17, "test": 0.33}  # fractions of the pages
