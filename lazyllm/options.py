@@ -249,7 +249,7 @@ class EngineOptions:
              "far, every chunk token recomputed (the tokens already streamed stay). The margins cost one small "
              "reduction per token checked; an escalated request a second, full prefill. 0 (default): never; 0.01 "
              "escalates about 11% of real-prose requests on the default model, 0.03 about 29%. ``python "
-             "benchmarks/prose_fidelity.py --curve SETTING --escalate-tokens N`` prints what each threshold keeps "
+             "benchmarks/quality.py prose --curve SETTING --escalate-tokens N`` prints what each threshold keeps "
              "and costs on real prose (docs/fidelity.md)."),
         bounds="[0, 1]", attr=True,
     )
