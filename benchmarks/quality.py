@@ -55,6 +55,15 @@ oracle setting also reports which tokens it picked (``oracle_picks``).
 Options the engine does not have yet (``recompute_first_tokens``, ``recompute_ratio``) are
 detected with ``inspect.signature(LazyLLM.__init__)``; their settings are skipped with a
 note. A model that lazyllm does not support is reported as such (exit status 2).
+
+Subcommands (``quality.py NAME --help``; their code and this script's parts: ``benchmarks/fidelity/``):
+
+    python benchmarks/quality.py prose --split test --out DIR --slice 10 --jobs 2   # real prose
+    python benchmarks/quality.py prose-suite [--check]    # (re)build benchmarks/data/prose/
+    python benchmarks/quality.py demo --settings default  # the demo's questions against exact
+
+``prose``: the fidelity report on a split of the real-prose suite, in slices saved as they finish
+(``--jobs N`` processes claim slices by claim files), then one table beside the order floor.
 """
 from __future__ import annotations
 
@@ -62,523 +71,46 @@ import argparse
 import gc
 import hashlib
 import importlib
-import inspect
 import json
-import math
 import os
 import platform
-import random
-import re
 import statistics
 import sys
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
+import _common  # noqa: F401  (the repository root on sys.path: benchmarks/_common.py)
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from lazyllm import LazyLLM  # noqa: E402
-from lazyllm.errors import LazyLLMError, UnsupportedModelError  # noqa: E402
-from lazyllm.presets import PRESETS, QUALITY_OPTIONS  # noqa: E402
-from lazyllm.quality import kl_and_agreement  # noqa: E402  (the fidelity report's metric code)
+from benchmarks.fidelity.corpus import build_corpus, build_prompts
+from benchmarks.fidelity.oracle import (  # noqa: F401  (the tests reach the oracle through this module too)
+    ORACLE_SELECTIONS,
+    _oracle_log_start,
+    _oracle_picks,
+    _wants_oracle,
+    full_context_kv,
+    install_oracle_selection,
+    oracle_summary,
+)
+from benchmarks.fidelity.settings import (  # noqa: F401  (and the grid, through this module)
+    SAME_TOKENS,
+    SELECTION,
+    THRESHOLDS,
+    Setting,
+    _neutral,
+    available_options,
+    build_settings,
+    check_thresholds,
+    grid_settings,
+    markdown_table,
+    recovery_available,
+)
+from lazyllm import LazyLLM
+from lazyllm.errors import LazyLLMError, UnsupportedModelError
+from lazyllm.presets import PRESETS
+from lazyllm.quality import kl_and_agreement  # the fidelity report's metric code
 
 SYSTEM = "You are a helpful assistant. Answer the question briefly, using only the documents."
-
-# quality targets for a reusable setting: agreement with full attention within a recompute budget
-THRESHOLDS = {"top1": 0.97, "kl": 0.01, "same_answer": 0.9, "recompute": 0.20, "recompute_long": 0.20,
-              "long_chunk_tokens": 256, "needle_rel": 0.98}
-SAME_TOKENS = 8  # "same answer": the first this many greedy tokens equal full attention's
-
-# recovery options: LazyLLM keyword -> setting label prefix
-RECOVERY_OPTIONS = {"recompute_first_tokens": "first", "recompute_ratio": "ratio"}
-_OFF = {"recompute_first_tokens": 0, "recompute_ratio": 0.0}
-# how recompute_ratio picks its tokens; "attn-R" settings ask for "attention", the others
-# for "deviation" (both explicitly, so a changed default cannot leak into a grid setting)
-SELECTION = "recompute_selection"
-# LazyLLM keywords that do not change what the model computes (by name, or by these name
-# fragments: storage, batching and loading options)
-_NEUTRAL_KW = {"self", "model_name_or_path", "model", "tokenizer", "device", "dtype", "kv_cache_bytes",
-               "page_size", "attention_backend", "max_batch_tokens", "trust_remote_code", "progress"}
-_NEUTRAL_PARTS = ("bytes", "disk", "dir", "path", "cache", "page", "batch", "backend", "thread", "timeout",
-                  "progress", "trust", "log")
-
-
-def _neutral(name: str) -> bool:
-    return name in _NEUTRAL_KW or any(part in name for part in _NEUTRAL_PARTS)
-
-MODULES = [
-    "abc", "argparse", "base64", "bisect", "calendar", "configparser", "contextlib", "copy", "csv",
-    "dataclasses", "datetime", "decimal", "difflib", "doctest", "email.message", "enum", "fnmatch",
-    "fractions", "functools", "glob", "gzip", "hashlib", "heapq", "hmac", "http.client", "inspect",
-    "io", "ipaddress", "json", "json.decoder", "json.encoder", "logging", "logging.handlers", "os",
-    "pathlib", "pickle", "pprint", "queue", "random", "re", "sched", "secrets", "shlex", "shutil",
-    "smtplib", "socket", "statistics", "string", "subprocess", "tarfile", "tempfile", "textwrap",
-    "threading", "traceback", "typing", "unittest.case", "urllib.parse", "urllib.request", "uuid",
-    "warnings", "weakref", "zipfile",
-]
-
-NEEDLES = [
-    ("The access code for vault {a} is {b}.", "What is the access code for vault {a}?"),
-    ("The locker combination for room {a} is {b}.", "What is the locker combination for room {a}?"),
-    ("The badge number of inspector {a} is {b}.", "What is the badge number of inspector {a}?"),
-    ("The reservation number for table {a} is {b}.", "What is the reservation number for table {a}?"),
-]
-
-
-# -- corpus --------------------------------------------------------------------------
-@dataclass
-class Doc:
-    name: str  # qualified name of the documented object
-    text: str
-
-
-@dataclass
-class Prompt:
-    qid: int
-    kind: str  # "what", "cloze" or "needle"
-    question: str
-    chunks: list[str]
-    order: int  # index of this chunk order among the question's orders
-    gold: int  # position of the answer document in ``chunks``
-    answer: str | None = None  # the exact answer (needle prompts)
-
-
-def _clean_docstring(doc: str) -> str:
-    """Prose paragraphs of a docstring: drop doctest and indented (code) lines, join the
-    lines of each paragraph."""
-    paras, cur = [], []
-    for line in doc.splitlines():
-        s = line.strip()
-        if not s:
-            if cur:
-                paras.append(" ".join(cur))
-                cur = []
-            continue
-        if s.startswith((">>>", "...")) or line.startswith(("    ", "\t")) or set(s) <= set("-=~*"):
-            continue
-        cur.append(s)
-    if cur:
-        paras.append(" ".join(cur))
-    text = "\n".join(p for p in paras if len(p) > 20)
-    return re.sub(r"[ \t]+", " ", text).strip()
-
-
-def _sentences(text: str) -> list[str]:
-    out = []
-    for para in text.split("\n"):
-        parts = re.split(r"(?<=[.!?])\s+(?=[A-Z`(\"'])", para)
-        out += [p.strip() for p in parts if p.strip()]
-    return out
-
-
-def _docstrings() -> list[tuple[str, str]]:
-    """(qualified name, docstring) of stdlib modules and their public top-level objects,
-    documented in that module (not inherited), in a fixed order."""
-    out = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for modname in MODULES:
-            try:
-                mod = importlib.import_module(modname)
-            except Exception:
-                continue
-            if mod.__doc__:
-                out.append((modname, inspect.cleandoc(mod.__doc__)))
-            for name in sorted(vars(mod)):
-                if name.startswith("_"):
-                    continue
-                obj = vars(mod)[name]
-                if not (inspect.isfunction(obj) or inspect.isclass(obj)):
-                    continue
-                if getattr(obj, "__module__", None) != modname or not obj.__doc__:
-                    continue
-                out.append((f"{modname}.{name}", inspect.cleandoc(obj.__doc__)))
-    return out
-
-
-def _fit(sents: list[str], count, budget: int) -> str:
-    """The longest run of whole sentences from the start that fits ``budget`` tokens (the
-    first sentence cut at a word boundary if even it does not fit)."""
-    text = ""
-    for s in sents:
-        t = f"{text} {s}".strip()
-        if count(t) > budget:
-            break
-        text = t
-    if not text and sents:
-        words = sents[0].split()
-        while words and count(" ".join(words)) > budget:
-            words = words[: max(1, int(len(words) * 0.9))] if len(words) > 1 else []
-        text = " ".join(words)
-    return text
-
-
-def build_corpus(count, chunk_tokens: int) -> list[Doc]:
-    """Documents of at most ``chunk_tokens`` tokens (and at least 70% of that), one per
-    documented object, sorted by name."""
-    docs, seen = [], set()
-    for name, raw in _docstrings():
-        body = _clean_docstring(raw)
-        if not body:
-            continue
-        sents = _sentences(f"{name}: {body}")
-        if count(" ".join(sents)) < 0.7 * chunk_tokens:
-            continue
-        text = _fit(sents, count, chunk_tokens)
-        if count(text) < 0.7 * chunk_tokens or text in seen:
-            continue
-        seen.add(text)
-        docs.append(Doc(name, text))
-    return docs
-
-
-def _cloze(doc: Doc, rng: random.Random) -> tuple[str, str] | None:
-    """A sentence of ``doc`` (not its first) with one content word blanked out."""
-    sents = [s for s in _sentences(doc.text)[1:] if 40 <= len(s) <= 240]
-    if not sents:
-        return None
-    s = rng.choice(sents)
-    words = [w for w in re.findall(r"\b[A-Za-z]{6,}\b", s)]
-    if not words:
-        return None
-    w = rng.choice(words)
-    blanked = re.sub(rf"\b{w}\b", "____", s, count=1)
-    return (f'Which word fills the blank in this sentence from the documents: "{blanked}"', w)
-
-
-def build_prompts(docs: list[Doc], *, questions: int, needles: int, docs_per_prompt: int, orders: int,
-                  seed: int) -> tuple[list[Prompt], list[str]]:
-    """Prompts (each question in ``orders`` chunk orders) and the canonical list of every
-    chunk they use (the order they are warmed in)."""
-    rng = random.Random(seed)
-    k = docs_per_prompt
-    pool_size = max(questions, k + 1)
-    if len(docs) < pool_size:
-        raise SystemExit(f"only {len(docs)} documents of the asked length; need {pool_size} "
-                         f"(fewer --questions or smaller --chunk-tokens)")
-    pool = rng.sample(docs, pool_size)
-    specs = []  # (kind, question, answer, gold text, distractor texts)
-    for i in range(questions):
-        d = pool[i]
-        others = [x.text for j, x in enumerate(pool) if j != i]
-        dis = rng.sample(others, k - 1)
-        cz = _cloze(d, rng) if i % 2 else None
-        if cz is not None:
-            specs.append(("cloze", cz[0], None, d.text, dis))
-        else:
-            specs.append(("what", f"What does `{d.name}` do?", None, d.text, dis))
-    used_codes = set()
-    for i in range(needles):
-        host = pool[i % len(pool)]
-        fact, q = NEEDLES[i % len(NEEDLES)]
-        while True:
-            a, b = rng.randint(2, 99), str(rng.randint(1000, 9999))
-            if b not in used_codes:
-                used_codes.add(b)
-                break
-        sents = _sentences(host.text)
-        at = rng.randint(1, max(1, len(sents) - 1))
-        text = " ".join(sents[:at] + [fact.format(a=a, b=b)] + sents[at:])
-        others = [x.text for x in pool if x is not host]
-        specs.append(("needle", q.format(a=a), b, text, rng.sample(others, k - 1)))
-    prompts = []
-    for qid, (kind, question, answer, gold, dis) in enumerate(specs):
-        base = [gold] + dis
-        perms: list[list[int]] = []
-        tries = 0
-        while len(perms) < orders:
-            p = list(range(k))
-            rng.shuffle(p)
-            tries += 1
-            if p not in perms or tries > 50:
-                perms.append(p)
-        for o, p in enumerate(perms):
-            chunks = [base[j] for j in p]
-            prompts.append(Prompt(qid, kind, question, chunks, o, p.index(0), answer))
-    canonical = []
-    for d in pool:
-        if d.text not in canonical:
-            canonical.append(d.text)
-    for p in prompts:
-        for c in p.chunks:
-            if c not in canonical:
-                canonical.append(c)
-    return prompts, canonical
-
-
-# -- settings ------------------------------------------------------------------------
-@dataclass
-class Setting:
-    name: str
-    kwargs: dict
-    reuse: str
-    chunk_context: str
-    recovery: str = "none"
-    is_default: bool = False
-    is_reference: bool = False
-
-
-def available_options() -> dict:
-    """LazyLLM's keyword arguments and their defaults."""
-    sig = inspect.signature(LazyLLM.__init__)
-    out = {k: (None if p.default is inspect.Parameter.empty else p.default) for k, p in sig.parameters.items()}
-    # options a preset may set default to None in the signature: their effective default
-    for k, v in QUALITY_OPTIONS.items():
-        if k in out and out[k] is None:
-            out[k] = v
-    return out
-
-
-def recovery_available(opts: dict | None = None) -> dict:
-    opts = available_options() if opts is None else opts
-    return {k: k in opts for k in RECOVERY_OPTIONS}
-
-
-def default_setting(opts: dict) -> Setting:
-    """The setting ``LazyLLM()`` runs with when nothing is asked for."""
-    quality = {k: v for k, v in opts.items() if not _neutral(k)}
-    attn = quality.get(SELECTION) == "attention"
-    rec = [f"{'attn' if (k == 'recompute_ratio' and attn) else RECOVERY_OPTIONS.get(k, k)}-{v}"
-           for k, v in quality.items()
-           if k not in ("reuse", "chunk_context", SELECTION) and v not in (None, 0, 0.0, False)]
-    return Setting(name="default", kwargs={}, reuse=quality.get("reuse", "lazy"),
-                   chunk_context=quality.get("chunk_context", "isolated"), recovery="+".join(rec) or "none",
-                   is_default=True)
-
-
-def build_settings(modes, contexts, recoveries, opts) -> tuple[list[Setting], list[dict]]:
-    """The grid of settings, the configured default and a full-attention self-check; and
-    the settings skipped because the engine lacks their option.
-
-    A recovery is ``none``, ``first-K`` (``recompute_first_tokens=K``), ``ratio-R``
-    (``recompute_ratio=R``, tokens chosen by key deviation), ``attn-R`` (``recompute_ratio=R``
-    with ``recompute_selection="attention"``), ``two-R`` (``"two-stage"``), an oracle
-    ``oracle-kv-R`` / ``oracle-attn-R`` / ``oracle-kvattn-R`` / ``oracle-effect-R`` (``install_oracle_selection``:
-    measurement only) or a combination joined by ``+`` (``first-4+ratio-0.05``).
-    A recovery option that defaults to on is passed as off when unused, so a grid setting
-    does not silently inherit a changed default."""
-    settings = [Setting("full (self-check)", {"reuse": "none"}, "none", "-", is_reference=True)]
-    skipped = []
-    for reuse in modes:
-        for ctx in contexts:
-            for rec in recoveries:
-                kw = {"reuse": reuse, "chunk_context": ctx}
-                # an option that does not default to off is switched off explicitly
-                kw.update({opt: _OFF[opt] for opt in RECOVERY_OPTIONS if opts.get(opt, 0) not in (0, None)})
-                missing = []
-                for part in ([] if rec == "none" else rec.split("+")):
-                    kind, val = part.rsplit("-", 1)
-                    opt = "recompute_first_tokens" if kind == "first" else "recompute_ratio"
-                    if kind not in ("first", "ratio", "attn", "two", *ORACLE_SELECTIONS):
-                        raise SystemExit(f"unknown recovery {part!r}")
-                    if opt not in opts:
-                        missing.append(opt)
-                    kw[opt] = int(val) if kind == "first" else float(val)
-                    if kind != "first":
-                        if SELECTION not in opts:
-                            if kind != "ratio":
-                                missing.append(SELECTION)
-                        else:
-                            kw[SELECTION] = {"attn": "attention", "two": "two-stage"}.get(
-                                kind, kind if kind in ORACLE_SELECTIONS else "deviation")
-                if missing:
-                    skipped.append({"setting": f"{reuse}/{ctx}/{rec}",
-                                    "reason": "LazyLLM has no " + ", ".join(f"`{m}`" for m in missing)
-                                              + " option yet"})
-                    continue
-                settings.append(Setting(f"{reuse}/{ctx}/{rec}", kw, reuse, ctx, rec))
-    d = default_setting(opts)
-    # the default is one of the grid settings when it sets nothing beyond reuse, chunk
-    # context and the known recovery options, with the same values
-    quality = {k: v for k, v in opts.items() if not _neutral(k)}
-    unknown = {k: v for k, v in quality.items() if k not in ("reuse", "chunk_context", SELECTION, *RECOVERY_OPTIONS)
-               and v not in (None, 0, 0.0, False)}
-    for s in settings:
-        if s.is_reference or unknown:
-            continue
-        same = s.reuse == d.reuse and s.chunk_context == d.chunk_context and all(
-            (s.kwargs.get(k) or 0) == (quality.get(k) or 0) for k in RECOVERY_OPTIONS if k in quality) and (
-            not quality.get("recompute_ratio")
-            or s.kwargs.get(SELECTION, "deviation") == quality.get(SELECTION, "deviation"))
-        if same:
-            s.is_default = True
-            return settings, skipped
-    d.name = f"default ({d.reuse}/{d.chunk_context}/{d.recovery})"
-    settings.append(d)
-    return settings, skipped
-
-
-# -- oracle selection (an upper bound; measurement only) -------------------------------
-# Recompute selections that read what a real system does not have: the KV and attention
-# of full attention over the same prompt. They are not engine options: the benchmark adds
-# them to the engine's selection names for its own process (``install_oracle_selection``).
-#   oracle-kv     : tokens whose cached K and V deviate most from full attention's, summed
-#                   over every layer (each layer's squared error over its mean squared norm
-#                   of full attention's K, resp. V): CacheBlend's ideal criterion;
-#   oracle-attn   : tokens the answer attends to most under full attention (softmax mass
-#                   from the rows that predict the scored answer tokens, summed over
-#                   layers, heads and rows; a generation request: the question's rows);
-#   oracle-kvattn : the product of the two, each scaled to its maximum;
-#   oracle-effect : per layer, the answer's attention mass on the token times the root of
-#                   its relative K+V deviation there (first-order size of the change in the
-#                   answer's attention output), summed over layers.
-ORACLE_SELECTIONS = ("oracle-kv", "oracle-attn", "oracle-kvattn", "oracle-effect")
-ORACLE_LOG: list | None = None  # a list: each oracle choice is recorded here (``oracle_summary``)
-
-
-@torch.inference_mode()
-def full_context_kv(model, ids: torch.Tensor, query_from: int | None = None):
-    """Dense causal forward of ``ids`` at positions ``0..n-1`` through every layer (the
-    arithmetic of ``probe_keys``). Returns per layer the keys (rotated at their positions)
-    and values ``(n, kv_heads, head_dim)``, and with ``query_from`` the attention
-    probabilities that rows ``query_from..n-1`` give every position, per layer and summed
-    over heads, ``(layers, n - query_from, n)`` float32 (else ``None``)."""
-    from lazyllm.kernels.reference import rope_cos_sin
-
-    spec = model.spec
-    n = ids.shape[0]
-    pos = torch.arange(n, device=ids.device)
-    tables = [rope_cos_sin(pos, f, sc) for f, sc in zip(model.inv_freqs, model.rope_scales)]
-    group = spec.num_heads // spec.num_kv_heads
-    h = model._embed(ids)
-    ks, vs, mass = [], [], []
-    for w in model.layers:
-        q, k, v = model.qkv_proj(h, w, *tables[w["freq"]])
-        ks.append(k)
-        vs.append(v)
-        mask = pos[None, :] <= pos[:, None]
-        if w["window"] is not None:
-            mask &= pos[:, None] - pos[None, :] < w["window"]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
-            scale=spec.sm_scale, enable_gqa=group != 1)[0].transpose(0, 1)
-        if query_from is not None:
-            qq = q[query_from:].transpose(0, 1).float()  # (heads, m, d)
-            kk = k.repeat_interleave(group, dim=1).transpose(0, 1).float()  # (heads, n, d)
-            logits = (qq @ kk.transpose(1, 2)) * spec.sm_scale
-            probs = logits.masked_fill(~mask[query_from:], float("-inf")).softmax(-1).sum(0)
-            mass.append(probs)
-        h = model.finish_layer(h, o, w)
-    return ks, vs, (torch.stack(mass) if query_from is not None else None)
-
-
-def oracle_scores(rec, r) -> torch.Tensor:
-    """The oracle's score of every chunk token of request ``r`` (in chunk order, as
-    ``Recovery.key_deviation`` returns them), for ``rec.selection``."""
-    from lazyllm.kernels.reference import rotate_by_delta
-
-    spans = r.plan.spans
-    model, pool = rec.model, rec.pool
-    dev = pool.k.device
-    prompt = r.prompt_ids
-    n_head = spans[-1].start + len(spans[-1].ids)
-    ans_from = len(prompt) - r.logit_rows if r.logit_rows > 1 else n_head  # rows predicting the answer
-    ks, vs, mass = full_context_kv(model, torch.tensor(prompt, dtype=torch.long, device=dev), n_head)
-    pages_t, slots_t, deltas_t, rows_t = rec.chunk_token_slots(r)
-    ans_layers = mass[:, ans_from - n_head:].sum(1)[:, rows_t]  # (layers, chunk tokens)
-    kv = torch.zeros(len(rows_t), dtype=torch.float32, device=dev)
-    effect = torch.zeros_like(kv)
-    for li in range(len(ks)):
-        inv = model.inv_freqs[model.freq_index[li]]
-        kc = rotate_by_delta(pool.k[li][pages_t, slots_t], deltas_t, inv).float()
-        vc = pool.v[li][pages_t, slots_t].float()
-        kf, vf = ks[li][rows_t].float(), vs[li][rows_t].float()
-        d = (kf - kc).pow(2).sum((-1, -2)) / kf.pow(2).sum((-1, -2)).mean().clamp_min(1e-30) + \
-            (vf - vc).pow(2).sum((-1, -2)) / vf.pow(2).sum((-1, -2)).mean().clamp_min(1e-30)
-        kv += d
-        effect += ans_layers[li] * d.sqrt()
-    ans = ans_layers.sum(0)
-    question = mass[:, :max(ans_from - n_head, 1)].sum((0, 1))[rows_t]  # the question's own rows
-    if rec.selection == "oracle-kv":
-        score = kv
-    elif rec.selection == "oracle-attn":
-        score = ans
-    elif rec.selection == "oracle-effect":
-        score = effect
-    else:
-        score = (kv / kv.max().clamp_min(1e-30)) * (ans / ans.max().clamp_min(1e-30))
-    if ORACLE_LOG is not None:
-        ORACLE_LOG.append(dict(
-            key=(rec.selection, rec.ratio, rec.first_tokens), scored=r.logit_rows > 1,
-            lens=[len(s.ids) for s in spans], ids=[t for s in spans for t in s.ids], score=score.cpu(),
-            kv=kv.cpu(), answer_mass=ans.cpu(), question_mass=question.cpu(),
-            probe_deviation=rec.key_deviation(r).float().cpu()))
-    return score
-
-
-def _oracle_selection(rec, r, n_pick, exclude):
-    """The recovery selection of every ``ORACLE_SELECTIONS`` name (``rec.selection`` says which)."""
-    return oracle_scores(rec, r)
-
-
-def install_oracle_selection() -> None:
-    """Let ``LazyLLM(recompute_selection=...)`` take the ``ORACLE_SELECTIONS`` in this
-    process: registers them as recovery selections (``lazyllm.config.register_selection``),
-    scored by ``oracle_scores``; every other selection is unchanged. Idempotent."""
-    from lazyllm.config import register_selection, selection_names
-
-    for name in ORACLE_SELECTIONS:
-        if name not in selection_names():
-            register_selection(name)(_oracle_selection)
-
-
-def _wants_oracle(args) -> bool:
-    return any(o in (args.recoveries or "") + (args.settings_json or "") for o in ORACLE_SELECTIONS)
-
-
-def oracle_summary(log: list, key=None) -> dict:
-    """What the oracle picked (score requests only; ``key``: one setting's (selection,
-    ratio, first tokens)): where in the chunks, how much of it the first tokens of each
-    chunk, the engine's own criteria and the other oracle would have picked too, and the
-    most frequent picked tokens."""
-    rows = [e for e in log if e["scored"] and (key is None or e["key"] == key)]
-    if not rows:
-        return {}
-    picks = n_total = 0
-    first4 = first_chunk = in_q_top = in_dev_top = in_ans_top = in_kv_top = 0
-    rel_pos = []
-    counts: dict[int, int] = {}
-    for e in rows:
-        sel, ratio, k = e["key"]
-        total = len(e["ids"])
-        n_pick = min(total, math.ceil(ratio * total))
-        top = set(torch.topk(e["score"], n_pick).indices.tolist())
-
-        def top_of(x):
-            return set(torch.topk(x, n_pick).indices.tolist())
-
-        q_top, d_top, a_top, kv_top = (top_of(e["question_mass"]), top_of(e["probe_deviation"]),
-                                       top_of(e["answer_mass"]), top_of(e["kv"]))
-        starts, acc = [], 0
-        for n in e["lens"]:
-            starts.append(acc)
-            acc += n
-        for j in top:
-            ci = max(c for c in range(len(starts)) if starts[c] <= j)
-            i = j - starts[ci]
-            first4 += i < 4
-            first_chunk += ci == 0
-            rel_pos.append(i / max(1, e["lens"][ci] - 1))
-            counts[e["ids"][j]] = counts.get(e["ids"][j], 0) + 1
-        in_q_top += len(top & q_top)
-        in_dev_top += len(top & d_top)
-        in_ans_top += len(top & a_top)
-        in_kv_top += len(top & kv_top)
-        picks += len(top)
-        n_total += total
-    frequent = sorted(counts.items(), key=lambda kv: -kv[1])[:12]
-    return dict(requests=len(rows), picks=picks, chunk_tokens=n_total,
-                in_first_4=first4 / picks, in_first_chunk=first_chunk / picks,
-                mean_relative_position=statistics.mean(rel_pos),
-                overlap_question_attention=in_q_top / picks, overlap_key_deviation_probe=in_dev_top / picks,
-                overlap_answer_attention=in_ans_top / picks, overlap_kv_deviation=in_kv_top / picks,
-                frequent_token_ids=frequent)
-
 
 # -- measurement -----------------------------------------------------------------------
 def _gen_items(prompts, args):
@@ -623,6 +155,36 @@ def run_reference(llm, prompts, args, log) -> list[dict]:
     return refs
 
 
+def _needles(llm, prompts, refs, per_prompt, args) -> tuple[list[bool], int, int]:
+    """Needle accuracy needs the setting's own greedy text: the needle prompts generated, each
+    hit recorded in ``per_prompt``; the hits, the generations whose tokens disagree with the
+    teacher-forced greedy match, and how many were checked."""
+    needle_idx = [i for i, p in enumerate(prompts) if p.answer is not None]
+    gens = llm.generate_batch(_gen_items([prompts[i] for i in needle_idx], args)) if needle_idx else []
+    needle, mismatched = [], 0
+    for i, g in zip(needle_idx, gens):
+        pp, p, ref = per_prompt[i], prompts[i], refs[i]
+        pp["needle_hit"] = p.answer in g.text
+        pp["text"] = g.text
+        needle.append(pp["needle_hit"])
+        # cross-check of the teacher-forced greedy match against the real generation
+        mismatched += pp["greedy_match"] != (list(g.token_ids) == ref["ids"])
+    return needle, mismatched, len(gens)
+
+
+def _per_kind(per_prompt) -> dict:
+    """Top-1, KL (token-weighted) and greedy match per question kind."""
+    out = {}
+    for kind in ("what", "cloze", "needle"):
+        sel = [pp for pp in per_prompt if pp["kind"] == kind]
+        if sel:
+            tok = sum(pp["tokens"] for pp in sel)
+            out[kind] = dict(prompts=len(sel), top1=sum(pp["top1"] * pp["tokens"] for pp in sel) / tok,
+                             kl=sum(pp["kl"] * pp["tokens"] for pp in sel) / tok,
+                             greedy_match=sum(pp["greedy_match"] for pp in sel) / len(sel))
+    return out
+
+
 def run_setting(llm, setting: Setting, prompts, refs, canonical, args, log) -> dict:
     t0 = time.perf_counter()
     if setting.reuse in ("lazy", "block"):
@@ -659,17 +221,7 @@ def run_setting(llm, setting: Setting, prompts, refs, canonical, args, log) -> d
         ref_ids = pp.pop("ref_ids")
         pp["greedy_match"] = ag_ids == ref_ids
         pp["same_answer"] = ag_ids[:SAME_TOKENS] == ref_ids[:SAME_TOKENS]
-    # needle accuracy needs the setting's own greedy text: generate the needle prompts
-    needle_idx = [i for i, p in enumerate(prompts) if p.answer is not None]
-    gens = llm.generate_batch(_gen_items([prompts[i] for i in needle_idx], args)) if needle_idx else []
-    needle, mismatched = [], 0
-    for i, g in zip(needle_idx, gens):
-        pp, p, ref = per_prompt[i], prompts[i], refs[i]
-        pp["needle_hit"] = p.answer in g.text
-        pp["text"] = g.text
-        needle.append(pp["needle_hit"])
-        # cross-check of the teacher-forced greedy match against the real generation
-        mismatched += pp["greedy_match"] != (list(g.token_ids) == ref["ids"])
+    needle, mismatched, n_checked = _needles(llm, prompts, refs, per_prompt, args)
     t_gen = time.perf_counter() - t0 - t_warm - t_score
     ttft = _ttft(llm, prompts, args.ttft_prompts)
     n = len(kls)
@@ -683,89 +235,15 @@ def run_setting(llm, setting: Setting, prompts, refs, canonical, args, log) -> d
         recompute_frac=extra_total / chunk_total if chunk_total else 0.0,
         prefill_per_prompt=statistics.mean(pp["prefilled"] for pp in per_prompt),
         ttft_ms=statistics.median(ttft) * 1e3 if ttft else None, ttft_all_ms=[t * 1e3 for t in ttft],
-        uncached_prompts=unexpected, greedy_check_mismatches=mismatched, greedy_checked=len(gens),
+        uncached_prompts=unexpected, greedy_check_mismatches=mismatched, greedy_checked=n_checked,
         time_s=dict(warm=t_warm, score=t_score, generate=t_gen, ttft=time.perf_counter() - t0 - t_warm - t_score
                     - t_gen),
-        per_kind={},
+        per_kind=_per_kind(per_prompt),
         prompts=per_prompt,
     )
-    for kind in ("what", "cloze", "needle"):
-        sel = [(pp, i) for i, pp in enumerate(per_prompt) if pp["kind"] == kind]
-        if sel:
-            tok = sum(pp["tokens"] for pp, _ in sel)
-            res["per_kind"][kind] = dict(
-                prompts=len(sel), top1=sum(pp["top1"] * pp["tokens"] for pp, _ in sel) / tok,
-                kl=sum(pp["kl"] * pp["tokens"] for pp, _ in sel) / tok,
-                greedy_match=sum(pp["greedy_match"] for pp, _ in sel) / len(sel))
     log(f"  {setting.name}: top-1 {res['top1']:.3f}, KL {res['kl']:.4f}, greedy {res['greedy_match']:.2f}, "
         f"recompute {res['recompute_frac']:.3f}  ({time.perf_counter() - t0:.1f}s)")
     return res
-
-
-def check_thresholds(res: dict, ref_needle: float | None, chunk_tokens: int) -> dict:
-    t = THRESHOLDS
-    rmax = t["recompute_long"] if chunk_tokens >= t["long_chunk_tokens"] else t["recompute"]
-    needle_rel = None
-    if res["needle_acc"] is not None and ref_needle:
-        needle_rel = res["needle_acc"] / ref_needle
-    checks = {"top1": res["top1"] >= t["top1"], "kl": res["kl"] <= t["kl"],
-              "same_answer": res["same_answer"] >= t["same_answer"],
-              "recompute": res["recompute_frac"] <= rmax,
-              "needle": needle_rel is None or needle_rel >= t["needle_rel"]}
-    return dict(needle_rel=needle_rel, recompute_max=rmax, checks=checks, meets=all(checks.values()))
-
-
-# -- report --------------------------------------------------------------------------
-def _pct(x, d=1):
-    return "-" if x is None else f"{100 * x:.{d}f}%"
-
-
-def markdown_table(out: dict) -> str:
-    n_ans = out["config"]["answer_tokens"]
-    lines = [
-        f"| setting | top-1 agree | KL nats/tok | same answer ({SAME_TOKENS} tok) | greedy match "
-        "| needle acc (vs full) "
-        "| recomputed chunk tokens | prefill tok/query | TTFT ms (median) | meets targets |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
-    ]
-    ref = out["reference"]
-    lines.append(f"| full attention (reference, cold) | 100.0% | 0 | 100% | 100% | {_pct(ref['needle_acc'], 0)} | - | "
-                 f"{ref['prefill_per_prompt']:.0f} | {ref['ttft_ms']:.0f} | - |")
-    for r in out["results"]:
-        name = r["setting"] + (" **(default)**" if r["is_default"] and not r["setting"].startswith("default")
-                               else "")
-        needle = "-" if r["needle_acc"] is None else (
-            f"{_pct(r['needle_acc'], 0)} ({_pct(r['needle_rel'], 0)})" if r["needle_rel"] is not None
-            else _pct(r["needle_acc"], 0))
-        meets = "-" if r["is_reference"] else ("yes" if r["meets"] else
-                                               "no (" + ", ".join(k for k, v in r["checks"].items() if not v) + ")")
-        lines.append(f"| {name} | {_pct(r['top1'])} | {r['kl']:.4f} | {_pct(r['same_answer'], 0)} | "
-                     f"{_pct(r['greedy_match'], 0)} | {needle} | "
-                     f"{_pct(r['recompute_frac'])} | {r['prefill_per_prompt']:.0f} | {r['ttft_ms']:.0f} | {meets} |")
-    return "\n".join(lines) + f"\n\n(greedy match: first {n_ans} answer tokens, {out['config']['needle_tokens']} " \
-                              f"on needle prompts)"
-
-
-def _oracle_log_start(on: bool) -> None:
-    """Record the oracle's choices from now on (a fresh log), or stop recording."""
-    global ORACLE_LOG
-    ORACLE_LOG = [] if on else None
-
-
-def _oracle_picks(tok, log) -> dict:
-    """``oracle_summary`` of each oracle setting recorded since ``_oracle_log_start``,
-    logged; the frequent tokens as text."""
-    out = {}
-    for key in sorted({e["key"] for e in ORACLE_LOG or []}):
-        summ = oracle_summary(ORACLE_LOG, key)
-        if not summ:
-            continue
-        summ["frequent_tokens"] = [(tok.decode([t]), c) for t, c in summ.pop("frequent_token_ids")]
-        name = f"{key[0]}-{key[1]}" + (f"+first-{key[2]}" if key[2] else "")
-        out[name] = summ
-        log(f"  oracle picks, {name}: " + ", ".join(
-            f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in summ.items()))
-    return out
 
 
 def run_cases(args, log) -> dict:
@@ -803,7 +281,9 @@ def run_cases(args, log) -> dict:
 # -- main ------------------------------------------------------------------------------
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="subcommands, each with its own --help: prose (the real-prose fidelity "
+                                        "report), prose-suite (build its cases), demo (the demo's questions)")
     ap.add_argument("--model", default=None, help="model folder / .gguf / hub id (default: the embedded SmolLM2)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default=None)
@@ -853,62 +333,12 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
-    t_start = time.perf_counter()
-    if args.cases:
-        return run_cases(args, log)
-    if _wants_oracle(args):
-        install_oracle_selection()
-    opts = available_options()
-    rec_avail = recovery_available(opts)
-    kv_bytes = args.kv_cache_mb << 20
-    try:
-        ref_llm = LazyLLM(args.model, device=args.device, dtype=args.dtype, reuse="none", kv_cache_bytes=kv_bytes,
-                          progress=False)
-    except LazyLLMError as e:  # UnsupportedModelError, ModelLoadError, ...
-        unsupported = isinstance(e, UnsupportedModelError)
-        what = "is not supported by lazyllm" if unsupported else "could not be loaded"
-        msg = f"model {args.model or 'default'!r} {what}: {e}"
-        print(f"{'UNSUPPORTED' if unsupported else 'ERROR'}: {msg}", file=sys.stderr)
-        out = dict(error=msg, unsupported=unsupported, model=args.model)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=2)
-        return out
-    hf, tok = ref_llm.hf_model, ref_llm.tokenizer
-    count = ref_llm.count_tokens
-    docs = build_corpus(count, args.chunk_tokens)
-    prompts, canonical = build_prompts(docs, questions=args.questions, needles=args.needles,
-                                       docs_per_prompt=args.docs_per_prompt, orders=args.orders, seed=args.seed)
-    corpus_hash = hashlib.blake2b("\x00".join(canonical).encode(), digest_size=8).hexdigest()
-    log(f"model {ref_llm.model_name} on {ref_llm.device} ({ref_llm.dtype}); {len(docs)} candidate documents of "
-        f"<= {args.chunk_tokens} tokens; {len(prompts)} prompts ({args.questions} questions + {args.needles} needles "
-        f"x {args.orders} orders, {args.docs_per_prompt} documents each); {len(canonical)} distinct chunks")
-    for k, ok in rec_avail.items():
-        if not ok:
-            log(f"note: LazyLLM has no `{k}` option (yet): its settings are skipped")
-    settings, skipped = build_settings([m for m in args.modes.split(",") if m], args.contexts.split(","),
-                                       [r for r in args.recoveries.split(",") if r], opts)
-    settings = [st for st in settings if not ((args.no_self_check and st.is_reference)
-                                              or (args.no_default and st.is_default and not st.kwargs))]
-    for name in filter(None, args.presets.split(",")):
-        p = PRESETS[name]
-        rec = "+".join(([f"first-{p['recompute_first_tokens']}"] if p.get("recompute_first_tokens") else [])
-                       + ([f"{p.get('recompute_selection', 'deviation')}-{p['recompute_ratio']}"]
-                          if p.get("recompute_ratio") else [])) or "none"
-        settings.append(Setting(f"preset {name} ({p['reuse']}/{p['chunk_context']}/{rec})", {"quality": name},
-                                p["reuse"], p["chunk_context"], rec))
-    for name, kw in (json.loads(args.settings_json).items() if args.settings_json else ()):
-        settings.append(Setting(name, kw, kw.get("reuse", "lazy"), kw.get("chunk_context", "isolated"), "custom"))
-    for k, v in opts.items():
-        if not _neutral(k) and k not in ("reuse", "chunk_context", SELECTION, *RECOVERY_OPTIONS) \
-                and v not in (None, 0, 0.0, False):
-            log(f"note: LazyLLM option `{k}` defaults to {v!r}; this benchmark does not vary it, so every "
-                f"chunked setting runs with it")
+SUBCOMMANDS = {"prose": "benchmarks.fidelity.report", "prose-suite": "benchmarks.fidelity.suite",
+               "demo": "benchmarks.fidelity.demo"}
 
-    # reference: full attention, cold
+
+def reference_run(ref_llm, prompts, args, log) -> tuple[list[dict], dict]:
+    """Full attention, cold: each prompt's reference, and the reference row."""
     ref_llm.generate("Warm-up question?", chunks=["A warm-up document."], max_new_tokens=1)
     refs = run_reference(ref_llm, prompts, args, log)
     ref_ttft = _ttft(ref_llm, prompts, args.ttft_prompts)
@@ -921,7 +351,15 @@ def main(argv=None) -> dict:
                      answers=[dict(qid=p.qid, kind=p.kind, order=p.order, question=p.question, answer=p.answer,
                                    text=r["text"], needle_hit=r["needle_hit"]) for p, r in zip(prompts, refs)])
     ref_llm.close()
+    return refs, reference
 
+
+def run_settings(settings, skipped: list, model, data, args, log) -> list[dict]:
+    """Each setting's row over ``data`` (prompts, their references, the distinct chunks and
+    the reference row), on ``model`` (weights, tokenizer, KV bytes); a setting that cannot be
+    built or fails is added to ``skipped``."""
+    hf, tok, kv_bytes = model
+    prompts, refs, canonical, reference = data
     results = []
     for s in settings:
         try:
@@ -950,6 +388,77 @@ def main(argv=None) -> dict:
         results.append(res)
     for sk in skipped:
         log(f"skipped: {sk['setting']}: {sk['reason']}")
+    return results
+
+
+def _reference_llm(args, kv_bytes: int):
+    """Full attention's engine, or (the model cannot be loaded) the error, also printed."""
+    try:
+        return LazyLLM(args.model, device=args.device, dtype=args.dtype, reuse="none", kv_cache_bytes=kv_bytes,
+                       progress=False)
+    except LazyLLMError as e:  # UnsupportedModelError, ModelLoadError, ...
+        unsupported = isinstance(e, UnsupportedModelError)
+        what = "is not supported by lazyllm" if unsupported else "could not be loaded"
+        msg = f"model {args.model or 'default'!r} {what}: {e}"
+        print(f"{'UNSUPPORTED' if unsupported else 'ERROR'}: {msg}", file=sys.stderr)
+        out = dict(error=msg, unsupported=unsupported, model=args.model)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=2)
+        return out
+
+
+def _report(out: dict, args, log) -> None:
+    """The table (also into ``out``), what was not measured, and the JSON."""
+    out["table"] = markdown_table(out)
+    log("")
+    log(f"Fidelity to full attention ({out['model_name'] or out['model']}, {out['device']}, {out['dtype']}; "
+        f"{out['n_prompts']} prompts, {args.docs_per_prompt} documents of <= {args.chunk_tokens} tokens; "
+        f"{out['date']})")
+    log(out["table"])
+    if out["skipped"]:
+        log("\nNot measured: " + "; ".join(f"{s['setting']} ({s['reason']})" for s in out["skipped"]))
+    log(f"\nwall time {out['wall_s']:.0f}s")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2, default=str)
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] and argv[0] in SUBCOMMANDS:
+        importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
+        return {}
+    args = parse_args(argv)
+    log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
+    t_start = time.perf_counter()
+    if args.cases:
+        return run_cases(args, log)
+    if _wants_oracle(args):
+        install_oracle_selection()
+    opts = available_options()
+    rec_avail = recovery_available(opts)
+    kv_bytes = args.kv_cache_mb << 20
+    ref_llm = _reference_llm(args, kv_bytes)
+    if isinstance(ref_llm, dict):  # the model could not be loaded: why
+        return ref_llm
+    hf, tok = ref_llm.hf_model, ref_llm.tokenizer
+    count = ref_llm.count_tokens
+    docs = build_corpus(count, args.chunk_tokens)
+    prompts, canonical = build_prompts(docs, questions=args.questions, needles=args.needles,
+                                       docs_per_prompt=args.docs_per_prompt, orders=args.orders, seed=args.seed)
+    corpus_hash = hashlib.blake2b("\x00".join(canonical).encode(), digest_size=8).hexdigest()
+    log(f"model {ref_llm.model_name} on {ref_llm.device} ({ref_llm.dtype}); {len(docs)} candidate documents of "
+        f"<= {args.chunk_tokens} tokens; {len(prompts)} prompts ({args.questions} questions + {args.needles} needles "
+        f"x {args.orders} orders, {args.docs_per_prompt} documents each); {len(canonical)} distinct chunks")
+    for k, ok in rec_avail.items():
+        if not ok:
+            log(f"note: LazyLLM has no `{k}` option (yet): its settings are skipped")
+    settings, skipped = grid_settings(args, opts, log)
+    # reference: full attention, cold
+    refs, reference = reference_run(ref_llm, prompts, args, log)
+    results = run_settings(settings, skipped, (hf, tok, kv_bytes), (prompts, refs, canonical, reference), args, log)
 
     out = dict(
         date=time.strftime("%Y-%m-%d"), command="python benchmarks/quality.py " + " ".join(
@@ -964,19 +473,7 @@ def main(argv=None) -> dict:
         wall_s=None,
     )
     out["wall_s"] = time.perf_counter() - t_start
-    table = markdown_table(out)
-    out["table"] = table
-    log("")
-    log(f"Fidelity to full attention ({out['model_name'] or out['model']}, {out['device']}, {out['dtype']}; "
-        f"{len(prompts)} prompts, {args.docs_per_prompt} documents of <= {args.chunk_tokens} tokens; {out['date']})")
-    log(table)
-    if skipped:
-        log("\nNot measured: " + "; ".join(f"{s['setting']} ({s['reason']})" for s in skipped))
-    log(f"\nwall time {out['wall_s']:.0f}s")
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2, default=str)
+    _report(out, args, log)
     return out
 
 

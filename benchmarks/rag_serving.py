@@ -32,7 +32,7 @@ from the cache / chunk tokens requested; the system prefix and the question are 
 the prefix is always a hit and the question never is), prompt hit rate (cached prompt tokens /
 prompt tokens, the prefix included), prefilled tokens, peak KV pool use, pages copied
 re-rotated (block), evictions, preemptions, and for the engine's systems the point's **floor**
-(``benchmarks/_floor.py``: its prefilled tokens at the dense per-token time plus its decode steps
+(``benchmarks/_common.py``'s ``floor``: its prefilled tokens at the dense per-token time plus its decode steps
 at the weight-read time, both measured on the same engine in the same run), the point's
 fraction of it, and where the rest of the wall went (prefill, decode, selection, host).
 
@@ -51,7 +51,7 @@ rows: lazy against `hf` at the same rate (the largest budget lazy ran).
 
     # CPU, default model, small (what CI runs):
     python benchmarks/rag_serving.py --preset ci
-    # H200, Llama-3.1-8B shapes with random bf16 weights: see benchmarks/gpu_serving.sh
+    # H200, Llama-3.1-8B shapes with random bf16 weights: see benchmarks/gpu_run.sh serving
 """
 from __future__ import annotations
 
@@ -62,24 +62,17 @@ import math
 import os
 import random
 import statistics
-import sys
 import threading
 import time
 from dataclasses import dataclass
 
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from benchmarks._common import llama31_8b_config, random_model, run_to_length  # noqa: E402
-from benchmarks._floor import floor, floor_line, measure_rates  # noqa: E402
+from _common import floor, floor_line, llama31_8b_config, measure_rates, random_model, run_to_length
 
 PRESETS = {
     "ci": dict(docs=12, doc_tokens=48, k=2, requests=6, output_tokens=3, budgets="0.6,1.0", rates="0",
                concurrency=2, alphas="2.1", systems="lazy,block,prefix,none,hf", warm_requests=2),
-    # what benchmarks/gpu_serving.sh runs
+    # what benchmarks/gpu_run.sh serving runs
     "h200": dict(docs=100, doc_tokens=2048, k=5, requests=32, output_tokens=16, budgets="2.1=0.33,0.2,0.12;0=0.33",
                  rates="2.1=0,3,5,7,10,14;0=0,1.5,3;2.1@0.12=0", hf_rates="2.1=0;0=", concurrency=16,
                  alphas="2.1,0", systems="lazy,block,hf", random_8b=True, warm_requests=32, warm_concurrency=32,

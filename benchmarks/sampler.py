@@ -27,17 +27,22 @@ import argparse
 import importlib
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import torch
-
-ROOT = str(Path(__file__).resolve().parents[1])
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from _common import (
+    device_name,
+    llama31_8b_config,
+    load_tokenizer,
+    random_model,
+    run_to_length,
+    shrink_to_tiny,
+    step_ms,
+    text_of_tokens,
+)
 
 
 class DenseMask:
@@ -101,16 +106,6 @@ def _submit(llm, question, chunks, n, constraint=None, **kw):
 
 
 def engine_table(args) -> dict:
-    from benchmarks._common import (
-        device_name,
-        llama31_8b_config,
-        load_tokenizer,
-        random_model,
-        run_to_length,
-        shrink_to_tiny,
-        step_ms,
-        text_of_tokens,
-    )
     from lazyllm import LazyLLM
 
     tok = load_tokenizer(args.tokenizer)

@@ -20,30 +20,38 @@ threads that each stream one request at a time: ``LazyLLM.stream`` in process, t
 completions against the server (its own process, same model and options). Both sides run one
 untimed pass of other requests over the same documents first. Prints req/s, output tokens/s,
 time to first token (p50, the client's stopwatch) and the HTTP/in-process rate ratio.
+
+``health``: the event loop under load: ``/health`` latency while ``lazyllm serve`` streams many
+answers, and how long a near-limit body (7.9 MiB, under the 8 MiB default) delays other
+requests. The server runs in a process of its own on 127.0.0.1 (the embedded default model on
+CPU unless ``--model``); this process opens ``--streams`` concurrent streaming chat completions
+(documents shared between them, ``--max-tokens`` each) and probes ``/health`` every 10 ms
+meanwhile. Then it posts the near-limit body while probing again. Prints the probe latencies
+(median, p99, max) of both phases, the streams' wall time and the body's time to be refused.
+
+    .venv/bin/python benchmarks/server_overhead.py health --streams 32 --max-tokens 64
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import multiprocessing
 import os
 import random
 import socket
 import statistics
+import subprocess
 import sys
 import time
 
 import httpx
 import torch
 import uvicorn
+from _common import sibling
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from benchmarks._common import sibling  # noqa: E402
-from lazyllm import LazyLLM  # noqa: E402
-from lazyllm.integrations.server import create_app  # noqa: E402
+from lazyllm import LazyLLM
+from lazyllm.integrations.server import create_app
 
 DOCS = [f"Document {i}: the {w} is kept in room {i * 7}, next to the {v}." for i, (w, v) in enumerate(
     zip(["lamp", "chair", "table", "clock", "vase", "piano"], ["door", "window", "shelf", "bed", "desk", "sofa"]))]
@@ -65,7 +73,7 @@ def tiny_llm() -> LazyLLM:
 
 def random_8b_llm(tokenizer: str | None) -> LazyLLM:
     """Llama-3.1-8B shapes with random bf16 weights on CUDA; no end-of-sequence token."""
-    from benchmarks._common import llama31_8b_config, load_tokenizer, random_model, run_to_length
+    from _common import llama31_8b_config, load_tokenizer, random_model, run_to_length
 
     # no warm-up: the untimed pass compiles and captures what the measured one runs
     llm = LazyLLM(model=random_model(llama31_8b_config(32)), tokenizer=load_tokenizer(tokenizer), packets=None,
@@ -103,7 +111,7 @@ def _rate(n_streams: int, jobs: list, run_one) -> dict:
 
 def streams(args, llm: LazyLLM, port: int) -> dict:
     """N concurrent streams in process, then over HTTP: the request rates side by side."""
-    from benchmarks._common import text_of_tokens
+    from _common import text_of_tokens
 
     docs = [text_of_tokens(llm, args.doc_tokens, 1000 + i) for i in range(args.docs)]
     rng = random.Random(0)
@@ -156,7 +164,10 @@ def streams(args, llm: LazyLLM, port: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    if sys.argv[1:2] == ["health"]:
+        return health(sys.argv[2:])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 epilog="server_overhead.py health --help: /health latency under load")
     ap.add_argument("--model", default="tiny",
                     help="tiny (random 2-layer), default (embedded SmolLM2), random-8b (GPU) or a path")
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder for random-8b (default: the default model's)")
@@ -249,6 +260,109 @@ def overhead(args, llm: LazyLLM, port: int) -> None:
     for name, a, b, d, p90 in rows:
         print(f"{name:<24} {a * 1e3:>14.2f} {b * 1e3:>10.2f} {d * 1e3:>21.2f} {p90 * 1e3:>7.2f}")
     client.close()
+
+
+# -- health: /health latency under load ----------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str | None, port: int, streams: int, device: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "lazyllm.serve", *([model] if model else []), "--port", str(port),
+           "--device", device, "--no-progress", "--no-access-log", "--log-level", "warning", "--model-name", "m",
+           "--max-concurrency", str(max(streams * 2, 8))]
+    proc = subprocess.Popen(cmd, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}")
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("the server did not start within 300 s")
+
+
+async def probe(client: httpx.AsyncClient, stop: asyncio.Event, out: list[float]) -> None:
+    while not stop.is_set():
+        t = time.perf_counter()
+        r = await client.get("/health")
+        out.append(time.perf_counter() - t)
+        assert r.status_code == 200
+        await asyncio.sleep(0.01)
+
+
+async def one_stream(client: httpx.AsyncClient, i: int, max_tokens: int) -> int:
+    body = {"model": "m", "stream": True, "max_tokens": max_tokens, "documents": DOCS[i % 3:i % 3 + 3],
+            "messages": [{"role": "user", "content": f"Where is item {i}?"}]}
+    n = 0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            n += line.startswith("data: ")
+    return n
+
+
+def summary(name: str, xs: list[float]) -> str:
+    xs = sorted(xs)
+    p99 = xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+    return (f"{name}: {len(xs)} probes, median {1e3 * statistics.median(xs):.1f} ms, p99 {1e3 * p99:.1f} ms, "
+            f"max {1e3 * xs[-1]:.1f} ms")
+
+
+async def run(url: str, streams: int, max_tokens: int) -> None:
+    limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client, \
+            httpx.AsyncClient(base_url=url, timeout=60) as prober:
+        await one_stream(client, 0, 2)  # warm
+        stop, waits = asyncio.Event(), []
+        task = asyncio.create_task(probe(prober, stop, waits))
+        t = time.perf_counter()
+        events = await asyncio.gather(*(one_stream(client, i, max_tokens) for i in range(streams)))
+        wall = time.perf_counter() - t
+        stop.set()
+        await task
+        print(f"{streams} concurrent streams x {max_tokens} tokens: {wall:.1f} s, {sum(events)} events")
+        print(summary("/health under the streams", waits))
+
+        doc = "word " * ((79 << 20) // 50)
+        big = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Summarize."}],
+                          "documents": [doc]}).encode()
+        stop, waits = asyncio.Event(), []
+        task = asyncio.create_task(probe(prober, stop, waits))
+        await asyncio.sleep(0.2)
+        t = time.perf_counter()
+        r = await client.post("/v1/chat/completions", content=big, headers={"Content-Type": "application/json"})
+        took = time.perf_counter() - t
+        await asyncio.sleep(0.2)
+        stop.set()
+        await task
+        code = r.json().get("error", {}).get("code")
+        print(f"a {len(big) / 2**20:.1f} MiB body: answered {r.status_code} ({code}) in {1e3 * took:.0f} ms")
+        print(summary("/health during that body", waits))
+
+
+def health(argv) -> None:
+    """``health``: /health latency under streams and a near-limit body (see the docstring)."""
+    ap = argparse.ArgumentParser(prog="server_overhead.py health", description="/health latency under load")
+    ap.add_argument("--model", default=None, help="model path or hub id (default: the embedded default model)")
+    ap.add_argument("--device", default="cpu", help="the server's device (default cpu; 'cuda' on a GPU machine)")
+    ap.add_argument("--streams", type=int, default=32, help="concurrent streaming requests")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per streamed answer")
+    a = ap.parse_args(argv)
+    port = free_port()
+    proc = start_server(a.model, port, a.streams, a.device)
+    try:
+        asyncio.run(run(f"http://127.0.0.1:{port}", a.streams, a.max_tokens))
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 if __name__ == "__main__":

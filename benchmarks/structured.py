@@ -14,19 +14,33 @@ unconstrained request to its length; the tokenizer is the default model's (carry
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
 import torch
+from _common import llama31_8b_config, load_tokenizer, random_model, run_to_length
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from benchmarks._common import llama31_8b_config, load_tokenizer, random_model, run_to_length  # noqa: E402
-from benchmarks.grammar_libs import NESTED  # noqa: E402
+# a nested JSON Schema: objects in objects, arrays of objects, a pattern, an enum
+NESTED = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "email": {"type": "string", "pattern": "^[a-z]+@[a-z]+\\.com$"},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b", "vip"]}, "maxItems": 4},
+        "address": {"type": "object", "properties": {
+            "street": {"type": "string"}, "city": {"type": "string"},
+            "geo": {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
+                    "required": ["lat", "lon"], "additionalProperties": False}},
+            "required": ["street", "city", "geo"], "additionalProperties": False},
+        "orders": {"type": "array", "items": {"type": "object", "properties": {
+            "id": {"type": "integer"}, "total": {"type": "number"}, "paid": {"type": "boolean"}},
+            "required": ["id", "total", "paid"], "additionalProperties": False}},
+    },
+    "required": ["name", "age", "address", "orders"],
+    "additionalProperties": False,
+}
 
 
 def step_times(llm, batch: int, **kw) -> list[float]:

@@ -19,6 +19,14 @@ timed requests after one untimed one (new shapes compile and capture there).
     python benchmarks/ttft_matrix.py --tokenizer tok --cells 24 --json new.json
     python benchmarks/ttft_matrix.py --compare old.json new.json     # ratios, worst cell first
     python benchmarks/ttft_matrix.py --tiny --device cpu --cells 3   # the CPU smoke run
+    python benchmarks/ttft_matrix.py --tokenizer tok --settings default,balanced,exact --json a.json
+
+``--settings``: instead of cells, workload A (8 cached chunks of ~510 tokens, rotated per
+request, and a ~50-token question) under each setting, one row each: the median TTFT (from the
+call and engine-side) and the tokens each request prefilled (the question plus what recovery
+recomputes); a setting is a preset, ``default``, a named row (``balanced-depth-0.25``, a random
+packet ``packet-8+8`` / ``bridge-8+8``) or ``name={"json": "kwargs"}`` (then ``;``-separated).
+Every time is taken by ``benchmarks/_common.py``'s ``timed``, the tools' one TTFT timing.
 
 Two trees in one GPU call: ``benchmarks/compare_trees.sh OLD NEW TOK matrix`` starts one
 process per tree; they take turns cell by cell (``--turns DIR --side old|new``), each built and
@@ -29,20 +37,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from benchmarks._common import (  # noqa: E402
+from _common import (
+    Turns,
     copy_bandwidth,
     device_name,
     gemm_floor_ms,
@@ -51,6 +53,10 @@ from benchmarks._common import (  # noqa: E402
     random_model,
     run_to_length,
     shrink_to_tiny,
+    text_of_tokens,
+    timed,
+    warm_ttft,
+    write_json,
 )
 
 QUESTIONS, CHUNKS, CHUNK_TOKENS, NEW_TOKENS = (8, 50, 200), (1, 4, 8, 16), (128, 512, 2048), (1, 4, 32)
@@ -84,7 +90,7 @@ def grid(presets: list[str]) -> list[Cell]:
                                                 ("after", "alone"), NEW_TOKENS, presets)]
 
 
-# the issue's shapes, always in a sample: workload A (preset_ttft.py's) and B's warm cells
+# the issue's shapes, always in a sample: workload A (``--settings``') and B's warm cells
 ANCHORS = ("q50-n8-L512-cached-alone-t1", "q50-n8-L512-cached-alone-t4", "q50-n8-L512-cached-after-t4")
 
 
@@ -101,35 +107,6 @@ def choose(spec: str, presets: list[str], seed: int = 0) -> list[str]:
         rest = [c.name for c in grid([p]) if c.name not in anchors]
         out += anchors + random.Random(seed).sample(rest, max(0, int(spec) - len(anchors)))
     return out
-
-
-class Clock:
-    """When each token is handed out (``OutputProcessor.emit``, on the engine thread), and
-    its request: the first two of each call are its first and second token."""
-
-    def __init__(self, llm):
-        self.marks: list[tuple[float, object]] = []
-        out = llm.engine.output
-        emit = out.emit
-
-        def timed_emit(r, tok):
-            done = emit(r, tok)
-            self.marks.append((time.perf_counter(), r))
-            return done
-
-        out.emit = timed_emit
-
-
-def timed(llm, clock: Clock, question: str, chunks, t: int) -> dict:
-    """One ``generate``: its engine and call TTFT and second-token times (ms)."""
-    clock.marks.clear()
-    t0 = time.perf_counter()
-    llm.generate(question, chunks=chunks, system=SYSTEM, max_new_tokens=t)
-    (e1, r), second = clock.marks[0], clock.marks[1][0] if len(clock.marks) > 1 else None
-    row = {"engine_ms": (e1 - r.submit_time) * 1e3, "call_ms": (e1 - t0) * 1e3}
-    if second is not None:
-        row.update(engine2_ms=(second - r.submit_time) * 1e3, call2_ms=(second - t0) * 1e3)
-    return row
 
 
 class Texts:
@@ -154,7 +131,7 @@ class Texts:
         return [self(L) for _ in range(n)]
 
 
-def run_cell(llm, clock: Clock, cell: Cell, reps: int, texts: Texts) -> list[dict]:
+def run_cell(llm, cell: Cell, reps: int, texts: Texts) -> list[dict]:
     """The cell's timed requests (one untimed first). Every text is made before the first
     request, so nothing but the requests runs between them."""
     n_req = reps + 1
@@ -170,13 +147,13 @@ def run_cell(llm, clock: Clock, cell: Cell, reps: int, texts: Texts) -> list[dic
     for i in range(n_req):
         if before[i] is not None:
             llm.generate(f"cold {questions[i]}", chunks=before[i], system=SYSTEM, max_new_tokens=cell.t)
-        row = timed(llm, clock, questions[i], orders[i], cell.t)
+        row = timed(llm, questions[i], orders[i], system=SYSTEM, max_new_tokens=cell.t)[0]
         if i:
             rows.append(row)
     return rows
 
 
-def run_b(llm, clock: Clock, texts: Texts) -> list[dict]:
+def run_b(llm, texts: Texts) -> list[dict]:
     """Workload B; rows: the cold request (``kind: cold``), then the 5 warm ones."""
     from lazyllm import Chunk
 
@@ -186,8 +163,9 @@ def run_b(llm, clock: Clock, texts: Texts) -> list[dict]:
     orders = [random.Random(i).sample(docs, len(docs)) for i in range(5)]
     llm.generate(questions[0], chunks=fresh, system=SYSTEM, max_new_tokens=2)
     llm.generate(questions[0], chunks=fresh[::-1], system=SYSTEM, max_new_tokens=2)
-    rows = [{"kind": "cold", **timed(llm, clock, questions[1], docs, 4)}]
-    rows += [{"kind": "warm", **timed(llm, clock, questions[2 + i], orders[i], 4)} for i in range(5)]
+    rows = [{"kind": "cold", **timed(llm, questions[1], docs, system=SYSTEM, max_new_tokens=4)[0]}]
+    rows += [{"kind": "warm", **timed(llm, questions[2 + i], orders[i], system=SYSTEM, max_new_tokens=4)[0]}
+             for i in range(5)]
     return rows
 
 
@@ -202,58 +180,6 @@ def summary(rows: list[dict]) -> dict:
 
 
 
-class Turns:
-    """Two processes, ``old`` and ``new``, taking turns through a counter file in ``folder``:
-    slot ``s`` runs when the counter reads ``s``; ``stop`` ends both."""
-
-    def __init__(self, folder: str, side: str, timeout_s: float = 600.0):
-        os.makedirs(folder, exist_ok=True)
-        self.folder, self.side, self.timeout_s = folder, side, timeout_s
-        self.path = os.path.join(folder, "turn")
-
-    def _read(self) -> str:
-        try:
-            with open(self.path) as fh:
-                return fh.read().strip()
-        except FileNotFoundError:
-            return ""
-
-    def _write(self, text: str) -> None:
-        tmp = f"{self.path}.{self.side}"
-        with open(tmp, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, self.path)
-
-    def _until(self, ok) -> bool:
-        end = time.perf_counter() + self.timeout_s
-        while not ok():
-            if time.perf_counter() > end:
-                raise TimeoutError(f"{self.side}: the other side never took its turn")
-            time.sleep(0.002)
-        return True
-
-    def ready(self) -> None:
-        """Both sides built and warmed up (no timed work overlaps the other's warm-up)."""
-        if self.side == "old":
-            self._write("0")
-        open(os.path.join(self.folder, f"ready_{self.side}"), "w").close()
-        self._until(lambda: all(os.path.exists(os.path.join(self.folder, f"ready_{s}")) for s in ("old", "new")))
-
-    def slot(self, item: int) -> int:
-        """Item ``item``'s slot for this side: old first in even passes of the list, new first
-        in odd ones (``item`` counts across passes: pass * items + index)."""
-        first = "old" if (item // self.items) % 2 == 0 else "new"
-        return 2 * item + (self.side != first)
-
-    def wait(self, slot: int) -> bool:
-        """Wait for ``slot``; False once the other side stopped."""
-        self._until(lambda: self._read() in (str(slot), "stop"))
-        return self._read() != "stop"
-
-    def done(self, slot: int, stop: bool = False) -> None:
-        self._write("stop" if stop else str(slot + 1))
-
-
 # a preset's options where its name is not a preset of lazyllm.presets
 PRESET_OPTIONS = {"default": {}, "recompute-only": {"quality": "balanced", "escalate_below": 0.0}}
 # what an older tree (the baseline of compare_trees.sh) ran for the same options before the
@@ -265,7 +191,7 @@ def build(model, tok, preset: str, kv_bytes: int):
     """The engine of ``preset`` over ``model``. Random weights decide nothing, so a setting
     with adaptive recompute would escalate every request: matrix cells measure a preset's
     reuse and recompute, and ``recompute-only`` is ``balanced`` without its escalation
-    (an escalated request costs a full prefill: ``preset_ttft.py``'s ``escalated`` row)."""
+    (an escalated request costs a full prefill: the ``escalated`` row of ``--settings``)."""
     from lazyllm import LazyLLM
     from lazyllm.presets import PRESETS, QUALITY_OPTIONS
 
@@ -276,21 +202,19 @@ def build(model, tok, preset: str, kv_bytes: int):
         kw = OLDER_TREE[preset]
     llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=kv_bytes, **kw)
     run_to_length(llm)
-    return llm, Clock(llm)
+    return llm
 
 
 def run_item(name: str, llms: dict, args, item: int) -> list[dict] | str:
     """The rows of item ``name`` (a cell or ``B``), or why it was skipped."""
     scale = 1 / 16 if args.tiny else 1.0
-    texts = Texts(llms[next(iter(llms))][0], seed=1000 * item + 7, scale=scale)
+    texts = Texts(llms[next(iter(llms))], seed=1000 * item + 7, scale=scale)
     if name == "B":
-        llm, clock = llms.get("default") or llms[next(iter(llms))]
-        return run_b(llm, clock, texts)
+        return run_b(llms.get("default") or llms[next(iter(llms))], texts)
     cell = Cell.parse(name)
     if cell.preset not in llms:
         return f"preset {cell.preset} not built here"
-    llm, clock = llms[cell.preset]
-    return run_cell(llm, clock, cell, args.reps, texts)
+    return run_cell(llms[cell.preset], cell, args.reps, texts)
 
 
 def _floor(model, results: dict, llms: dict) -> None:
@@ -302,7 +226,7 @@ def _floor(model, results: dict, llms: dict) -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - emb.numel() * emb.element_size()
     bw = copy_bandwidth()
     results.update(copy_TBps=bw / 1e12, weight_read_floor_ms=weight_bytes / bw * 1e3)
-    llm = next(iter(llms.values()))[0]
+    llm = next(iter(llms.values()))
     try:
         results["gemm_floor_ms"] = gemm_floor_ms(llm.engine.model, 57)
     except (AttributeError, KeyError) as e:  # an engine without fused layer weights
@@ -346,7 +270,7 @@ def run(args) -> dict:
         if stop:
             results["stopped_at"] = f"pass {item // len(names)}, {name}: --budget-s reached"
             break
-    for llm, _ in llms.values():
+    for llm in llms.values():
         llm.close()
     return results
 
@@ -420,6 +344,95 @@ def compare(old_path: str, new_path: str) -> list[dict]:
     return rows
 
 
+# -- settings mode (--settings): workload A under each setting, one row each ----------------------
+
+def named_settings() -> dict:
+    """The settings ``--settings`` names: ``default``, every preset, and a few measured rows."""
+    from lazyllm.presets import PRESETS
+
+    return {"default": {}, **{name: {"quality": name} for name in PRESETS},
+            # balanced with the question's first pass over the first quarter of the layers
+            "balanced-depth-0.25": {"quality": "balanced", "recompute_selection_depth": 0.25},
+            # a packet of random values (speed does not depend on them): "random:H+T", or a
+            # bridge packet, its trailer recomputed per request: "random-bridge:H+T"
+            "packet-8+8": {"packets": "random:8+8"}, "bridge-8+8": {"packets": "random-bridge:8+8"}}
+
+
+def random_packets(spec: str, model):
+    """``"random:8+8"`` / ``"random-bridge:8+8"`` -> a ``Packets`` of random rows for ``model``."""
+    from lazyllm.model.identity import model_id
+    from lazyllm.model.llama import LlamaFamilyModel
+    from lazyllm.model.packets import Packets
+
+    kind, sizes = spec.split(":")
+    kh, kt = (int(x) for x in sizes.split("+"))
+    g = torch.Generator().manual_seed(0)
+    std = float(model.get_input_embeddings().weight.detach().float().std())
+    hidden = model.config.hidden_size
+    return Packets(torch.randn(kh, hidden, generator=g) * std, torch.randn(kt, hidden, generator=g) * std,
+                   model_id(LlamaFamilyModel(model, fuse=False, fused_kernels=False)),
+                   bridge=kind == "random-bridge")
+
+
+def parse_settings(text: str) -> list[tuple[str, dict]]:
+    """``a,b`` (names of ``named_settings``) or ``a;b={"json": "kwargs"}``."""
+    parts = text.split(";") if "=" in text else text.split(",")
+    named = named_settings()
+    out = []
+    for part in filter(None, (p.strip() for p in parts)):
+        name, _, kw = part.partition("=")
+        out.append((name, json.loads(kw)) if kw else (name, named[name]))
+    return out
+
+
+def settings_row(model, tok, name: str, kw: dict, args, texts: dict) -> dict:
+    """Workload A under one setting: 8 cached chunks of ~510 tokens (cached by ``warm``) and a
+    ~50-token question, each timed request starting with another chunk (full attention then
+    reuses only the system prompt); the median TTFT and the prefilled tokens per request."""
+    from lazyllm import LazyLLM
+
+    run_kw = dict(kw)
+    if str(run_kw.get("packets", "")).startswith("random"):
+        run_kw["packets"] = random_packets(run_kw["packets"], model)
+    cuda = args.device.startswith("cuda")
+    llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=(16 << 30) if cuda else (256 << 20), **run_kw)
+    run_to_length(llm)
+    if not texts:
+        texts["chunks"] = [text_of_tokens(llm, args.chunk_tokens, seed=i) for i in range(args.chunks)]
+        texts["question"] = text_of_tokens(llm, 50, seed=99)
+    chunks, question = texts["chunks"], texts["question"]
+    llm.warm(chunks, system=SYSTEM)  # the chunk-caching presets: every chunk cached (no-op for exact)
+    llm.generate("warm-up " + question, chunks=chunks[:1], system=SYSTEM, max_new_tokens=2)
+    requests = [(f"{i} {question}", chunks[i % len(chunks):] + chunks[:i % len(chunks)]) for i in range(args.reps)]
+    res, outs = warm_ttft(llm, requests, sync=torch.cuda.synchronize if cuda else None, system=SYSTEM)
+    out = outs[-1]
+    chunk_tokens = sum(len(ids) for k, ids in out.prompt_segments if k == "chunk")
+    row = dict(setting=name, kwargs=kw, **res, chunk_tokens=chunk_tokens,
+               prefill_tokens=statistics.median(o.usage.prompt_tokens - o.usage.cached_tokens for o in outs),
+               recomputed=(chunk_tokens - out.usage.cached_chunk_tokens) / chunk_tokens)
+    print(f"{name:>22}: TTFT (from the call) {row['ttft_ms']:8.2f} ms (engine {row['engine_ttft_ms']:.2f})  "
+          f"prefill {row['prefill_tokens']:6.0f} tokens  "
+          f"recomputed {100 * row['recomputed']:5.1f}% of {chunk_tokens} chunk tokens", flush=True)
+    llm.close()
+    return row
+
+
+def run_settings(args) -> dict:
+    tok = load_tokenizer(args.tokenizer)
+    cfg = llama31_8b_config(args.layers)
+    if args.tiny:
+        shrink_to_tiny(cfg, len(tok))
+    model = random_model(cfg, device=args.device,
+                         dtype=torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+    results = {"device": device_name(args.device), "date": time.strftime("%Y-%m-%d"),
+               "layers": cfg.num_hidden_layers, "tiny": args.tiny, "rows": []}
+    texts: dict = {}
+    for name, kw in parse_settings(args.settings):
+        results["rows"].append(settings_row(model, tok, name, kw, args, texts))
+    write_json(args.json, results)
+    return results
+
+
 def _args(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the default model's)")
@@ -431,7 +444,9 @@ def _args(argv=None):
     ap.add_argument("--cells", default="12", help="all | N (a seeded sample per preset, with B and the anchors) | "
                                                   "names separated by ';'")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--reps", type=int, default=3, help="timed requests per cell (after one untimed)")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="timed requests per cell, after one untimed (default 3); per setting (--settings, "
+                         "default 8: at most --chunks, one per rotation)")
     ap.add_argument("--rounds", type=int, default=1, help="passes over the cells")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no cell after this many seconds")
     ap.add_argument("--kv-gib", type=float, default=12.0)
@@ -439,7 +454,15 @@ def _args(argv=None):
     ap.add_argument("--side", default="new", choices=("old", "new"))
     ap.add_argument("--compare", nargs=2, metavar=("OLD_JSON", "NEW_JSON"), default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--settings", default=None,
+                    help="instead of cells: workload A (8 cached chunks + a 50-token question) under each "
+                         "setting, one row each: comma separated names (default, the presets, "
+                         "balanced-depth-0.25, packet-8+8, bridge-8+8) or ';' separated name=JSON kwargs")
+    ap.add_argument("--chunks", type=int, default=8, help="--settings: chunks per request")
+    ap.add_argument("--chunk-tokens", type=int, default=510, help="--settings: tokens per chunk")
     args = ap.parse_args(argv)
+    if args.reps is None:
+        args.reps = 8 if args.settings else 3
     args.kv_bytes = int(args.kv_gib * (1 << 30)) if not args.tiny else 64 << 20
     return args
 
@@ -448,6 +471,8 @@ def main(argv=None):
     args = _args(argv)
     if args.compare:
         return compare(*args.compare)
+    if args.settings:
+        return run_settings(args)
     return run(args)
 
 

@@ -10,7 +10,33 @@ import enum
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["KernelOptions", "KeyLoop", "LOOPS"]
+__all__ = ["KernelOptions", "KeyLoop", "LOOPS", "calibration_on", "calibration_problem", "calibration_problems"]
+
+
+# -- APE-style context calibration ------------------------------------------------------
+# ``(temperature, LSE scale)`` of how queries past the retrieved documents read them: the
+# documents' logits divided by the temperature, their log-sum-exp multiplied by the scale.
+# Decided and checked here only: the engine's options (``LazyLLM(context_temperature=,
+# context_lse_scale=)``), the attention backend, the Triton launcher and the reference ask.
+CALIBRATION_OFF = (1.0, 1.0)
+
+
+def calibration_on(temperature, lse_scale) -> bool:
+    """Whether ``(temperature, lse_scale)`` changes anything (``(1, 1)`` is off)."""
+    return (temperature, lse_scale) != CALIBRATION_OFF
+
+
+def calibration_problem(name: str, v) -> list[str]:
+    """``[]`` where ``v`` is a valid temperature or LSE scale (a positive finite number), else
+    the sentence saying why, naming ``name``."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v < float("inf"):
+        return [f"{name} must be a positive finite number, got {v!r}"]
+    return []
+
+
+def calibration_problems(temperature, lse_scale, names=("temperature", "lse_scale")) -> list[str]:
+    """A sentence for each value that is not a positive finite number, named by ``names``."""
+    return calibration_problem(names[0], temperature) + calibration_problem(names[1], lse_scale)
 
 
 class KeyLoop(enum.IntEnum):

@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .options import calibration_on
+
 __all__ = [
     "rope_cos_sin",
     "apply_rope",
@@ -206,7 +208,7 @@ def paged_attention_ref(
     -------
     ``(total_q, num_q_heads, head_dim)`` in ``q.dtype``. A query that sees no key gets 0.
     """
-    ape = ctx_range is not None and (ctx_temperature != 1.0 or ctx_lse_scale != 1.0)
+    ape = ctx_range is not None and calibration_on(ctx_temperature, ctx_lse_scale)
     total_q, hq, d = q.shape
     hkv = k_cache.shape[2]
     if hq % hkv:

@@ -5,6 +5,7 @@ import asyncio
 import atexit
 import contextlib
 import dataclasses
+import inspect
 import os
 import time
 import weakref
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from .cache.store import ChunkStore, PagePool
-from .config import EngineConfig, options_docstring, resolve_page_size, warm_skipped
+from .config import QUALITY_OPTIONS, EngineConfig, options_docstring, resolve_page_size, warm_skipped
 from .config import resolve_device as _resolve_device
 from .config import resolve_dtype as _resolve_dtype
 from .engine.engine import Engine
@@ -31,12 +32,27 @@ from .model.identity import fingerprint
 from .model.llama import LlamaFamilyModel
 from .model.loader import eos_token_ids, load_hf
 from .model.packets import resolve_packets
+from .option_spec import options_signature
 from .stream import TextStream
 from .types import DEFAULT_MAX_NEW_TOKENS, Chunk, GenerationOutput, ScoreOutput, as_chunk
 
 
 def _from_config(name: str) -> property:
     return property(lambda self: getattr(self.config, name), doc=f"``config.{name}``")
+
+
+def _signature(config_cls: type = EngineConfig) -> inspect.Signature:
+    """``LazyLLM.__init__``'s: the model arguments, then every option of ``config_cls`` with its
+    default (``None``, "not given", for those a preset sets)."""
+    kw = inspect.Parameter.KEYWORD_ONLY
+    head = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            inspect.Parameter("model_name_or_path", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
+                              annotation="str | None"),
+            inspect.Parameter("model", kw, default=None, annotation="Any"),
+            inspect.Parameter("tokenizer", kw, default=None, annotation="Any")]
+    return options_signature(config_cls, head, set(QUALITY_OPTIONS))
+
+
 
 
 _LIVE_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -53,9 +69,6 @@ def _close_engines() -> None:
             group.close()
 
 
-_OPTIONS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
-
-
 class LazyLLM:
     """An in-process LLM that takes retrieved documents as chunks and reuses each chunk's
     KV across requests, at any position and in any order.
@@ -67,55 +80,24 @@ class LazyLLM:
         model (SmolLM2-135M-Instruct, offline).
     model, tokenizer : an already loaded transformers causal LM and its tokenizer,
         instead of ``model_name_or_path``. Its weights are used in place, not copied.
-    Every other argument is an engine option, a field of ``lazyllm.config.EngineConfig``
-    (``llm.config`` is the running configuration); a ``quality`` preset sets several, and
-    options passed explicitly override it:
+    Every other argument is an engine option, declared once in ``lazyllm.options`` and
+    validated by ``lazyllm.config.EngineConfig`` (``llm.config`` is the running
+    configuration); a ``quality`` preset sets several, and options passed explicitly
+    override it:
 
     """
 
     _pool: ThreadPoolExecutor | None = None  # generate_batch's request builders, made on first use
 
-    def __init__(
-        self,
-        model_name_or_path: str | None = None,
-        *,
-        model: Any = None,
-        tokenizer: Any = None,
-        device: str = "auto",
-        dtype: Any = None,
-        reuse: str | None = None,
-        chunk_context: str | None = None,
-        kv_cache_bytes: int | None = None,
-        page_size: int | None = None,
-        attention_backend: str = "auto",
-        max_batch_tokens: int = 8192,
-        mixed_steps: bool = False,
-        step_token_budget: int = 2048,
-        recompute_first_tokens: int | None = None,
-        recompute_ratio: float | None = None,
-        recompute_selection: str | None = None,
-        recompute_selection_depth: float | None = None,
-        context_temperature: float | None = None,
-        context_lse_scale: float | None = None,
-        escalate_below: float | None = None,
-        escalate_tokens: int | None = None,
-        quality: str | None = None,
-        kv_disk_dir: str | os.PathLike | None = None,
-        kv_disk_bytes: int = 16 << 30,
-        trust_remote_code: bool = False,
-        progress: bool = True,
-        batch_invariant: bool = False,
-        cuda_graphs: bool = True,
-        overlap_decode: bool | None = None,
-        kernel_options: Any = None,
-        tensor_parallel: int = 1,
-        warmup: bool = True,
-        packets: Any = "auto",
-        max_string_length: int | None = 256,
-        max_array_length: int | None = 32,
-        max_json_depth: int | None = 8,
-    ):
-        config = EngineConfig.resolve(**{k: v for k, v in locals().items() if k in _OPTIONS})
+    def __init__(self, model_name_or_path: str | None = None, *, model: Any = None, tokenizer: Any = None,
+                 **options: Any):
+        # the options are EngineConfig's fields: ``__signature__`` (below) lists each with its
+        # default, and binding to it refuses an unknown keyword as Python does (TypeError)
+        try:
+            LazyLLM.__init__.__signature__.bind(self, model_name_or_path, model=model, tokenizer=tokenizer, **options)
+        except TypeError as e:
+            raise TypeError(f"LazyLLM(): {e}") from None
+        config = EngineConfig.resolve(**options)
         self._tp = None
         self._load(config, model_name_or_path, model, tokenizer)
         # an engine thread still inside torch at interpreter shutdown can abort the
@@ -123,23 +105,6 @@ class LazyLLM:
         _LIVE_ENGINES.add(self.engine)
         self._readiness = Readiness()
         self._readiness.begin(self.warmup if config.warmup else None)  # the warm-up, else ready at once
-
-    # the options as the running configuration holds them (``llm.config``)
-    quality = _from_config("quality")
-    reuse = _from_config("reuse")
-    chunk_context = _from_config("chunk_context")
-    recompute_first_tokens = _from_config("recompute_first_tokens")
-    recompute_ratio = _from_config("recompute_ratio")
-    recompute_selection = _from_config("recompute_selection")
-    recompute_selection_depth = _from_config("recompute_selection_depth")
-    context_temperature = _from_config("context_temperature")
-    context_lse_scale = _from_config("context_lse_scale")
-    escalate_below = _from_config("escalate_below")
-    escalate_tokens = _from_config("escalate_tokens")
-    attention_backend = _from_config("attention_backend")
-    page_size = _from_config("page_size")
-    batch_invariant = _from_config("batch_invariant")
-    tensor_parallel = _from_config("tensor_parallel")
 
     def _load(self, config: EngineConfig, model_name_or_path, model, tokenizer) -> None:
         """Load the model, the attention backend, the page pool and the engine for ``config``;
@@ -176,7 +141,7 @@ class LazyLLM:
         # cache keys and the disk tier separate packet versions: a packet changes every chunk's KV
         self.fingerprint = self.model_fingerprint + (f":packets:{self.packets.digest}" if self.packets else "")
         kv_cache_bytes = self._make_store(page_size, config.kv_cache_bytes)
-        self.prompts = prompt_builder(tok, "auto" if config.block_ft else None,
+        self.prompts = prompt_builder(tok, config.prompt_layout,
                                       self.packets.ids(self.model.embed_rows) if self.packets else None,
                                       encodings=ChunkEncodings())
         self.inputs = InputProcessor(tok, self.prompts, max_context=self.model.spec.max_context,
@@ -473,5 +438,10 @@ class LazyLLM:
 
 
 LazyLLM.__doc__ += options_docstring()
+LazyLLM.__init__.__signature__ = _signature()
+# ``llm.<option>`` for the options declared ``attr``: the running configuration's value
+for _f in dataclasses.fields(EngineConfig):
+    if _f.metadata.get("attr"):
+        setattr(LazyLLM, _f.name, _from_config(_f.name))
 
 __all__ = ["LazyLLM"]

@@ -67,6 +67,7 @@ def adapt_parser():
     the same recipe)."""
     import argparse
 
+    from lazyllm.options import option_help
     from lazyllm.quality.checks import ADAPT_DEFAULTS as dflt
 
     ap = argparse.ArgumentParser(prog="lazyllm adapt", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -76,7 +77,7 @@ def adapt_parser():
     ap.add_argument("documents", help="a JSONL file, a folder of .txt/.md files, or one text file")
     ap.add_argument("--out", default="packets.safetensors", help="packet file to write")
     ap.add_argument("--model", default=None, help="model path or hub id (default: the embedded model)")
-    ap.add_argument("--device", default="auto", help="'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1'...")
+    ap.add_argument("--device", default="auto", help=option_help("device"))
     ap.add_argument("--k-header", type=int, default=dflt["k_header"], help="packet embeddings before each chunk")
     ap.add_argument("--k-trailer", type=int, default=dflt["k_trailer"], help="packet embeddings after each chunk")
     ap.add_argument("--cases", type=int, default=dflt["cases"], help="training cases")

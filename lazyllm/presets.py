@@ -15,7 +15,9 @@ builds ``LazyLLM`` engines and so sits above the API) compares them.
   answer, at full prefill cost for the documents.
 * ``"block-ft"``: for Block-Attention fine-tuned checkpoints (``ldsjmdy/Tulu3-Block-FT``,
   ``hxia7/Llama-3.2-1B-Block-FT``...): isolated chunks in the prompt layout they were
-  trained with (``lazyllm.inputs.prompt_blockft``).
+  trained with (``prompt_layout="block-ft"``, ``lazyllm.inputs.prompt_blockft``).
+
+A preset is data only: the option values it sets, nothing the engine tests its name for.
 
 ``LazyLLM()`` with no preset runs ``"balanced"``'s values (``QUALITY_OPTIONS``): the cheapest
 setting whose answers stay inside full attention's own order floor on the real-prose test
@@ -38,6 +40,7 @@ QUALITY_OPTIONS: dict[str, object] = {
     "context_lse_scale": 1.0,
     "escalate_below": 0.0,
     "escalate_tokens": 8,
+    "prompt_layout": "chat",
 }
 
 PRESETS: dict[str, dict[str, object]] = {
@@ -52,6 +55,7 @@ PRESETS: dict[str, dict[str, object]] = {
     "exact": {"reuse": "prefix", "chunk_context": "prefix", "recompute_first_tokens": 0, "recompute_ratio": 0.0},
     # for Block-Attention fine-tuned checkpoints: the isolated blocks they were trained on, in
     # their training prompt layout (lazyllm.inputs.prompt_blockft)
-    "block-ft": {"reuse": "lazy", "chunk_context": "isolated", "recompute_first_tokens": 0, "recompute_ratio": 0.0},
+    "block-ft": {"reuse": "lazy", "chunk_context": "isolated", "recompute_first_tokens": 0, "recompute_ratio": 0.0,
+                 "prompt_layout": "block-ft"},
 }
 __all__ = ["PRESETS", "QUALITY_OPTIONS"]

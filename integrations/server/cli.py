@@ -21,6 +21,7 @@ from typing import Any
 
 from lazyllm.config import EngineConfig
 from lazyllm.errors import InvalidRequestError, ModelLoadError
+from lazyllm.option_spec import kind
 from lazyllm.presets import QUALITY_OPTIONS
 
 from .preflight import (
@@ -33,9 +34,6 @@ from .preflight import (
 
 log = logging.getLogger("lazyllm.server")
 
-# EngineConfig fields that are no flag: Python objects (KernelOptions), or a flag of their own
-# (progress is --no-progress)
-_NOT_FLAGS = {"kernel_options", "progress"}
 # the options a quality preset sets: their default is the preset's
 _PRESET_SET = set(QUALITY_OPTIONS)
 
@@ -77,53 +75,43 @@ def _integer(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
 
 
-def _on_off(text: str) -> bool:
-    if text not in ("on", "off"):
-        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
-    return text == "on"
+_PARSERS = {"int": _integer, "float": _number}
 
 
-def _optional_str(text: str) -> str | None:
-    return None if text.lower() == "none" else text
-
-
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per ``EngineConfig`` field (``--recompute-ratio`` for ``recompute_ratio``),
-    with the field's help and choices; a flag not given is left out of the namespace, so a
-    preset (``--quality``) and the engine's defaults apply."""
+def add_engine_flags(parser: argparse.ArgumentParser, config_cls: type = EngineConfig) -> None:
+    """One flag per option of ``config_cls`` declared a ``flag`` (``--recompute-ratio`` for
+    ``recompute_ratio``), with its help and choices, its type read from its annotation (or its
+    declared ``parse``); a bool is a switch (``--name`` turns on an option that is off,
+    ``--no-name`` one that is on). A flag not given is left out of the namespace, so a preset
+    (``--quality``) and the engine's defaults apply."""
     group = parser.add_argument_group("engine options (LazyLLM's keyword arguments)")
-    for f in dataclasses.fields(EngineConfig):
-        if f.name in _NOT_FLAGS:
+    for f in dataclasses.fields(config_cls):
+        m = f.metadata
+        if not m.get("flag", True):
             continue
         flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
-        choices = tuple(c for c in f.metadata.get("choices", ()) if c is not None) or None
-        kind = str(f.type)
+        help_text = m.get("help", "").replace("%", "%%")  # argparse formats help with %
+        choices = tuple(c for c in m.get("choices", ()) if c is not None) or None
+        base, none_ok = kind(f)
         default = "the preset's, else " if f.name in _PRESET_SET else ""
         if "default" not in help_text:  # some helps say their own default
             shown = "none" if f.default is None else f.default
             help_text += f" (default: {default}{shown})".replace("%", "%%")
         kw: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)
-        if kind == "bool":  # a switch: --name turns on an option that is off, --no-name one that is on
+        if base == "bool" and not none_ok:
             off = f.default is True
             if off:
-                kw["help"] = "turn off: " + f.metadata.get("help", "").replace("%", "%%") + " (on by default)"
+                kw["help"] = "turn off: " + m.get("help", "").replace("%", "%%") + " (on by default)"
             group.add_argument("--no-" + flag[2:] if off else flag, action="store_false" if off else "store_true",
                                **kw)
             continue
-        if kind == "bool | None":
-            kw.update(type=_on_off, metavar="{on,off}")
+        if "parse" in m:
+            kw.update(type=m["parse"], metavar=m.get("metavar"))
         elif choices:
             kw.update(choices=choices)
-        elif kind.startswith("int"):
-            kw.update(type=_integer)
-        elif kind.startswith("float"):
-            kw.update(type=_number)
-        elif f.name == "packets":
-            kw.update(type=_optional_str, metavar="{auto,none,PATH}")
+        elif base in _PARSERS:
+            kw.update(type=_PARSERS[base])
         group.add_argument(flag, **kw)
-    group.add_argument("--no-progress", dest="progress", action="store_false", default=True,
-                       help="no progress bars while the model downloads and loads")
 
 
 def engine_flags(args: argparse.Namespace) -> dict[str, Any]:

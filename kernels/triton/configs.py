@@ -1,5 +1,5 @@
 """Launch configurations of the attention kernels, chosen on an H200 (bf16, d=128) with
-``benchmarks/kernels.py``; the thresholds of the launcher's routing."""
+``benchmarks/kernel_bench.py``; the thresholds of the launcher's routing."""
 from __future__ import annotations
 
 # prefill, (BLOCK_M, BLOCK_N, num_warps, num_stages) by head_dim: the key-rotating loop

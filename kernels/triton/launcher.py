@@ -7,7 +7,6 @@ the key splits. ``_launch_triton`` then only prepares tensors and launches.
 """
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass, fields
 
@@ -16,7 +15,7 @@ import torch
 import triton
 from lazyllm.intmath import next_pow2
 
-from ..options import LOOPS, KernelOptions, KeyLoop
+from ..options import LOOPS, KernelOptions, KeyLoop, calibration_on, calibration_problems
 from ._common import _LOG2E, _interpreting
 from .configs import DECODE_CFG as _DECODE_CFG
 from .configs import DECODE_CFG_HALVES as _DECODE_CFG_HALVES
@@ -389,11 +388,12 @@ def paged_attention_triton(
     if window is not None and (isinstance(window, bool) or int(window) != window or window < 1):
         raise ValueError(f"window must be a positive int or None, got {window!r}")
     window = 0 if window is None else int(window)
-    ape = ctx_range is not None and (ctx_temperature != 1.0 or ctx_lse_scale != 1.0)
+    ape = ctx_range is not None and calibration_on(ctx_temperature, ctx_lse_scale)
     if ape:
+        bad = calibration_problems(ctx_temperature, ctx_lse_scale, ("ctx_temperature", "ctx_lse_scale"))
+        if bad:
+            raise ValueError("; ".join(bad))
         t, sc = float(ctx_temperature), float(ctx_lse_scale)
-        if not (math.isfinite(t) and t > 0.0 and math.isfinite(sc)):
-            raise ValueError(f"ctx_temperature must be finite and > 0 and ctx_lse_scale finite, got {t}, {sc}")
         n_seq = cu_seqlens_q.numel() - 1
         if ctx_range.dim() != 2 or ctx_range.shape[1] != 2 or ctx_range.shape[0] != n_seq:
             raise ValueError(f"ctx_range must be ({n_seq}, 2), got {tuple(ctx_range.shape)}")

@@ -120,7 +120,7 @@ class Engine:
             self.runner, self.planner, first_tokens=config.recompute_first_tokens, ratio=config.recompute_ratio,
             selection=config.recompute_selection, selection_depth=config.recompute_selection_depth,
             probe_layer=probe_layer, metrics=self.metrics, bridge_tokens=bridge_tokens,
-            exact_at_home=config.reuse == "lazy" and config.chunk_context == "prefix",
+            exact_at_home=self.planner.exact_at_home,
             escalate_below=config.escalate_below, escalate_tokens=config.escalate_tokens)
         # decode steps carry their margins where a request may escalate after its first token
         self.runner.graphs.margins = config.escalate_below > 0 and config.escalate_tokens > 1

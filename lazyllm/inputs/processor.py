@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..cache.store import segment_keys
-from ..config import CHUNK_CACHING_MODES
 from ..engine.detokenizer import Detokenizer
 from ..engine.request import Request, Scoring, Segment
 from ..errors import ContextLengthError, InvalidRequestError
@@ -141,7 +140,7 @@ class InputProcessor:
         the planner finds them: a chunk is hashed once, here, not per request on the engine
         thread."""
         c = self.config
-        if self.fingerprint is None or c is None or c.reuse not in CHUNK_CACHING_MODES or len(segs) < 2:
+        if self.fingerprint is None or c is None or not c.mode.caches_chunks or len(segs) < 2:
             return
         if any(s.memo is not None for s in segs[:-1]):
             segment_keys(self.fingerprint, c.chunk_context, segs[0].ids, [s.ids for s in segs[1:-1]],

@@ -104,13 +104,14 @@ class BlockFTPromptBuilder(PromptBuilder):
 
 def prompt_builder(tokenizer, layout: str | None = None,
                    packet_ids: tuple[list[int], list[int]] | None = None, encodings=None) -> PromptBuilder:
-    """The prompt builder of a configuration: ``layout`` ``None`` for the model's chat
-    template (with the packet's virtual ids around each chunk, if any), or a Block-Attention
-    training layout (a ``LAYOUTS`` name, or ``"auto"``: the tokenizer's); ``encodings``: its
+    """The prompt builder of a configuration: ``layout`` ``None`` or ``"chat"`` (the
+    ``prompt_layout`` option's default) for the model's chat template (with the packet's
+    virtual ids around each chunk, if any), or a Block-Attention training layout (a
+    ``LAYOUTS`` name, or ``"auto"`` / ``"block-ft"``: the tokenizer's); ``encodings``: its
     cache of chunk encodings (``inputs.encodings.ChunkEncodings``) or ``None``."""
-    if layout is None:
+    if layout in (None, "chat"):
         return PromptBuilder(tokenizer, packet_ids, encodings)
-    return BlockFTPromptBuilder(tokenizer, None if layout == "auto" else layout, encodings)
+    return BlockFTPromptBuilder(tokenizer, None if layout in ("auto", "block-ft") else layout, encodings)
 
 
 __all__ = ["BlockFTPromptBuilder", "LAYOUTS", "SYSTEM", "INSTRUCTION", "detect_layout", "prompt_builder"]

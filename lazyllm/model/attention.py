@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from lazyllm.kernels import reference
-from lazyllm.kernels.options import KernelOptions
+from lazyllm.kernels.options import KernelOptions, calibration_on
 
 _DEFAULT_OPTIONS = KernelOptions()
 
@@ -105,7 +105,7 @@ class AttentionBackend:
 
     @property
     def calibrated(self) -> bool:
-        return self.calibration != (1.0, 1.0)
+        return calibration_on(*self.calibration)
 
     def shared_decode(self, head_dim: int, page_size: int) -> bool:
         """Whether decode steps whose requests hold the same pages can read each shared page

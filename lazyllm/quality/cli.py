@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..extras import MissingExtraError, require
+from ..options import option_help
 from ..presets import PRESETS
 from .cases import load_cases
 from .checks import DEFAULT_SETTINGS, check_settings
@@ -51,7 +52,7 @@ def build_parser(prog: str = "python -m lazyllm.quality") -> argparse.ArgumentPa
                                  description="Fidelity of lazyllm's reuse settings to full attention on your cases.")
     ap.add_argument("cases", help="JSONL: question, documents, optional system and reference")
     ap.add_argument("--model", default=None, help="model folder / .gguf / hub id (default: the embedded model)")
-    ap.add_argument("--device", default="auto", help="'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1'...")
+    ap.add_argument("--device", default="auto", help=option_help("device"))
     ap.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
                     help=f"comma-separated: 'default' and presets {tuple(PRESETS)}, or name=JSON kwargs "
                          "separated by ';' (e.g. 'r30={\"quality\":\"balanced\",\"recompute_ratio\":0.3}')")

@@ -261,7 +261,7 @@ def test_a_large_batch_is_built_in_order_and_a_bad_item_runs_nothing(slow_llm):
 def test_the_floor_of_a_loop():
     from tests.conftest import load_benchmark
 
-    fl = load_benchmark("_floor")
+    fl = load_benchmark("_common")
     rates = fl.Rates(prefill_token_s=1e-4, step_s=0.01)
     m0 = dict(prefill_tokens=100, decode_steps=10, prefill_s=1.0, decode_s=1.0)
     m1 = dict(prefill_tokens=1100, decode_steps=30, prefill_s=1.5, decode_s=1.6, selection_s=0.1)
@@ -269,14 +269,3 @@ def test_the_floor_of_a_loop():
     assert f["floor_s"] == pytest.approx(1000 * 1e-4 + 20 * 0.01)
     assert f["of_floor"] == pytest.approx(0.3) and f["host_s"] == pytest.approx(1.0 - 0.5 - 0.6)
     assert f["selection_s"] == pytest.approx(0.1) and "30%" in fl.floor_line(f)
-
-
-def test_the_host_path_benchmark_runs_small(tmp_path):
-    from tests.conftest import load_benchmark
-
-    hp = load_benchmark("host_path")
-    out = hp.main(["--docs", "3", "--doc-tokens", "32", "--chunks", "2", "--repeats", "2", "--requests", "3",
-                   "--output-tokens", "2", "--question-tokens", "8", "--json", str(tmp_path / "h.json")])
-    one, loop = out["single"], out["hot_loop"]
-    assert one["wall_ms"] >= one["ttft_ms"] >= one["engine_ttft_ms"] > 0
-    assert loop["req_per_s"] > 0 and loop["floor"]["decode_steps"] > 0 and (tmp_path / "h.json").exists()

@@ -5,9 +5,11 @@ from pathlib import Path
 
 import pytest
 
+from lazyllm.config import EngineConfig
 from lazyllm.engine.kv.page_table import Allocation
 from lazyllm.engine.kv.planner import KVPlanner, NonePolicy, PrefixPolicy, Reservation
 from lazyllm.engine.request import TableEntry
+from lazyllm.reuse_modes import MODES
 from tests.engine.fakes import make_request, make_store
 
 PS = 4
@@ -112,6 +114,23 @@ def test_none_reuses_and_caches_nothing():
 
 def test_prefix_and_none_policies_are_siblings():
     assert not issubclass(PrefixPolicy, NonePolicy) and not issubclass(NonePolicy, PrefixPolicy)
+
+
+@pytest.mark.parametrize("reuse", list(MODES))  # a mode declared without a policy fails here
+def test_each_policy_answers_from_its_mode_what_it_does(reuse):
+    """What a mode is (``lazyllm.reuse_modes``) is what its policy does: one that caches
+    chunks creates chunk entries, one that makes copies holds private chunk pages, and the
+    configuration's mode is the policy's."""
+    planner = _planner(reuse, chunk_context="prefix")
+    mode = planner.policy.mode
+    assert mode is MODES[reuse] is EngineConfig(reuse=reuse).mode and planner.policy.name == reuse
+    r = make_request(P, [A, B], [40])
+    assert planner.plan(r)
+    assert bool(planner.pending_chunks) == mode.caches_chunks == planner.caches_chunks
+    shifted = [e for e in r.alloc.table if e.delta != 0]
+    assert bool(shifted) == (mode.caches_chunks and not mode.makes_copies)
+    assert planner.exact_at_home == (reuse == "lazy")
+    assert not _planner(reuse, chunk_context="isolated").exact_at_home
 
 
 @pytest.mark.parametrize("reuse", ["lazy", "block", "prefix", "none"])

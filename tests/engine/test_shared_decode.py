@@ -26,10 +26,14 @@ DOCS = [
 NEW = 6
 
 
-def _llm(model, tok, **kw):
+def _llm(model, tok, min_batch: int = 1, **kw):
+    """An engine whose shared path takes batches from ``min_batch`` rows (these tests' batches
+    are a few requests; the engine's own threshold is ``ModelRunner.SHARED_MIN_BATCH``)."""
     kw.setdefault("quality", "isolated")  # the configuration these tests were written for
-    return LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=32 << 20, attention_backend="triton", page_size=16,
-                   **kw)
+    llm = LazyLLM(model=model, tokenizer=tok, kv_cache_bytes=32 << 20, attention_backend="triton", page_size=16,
+                  **kw)
+    llm.engine.runner.SHARED_MIN_BATCH = min_batch
+    return llm
 
 
 def _batch():
@@ -100,6 +104,27 @@ def test_little_sharing_keeps_the_per_request_kernel(model, tokenizer):
     m = llm.engine.metrics
     assert m["shared_plans"] >= 1 and m["shared_decode_steps"] == 0
     llm.close()
+
+
+def test_a_small_batch_keeps_the_per_request_kernel(model, tokenizer):
+    """Fewer decoding rows than ``ModelRunner.SHARED_MIN_BATCH``, however much they share: no
+    plan is made and every step runs the per-request kernel (the grouped kernel did not pay
+    for itself below 16 rows on the H100); the answers are the shared path's."""
+    from lazyllm.engine.running.model_runner import ModelRunner
+
+    llm = _llm(model, tokenizer, min_batch=ModelRunner.SHARED_MIN_BATCH)
+    llm.warm(DOCS)
+    batch = _batch()
+    assert len(batch) < ModelRunner.SHARED_MIN_BATCH
+    outs = llm.generate_batch(batch, max_new_tokens=NEW)
+    m = llm.engine.metrics
+    assert m["decode_steps"] > 0 and m["shared_plans"] == 0 and m["shared_decode_steps"] == 0
+    llm.close()
+    shared = _llm(model, tokenizer)
+    shared.warm(DOCS)
+    assert [o.token_ids for o in shared.generate_batch(batch, max_new_tokens=NEW)] == [o.token_ids for o in outs]
+    assert shared.engine.metrics["shared_decode_steps"] > 0
+    shared.close()
 
 
 def test_a_plan_larger_than_the_buffers_falls_back():

@@ -85,7 +85,7 @@ def test_suite_shape(suite):
 @pytest.mark.skipif(not list(Path("/usr/share/doc").glob("python3.*/html/_sources/library/json.rst.txt")),
                     reason="python3-doc is not installed")
 def test_the_build_is_deterministic():
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "prose_suite.py"), "--check"], cwd=ROOT,
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quality.py"), "prose-suite", "--check"], cwd=ROOT,
                        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     meta = json.loads((SUITE / "sources.json").read_text())
     installed = subprocess.run(["dpkg-query", "-W", "-f=${Version}", meta["package"].split("=")[0]],
@@ -96,11 +96,9 @@ def test_the_build_is_deterministic():
 
 
 def test_report_workers_each_take_a_slice_once(tmp_path):
-    """``prose_fidelity.py --jobs N``: a slice goes to the first worker that claims it, and
+    """``quality.py prose --jobs N``: a slice goes to the first worker that claims it, and
     to no other; a lone process takes every slice."""
-    from tests.conftest import load_benchmark
-
-    pf = load_benchmark("prose_fidelity")
+    from benchmarks.fidelity import report as pf
     out = str(tmp_path / "slice-000.json")
     assert pf._claim(out, 0) is True
     assert pf._claim(out, 1) is False and pf._claim(out, 0) is False

@@ -1,6 +1,8 @@
 """The quality benchmark's oracle recompute selections (an upper bound, measurement only):
 they read full attention's KV and attention, leave the engine's own selections alone, and
 recomputing everything with them is full attention. On a tiny random model (seconds)."""
+import sys
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from tests.conftest import load_benchmark, make_tiny
 from tests.hf_reference import hf_generate
 
 quality = load_benchmark("quality")
+oracle = sys.modules["benchmarks.fidelity.oracle"]  # its log, which quality._oracle_log_start renews
 DOCS = [f"Record {i}: " + " ".join(f"item{i}_{j}" for j in range(9 + 5 * i)) for i in range(6)]
 
 
@@ -76,13 +79,13 @@ def test_kv_oracle_sees_no_deviation_in_the_first_prefix_chunk(model, tokenizer,
                   recompute_selection=sel, kv_cache_bytes=8 << 20, quality="isolated")
     llm.score("Which item is first?", chunks=DOCS[:3], continuation=[5, 6, 7])
     llm.close()
-    (e,) = quality.ORACLE_LOG
+    (e,) = oracle.ORACLE_LOG
     n0 = e["lens"][0]
     assert e["scored"] and e["key"] == (sel, 0.1, 0)
     assert float(e["kv"][:n0].max()) < 1e-6
     assert float(e["kv"][n0:].max()) > 1e-3
     assert float(e["answer_mass"].min()) >= 0.0 and float(e["answer_mass"].sum()) > 0.0
-    summ = quality.oracle_summary(quality.ORACLE_LOG)
+    summ = quality.oracle_summary(oracle.ORACLE_LOG)
     assert summ["requests"] == 1 and summ["picks"] == -(-sum(e["lens"]) // 10)
     assert 0.0 <= summ["in_first_chunk"] <= 1.0 and 0.0 <= summ["overlap_question_attention"] <= 1.0
     quality._oracle_log_start(False)

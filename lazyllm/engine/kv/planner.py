@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 from ...cache.disk_tier import DiskTier
 from ...cache.store import ChunkStore, Entry, segment_keys
-from ...config import CHUNK_CACHING_MODES, REUSE_MODES
 from ...intmath import cdiv
+from ...reuse_modes import MODES, ReuseMode
 from ..metrics import EngineMetrics
 from ..request import ChunkSpan, Job, PrefillPlan, Request, TableEntry, entry_table
 from .page_table import Allocation
@@ -138,6 +138,11 @@ class KVPlanner:
     def caches_chunks(self) -> bool:
         return self.policy.caches_chunks
 
+    @property
+    def exact_at_home(self) -> bool:
+        """A chunk read where it was encoded needs no recompute (``ReuseMode.exact_at_home``)."""
+        return self.policy.mode.exact_at_home(self.chunk_context)
+
     # -- shared steps of the policies ----------------------------------------------------
     def allocation(self, r: Request) -> Allocation:
         """The request's allocation, made on first use (it lives as long as the request)."""
@@ -182,10 +187,18 @@ class KVPlanner:
 
 
 class ReusePolicy:
-    """How one reuse mode plans a request's KV."""
+    """How one reuse mode plans a request's KV; what the mode is (``mode``,
+    ``lazyllm.reuse_modes``) answers every other question about it."""
 
-    name = ""
-    caches_chunks = False  # whether chunks (and the prefix) are cached as entries
+    mode: ReuseMode
+
+    @property
+    def name(self) -> str:
+        return self.mode.name
+
+    @property
+    def caches_chunks(self) -> bool:
+        return self.mode.caches_chunks
 
     def prefill_cost(self, planner: KVPlanner, r: Request) -> int:
         return r.num_prompt_tokens
@@ -202,8 +215,7 @@ class ReusePolicy:
 class LazyPolicy(ReusePolicy):
     """Chunk pages referenced in place, positions applied in the kernel (zero copy)."""
 
-    name = "lazy"
-    caches_chunks = True
+    mode = MODES["lazy"]
 
     def prefill_cost(self, planner: KVPlanner, r: Request) -> int:
         pkey, ck = planner.segment_keys(r)
@@ -282,7 +294,7 @@ class LazyPolicy(ReusePolicy):
 class BlockPolicy(LazyPolicy):
     """The Block-Attention baseline: a private re-rotated copy of every shifted chunk page."""
 
-    name = "block"
+    mode = MODES["block"]
 
     def place(self, r: Request, plan: PrefillPlan) -> bool:
         copies = r.alloc.privatize([c for c, e in enumerate(r.alloc.table) if e.delta != 0])
@@ -320,7 +332,7 @@ class FullPromptPolicy(ReusePolicy):
 class NonePolicy(FullPromptPolicy):
     """Full attention over the whole prompt, nothing reused."""
 
-    name = "none"
+    mode = MODES["none"]
 
     def reuse_prefix(self, planner: KVPlanner, r: Request, ids: list[int], found: Reservation):
         return [], 0, []
@@ -329,7 +341,7 @@ class NonePolicy(FullPromptPolicy):
 class PrefixPolicy(FullPromptPolicy):
     """Full attention reusing the full pages of an identical token prefix (as vLLM)."""
 
-    name = "prefix"
+    mode = MODES["prefix"]
 
     def reuse_prefix(self, planner: KVPlanner, r: Request, ids: list[int], found: Reservation):
         ps = planner.page_size
@@ -368,7 +380,4 @@ class PrefixPolicy(FullPromptPolicy):
             r.alloc.publish(j, keys[j], j * ps)
 
 
-_POLICIES = {p.name: p for p in (LazyPolicy, BlockPolicy, PrefixPolicy, NonePolicy)}
-# the configuration's names are the policies' (and the modes it lets keep a disk tier cache chunks)
-assert tuple(_POLICIES) == REUSE_MODES
-assert tuple(name for name, p in _POLICIES.items() if p.caches_chunks) == CHUNK_CACHING_MODES
+_POLICIES = {p.mode.name: p for p in (LazyPolicy, BlockPolicy, PrefixPolicy, NonePolicy)}

@@ -80,6 +80,10 @@ class ModelRunner:
     # (the measured crossover: BENCHMARKS.md, "GPU: shared-chunk attention"); a system prompt
     # shared by requests over their own documents saves a few percent
     SHARED_MIN_SAVED = 0.6
+    # nor with fewer rows than this: per decode step on the H100 (closed loops, shared decode
+    # on or off by a coin per step), below 16 rows the grouped kernel's extra work was not paid
+    # back (1.10-1.36x the step at 1-12 rows); from 17 rows, 0.66-0.96x
+    SHARED_MIN_BATCH = 16
 
     def __init__(self, model, pool: PagePool, *, rerotate_copy, max_batch_tokens: int, max_batch_size: int,
                  cuda_graphs: bool, metrics: EngineMetrics):
@@ -378,6 +382,9 @@ class ModelRunner:
         live = {r.id for r in st.rows}
         for k in [k for k in self._arrays if k not in live]:
             del self._arrays[k]
+        if len(st.rows) < self.SHARED_MIN_BATCH:
+            self._shared_state = (st.version, 0, [1 << 30] * len(st.rows))
+            return 0
         tables = [self._table_array(r) for r in st.rows]
         plan = plan_groups(tables, members_per_item=self.shared.members_per_item,
                            pages_per_item=self.shared.pages_per_item, extend=self.SHARED_EXTEND,

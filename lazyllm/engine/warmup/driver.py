@@ -194,7 +194,7 @@ def _request_stages(engine, runner: RunnerShapes, shapes: WarmShapes,
     # chunks where they are not shared (block: re-rotated copies; full attention: its prompt;
     # recovery: private copies of the pages it recomputes)
     own = cdiv(len(gen.prefix) + 8 + DECODE_TOKENS, ps)
-    if engine.config.reuse != "lazy" or engine.recovery.enabled:
+    if not engine.planner.policy.mode.shares_chunk_pages or engine.recovery.enabled:
         own += sum(cdiv(len(c), ps) + 1 for c in shared)
     for B in runner.warm_decode_batches(own):
         out.append(("shared decode", lambda B=B: gen.run([gen.make(shared, 8, DECODE_TOKENS) for _ in range(B)])))

@@ -2,8 +2,8 @@
 train / dev / test by source page, written as JSONL the fidelity report reads.
 
     apt-get install python3-doc                      # the reStructuredText sources, offline
-    python benchmarks/prose_suite.py                 # rewrites benchmarks/data/prose/
-    python benchmarks/prose_suite.py --check         # rebuilds in memory, fails if the files differ
+    python benchmarks/quality.py prose-suite          # rewrites benchmarks/data/prose/
+    python benchmarks/quality.py prose-suite --check  # rebuilds in memory, fails if the files differ
     python -m lazyllm.quality benchmarks/data/prose/test.jsonl --settings default,balanced
 
 Every source is one page of the library reference (``library/json.rst.txt``): its sections
@@ -31,13 +31,9 @@ import hashlib
 import json
 import os
 import random
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
-
-from prose_rst import parse_page  # noqa: E402
+from benchmarks._common import HERE
+from benchmarks.fidelity.rst import parse_page
 
 OUT = os.path.join(HERE, "data", "prose")
 SPLITS = {"train": 0.5, "dev": 0.17, "test": 0.33}  # fractions of the pages
@@ -206,7 +202,7 @@ def _cases(split: str, docs: dict, quota: int, rng: random.Random, max_docs: int
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="quality.py prose-suite", description=__doc__.split("\n\n")[0])
     ap.add_argument("--src", default=None, help="python3.X-doc's _sources folder (default: the installed one)")
     ap.add_argument("--out", default=OUT, help="folder for train/dev/test.jsonl and sources.json")
     ap.add_argument("--seed", type=int, default=0)
@@ -272,6 +268,3 @@ def _package(src: str) -> str:
     except (OSError, subprocess.CalledProcessError):
         return pkg
 
-
-if __name__ == "__main__":
-    main()

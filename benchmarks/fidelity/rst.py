@@ -6,7 +6,7 @@ text, markup removed and code examples dropped.
     entries = parse_page(open(".../_sources/library/json.rst.txt").read(), "json")
     # [Entry(kind="section", name="Basic Usage", text=...), Entry(kind="function", name="json.dump", ...)]
 
-Used by ``benchmarks/prose_suite.py``, which packs entries into documents and writes the
+Used by ``benchmarks/fidelity/suite.py`` (``quality.py prose-suite``), which packs entries into documents and writes the
 evaluation cases.
 """
 from __future__ import annotations

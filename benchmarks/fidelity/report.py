@@ -2,10 +2,10 @@
 they finish (a long CPU run can stop and resume), then one table: each setting beside the
 order floor, its ratios to it, and the setting the default rule picks.
 
-    python benchmarks/prose_fidelity.py --split test --out /tmp/fid            # measure, then print
-    python benchmarks/prose_fidelity.py --out /tmp/fid --table-only            # print what is saved
-    python benchmarks/prose_fidelity.py --model gemma3-270m --settings default,balanced
-    python benchmarks/prose_fidelity.py --out /tmp/fid --table-only --curve fast   # adaptive recompute
+    python benchmarks/quality.py prose --split test --out /tmp/fid            # measure, then print
+    python benchmarks/quality.py prose --out /tmp/fid --table-only            # print what is saved
+    python benchmarks/quality.py prose --model gemma3-270m --settings default,balanced
+    python benchmarks/quality.py prose --out /tmp/fid --table-only --curve fast   # adaptive recompute
 
 ``--jobs N`` measures the slices in N processes at once (each with its share of the cores);
 the table and the time are the same either way.
@@ -25,8 +25,9 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+from benchmarks._common import HERE
+
+QUALITY = os.path.join(HERE, "quality.py")  # the command: quality.py prose
 
 # each setting named by its preset, so a row means the same whatever LazyLLM()'s default is
 SETTINGS = {"default": {}, "isolated+packet": {"quality": "isolated"},
@@ -121,7 +122,7 @@ def by_kind(reports: list[dict], kinds: dict[str, str]) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="quality.py prose", description=__doc__.split("\n\n")[0])
     ap.add_argument("--split", default="test", help="train, dev or test (benchmarks/data/prose/<split>.jsonl)")
     ap.add_argument("--cases", default=None, help="another JSONL instead of --split")
     ap.add_argument("--out", required=True, help="folder for the slices' JSON reports")
@@ -188,7 +189,7 @@ def _run_workers(argv: list[str], jobs: int, out: str) -> None:
     env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
     for p in glob.glob(os.path.join(out, "slice-*.json.claim")):
         os.remove(p)  # a stopped run's claims: its unsaved slices are measured again
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--worker", str(w)], env=env)
+    procs = [subprocess.Popen([sys.executable, QUALITY, "prose", *argv, "--worker", str(w)], env=env)
              for w in range(jobs)]
     codes = [p.wait() for p in procs]
     if any(codes):
@@ -240,6 +241,3 @@ def _measure(a) -> None:
     finally:
         llm.close()
 
-
-if __name__ == "__main__":
-    main()

@@ -2,26 +2,21 @@
 seeded shuffles): does each setting's answer start with the same 8 tokens as full
 attention's (``quality="exact"``)?
 
-    python benchmarks/demo_fidelity.py                                  # defaults vs exact
-    python benchmarks/demo_fidelity.py --settings default,isolated,isolated-no-packet --packets my.safetensors
-    python benchmarks/demo_fidelity.py --settings isolated --with bridge=bridge.safetensors  # another packet beside
-    python benchmarks/demo_fidelity.py --with 'r0.3={"quality": "balanced", "recompute_ratio": 0.3}'
+    python benchmarks/quality.py demo                                  # defaults vs exact
+    python benchmarks/quality.py demo --settings default,isolated,isolated-no-packet --packets my.safetensors
+    python benchmarks/quality.py demo --settings isolated --with bridge=bridge.safetensors  # another packet beside
+    python benchmarks/quality.py demo --with 'r0.3={"quality": "balanced", "recompute_ratio": 0.3}'
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-sys.path.insert(0, ROOT)
+from benchmarks._common import demo_docs
+from lazyllm import Chunk, LazyLLM
 
-from corpus import DOCS  # noqa: E402
-
-from lazyllm import Chunk, LazyLLM  # noqa: E402
+DOCS = demo_docs()
 
 SYSTEM = "You are a helpful assistant. Answer in one short sentence using only the documents."  # the demo's
 QUESTIONS = ["How tall is the Eiffel Tower?", "In which year did Marie Curie win the Nobel Prize in Chemistry?"]
@@ -49,7 +44,7 @@ def answers(llm: LazyLLM, cases, n: int) -> list[list[int]]:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="quality.py demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--settings", default="default", help=f"comma separated, of {sorted(SETTINGS)} (may be empty)")
     ap.add_argument("--packets", default=None, help="a packet file for the 'isolated' setting (default: shipped)")
     ap.add_argument("--with", dest="extra", action="append", default=[], metavar="NAME=PACKETS|JSON",
@@ -83,6 +78,3 @@ def main(argv=None) -> None:
             print(f"   {mark} {q[:28]:<28} [{','.join(x[:2] for x in o)}] {tok.decode(g)!r}"
                   + ("" if g == r else f"  exact: {tok.decode(r)!r}"))
 
-
-if __name__ == "__main__":
-    main()
