@@ -1,7 +1,7 @@
 """Kernel benchmark: deferred-RoPE paged attention (Triton, and the Gluon prefill on Hopper)
 against the strongest torch SDPA, one layer of Llama-3.1-8B attention (32 query heads, 8 KV
 heads, head_dim 128) in bfloat16 on one GPU. Prints a table and writes ``kernels.json`` and
-``kernels.md`` to ``--out``.
+``kernels.md`` to ``--out``. The problems and the tables' code: ``benchmarks/attention/``.
 
     python3 benchmarks/kernel_bench.py --out DIR --page-size 64                    # prefill, decode, copy
     python3 benchmarks/kernel_bench.py --out DIR --page-size 64 --sections decode  # decode rows only
@@ -50,10 +50,8 @@ import argparse
 import datetime
 import importlib
 import json
-import math
 import os
 import platform
-import random
 import sys
 import time
 import traceback
@@ -69,6 +67,16 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
+from benchmarks.attention import HKV, HQ, D  # noqa: E402, F401
+from benchmarks.attention.problems import (  # noqa: E402
+    DTYPE,
+    SCALE,
+    Paged,
+    compact_upcast,
+    llama3_inv_freq,
+    sdpa_flash,
+)
+from benchmarks.attention.report import derived, fmt_row, markdown  # noqa: E402, F401  (tests reach them here)
 from lazyllm.kernels import reference as ref  # noqa: E402
 from lazyllm.kernels.loader import triton_kernels  # noqa: E402
 from lazyllm.kernels.options import KernelOptions  # noqa: E402
@@ -76,9 +84,6 @@ from lazyllm.kernels.options import KernelOptions  # noqa: E402
 ta = triton_kernels(interpret=DRY)
 TRITON_PREFILL = KernelOptions(prefill_kernel="triton")  # the Triton prefill where Gluon would serve
 
-HQ, HKV, D = 32, 8, 128
-DTYPE = torch.bfloat16
-SCALE = D ** -0.5
 PREFILL = [(64, 4096), (64, 8192), (64, 32768), (512, 4096), (512, 8192), (512, 32768),
            (2048, 4096), (2048, 8192), (2048, 32768)]
 DECODE = [(1, 4096), (1, 16384), (1, 32768), (8, 16384), (32, 4096), (32, 16384), (32, 32768),
@@ -88,17 +93,6 @@ DECODE = [(1, 4096), (1, 16384), (1, 32768), (8, 16384), (32, 4096), (32, 16384)
 
 def log(*a):
     print(*a, flush=True)
-
-
-def llama3_inv_freq(dim=128, theta=500000.0, factor=8.0, low=1.0, high=4.0, orig=8192):
-    inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    wavelen = 2 * math.pi / inv
-    low_wl, high_wl = orig / low, orig / high
-    smooth = (orig / wavelen - low) / (high - low)
-    scaled = torch.where(wavelen > low_wl, inv / factor, inv)
-    mid = (wavelen <= low_wl) & (wavelen >= high_wl)
-    scaled = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-    return scaled.to(torch.float32)
 
 
 def bench(fn, warmup=10, rep=60):
@@ -135,111 +129,6 @@ def relerr(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
-
-# ----------------------------------------------------------------------------------------
-# problems
-# ----------------------------------------------------------------------------------------
-
-
-class Paged:
-    """Sequences laid out in a shuffled page pool, and the same keys contiguous for SDPA.
-
-    SDPA-side K/V (``(batch, HKV, kv, D)``, keys at their final positions) are drawn first;
-    the cache stores each cached chunk's keys rotated back by its delta (as if encoded
-    alone), own tokens as they are. So both kernels see the same logical keys."""
-
-    def __init__(self, batch, kv, n_own, page_size, inv_freq, seed=0, dev="cuda"):
-        g = random.Random(seed)
-        torch.manual_seed(seed)
-        self.batch, self.kv, self.page_size = batch, kv, page_size
-        self.k_sdpa = torch.randn(batch, HKV, kv, D, device=dev, dtype=DTYPE)
-        self.v_sdpa = torch.randn(batch, HKV, kv, D, device=dev, dtype=DTYPE)
-        rows = []
-        for _ in range(batch):
-            segs, pos = [], 0
-            while pos < kv - n_own:
-                n = min(g.randint(448, 576), kv - n_own - pos)
-                segs.append((pos, n, g.randint(1, 32768)))
-                pos += n
-            segs.append((pos, kv - pos, 0))
-            rows.append(segs)
-        n_pages = sum(math.ceil(n / page_size) for segs in rows for _, n, _ in segs)
-        perm = torch.randperm(n_pages + 7, device="cpu")[:n_pages].tolist()
-        max_blocks = max(sum(math.ceil(n / page_size) for _, n, _ in segs) for segs in rows)
-        bt = torch.zeros(batch, max_blocks, dtype=torch.int32)
-        bpos = torch.zeros_like(bt)
-        bdelta = torch.zeros_like(bt)
-        blen = torch.zeros_like(bt)
-        slot_of_token = torch.empty(batch, kv, dtype=torch.int64)
-        delta_of_token = torch.empty(batch, kv, dtype=torch.int64)
-        nxt = 0
-        for b, segs in enumerate(rows):
-            j = 0
-            for start, n, delta in segs:
-                for off in range(0, n, page_size):
-                    m = min(page_size, n - off)
-                    p = perm[nxt]
-                    nxt += 1
-                    bt[b, j], bpos[b, j], bdelta[b, j], blen[b, j] = p, start + off, delta, m
-                    slot_of_token[b, start + off:start + off + m] = p * page_size + torch.arange(m)
-                    j += 1
-                delta_of_token[b, start:start + n] = delta
-        self.k_cache = torch.randn(n_pages + 7, page_size, HKV, D, device=dev, dtype=DTYPE)
-        self.v_cache = torch.randn_like(self.k_cache)
-        kf, vf = self.k_cache.view(-1, HKV, D), self.v_cache.view(-1, HKV, D)
-        for b in range(batch):
-            k_tok = self.k_sdpa[b].transpose(0, 1)  # (kv, HKV, D)
-            k_tok = ref.rotate_by_delta(k_tok, -delta_of_token[b].to(dev), inv_freq)
-            idx = slot_of_token[b].to(dev)
-            kf.index_copy_(0, idx, k_tok)
-            vf.index_copy_(0, idx, self.v_sdpa[b].transpose(0, 1))
-        self.block_table, self.block_pos = bt.to(dev), bpos.to(dev)
-        self.block_delta, self.block_len = bdelta.to(dev), blen.to(dev)
-        self.inv_freq = inv_freq
-
-    def args(self, q, q_pos, cu, rows=None):
-        sl = slice(None) if rows is None else rows
-        return dict(q=q, q_pos=q_pos, cu_seqlens_q=cu, k_cache=self.k_cache, v_cache=self.v_cache,
-                    block_table=self.block_table[sl], block_pos=self.block_pos[sl],
-                    block_delta=self.block_delta[sl], block_len=self.block_len[sl],
-                    inv_freq=self.inv_freq, sm_scale=SCALE)
-
-
-def compact_upcast(a):
-    """The same problem on float32 copies of only the pages it uses (for the reference)."""
-    bt, blen = a["block_table"], a["block_len"]
-    used = torch.unique(bt[blen > 0].long())
-    remap = torch.zeros(a["k_cache"].shape[0], dtype=torch.int32, device=bt.device)
-    remap[used] = torch.arange(used.numel(), dtype=torch.int32, device=bt.device)
-    out = dict(a)
-    out["block_table"] = torch.where(blen > 0, remap[bt.long()], 0).to(torch.int32)
-    out["k_cache"] = a["k_cache"][used].float()
-    out["v_cache"] = a["v_cache"][used].float()
-    out["q"] = a["q"].float()
-    return out
-
-
-def sdpa_flash(q, k, v, causal):
-    """``aten._scaled_dot_product_flash_attention``: the flash backend, GQA native,
-    causal bottom-right aligned. q ``(B, HQ, Lq, D)``, k/v ``(B, HKV, Lk, D)``."""
-    if DRY:  # CPU stand-in with the same mask, for --dry-run only
-        lq, lk = q.shape[2], k.shape[2]
-        mask = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq) if causal else None
-        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1).float() for t in (k, v))
-        out = torch.nn.functional.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask, scale=SCALE)
-        return out.to(q.dtype)
-    try:
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal=causal, scale=SCALE)[0]
-    except RuntimeError as e:  # no native GQA: expand heads (more bytes for SDPA; reported)
-        log(f"sdpa flash op refused GQA shapes ({e!r:.120}); expanding K/V heads")
-        g = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal=causal, scale=SCALE)[0]
-
-
-# ----------------------------------------------------------------------------------------
-# sections
-# ----------------------------------------------------------------------------------------
 
 
 # ----------------------------------------------------------------------------------------
@@ -293,7 +182,7 @@ def run_cudnn(qs, k, v, s_out):
 def prefill_case(nq, kv, ps, inv_freq, dev, seed=0):
     """One sequence of ``kv`` keys whose last ``nq`` are new; ``qs`` in SDPA's layout
     ``(1, HQ, nq, D)``, ``q`` the kernel's."""
-    pg = Paged(1, kv, nq, ps, inv_freq, seed=seed, dev=dev)
+    pg = Paged(1, kv, nq, ps, inv_freq, seed=seed, dev=dev, dtype=DTYPE)
     torch.manual_seed(seed + 1)
     qs = torch.randn(1, HQ, nq, D, device=dev, dtype=DTYPE)  # SDPA layout
     q = qs[0].transpose(0, 1).contiguous()  # (nq, HQ, D)
@@ -305,7 +194,7 @@ def prefill_case(nq, kv, ps, inv_freq, dev, seed=0):
 def decode_case(batch, kv, ps, inv_freq, dev):
     """``batch`` sequences of ``kv`` keys (16 of their own), one query each at the last
     position; ``qs`` in SDPA's layout ``(batch, HQ, 1, D)``, ``q`` the kernel's."""
-    pg = Paged(batch, kv, 16, ps, inv_freq, seed=batch * 7 + kv, dev=dev)
+    pg = Paged(batch, kv, 16, ps, inv_freq, seed=batch * 7 + kv, dev=dev, dtype=DTYPE)
     torch.manual_seed(3)
     qs = torch.randn(batch, HQ, 1, D, device=dev, dtype=DTYPE)
     q = qs[:, :, 0].contiguous()  # (batch, HQ, D)
@@ -516,250 +405,6 @@ def run_copy(inv_freq, dev, copy_tbs, n_layers=32, ps=16, n=256):
         traceback.print_exc()
     log(fmt_row(row))
     return [row]
-
-
-# ----------------------------------------------------------------------------------------
-# report
-# ----------------------------------------------------------------------------------------
-
-
-def _fastest(r, readings):
-    """The fastest of the row's readings ``(name, key)`` that it holds, as ``(name, ms)``;
-    ``None`` where it holds none."""
-    held = [(name, r[key]) for name, key in readings if r.get(key)]
-    return min(held, key=lambda x: x[1]) if held else None
-
-
-def derived(row):
-    r = dict(row)
-    if "error" in r:
-        return r
-    if r["kind"] in ("prefill", "decode") and r.get("ms_rope_graph"):
-        # the lower of the two interleaved readings of each side (older rows hold one)
-        r["ms_rope_graph_min"] = min(r["ms_rope_graph"], r.get("ms_rope_graph2", r["ms_rope_graph"]))
-        r["ms_norope_graph_min"] = min(r["ms_norope_graph"], r.get("ms_norope_graph2", r["ms_norope_graph"]))
-        r["rope_cost_graph"] = r["ms_rope_graph_min"] / r["ms_norope_graph_min"] - 1
-        if r.get("ms_sdpa_graph"):
-            r["vs_sdpa_graph"] = r["ms_sdpa_graph"] / r["ms_rope_graph_min"]
-    if r["kind"] == "prefill" and "ms_rope" in r:
-        r["tflops_rope"] = r["flops"] / r["ms_rope"] / 1e9
-        r["tflops_norope"] = r["flops"] / r["ms_norope"] / 1e9
-        if r.get("ms_sdpa"):
-            r["tflops_sdpa"] = r["flops"] / r["ms_sdpa"] / 1e9
-            r["vs_sdpa"] = r["ms_sdpa"] / r["ms_rope"]
-        r["rope_cost"] = r["ms_rope"] / r["ms_norope"] - 1
-        r["rope_cost_pretable"] = r["ms_rope_pretable"] / r["ms_norope"] - 1
-        if r.get("ms_sdpa"):
-            r["vs_sdpa_pretable"] = r["ms_sdpa"] / r["ms_rope_pretable"]
-        if r.get("ms_triton_pretable"):
-            r["triton_rope_cost"] = r["ms_triton_pretable"] / r["ms_triton_norope"] - 1
-            r["vs_triton"] = r["ms_triton_pretable"] / r["ms_rope_pretable"]
-        if r.get("ms_cudnn"):
-            r["tflops_cudnn"] = r["flops"] / r["ms_cudnn"] / 1e9
-            r["tflops_cudnn_nomask"] = 4 * HQ * D * r["q"] * r["kv"] / r["ms_cudnn_nomask"] / 1e9
-        if r.get("ms_rope_graph"):
-            # ours as the engine runs it, against the strongest baseline of the row: the fastest
-            # reading of a causal SDPA backend (flash from a graph or do_bench, cuDNN causal), and
-            # cuDNN's unmasked kernel by FLOP rate (ours on the causal pairs, it on all pairs)
-            r["tflops_rope_graph"] = r["flops"] / r["ms_rope_graph_min"] / 1e9
-            best = _fastest(r, (("flash, graph", "ms_sdpa_graph"), ("flash, do_bench", "ms_sdpa"),
-                                ("cuDNN causal, graph", "ms_cudnn_graph"), ("cuDNN causal", "ms_cudnn")))
-            if best:
-                r["best_causal_sdpa"], r["ms_best_causal_sdpa"] = best
-                r["vs_best_causal_sdpa"] = r["ms_best_causal_sdpa"] / r["ms_rope_graph_min"]
-            # cuDNN unmasked: its faster reading (a graph keeps a small problem's K/V in L2
-            # between replays, as ours; do_bench flushes L2)
-            nomask = _fastest(r, (("graph", "ms_cudnn_nomask_graph"), ("do_bench", "ms_cudnn_nomask")))
-            if nomask:
-                r["ms_cudnn_nomask_best"] = nomask[1]
-                r["tflops_cudnn_nomask_best"] = 4 * HQ * D * r["q"] * r["kv"] / nomask[1] / 1e9
-                r["rate_vs_cudnn_nomask"] = r["tflops_rope_graph"] / r["tflops_cudnn_nomask_best"]
-    if r["kind"] == "decode" and "ms_rope" in r:
-        r["tbs_rope"] = r["bytes"] / r["ms_rope"] / 1e9
-        r["tbs_norope"] = r["bytes"] / r["ms_norope"] / 1e9
-        if r.get("ms_sdpa"):
-            r["tbs_sdpa"] = r["bytes"] / r["ms_sdpa"] / 1e9
-            r["vs_sdpa"] = r["ms_sdpa"] / r["ms_rope"]
-        r["rope_cost"] = r["ms_rope"] / r["ms_norope"] - 1
-        r["rope_cost_pretable"] = r["ms_rope_pretable"] / r["ms_norope"] - 1
-        if r.get("ms_rope_graph"):
-            r["tbs_rope_graph"] = r["bytes"] / r["ms_rope_graph_min"] / 1e9
-            if r.get("ms_sdpa_graph"):
-                r["tbs_sdpa_graph"] = r["bytes"] / r["ms_sdpa_graph"] / 1e9
-            # the strongest SDPA backend of the row: flash (FA2) or cuDNN, both from CUDA graphs
-            if r.get("ms_cudnn_graph"):
-                r["ms_cudnn_graph_min"] = min(r["ms_cudnn_graph"], r.get("ms_cudnn_graph2", r["ms_cudnn_graph"]))
-            best = _fastest(r, (("flash", "ms_sdpa_graph"), ("cuDNN", "ms_cudnn_graph_min")))
-            if best:
-                r["best_sdpa"], r["ms_best_sdpa_graph"] = best
-                r["tbs_best_sdpa_graph"] = r["bytes"] / r["ms_best_sdpa_graph"] / 1e9
-                r["vs_best_sdpa_graph"] = r["ms_best_sdpa_graph"] / r["ms_rope_graph_min"]
-    if r["kind"] == "rerotate" and "ms" in r:
-        r["tbs"] = r["bytes"] / r["ms"] / 1e9
-        r["tbs_torch_copy"] = r["bytes"] / r["ms_torch_copy"] / 1e9
-        r["tbs_ref"] = r["bytes"] / r["ms_ref"] / 1e9
-        r["vs_copy"] = r["ms_torch_copy"] / r["ms"]
-    return r
-
-
-def fmt_row(row):
-    """One log line for a row."""
-    r = derived(row)
-    nan = float("nan")
-    if "error" in r:
-        return f"{r['kind']} {r.get('q', r.get('batch'))}/{r.get('kv')} ERROR {r['error']}"
-    if r["kind"] == "prefill":
-        line = (f"prefill q={r['q']:5d} kv={r['kv']:6d} | ours {r['ms_rope']:.3f} ms {r['tflops_rope']:.0f} TF/s | "
-                f"rope-off {r['ms_norope']:.3f} | sdpa {r.get('ms_sdpa', nan):.3f} ms "
-                f"{r.get('tflops_sdpa', nan):.0f} TF/s | x{r.get('vs_sdpa', nan):.2f} | "
-                f"rope +{100 * r['rope_cost']:.1f}% (pretable +{100 * r['rope_cost_pretable']:.1f}%) | "
-                f"err ref {r.get('err_ref', nan):.1e} sdpa {r.get('err_sdpa', nan):.1e} nan={r['nan']} | "
-                f"{r.get('kernel')}")
-        if r.get("ms_triton_pretable"):
-            line += (f" | triton {r['ms_triton_pretable']:.3f} ms (x{r['vs_triton']:.2f} of it), its rope "
-                     f"+{100 * r['triton_rope_cost']:.1f}%")
-        if r.get("ms_rope_graph"):
-            line += (f" | graph: ours {r['ms_rope_graph']:.4f}/{r['ms_rope_graph2']:.4f} ms rope-off "
-                     f"{r['ms_norope_graph']:.4f}/{r['ms_norope_graph2']:.4f} sdpa {r.get('ms_sdpa_graph', nan):.4f} "
-                     f"x{r.get('vs_sdpa_graph', nan):.2f} rope {100 * r['rope_cost_graph']:+.1f}%")
-        return line
-    if r["kind"] == "decode":
-        line = (f"decode  b={r['batch']:4d} kv={r['kv']:6d} | ours {r['ms_rope']:.3f} ms {r['tbs_rope']:.2f} TB/s | "
-                f"rope-off {r['ms_norope']:.3f} | sdpa {r.get('ms_sdpa', nan):.3f} ms "
-                f"{r.get('tbs_sdpa', nan):.2f} TB/s | x{r.get('vs_sdpa', nan):.2f} | "
-                f"rope +{100 * r['rope_cost']:.1f}% (pretable +{100 * r['rope_cost_pretable']:.1f}%) | "
-                f"err ref {r['err_ref']:.1e} sdpa {r.get('err_sdpa', nan):.1e} nan={r['nan']}")
-        if r.get("ms_rope_graph"):
-            line += (f" | graph: ours {r['ms_rope_graph_min']:.3f} ms {r['tbs_rope_graph']:.2f} TB/s "
-                     f"sdpa {r.get('ms_sdpa_graph', nan):.3f} x{r.get('vs_sdpa_graph', nan):.2f} "
-                     f"cudnn {r.get('ms_cudnn_graph_min', nan):.3f} best {r.get('best_sdpa')} "
-                     f"x{r.get('vs_best_sdpa_graph', nan):.3f} rope +{100 * r['rope_cost_graph']:.1f}%")
-        return line
-    return (f"rerotate L={r['layers']} pages={r['pages']} | {r['ms']:.3f} ms {r['tbs']:.2f} TB/s | "
-            f"torch copy {r['tbs_torch_copy']:.2f} TB/s | x{r['vs_copy']:.2f} of copy | "
-            f"naive torch {r['ms_ref']:.3f} ms | err {r['err_k']:.1e} v_equal={r['v_equal']}")
-
-
-def md_table(intro, header, body, align=None):
-    """A paragraph (``None``: none), then a markdown table of ``body`` rows under ``header``
-    (a row may be shorter: an error row), then a blank line. ``align``: a separator per
-    column (``"---:"`` right-aligns), ``"---"`` for each by default."""
-    align = align or ["---"] * len(header)
-    lines = [intro, ""] if intro is not None else []
-    lines += ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
-    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in body] + [""]
-
-
-def markdown(meta, rows):
-    L = [f"Device: {meta['device']}; torch {meta['torch']}, triton {meta['triton']}; {meta['date']}; "
-         f"page size {meta['page_size']}; device-to-device copy {meta['copy_tbs']:.2f} TB/s.", ""]
-    pre = [derived(r) for r in rows if r["kind"] == "prefill"]
-    dec = [derived(r) for r in rows if r["kind"] == "decode"]
-    cp = [derived(r) for r in rows if r["kind"] == "rerotate"]
-    if pre:
-        L += md_table(
-            "`ours` builds the step's cos/sin and runs tables in the call (launch-bound at small shapes); the engine "
-            "builds them once per step for all layers, so `table prebuilt` is the per-layer figure.",
-            ["prefill q", "kv", "kernel", "ours ms", "ours TFLOP/s", "SDPA ms", "SDPA TFLOP/s", "ours/SDPA",
-             "ours ms, table prebuilt", "ours/SDPA, table prebuilt", "rope off ms", "RoPE cost",
-             "RoPE cost, table prebuilt", "rel err vs ref"],
-            [[r["q"], r["kv"], f"error: {r['error'][:80]}"] if "error" in r else
-             [r["q"], r["kv"], r.get("kernel", "triton"), f"{r['ms_rope']:.3f}", f"{r['tflops_rope']:.0f}",
-              f"{r['ms_sdpa']:.3f}", f"{r['tflops_sdpa']:.0f}", f"{100 * r['vs_sdpa']:.0f}%",
-              f"{r['ms_rope_pretable']:.3f}", f"{100 * r['vs_sdpa_pretable']:.0f}%", f"{r['ms_norope']:.3f}",
-              f"{100 * r['rope_cost']:+.1f}%", f"{100 * r['rope_cost_pretable']:+.1f}%", f"{r['err_ref']:.1e}"]
-             for r in pre])
-        tri = [r for r in pre if r.get("ms_triton_pretable")]
-        if tri:
-            L += md_table(
-                "Where the Gluon prefill served the call (Hopper, `padding_finite=True` as the engine passes), the "
-                "Triton prefill (`prefill_kernel=\"triton\"`) on the same shapes, table prebuilt:",
-                ["prefill q", "kv", "Triton ms", "Triton rope off ms", "its RoPE cost", "Triton/Gluon time"],
-                [[r["q"], r["kv"], f"{r['ms_triton_pretable']:.3f}", f"{r['ms_triton_norope']:.3f}",
-                  f"{100 * r['triton_rope_cost']:+.1f}%", f"{r['vs_triton']:.2f}x"] for r in tri])
-        gr = [r for r in pre if r.get("ms_rope_graph")]
-        if gr:
-            L += md_table(
-                "Prefill replayed from one CUDA graph (tables prebuilt; the GPU time without the launcher's gaps; "
-                "each side timed twice, interleaved, and the lower reading kept):",
-                ["prefill q", "kv", "kernel", "ours ms", "SDPA ms", "ours/SDPA", "rope off ms", "RoPE cost"],
-                [[r["q"], r["kv"], r.get("kernel", "triton"), f"{r['ms_rope_graph_min']:.4f}",
-                  f"{r.get('ms_sdpa_graph', float('nan')):.4f}", f"{100 * r.get('vs_sdpa_graph', float('nan')):.0f}%",
-                  f"{r['ms_norope_graph_min']:.4f}", f"{100 * r['rope_cost_graph']:+.1f}%"] for r in gr])
-        cu = [r for r in pre if r.get("ms_cudnn")]
-        if cu:
-            L += md_table(
-                "SDPA's cuDNN backend on the same shapes: the causal problem (TFLOP/s on the causal count, as above), "
-                "and the same shape without the mask (TFLOP/s on all q x kv pairs: more work than the causal "
-                "problem needs):",
-                ["prefill q", "kv", "cuDNN causal ms", "TFLOP/s", "rel err vs flash", "cuDNN unmasked ms",
-                 "TFLOP/s (all pairs)"],
-                [[r["q"], r["kv"], f"{r['ms_cudnn']:.3f}", f"{r['tflops_cudnn']:.0f}", f"{r['err_cudnn']:.1e}",
-                  f"{r['ms_cudnn_nomask']:.3f}", f"{r['tflops_cudnn_nomask']:.0f}"]
-                 for r in cu])
-        sb = [r for r in pre if r.get("best_causal_sdpa")]
-        if sb:
-            nan = float("nan")
-            L += md_table(
-                "Against the strongest baseline (ours from CUDA graphs, TFLOP/s on the causal pair count; the "
-                "fastest causal SDPA reading of the row, named; cuDNN's unmasked kernel, the FA3-class reference, "
-                "by FLOP rate on all pairs, its faster reading of a CUDA graph and do_bench):",
-                ["new tokens", "keys", "our kernel", "ours ms", "ours TFLOP/s", "fastest causal SDPA", "its ms",
-                 "its time / ours", "cuDNN unmasked ms", "its TFLOP/s", "ours / cuDNN unmasked rate", "RoPE cost"],
-                [[r["q"], r["kv"], r.get("kernel", "triton").capitalize(), f"{r['ms_rope_graph_min']:.4f}",
-                  f"{r['tflops_rope_graph']:.0f}", r["best_causal_sdpa"], f"{r['ms_best_causal_sdpa']:.4f}",
-                  f"{100 * r['vs_best_causal_sdpa']:.0f}%", f"{r.get('ms_cudnn_nomask_best', nan):.4f}",
-                  f"{r.get('tflops_cudnn_nomask_best', nan):.0f}", f"{100 * r.get('rate_vs_cudnn_nomask', nan):.0f}%",
-                  f"{100 * r['rope_cost_graph']:+.1f}%"] for r in sb],
-                ["---:", "---:", "---"] + ["---:"] * 2 + ["---"] + ["---:"] * 6)
-    if dec:
-        L += md_table(
-            None,
-            ["decode batch", "kv", "ours ms", "ours TB/s", "SDPA ms", "SDPA TB/s", "ours/SDPA", "rope off ms",
-             "RoPE cost", "RoPE cost, table prebuilt", "rel err vs ref"],
-            [[r["batch"], r["kv"], f"error: {r['error'][:80]}"] if "error" in r else
-             [r["batch"], r["kv"], f"{r['ms_rope']:.3f}", f"{r['tbs_rope']:.2f}", f"{r['ms_sdpa']:.3f}",
-              f"{r['tbs_sdpa']:.2f}", f"{100 * r['vs_sdpa']:.0f}%", f"{r['ms_norope']:.3f}",
-              f"{100 * r['rope_cost']:+.1f}%", f"{100 * r['rope_cost_pretable']:+.1f}%", f"{r['err_ref']:.1e}"]
-             for r in dec])
-        gr = [r for r in dec if r.get("ms_rope_graph")]
-        if gr:
-            nan = float("nan")
-            L += md_table(
-                "Decode replayed from one CUDA graph (as the engine runs it: no launch gaps, L2 not flushed; cos/sin "
-                "table prebuilt; ours and cuDNN each timed twice, interleaved, the lower reading kept). SDPA reads "
-                "dense, contiguous, already rotated K/V; ours reads pages. `ours/strongest`: the strongest "
-                "backend's time over ours (bandwidth ratio, paged against dense):",
-                ["decode batch", "kv", "ours ms", "ours TB/s", "strongest SDPA", "its ms", "its TB/s",
-                 "ours/strongest", "flash ms", "cuDNN ms", "rope off ms", "RoPE cost"],
-                [[r["batch"], r["kv"], f"{r['ms_rope_graph_min']:.3f}", f"{r['tbs_rope_graph']:.2f}",
-                  r.get("best_sdpa", "?"), f"{r.get('ms_best_sdpa_graph', nan):.3f}",
-                  f"{r.get('tbs_best_sdpa_graph', nan):.2f}", f"{100 * r.get('vs_best_sdpa_graph', nan):.0f}%",
-                  f"{r.get('ms_sdpa_graph', nan):.3f}", f"{r.get('ms_cudnn_graph_min', nan):.3f}",
-                  f"{r['ms_norope_graph_min']:.3f}", f"{100 * r['rope_cost_graph']:+.1f}%"] for r in gr])
-    pr = [r for r in rows if r["kind"] == "prefill_runs" and "error" not in r]
-    if pr:
-        kerns = [k[3:-5] for k in pr[0] if k.startswith("ms_") and k.endswith("_real")]
-        L += md_table(
-            "Where the prefill's RoPE cost goes (`--prefill-runs`, from CUDA graphs, lowest of three readings): "
-            "RoPE on with the real deltas, with every delta 0 (one run), and RoPE off; the RoPE cost split into "
-            "the one-run part and the part of the run switches:",
-            ["q", "kv", "runs", "kernel", "real ms", "one run ms", "off ms", "RoPE cost", "one run over off",
-             "runs over one run", "per run"],
-            [[r["q"], r["kv"], r["runs"], k, f"{r[f'ms_{k}_real']:.4f}", f"{r[f'ms_{k}_one_run']:.4f}",
-              f"{r[f'ms_{k}_off']:.4f}", f"{100 * (r[f'ms_{k}_real'] / r[f'ms_{k}_off'] - 1):+.1f}%",
-              f"{100 * (r[f'ms_{k}_one_run'] / r[f'ms_{k}_off'] - 1):+.1f}%",
-              f"{100 * (r[f'ms_{k}_real'] - r[f'ms_{k}_one_run']) / r[f'ms_{k}_off']:+.1f}%",
-              f"{1e3 * (r[f'ms_{k}_real'] - r[f'ms_{k}_one_run']) / max(r['runs'] - 1, 1):.2f} us"]
-             for r in pr for k in kerns])
-    if cp:
-        L += md_table(
-            None,
-            ["re-rotate copy", "ms", "TB/s", "torch copy, same bytes", "of copy bandwidth", "naive torch ms"],
-            [[f"{r['layers']} layers x {r['pages']} pages of {r['page_size']} (rows {r['block_rows']}, warps "
-              f"{r['num_warps']})", f"{r['ms']:.3f}", f"{r['tbs']:.2f}", f"{r['tbs_torch_copy']:.2f} TB/s",
-              f"{100 * r['vs_copy']:.0f}%", f"{r['ms_ref']:.3f}"] for r in cp if "error" not in r])
-    return "\n".join(L)
 
 
 def main():

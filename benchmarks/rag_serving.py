@@ -52,22 +52,42 @@ rows: lazy against `hf` at the same rate (the largest budget lazy ran).
     # CPU, default model, small (what CI runs):
     python benchmarks/rag_serving.py --preset ci
     # H200, Llama-3.1-8B shapes with random bf16 weights: see benchmarks/gpu_run.sh serving
+
+The workload and the figures' code: ``benchmarks/serving/`` (modules, not commands).
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
-import math
-import os
-import random
-import statistics
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 from _common import floor, floor_line, llama31_8b_config, measure_rates, random_model, run_to_length
+
+from benchmarks.serving.report import (  # noqa: F401  (tests and sibling tools reach them through this module)
+    engine_profile,
+    finish_rate,
+    mark_sustained,
+    pct,
+    plot,
+    print_summary,
+    print_table,
+    summarize,
+    summarize_point,
+)
+from benchmarks.serving.workload import (  # noqa: F401
+    Req,
+    arrivals,
+    cached_chunk_tokens_of_prefix,
+    chunk_tokens_of,
+    drive,
+    make_docs,
+    make_requests,
+    make_text,
+    zipf_sample,
+)
 
 PRESETS = {
     "ci": dict(docs=12, doc_tokens=48, k=2, requests=6, output_tokens=3, budgets="0.6,1.0", rates="0",
@@ -78,127 +98,6 @@ PRESETS = {
                  alphas="2.1,0", systems="lazy,block,hf", random_8b=True, warm_requests=32, warm_concurrency=32,
                  deadline_s=420.0),
 }
-WORDS = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta", "lambda", "zeta"]
-
-
-@dataclass
-class Req:
-    question: str
-    doc_ids: list[int]
-
-
-def make_text(tok, n_tokens: int, rng: random.Random) -> str:
-    """Text of at most (about) ``n_tokens`` tokens of random words (deterministic given
-    ``rng``): the longest prefix of the drawn words that fits, found by bisection."""
-    def count(ws):
-        return len(tok(" ".join(ws), add_special_tokens=False)["input_ids"])
-
-    words: list[str] = []
-    while count(words) < n_tokens:
-        words.extend(f"{rng.choice(WORDS)}{rng.randint(0, 9999)}" for _ in range(max(4, n_tokens // 8)))
-    lo, hi = 1, len(words)  # the longest prefix with count <= n_tokens (at least one word)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if count(words[:mid]) <= n_tokens:
-            lo = mid
-        else:
-            hi = mid - 1
-    return " ".join(words[:lo])
-
-
-def zipf_sample(rng: random.Random, n_docs: int, k: int, alpha: float) -> list[int]:
-    weights = [1.0 / (i + 1) ** alpha for i in range(n_docs)]
-    chosen: list[int] = []
-    while len(chosen) < k:
-        i = rng.choices(range(n_docs), weights=weights)[0]
-        if i not in chosen:
-            chosen.append(i)
-    rng.shuffle(chosen)
-    return chosen
-
-
-def make_docs(tok, args) -> list[str]:
-    rng = random.Random(args.seed)
-    return [make_text(tok, args.doc_tokens, rng) for _ in range(args.docs)]
-
-
-def make_requests(tok, args, alpha: float, stream: str, n: int) -> list[Req]:
-    """``n`` requests of one stream (a measured point or the warm-up), seeded by the seed,
-    alpha and stream name only: the same for every system."""
-    rng = random.Random(f"{args.seed}/{alpha}/{stream}")
-    return [Req(make_text(tok, rng.randint(32, 64), rng), zipf_sample(rng, args.docs, args.k, alpha))
-            for _ in range(n)]
-
-
-def arrivals(n: int, rate: float, seed) -> list[float]:
-    """Poisson arrival times, rescaled so the n-th is at exactly ``n / rate``."""
-    rng = random.Random(f"{seed}/arrivals")
-    t, out = 0.0, []
-    for _ in range(n):
-        t += rng.expovariate(rate)
-        out.append(t)
-    scale = (n / rate) / out[-1] if out else 1.0
-    return [x * scale for x in out]
-
-
-def drive(run_one, reqs, rate: float, concurrency: int, seed):
-    """Submit requests (Poisson at ``rate`` or closed loop) and collect each ``run_one``
-    result with its completion time (seconds from the start) as ``(result, done_at)``."""
-    results: list = [None] * len(reqs)
-    t0 = time.perf_counter()
-
-    def call(i):
-        try:
-            res = run_one(reqs[i])
-        except Exception as e:  # e.g. out of memory in transformers: reported as a failed request
-            res = dict(error=repr(e))
-        results[i] = (res, time.perf_counter() - t0)
-
-    if rate > 0:
-        threads = []
-        for i, at in enumerate(arrivals(len(reqs), rate, seed)):
-            delay = t0 + at - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            th = threading.Thread(target=call, args=(i,))
-            th.start()
-            threads.append(th)
-        for th in threads:
-            th.join()
-    else:
-        nxt = iter(range(len(reqs)))
-        lock = threading.Lock()
-
-        def worker():
-            while True:
-                with lock:
-                    i = next(nxt, None)
-                if i is None:
-                    return
-                call(i)
-
-        ws = [threading.Thread(target=worker) for _ in range(max(1, concurrency))]
-        for w in ws:
-            w.start()
-        for w in ws:
-            w.join()
-    return results, time.perf_counter() - t0
-
-
-def chunk_tokens_of(segments) -> int:
-    return sum(len(ids) for kind, ids in segments if kind == "chunk")
-
-
-def cached_chunk_tokens_of_prefix(segments, cached: int) -> int:
-    """Chunk tokens inside the first ``cached`` prompt tokens (identical-prefix reuse)."""
-    pos, out = 0, 0
-    for kind, ids in segments:
-        if kind == "chunk":
-            out += max(0, min(cached, pos + len(ids)) - pos)
-        pos += len(ids)
-    return out
-
-
 class HFServer:
     """transformers ``generate`` on the flattened prompt, one request at a time (FIFO),
     the way an in-process HuggingFacePipeline serves a chain."""
@@ -242,65 +141,6 @@ def kv_bytes_per_token(cfg, dtype) -> int:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kvh = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     return 2 * cfg.num_hidden_layers * kvh * head_dim * torch.empty((), dtype=dtype).element_size()
-
-
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(math.ceil(q * len(xs))) - 1)] if xs else float("nan")
-
-
-def finish_rate(done: list[float], fallback: float) -> float:
-    """Completions per second: 1 / the least-squares slope of the sorted completion times
-    against their rank (all completions weigh in, not just the first and the last, whose
-    latencies would add their noise to a short run)."""
-    n = len(done)
-    if n < 2:
-        return fallback
-    mi, mt = (n - 1) / 2, sum(done) / n
-    cov = sum((i - mi) * (t - mt) for i, t in enumerate(done))
-    var = sum((i - mi) ** 2 for i in range(n))
-    return var / cov if cov > 0 else fallback
-
-
-def engine_profile(m0: dict, m: dict, wall: float) -> dict:
-    """Where a point's time went, from the engine's counters before (``m0``) and after
-    (``m``): the engine thread's seconds in prefill and in decode steps as shares of the
-    wall time, decode steps and their mean batch, the share of steps served by shared-chunk
-    decode, and how many shared plans were built (a plan is rebuilt when the rows change)."""
-    d = {k: m.get(k, 0) - m0.get(k, 0) for k in ("prefill_s", "decode_s", "decode_steps", "decode_tokens",
-                                                 "shared_decode_steps", "shared_plans", "prefill_tokens")}
-    steps = max(d["decode_steps"], 1)
-    return dict(prefill_share=d["prefill_s"] / wall, decode_share=d["decode_s"] / wall,
-                decode_steps=d["decode_steps"], mean_batch=d["decode_tokens"] / steps,
-                ms_per_step=1e3 * d["decode_s"] / steps, shared_step_share=d["shared_decode_steps"] / steps,
-                shared_plans=d["shared_plans"],
-                prefill_ms_per_1k_tokens=1e6 * d["prefill_s"] / max(d["prefill_tokens"], 1))
-
-
-def summarize_point(system, budget, rate, alpha, res, wall, extra) -> dict:
-    failed = [x for x, _ in res if "error" in x]
-    ok = [(x, t) for x, t in res if "error" not in x]
-    row = dict(system=system, budget=budget, rate=rate, alpha=alpha, requests=len(ok), failed=len(failed),
-               wall_s=wall, **extra)
-    if failed:
-        row["error"] = failed[0]["error"]
-    if not ok:
-        row.update(ttft_p50_ms=float("nan"), ttft_p95_ms=float("nan"), tpot_ms=float("nan"), req_per_s=0.0,
-                   out_tok_per_s=0.0, finish_rate=0.0, hit_rate=0.0, prompt_hit_rate=0.0,
-                   chunk_tokens=0, cached_chunk_tokens=0)
-        return row
-    xs = [x for x, _ in ok]
-    ttft = [x["ttft"] for x in xs]
-    done = sorted(t for _, t in ok)
-    chunk, cached_chunk = sum(x["chunk"] for x in xs), sum(x["cached_chunk"] for x in xs)
-    row.update(ttft_p50_ms=statistics.median(ttft) * 1e3, ttft_p95_ms=pct(ttft, 0.95) * 1e3,
-               tpot_ms=statistics.median(x["tpot"] for x in xs) * 1e3, req_per_s=len(xs) / wall,
-               out_tok_per_s=sum(x["out"] for x in xs) / wall,
-               # Poisson only: a closed loop's clients finish in waves, its rate is req/s
-               finish_rate=finish_rate(done, len(xs) / wall) if rate > 0 else len(xs) / wall,
-               hit_rate=cached_chunk / max(chunk, 1), chunk_tokens=chunk, cached_chunk_tokens=cached_chunk,
-               prompt_hit_rate=sum(x["cached"] for x in xs) / max(sum(x["prompt"] for x in xs), 1))
-    return row
 
 
 class LazyRunner:
@@ -410,202 +250,37 @@ def per_alpha(spec: str, alphas: list[float]) -> dict:
     return out
 
 
-def mark_sustained(rows, factor: float) -> None:
-    """Set ``sustained`` on every Poisson row (None on closed-loop rows); see the module
-    docstring for the definition."""
-    groups: dict = {}
-    for r in rows:
-        if r["rate"] > 0:
-            groups.setdefault((r["system"], r["alpha"], r["budget"]), []).append(r)
-    for r in rows:
-        r["sustained"] = None
-    for grp in groups.values():
-        grp.sort(key=lambda r: r["rate"])
-        base = grp[0]["ttft_p95_ms"]
-        for r in grp:
-            r["sustained"] = bool(r["failed"] == 0 and r["requests"] > 0 and r["finish_rate"] >= 0.9 * r["rate"]
-                                  and r["ttft_p95_ms"] <= factor * base)
+class Run:
+    """One run's rows, its skipped points and its clock: ``save`` rewrites the JSON after every
+    point (a run cut short still leaves its figures); ``late`` adds points to the skipped ones
+    once ``--deadline-s`` has passed."""
+
+    def __init__(self, args, name: str):
+        self.args, self.name, self.rows, self.skipped = args, name, [], []
+        self.t_start = time.perf_counter()
+        self.dev_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+
+    def save(self, final: bool = False) -> None:
+        if not self.args.json:
+            return
+        rows = self.rows if final else [dict(r) for r in self.rows]
+        if not final:
+            mark_sustained(rows, self.args.sustain_p95_factor)
+        out = {"args": vars(self.args), "device": self.dev_name, "model": self.name, "rows": rows,
+               "summary": summarize(rows)}
+        if final:
+            out["skipped"] = self.skipped
+        with open(self.args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+    def late(self, what: list) -> bool:
+        if self.args.deadline_s is not None and time.perf_counter() - self.t_start > self.args.deadline_s:
+            self.skipped.extend(what)
+            return True
+        return False
 
 
-def _ratio(a, b):
-    return a / b if b and not math.isnan(b) and not math.isnan(a) else float("nan")
-
-
-def summarize(rows) -> list[dict]:
-    """Per (alpha, budget) with lazy and block rows: the acceptance figures (see the module
-    docstring); per alpha with hf rows: lazy against hf."""
-    out = []
-    keys = sorted({(r["alpha"], r["budget"]) for r in rows if r["system"] in ("lazy", "block")}, reverse=True)
-    for alpha, budget in keys:
-        sel = {s: [r for r in rows if r["system"] == s and r["alpha"] == alpha and r["budget"] == budget]
-               for s in ("lazy", "block")}
-        if not sel["lazy"] or not sel["block"]:
-            continue
-        s = dict(alpha=alpha, budget=budget)
-
-        def best(system):  # the highest rate below which every swept rate is sustained
-            out = None
-            for r in sorted((r for r in sel[system] if r["rate"] > 0), key=lambda r: r["rate"]):
-                if not r["sustained"]:
-                    break
-                out = r
-            return out
-
-        lb, bb = best("lazy"), best("block")
-        s["lazy_max_sustained_rate"] = lb["rate"] if lb else None
-        s["block_max_sustained_rate"] = bb["rate"] if bb else None
-        if bb:
-            lz = next((r for r in sel["lazy"] if r["rate"] == bb["rate"]), None)
-            if lz:
-                s["at_block_max"] = dict(rate=bb["rate"], lazy_ttft_p50_ms=lz["ttft_p50_ms"],
-                                         block_ttft_p50_ms=bb["ttft_p50_ms"],
-                                         ttft_p50_ratio=_ratio(bb["ttft_p50_ms"], lz["ttft_p50_ms"]),
-                                         ttft_p95_ratio=_ratio(bb["ttft_p95_ms"], lz["ttft_p95_ms"]),
-                                         req_per_s_ratio=_ratio(lz["req_per_s"], bb["req_per_s"]),
-                                         hit_rate_ratio=_ratio(lz["hit_rate"], bb["hit_rate"]))
-        if lb and bb:
-            s["sustained_throughput_ratio"] = _ratio(lb["finish_rate"], bb["finish_rate"])
-            s["sustained_rate_ratio"] = _ratio(lb["rate"], bb["rate"])
-        cl = {k: next((r for r in v if r["rate"] == 0), None) for k, v in sel.items()}
-        if cl["lazy"] and cl["block"]:
-            s["closed_loop"] = dict(lazy_req_per_s=cl["lazy"]["req_per_s"], block_req_per_s=cl["block"]["req_per_s"],
-                                    throughput_ratio=_ratio(cl["lazy"]["req_per_s"], cl["block"]["req_per_s"]),
-                                    ttft_p50_ratio=_ratio(cl["block"]["ttft_p50_ms"], cl["lazy"]["ttft_p50_ms"]))
-        pooled = {k: sum(r["cached_chunk_tokens"] for r in v) / max(sum(r["chunk_tokens"] for r in v), 1)
-                  for k, v in sel.items()}
-        s["lazy_hit_rate"], s["block_hit_rate"] = pooled["lazy"], pooled["block"]
-        s["hit_rate_ratio"] = _ratio(pooled["lazy"], pooled["block"])
-        out.append(s)
-    for alpha in sorted({r["alpha"] for r in rows if r["system"] == "hf"}, reverse=True):
-        for h in [r for r in rows if r["system"] == "hf" and r["alpha"] == alpha]:
-            lz = [r for r in rows if r["system"] == "lazy" and r["alpha"] == alpha and r["rate"] == h["rate"]]
-            if not lz:
-                continue
-            lz = max(lz, key=lambda r: r["budget"])
-            out.append(dict(alpha=alpha, rate=h["rate"], vs="hf", lazy_budget=lz["budget"],
-                            throughput_ratio=_ratio(lz["req_per_s"], h["req_per_s"]),
-                            ttft_p50_ratio=_ratio(h["ttft_p50_ms"], lz["ttft_p50_ms"])))
-    return out
-
-
-def fmt(x, spec=".2f"):
-    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
-def print_summary(summary) -> None:
-    print("\nSummary (ratios are lazy's advantage: >1 favours lazy)")
-    for s in summary:
-        if s.get("vs") == "hf":
-            print(f"- alpha {s['alpha']}, rate {s['rate'] or 'closed loop'}: lazy (budget {s['lazy_budget']}) vs hf: "
-                  f"throughput {fmt(s['throughput_ratio'])}x, TTFT p50 {fmt(s['ttft_p50_ratio'])}x lower")
-            continue
-        line = (f"- alpha {s['alpha']}, budget {s['budget']}: block sustains up to "
-                f"{fmt(s['block_max_sustained_rate'], 'g')} req/s, lazy up to "
-                f"{fmt(s['lazy_max_sustained_rate'], 'g')} req/s")
-        if "at_block_max" in s:
-            a = s["at_block_max"]
-            line += (f"; at {a['rate']:g} req/s: TTFT p50 {fmt(a['ttft_p50_ratio'])}x lower "
-                     f"({a['lazy_ttft_p50_ms']:.0f} vs {a['block_ttft_p50_ms']:.0f} ms), "
-                     f"req/s {fmt(a['req_per_s_ratio'])}x")
-        if "sustained_throughput_ratio" in s:
-            line += f"; sustained throughput {fmt(s['sustained_throughput_ratio'])}x"
-        if "closed_loop" in s:
-            c = s["closed_loop"]
-            line += (f"; closed loop: throughput {fmt(c['throughput_ratio'])}x ({c['lazy_req_per_s']:.2f} vs "
-                     f"{c['block_req_per_s']:.2f} req/s), TTFT p50 {fmt(c['ttft_p50_ratio'])}x lower")
-        line += (f"; chunk hit rate {fmt(s['lazy_hit_rate'])} vs {fmt(s['block_hit_rate'])} "
-                 f"({fmt(s['hit_rate_ratio'])}x)")
-        print(line)
-
-
-def plot(rows, out_dir):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    os.makedirs(out_dir, exist_ok=True)
-    systems = sorted({r["system"] for r in rows})
-    colors = {s: f"C{i}" for i, s in enumerate(systems)}
-    # TTFT p50 against the offered rate, one panel per (alpha, budget); hollow markers: not sustained
-    configs = sorted({(r["alpha"], r["budget"]) for r in rows if r["rate"] > 0 and r["system"] != "hf"},
-                     key=lambda c: (-c[0], c[1]))
-    n = max(1, len(configs))
-    fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.6), squeeze=False)
-    for ax, (alpha, budget) in zip(axes[0], configs):
-        for s in systems:
-            pts = sorted((r["rate"], r["ttft_p50_ms"], r["sustained"]) for r in rows if r["system"] == s
-                         and r["rate"] > 0 and r["alpha"] == alpha and (r["budget"] == budget or s == "hf"))
-            if not pts:
-                continue
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[s], label=s)
-            for x, y, ok in pts:
-                ax.plot([x], [y], marker="o", color=colors[s], markerfacecolor=colors[s] if ok else "none")
-        ax.set_yscale("log")
-        ax.set_title(f"alpha {alpha:g}, KV budget {budget:g}", fontsize=9)
-        ax.set_xlabel("offered rate (req/s)")
-        ax.set_ylabel("TTFT p50 (ms)")
-        ax.legend(fontsize=8)
-    if not configs:
-        axes[0][0].text(0.5, 0.5, "no Poisson rates in this run", ha="center")
-    fig.suptitle("TTFT p50 vs rate (hollow: rate not sustained)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "ttft_vs_rate.png"), dpi=120)
-    plt.close(fig)
-
-    def by_budget(y, name, ylabel, title):
-        fig, ax = plt.subplots(figsize=(5.2, 3.6))
-        for s in systems:
-            if s == "hf":
-                continue
-            for j, alpha in enumerate(sorted({r["alpha"] for r in rows}, reverse=True)):
-                pts = []
-                for b in sorted({r["budget"] for r in rows if r["system"] == s and r["alpha"] == alpha}):
-                    grp = [r for r in rows if r["system"] == s and r["alpha"] == alpha and r["budget"] == b]
-                    pts.append((b, y(grp)))
-                pts = [p for p in pts if p[1] is not None]
-                if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="os^v"[j % 4], color=colors[s],
-                            linestyle="-" if j == 0 else "--", label=f"{s}, alpha {alpha:g}")
-        ax.set_xlabel("KV budget (fraction of the document pool)")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title, fontsize=10)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, name), dpi=120)
-        plt.close(fig)
-
-    def throughput(grp):
-        closed = [r for r in grp if r["rate"] == 0]
-        if closed:
-            return closed[0]["req_per_s"]
-        ok = [r for r in grp if r["sustained"]]
-        return max(r["finish_rate"] for r in ok) if ok else None
-
-    def hit(grp):
-        return sum(r["cached_chunk_tokens"] for r in grp) / max(sum(r["chunk_tokens"] for r in grp), 1)
-
-    by_budget(throughput, "throughput_vs_budget.png", "req/s",
-              "throughput vs KV budget (closed loop, else best sustained)")
-    by_budget(hit, "hit_rate_vs_budget.png", "chunk hit rate", "chunk hit rate vs KV budget")
-
-
-def print_table(rows) -> None:
-    print("| system | alpha | rate | KV budget | done/failed | TTFT p50 ms | TTFT p95 ms | TPOT ms | req/s | finish/s "
-          "| sustained | out tok/s | chunk hit rate | prompt hit rate | prefilled tokens | peak KV GiB | copied GiB "
-          "| evictions | preemptions |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: | ---: | ---: | ---: | ---: "
-          "| ---: | ---: | ---: | ---: |")
-    for r in rows:
-        sus = {None: "—", True: "yes", False: "no"}[r["sustained"]]
-        print(f"| {r['system']} | {r['alpha']:g} | {r['rate'] or 'closed'} | {r['budget']:.2f} | "
-              f"{r['requests']}/{r['failed']} | {r['ttft_p50_ms']:.1f} | {r['ttft_p95_ms']:.1f} | {r['tpot_ms']:.1f} | "
-              f"{r['req_per_s']:.2f} | {r['finish_rate']:.2f} | {sus} | {r['out_tok_per_s']:.1f} | "
-              f"{r['hit_rate']:.2f} | {r['prompt_hit_rate']:.2f} | {r['prefill_tokens']} | {fmt(r['peak_kv_gib'])} | "
-              f"{fmt(r['copied_gib'])} | {r['evictions']} | {r['preemptions']} |")
-
-
-def main(argv=None):
+def _args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None)
     ap.add_argument("--model", default=None, help="model path (default: the embedded default model)")
@@ -658,11 +333,15 @@ def main(argv=None):
         args.warm_requests = 2 * args.concurrency
     if args.warm_concurrency is None:
         args.warm_concurrency = args.concurrency
+    return args
+
+
+def _model(args):
+    """``(transformers model, tokenizer, name)``: random Llama-3.1-8B shapes or a real model."""
     from transformers import AutoTokenizer
 
     from lazyllm.model.loader import default_model_dir, load_hf
 
-    t_start = time.perf_counter()
     if args.random_8b:
         hf = random_model(llama31_8b_config(32))
         tok = AutoTokenizer.from_pretrained(args.tokenizer or str(default_model_dir()))
@@ -672,6 +351,72 @@ def main(argv=None):
                                                                                   else args.device)
         hf, tok, name = load_hf(args.model, device=dev, dtype=torch.bfloat16 if dev.startswith("cuda")
                                 else torch.float32)
+    return hf, tok, name
+
+
+def _engine_points(run: Run, hf, tok, docs, work) -> None:
+    """Every engine system's points, budget-major (lazy and block of one budget back to back)."""
+    args = run.args
+    alphas, rates, budgets, points, warm, pool_bytes = work
+    budget_order = list(dict.fromkeys(b for a in alphas for b in budgets[a]))  # as given: most wanted first
+    for b in budget_order:
+        for system in [s for s in args.systems.split(",") if s != "hf"]:
+            todo = [(a, r) for a in alphas if b in budgets[a] for r in rates.get((a, b), rates[a])]
+            if run.late([f"{system} alpha={a:g} budget={b} rate={r:g}" for a, r in todo]):
+                continue
+            runner = LazyRunner(system, hf, tok, args, b, pool_bytes)
+            try:
+                for a in alphas:
+                    if b not in budgets[a]:
+                        continue
+                    mine = rates.get((a, b), rates[a])
+                    if run.late([f"{system} alpha={a:g} budget={b} rate={r:g}" for r in mine]):
+                        continue
+                    t = time.perf_counter()
+                    runner.warm(warm[a], docs)
+                    print(f"  {system:6s} alpha={a:g} budget={b}: warm-up {time.perf_counter() - t:.1f} s", flush=True)
+                    for rate in mine:
+                        if run.late([f"{system} alpha={a:g} budget={b} rate={rate:g}"]):
+                            continue
+                        t = time.perf_counter()
+                        row = runner.measure(points[(a, rate)], docs, rate, a)
+                        run.rows.append(row)
+                        run.save()
+                        print(f"  {system:6s} alpha={a:g} budget={b} rate={rate:g}: ttft p50 {row['ttft_p50_ms']:.1f} "
+                              f"ms, {row['req_per_s']:.2f} req/s, chunk hit rate {row['hit_rate']:.2f} "
+                              f"({time.perf_counter() - t:.1f} s)", flush=True)
+            finally:
+                runner.close()
+
+
+def _hf_points(run: Run, hf, tok, docs, hf_todo, points, warm_first) -> None:
+    """transformers ``generate`` at each of its points."""
+    from lazyllm.inputs import PromptBuilder
+
+    args = run.args
+    server = HFServer(hf, tok, PromptBuilder(tok))
+    server.run(warm_first.question, [docs[i] for i in warm_first.doc_ids], 2)  # warm-up
+    for a, rate in hf_todo:
+        if run.late([f"hf alpha={a:g} rate={rate:g}"]):
+            continue
+        t = time.perf_counter()
+        res, wall = drive(lambda r: server.run(r.question, [docs[i] for i in r.doc_ids], args.output_tokens),
+                          points[(a, rate)], rate, args.concurrency, f"{args.seed}/{a}/{rate}")
+        extra = dict(prefill_tokens=sum(x["prompt"] for x, _ in res if "error" not in x),
+                     peak_kv_gib=float("nan"), copied_gib=float("nan"), evictions=0, preemptions=0,
+                     store_lookup_hit_rate=0.0)
+        row = summarize_point("hf", 1.0, rate, a, res, wall, extra)
+        run.rows.append(row)
+        run.save()
+        print(f"  hf     alpha={a:g} rate={rate:g}: ttft p50 {row['ttft_p50_ms']:.1f} ms, "
+              f"{row['req_per_s']:.2f} req/s ({time.perf_counter() - t:.1f} s)", flush=True)
+
+
+def main(argv=None):
+    args = _args(argv)
+    run = Run(args, "")  # its clock (and --deadline-s) counts from here, the model's load included
+    hf, tok, name = _model(args)
+    run.name = name
     alphas = [float(a) for a in args.alphas.split(",")]
     rates, budgets = per_alpha(args.rates, alphas), per_alpha(args.budgets, alphas)
     hf_rates = per_alpha(args.hf_rates, alphas) if args.hf_rates is not None else rates
@@ -683,96 +428,28 @@ def main(argv=None):
             for r in rs:
                 points.setdefault((a, r), make_requests(tok, args, a, f"rate{r:g}", args.requests))
     warm = {a: make_requests(tok, args, a, "warm", args.warm_requests) for a in alphas}
-    print(f"model and workload ready in {time.perf_counter() - t_start:.1f} s", flush=True)
+    print(f"model and workload ready in {time.perf_counter() - run.t_start:.1f} s", flush=True)
     pool_bytes = args.docs * args.doc_tokens * kv_bytes_per_token(hf.config, next(hf.parameters()).dtype)
-    rows: list = []
-
-    def save():  # after every point: a run cut short still leaves its figures
-        if args.json:
-            rs = [dict(r) for r in rows]
-            mark_sustained(rs, args.sustain_p95_factor)
-            with open(args.json, "w") as f:
-                json.dump({"args": vars(args), "device": dev_name, "model": name, "rows": rs,
-                           "summary": summarize(rs)}, f, indent=2)
-
-    dev_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    systems = args.systems.split(",")
-    budget_order = list(dict.fromkeys(b for a in alphas for b in budgets[a]))  # as given: most wanted first
-    skipped: list = []  # points not started because --deadline-s had passed
-
-    def late(what: list) -> bool:
-        if args.deadline_s is not None and time.perf_counter() - t_start > args.deadline_s:
-            skipped.extend(what)
-            return True
-        return False
-
-    for b in budget_order:  # budget-major: lazy and block of one budget run back to back
-        for system in [s for s in systems if s != "hf"]:
-            todo = [(a, r) for a in alphas if b in budgets[a] for r in rates.get((a, b), rates[a])]
-            if late([f"{system} alpha={a:g} budget={b} rate={r:g}" for a, r in todo]):
-                continue
-            runner = LazyRunner(system, hf, tok, args, b, pool_bytes)
-            try:
-                for a in alphas:
-                    if b not in budgets[a]:
-                        continue
-                    mine = rates.get((a, b), rates[a])
-                    if late([f"{system} alpha={a:g} budget={b} rate={r:g}" for r in mine]):
-                        continue
-                    t = time.perf_counter()
-                    runner.warm(warm[a], docs)
-                    print(f"  {system:6s} alpha={a:g} budget={b}: warm-up {time.perf_counter() - t:.1f} s", flush=True)
-                    for rate in mine:
-                        if late([f"{system} alpha={a:g} budget={b} rate={rate:g}"]):
-                            continue
-                        t = time.perf_counter()
-                        row = runner.measure(points[(a, rate)], docs, rate, a)
-                        rows.append(row)
-                        save()
-                        print(f"  {system:6s} alpha={a:g} budget={b} rate={rate:g}: ttft p50 {row['ttft_p50_ms']:.1f} "
-                              f"ms, {row['req_per_s']:.2f} req/s, chunk hit rate {row['hit_rate']:.2f} "
-                              f"({time.perf_counter() - t:.1f} s)", flush=True)
-            finally:
-                runner.close()
+    _engine_points(run, hf, tok, docs, (alphas, rates, budgets, points, warm, pool_bytes))
     hf_todo = [(a, r) for a in alphas for r in hf_rates[a]]
-    if "hf" in systems and hf_todo and not late([f"hf alpha={a:g} rate={r:g}" for a, r in hf_todo]):
-        from lazyllm.inputs import PromptBuilder
-
-        server = HFServer(hf, tok, PromptBuilder(tok))
-        r0 = warm[alphas[0]][0]
-        server.run(r0.question, [docs[i] for i in r0.doc_ids], 2)  # warm-up
-        for a, rate in hf_todo:
-            if late([f"hf alpha={a:g} rate={rate:g}"]):
-                continue
-            t = time.perf_counter()
-            res, wall = drive(lambda r: server.run(r.question, [docs[i] for i in r.doc_ids], args.output_tokens),
-                              points[(a, rate)], rate, args.concurrency, f"{args.seed}/{a}/{rate}")
-            extra = dict(prefill_tokens=sum(x["prompt"] for x, _ in res if "error" not in x),
-                         peak_kv_gib=float("nan"), copied_gib=float("nan"), evictions=0, preemptions=0,
-                         store_lookup_hit_rate=0.0)
-            row = summarize_point("hf", 1.0, rate, a, res, wall, extra)
-            rows.append(row)
-            save()
-            print(f"  hf     alpha={a:g} rate={rate:g}: ttft p50 {row['ttft_p50_ms']:.1f} ms, "
-                  f"{row['req_per_s']:.2f} req/s ({time.perf_counter() - t:.1f} s)", flush=True)
+    if "hf" in args.systems.split(",") and hf_todo and not run.late([f"hf alpha={a:g} rate={r:g}"
+                                                                      for a, r in hf_todo]):
+        _hf_points(run, hf, tok, docs, hf_todo, points, warm[alphas[0]][0])
+    rows = run.rows
     mark_sustained(rows, args.sustain_p95_factor)
     summary = summarize(rows)
-    print(f"\nRAG serving, {name} on {dev_name}, {args.docs} docs x {args.doc_tokens} tokens, k={args.k}, "
+    print(f"\nRAG serving, {name} on {run.dev_name}, {args.docs} docs x {args.doc_tokens} tokens, k={args.k}, "
           f"{args.requests} requests per point, {args.output_tokens} output tokens, "
           f"{'cold' if args.cold else 'steady-state'} cache, {time.strftime('%Y-%m-%d')}, "
-          f"{time.perf_counter() - t_start:.0f} s in all")
+          f"{time.perf_counter() - run.t_start:.0f} s in all")
     print_table(rows)
     print_summary(summary)
-    if skipped:
-        print(f"\nSkipped (past --deadline-s {args.deadline_s:g}): " + "; ".join(skipped))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "device": dev_name, "model": name, "rows": rows, "summary": summary,
-                       "skipped": skipped}, f, indent=2)
+    if run.skipped:
+        print(f"\nSkipped (past --deadline-s {args.deadline_s:g}): " + "; ".join(run.skipped))
+    run.save(final=True)
     if args.plots:
         plot(rows, args.plots)
     return rows, summary
-
 
 if __name__ == "__main__":
     main()
