@@ -53,8 +53,6 @@ def _signature(config_cls: type = EngineConfig) -> inspect.Signature:
     return options_signature(config_cls, head, set(QUALITY_OPTIONS))
 
 
-
-
 _LIVE_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 _LIVE_TP_GROUPS: weakref.WeakSet = weakref.WeakSet()  # tensor-parallel workers, stopped after the engines
 

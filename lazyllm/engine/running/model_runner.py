@@ -382,17 +382,16 @@ class ModelRunner:
         live = {r.id for r in st.rows}
         for k in [k for k in self._arrays if k not in live]:
             del self._arrays[k]
-        if len(st.rows) < self.SHARED_MIN_BATCH:
-            self._shared_state = (st.version, 0, [1 << 30] * len(st.rows))
-            return 0
-        tables = [self._table_array(r) for r in st.rows]
-        plan = plan_groups(tables, members_per_item=self.shared.members_per_item,
-                           pages_per_item=self.shared.pages_per_item, extend=self.SHARED_EXTEND,
-                           width=st.max_entries)
-        self.metrics.shared_plans += plan is not None
-        if plan is not None and plan.saved_reads < self.SHARED_MIN_SAVED * sum(len(t) for t in tables):
-            plan = None
-        if plan is None:  # nothing (worth) sharing: valid until the rows change
+        plan = None
+        if len(st.rows) >= self.SHARED_MIN_BATCH:
+            tables = [self._table_array(r) for r in st.rows]
+            plan = plan_groups(tables, members_per_item=self.shared.members_per_item,
+                               pages_per_item=self.shared.pages_per_item, extend=self.SHARED_EXTEND,
+                               width=st.max_entries)
+            self.metrics.shared_plans += plan is not None
+            if plan is not None and plan.saved_reads < self.SHARED_MIN_SAVED * sum(len(t) for t in tables):
+                plan = None
+        if plan is None:  # nothing (worth) sharing, or too few rows: valid until the rows change
             self._shared_state = (st.version, 0, [1 << 30] * len(st.rows))
             return 0
         bucket = self.shared.upload(plan)
