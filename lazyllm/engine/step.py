@@ -3,7 +3,7 @@
 The scheduler decides; the engine loop and the model runner carry the decision out and read
 it, never the scheduler's queues: ``Admission`` (which waiting requests a step admits, which
 failed) and ``DecodeBatch`` (which rows one decode step runs, which ride along with no page,
-which read their input from the step still in flight, which were preempted for room).
+which read their input from the step still in flight; rows preempted for room have left it).
 """
 from __future__ import annotations
 
@@ -36,14 +36,12 @@ class DecodeBatch:
     dead : requests (by ``id``) that ride along with no page (their K/V to the scratch slot,
         their token dropped): they reach their length or context limit with the token in
         flight.
-    preempted : the requests given way for room while their rows were grown (queued again).
     """
 
     reqs: tuple[Request, ...]
     pending: Mapping[int, int]
     dead: frozenset[int]
-    preempted: tuple[Request, ...] = ()
 
     @classmethod
-    def of(cls, reqs, pending: Mapping[int, int], dead, preempted=()) -> DecodeBatch:
-        return cls(tuple(reqs), MappingProxyType(dict(pending)), frozenset(dead), tuple(preempted))
+    def of(cls, reqs, pending: Mapping[int, int], dead) -> DecodeBatch:
+        return cls(tuple(reqs), MappingProxyType(dict(pending)), frozenset(dead))

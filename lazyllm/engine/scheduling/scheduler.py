@@ -123,15 +123,14 @@ class Scheduler:
         """The next decode step: every decoding request's room for its next token claimed
         (``grow_decode_pages``), then the rows that step runs. ``pending``/``dead`` as in
         ``DecodeBatch``."""
-        preempted = self.grow_decode_pages(pending, dead)
-        return DecodeBatch.of(self.decode_state.rows, pending, dead, preempted)
+        self.grow_decode_pages(pending, dead)
+        return DecodeBatch.of(self.decode_state.rows, pending, dead)
 
-    def grow_decode_pages(self, pending: dict[int, int], dead: set[int]) -> list[Request]:
+    def grow_decode_pages(self, pending: dict[int, int], dead: set[int]) -> None:
         """Give every decoding request room for its next token and claim that token's slot
         (``Allocation.advance``): a new page when its last one is full (or shared),
-        preempting the most recently started requests when the pool is exhausted (returned).
+        preempting the most recently started requests when the pool is exhausted.
         ``pending``/``dead`` as in ``DecodeBatch``: a dead row gets nothing."""
-        preempted: list[Request] = []
         rows = self.decode_state.rows
         for r in list(rows):
             state = r.state
@@ -145,7 +144,5 @@ class Scheduler:
                     continue
                 victim = rows[-1]
                 self.preempt(victim)
-                preempted.append(victim)
                 if victim is r:
                     break
-        return preempted
