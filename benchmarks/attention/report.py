@@ -12,15 +12,22 @@ def _fastest(r, readings):
     return min(held, key=lambda x: x[1]) if held else None
 
 
-def _prefill_figures(r) -> None:
-    """A prefill row's rates and ratios, into ``r``."""
-    r["tflops_rope"] = r["flops"] / r["ms_rope"] / 1e9
-    r["tflops_norope"] = r["flops"] / r["ms_norope"] / 1e9
+def _rates(r, work: str, unit: str) -> None:
+    """What prefill and decode rows share, into ``r``: ``r[work]`` (FLOPs or bytes) per second
+    of each timed kernel as ``<unit>_rope`` / ``_norope`` / ``_sdpa`` (in 1e12 a second), the
+    ratio to SDPA, and RoPE's cost over the kernel without it."""
+    r[f"{unit}_rope"] = r[work] / r["ms_rope"] / 1e9
+    r[f"{unit}_norope"] = r[work] / r["ms_norope"] / 1e9
     if r.get("ms_sdpa"):
-        r["tflops_sdpa"] = r["flops"] / r["ms_sdpa"] / 1e9
+        r[f"{unit}_sdpa"] = r[work] / r["ms_sdpa"] / 1e9
         r["vs_sdpa"] = r["ms_sdpa"] / r["ms_rope"]
     r["rope_cost"] = r["ms_rope"] / r["ms_norope"] - 1
     r["rope_cost_pretable"] = r["ms_rope_pretable"] / r["ms_norope"] - 1
+
+
+def _prefill_figures(r) -> None:
+    """A prefill row's rates and ratios, into ``r``."""
+    _rates(r, "flops", "tflops")
     if r.get("ms_sdpa"):
         r["vs_sdpa_pretable"] = r["ms_sdpa"] / r["ms_rope_pretable"]
     if r.get("ms_triton_pretable"):
@@ -50,13 +57,7 @@ def _prefill_figures(r) -> None:
 
 def _decode_figures(r) -> None:
     """A decode row's bandwidths and ratios, into ``r``."""
-    r["tbs_rope"] = r["bytes"] / r["ms_rope"] / 1e9
-    r["tbs_norope"] = r["bytes"] / r["ms_norope"] / 1e9
-    if r.get("ms_sdpa"):
-        r["tbs_sdpa"] = r["bytes"] / r["ms_sdpa"] / 1e9
-        r["vs_sdpa"] = r["ms_sdpa"] / r["ms_rope"]
-    r["rope_cost"] = r["ms_rope"] / r["ms_norope"] - 1
-    r["rope_cost_pretable"] = r["ms_rope_pretable"] / r["ms_norope"] - 1
+    _rates(r, "bytes", "tbs")
     if r.get("ms_rope_graph"):
         r["tbs_rope_graph"] = r["bytes"] / r["ms_rope_graph_min"] / 1e9
         if r.get("ms_sdpa_graph"):
