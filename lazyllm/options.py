@@ -6,7 +6,8 @@ and attributes, docs/guide.md's option table and the command line's flags are ma
 fields (``lazyllm.option_spec``). Adding an option is adding a field here.
 
 An option a quality preset sets takes its default from ``lazyllm.presets.QUALITY_OPTIONS``
-(preset data: the values ``LazyLLM()`` runs when neither a preset nor the caller sets them).
+(preset data: the default preset's values, ``DEFAULT_PRESET``, and the rest each option's
+neutral value; each value written once there).
 
 Light to import (no torch: a device or dtype check imports it only for a string it cannot
 read itself), so a command line checks its flags before it pays for torch and transformers.

@@ -19,29 +19,12 @@ builds ``LazyLLM`` engines and so sits above the API) compares them.
 
 A preset is data only: the option values it sets, nothing the engine tests its name for.
 
-``LazyLLM()`` with no preset runs ``"balanced"``'s values (``QUALITY_OPTIONS``): the cheapest
+``LazyLLM()`` with no preset runs ``DEFAULT_PRESET``'s (``"balanced"``) values (``QUALITY_OPTIONS``): the cheapest
 setting whose answers stay inside full attention's own order floor on the real-prose test
 split (docs/fidelity.md). Explicit options passed to ``LazyLLM`` override the preset's values
 (``lazyllm.config.EngineConfig.resolve``).
 """
 from __future__ import annotations
-
-# the options a preset may set, with the values LazyLLM uses when neither a preset nor the
-# caller sets them: the "balanced" preset's, the cheapest setting inside full attention's own
-# order floor on the real-prose test split (docs/fidelity.md)
-QUALITY_OPTIONS: dict[str, object] = {
-    "reuse": "lazy",
-    "chunk_context": "prefix",
-    "recompute_first_tokens": 4,
-    "recompute_ratio": 0.14,
-    "recompute_selection": "two-stage",
-    "recompute_selection_depth": 1.0,
-    "context_temperature": 1.0,
-    "context_lse_scale": 1.0,
-    "escalate_below": 0.0,
-    "escalate_tokens": 8,
-    "prompt_layout": "chat",
-}
 
 PRESETS: dict[str, dict[str, object]] = {
     # chunks encoded alone (reusable under any system prompt), nothing recomputed, with the
@@ -58,4 +41,22 @@ PRESETS: dict[str, dict[str, object]] = {
     "block-ft": {"reuse": "lazy", "chunk_context": "isolated", "recompute_first_tokens": 0, "recompute_ratio": 0.0,
                  "prompt_layout": "block-ft"},
 }
-__all__ = ["PRESETS", "QUALITY_OPTIONS"]
+# the preset whose values ``LazyLLM()`` runs when neither a preset nor the caller sets them: the
+# cheapest setting inside full attention's own order floor on the real-prose test split
+# (docs/fidelity.md)
+DEFAULT_PRESET = "balanced"
+
+# the other options a preset may set, at the values the default preset leaves them
+_UNSET_BY_DEFAULT: dict[str, object] = {
+    "recompute_selection_depth": 1.0,
+    "context_temperature": 1.0,
+    "context_lse_scale": 1.0,
+    "escalate_below": 0.0,
+    "escalate_tokens": 8,
+    "prompt_layout": "chat",
+}
+
+# every option a preset may set, with its default: the default preset's values, each written once
+QUALITY_OPTIONS: dict[str, object] = {**_UNSET_BY_DEFAULT, **PRESETS[DEFAULT_PRESET]}
+
+__all__ = ["DEFAULT_PRESET", "PRESETS", "QUALITY_OPTIONS"]

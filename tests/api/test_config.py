@@ -12,7 +12,7 @@ from lazyllm import LazyLLM
 from lazyllm.config import EngineConfig, options_markdown, register_selection, selection_names
 from lazyllm.errors import InvalidRequestError
 from lazyllm.kernels.options import KernelOptions
-from lazyllm.presets import PRESETS, QUALITY_OPTIONS
+from lazyllm.presets import DEFAULT_PRESET, PRESETS, QUALITY_OPTIONS
 from tests.conftest import make_tiny
 
 DOCS = [f"Record {i}: " + " ".join(f"item{i}_{j}" for j in range(9 + 5 * i)) for i in range(4)]
@@ -30,7 +30,7 @@ def test_defaults_are_the_documented_ones():
     assert (c.tensor_parallel, c.batch_invariant, c.overlap_decode, c.packets) == (1, False, None, "auto")
     assert c.calibration == (1.0, 1.0) and c.recompute_first_tokens > 0 and c.recompute_ratio > 0
     # LazyLLM()'s default is the balanced preset's configuration, the rule's choice on real prose
-    assert c == EngineConfig.resolve("balanced").replace(quality=None)
+    assert DEFAULT_PRESET == "balanced" and c == EngineConfig.resolve(DEFAULT_PRESET).replace(quality=None)
     assert c != EngineConfig.resolve("isolated").replace(quality=None)
 
 
