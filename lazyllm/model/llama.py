@@ -210,10 +210,15 @@ class LlamaFamilyModel:
     def _fuse_projections(self) -> None:
         """One GEMM for q/k/v and one for gate/up. The fused tensor becomes the storage
         and the transformers parameters are re-pointed at views of it, so no memory is
-        added and the transformers model keeps working."""
+        added and the transformers model keeps working. A second engine over the same
+        model finds its parameters fused already and shares that storage (no second copy)."""
         for w in self.layers:
             for fused, parts in (("wqkv", ("wq", "wk", "wv")), ("wgu", ("wg", "wu"))):
                 ts = [w[p] for p in parts]
+                cat = _adjacent_rows([t.data for t in ts])
+                if cat is not None:
+                    w[fused] = cat
+                    continue
                 cat = torch.cat([t.data for t in ts], dim=0)
                 off = 0
                 for t in ts:
@@ -379,3 +384,20 @@ class LlamaFamilyModel:
             h = h[logits_index]
         h = self._norm(h, self.final_norm, s.rms_eps)
         return self.linear(h, self.lm_head).float()
+
+
+def _adjacent_rows(ts: list[torch.Tensor]) -> torch.Tensor | None:
+    """One tensor over the rows of ``ts`` when they already lie one after another in one
+    storage, each contiguous (projections fused by an earlier engine): a view, no copy;
+    else None."""
+    first = ts[0]
+    if not all(t.is_contiguous() and t.dim() == 2 and t.shape[1] == first.shape[1] and t.dtype == first.dtype
+               and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for t in ts):
+        return None
+    off = first.storage_offset()
+    for t in ts:
+        if t.storage_offset() != off:
+            return None
+        off += t.numel()
+    rows = sum(t.shape[0] for t in ts)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, first.shape[1]))
