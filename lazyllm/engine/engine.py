@@ -45,6 +45,7 @@ from .request import Request
 from .running.model_runner import DecodeStep, ModelRunner
 from .scheduling.mixed import MixedSteps
 from .scheduling.scheduler import Scheduler
+from .step import DecodeBatch
 
 __all__ = ["Engine"]
 
@@ -407,11 +408,8 @@ class Engine:
             inflight = self._inflight = None
         # requests whose latest token is still in the unread step: row -> its row there
         pending = {} if inflight is None else {r.id: i for i, r in enumerate(inflight.reqs)}
-        # of those, the ones that reach their length or context limit with that token: they
-        # ride along in this step as dead rows (no page, K/V to the scratch slot, dropped)
-        limit = self.model.spec.max_context
-        dead = {r.id for r in self.decode_state.rows if r.id in pending and (
-            len(r.state.generated) + 1 >= r.params.max_new_tokens or r.state.next_pos + 1 >= limit)}
+        # of those, the ones that reach a limit with that token ride along as dead rows
+        dead = DecodeBatch.dead_rows(self.decode_state.rows, pending, self.model.spec.max_context)
         if inflight is not None and dead and all(r.id in dead for r in self.decode_state.rows):
             # every row ends with the token in flight: a step now would compute only dropped
             # tokens, and the next request's prefill would queue behind it on the GPU (its

@@ -45,3 +45,11 @@ class DecodeBatch:
     @classmethod
     def of(cls, reqs, pending: Mapping[int, int], dead) -> DecodeBatch:
         return cls(tuple(reqs), MappingProxyType(dict(pending)), frozenset(dead))
+
+    @staticmethod
+    def dead_rows(rows, pending: Mapping[int, int], max_context: int) -> set[int]:
+        """Of the decoding ``rows`` whose latest token is in the step in flight (``pending``),
+        those (by ``id``) that reach their length or context limit with it: they ride along in
+        the next step as dead rows (no page, K/V to the scratch slot, token dropped)."""
+        return {r.id for r in rows if r.id in pending and (
+            len(r.state.generated) + 1 >= r.params.max_new_tokens or r.state.next_pos + 1 >= max_context)}
