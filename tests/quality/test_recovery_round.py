@@ -47,7 +47,7 @@ def record_rounds(llm, regroup: bool) -> list:
         finally:
             rec._memo = None
         rounds.append((alone, together, [rec.budget(r) for r in live]))
-        real(reqs)
+        return real(reqs)
 
     rec.apply_round = spy
     return rounds
@@ -97,8 +97,8 @@ def test_round_answers_equal_per_request_selection(tokenizer):
     per_request = alone.engine.recovery
 
     def one_by_one(reqs):
-        for r in reqs:
-            per_request.apply(r)
+        recs = {r.id: per_request.apply(r) for r in reqs}
+        return {i: rc for i, rc in recs.items() if rc is not None}
 
     per_request.apply_round = one_by_one
     for llm in (together, alone):
