@@ -10,8 +10,8 @@ queue. Each step of the worker:
    prefixes, then missing chunks (each distinct chunk once), then the round's own jobs (each
    request's suffix, or whole prompt in the full-attention modes) as a ``PrefillBatch`` of the
    plans and recovery's ``Recomputation`` values (``step.py``), its re-rotated copies first;
-   picks each request's first token (``Sampler``, one batched pick) and hands it out
-   (``OutputProcessor``);
+   picks each request's first token (``Sampler``, one batched pick), starts it decoding at
+   its plan's ``next_pos`` and hands the token out (``OutputProcessor``);
 4. decodes one token for every running request, together (``ModelRunner.launch_decode``),
    optionally launching step ``n + 1`` before reading step ``n``;
 5. retires finished requests (``Scheduler.retire``: unpin, free) before handing out their
@@ -372,7 +372,7 @@ class Engine:
                 self.scheduler.retire(r)
                 self.output.done_score(r, result)
                 continue
-            r.state.preempted = False
+            r.state.preempted, r.state.next_pos = False, r.plan.next_pos  # it decodes from the prompt's end
             if r.id in failed:
                 self.finish(r, error=failed[r.id])
                 continue

@@ -101,8 +101,9 @@ class PrefillPlan:
     and the suffix's pages, for quality recovery. ``chain``: identical-prefix page keys and
     how many were reused, for handing the prompt's full pages to the store afterwards.
     These are consumed by the prefill (``prefilled`` drops them); the token counts stay for
-    the request's usage. Quality recovery replaces the job and adds copies in the step's
-    ``PrefillBatch``, not here. A new plan (after preemption) counts from zero."""
+    the request's usage, and ``next_pos``, where its decoding starts (the engine sets
+    ``RequestState.next_pos`` from it). Quality recovery replaces the job and adds copies in
+    the step's ``PrefillBatch``, not here. A new plan (after preemption) counts from zero."""
 
     job: Job | None = None
     copies: list[tuple[int, int, int]] = field(default_factory=list)
@@ -116,6 +117,7 @@ class PrefillPlan:
     cached_tokens: int = 0  # prompt tokens read from the cache
     cached_chunk_tokens: int = 0  # of those, chunk tokens
     computed_tokens: int = 0  # tokens this request runs through the model in prefill
+    next_pos: int = 0  # logical position of the first token decoded after the prompt
 
     def recomputed(self, rc: Recomputation) -> None:
         """Quality recovery recomputes ``rc.computed`` chunk tokens, ``rc.reused`` of them

@@ -35,9 +35,11 @@ def _last_slot(r):
 
 
 def _start_decoding(s, reqs):
-    """What the engine does after a prefill: each request decodes from its own row."""
+    """What the engine does after a prefill: each request decodes from its own row, from
+    where its plan's prompt ends."""
     for r in reqs:
         r.state.generated.append(5)
+        r.state.next_pos = r.plan.next_pos
         s.decode_state.attach(r)
 
 
