@@ -7,10 +7,11 @@ queue. Each step of the worker:
 2. admits waiting requests (``Scheduler.admit``), each planned by the ``KVPlanner`` under
    the reuse policy: cached entries pinned, missing ones reserved, private pages taken;
 3. prefills, batched across the admitted requests (``ModelRunner.run_jobs``): shared
-   prefixes, then missing chunks (each distinct chunk once), then each request's own tokens
-   (its suffix, or the whole prompt in the full-attention modes), with quality recovery and
-   re-rotated copies applied first; picks each request's first token (``Sampler``, one batched
-   pick) and hands it out (``OutputProcessor``);
+   prefixes, then missing chunks (each distinct chunk once), then the round's own jobs (each
+   request's suffix, or whole prompt in the full-attention modes) as a ``PrefillBatch`` of the
+   plans and recovery's ``Recomputation`` values (``step.py``), its re-rotated copies first;
+   picks each request's first token (``Sampler``, one batched pick), starts it decoding at
+   its plan's ``next_pos`` and hands the token out (``OutputProcessor``);
 4. decodes one token for every running request, together (``ModelRunner.launch_decode``),
    optionally launching step ``n + 1`` before reading step ``n``;
 5. retires finished requests (``Scheduler.retire``: unpin, free) before handing out their
@@ -45,6 +46,7 @@ from .request import Request
 from .running.model_runner import DecodeStep, ModelRunner
 from .scheduling.mixed import MixedSteps
 from .scheduling.scheduler import Scheduler
+from .step import DecodeBatch, PrefillBatch
 
 __all__ = ["Engine"]
 
@@ -325,8 +327,8 @@ class Engine:
                 # failed requests release them, so no half-written KV is ever found.
                 self.runner.run_jobs([p.job for p in stage])
                 self.stage_ready(stage)
-        own = self.before_own(reqs)
-        self.after_own(own, self.runner.run_jobs([r.plan.job for r in own]) if own else [])
+        batch = self.before_own(reqs)
+        self.after_own(list(batch.reqs), self.runner.run_jobs(list(batch.jobs)) if batch.reqs else [])
 
     def stage_ready(self, stage: list[PendingEntry]) -> None:
         """A stage's entries are computed: later lookups may use them (and the disk tier
@@ -336,20 +338,22 @@ class Engine:
         if self.disk_tier is not None and self.save_to_disk:
             self.disk_tier.save([p.entry for p in stage])
 
-    def before_own(self, reqs: list[Request]) -> list[Request]:
-        """Once the entries ``reqs`` read are in the pool: quality recovery and re-rotated
-        copies; warm-only requests are done. Returns the requests whose own job runs next."""
-        if self.recovery.enabled:  # one selection for the round's requests
-            self.recovery.apply_round([r for r in reqs if not r.warm_only])
+    def before_own(self, reqs: list[Request]) -> PrefillBatch:
+        """Once the entries ``reqs`` read are in the pool: recovery's recomputations (their
+        counts recorded by the plans), the round's ``PrefillBatch`` of those and the plans,
+        its re-rotated copies made; warm-only requests are done. Returns the batch to run."""
+        recs = self.recovery.apply_round([r for r in reqs if not r.warm_only])  # one selection for the round
         for r in reqs:
-            if r.plan is not None:
-                self.runner.copy_pages(r.plan.copies)
+            if r.id in recs:
+                r.plan.recomputed(recs[r.id])
+        batch = PrefillBatch.of(reqs, recs)
+        self.runner.make_copies(batch)
         for r in reqs:
             if r.warm_only:
                 r.state.first_token_time = time.perf_counter()
                 r.state.finish_reason = "warm"
                 self.finish(r)
-        return [r for r in reqs if not r.warm_only]
+        return batch
 
     def after_own(self, own: list[Request], logits: list) -> None:
         """The own jobs of ``own`` ran (``logits``: each one's logit rows): requeue those whose
@@ -368,7 +372,7 @@ class Engine:
                 self.scheduler.retire(r)
                 self.output.done_score(r, result)
                 continue
-            r.state.preempted = False
+            r.state.preempted, r.state.next_pos = False, r.plan.next_pos  # it decodes from the prompt's end
             if r.id in failed:
                 self.finish(r, error=failed[r.id])
                 continue
@@ -407,11 +411,8 @@ class Engine:
             inflight = self._inflight = None
         # requests whose latest token is still in the unread step: row -> its row there
         pending = {} if inflight is None else {r.id: i for i, r in enumerate(inflight.reqs)}
-        # of those, the ones that reach their length or context limit with that token: they
-        # ride along in this step as dead rows (no page, K/V to the scratch slot, dropped)
-        limit = self.model.spec.max_context
-        dead = {r.id for r in self.decode_state.rows if r.id in pending and (
-            len(r.state.generated) + 1 >= r.params.max_new_tokens or r.state.next_pos + 1 >= limit)}
+        # of those, the ones that reach a limit with that token ride along as dead rows
+        dead = DecodeBatch.dead_rows(self.decode_state.rows, pending, self.model.spec.max_context)
         if inflight is not None and dead and all(r.id in dead for r in self.decode_state.rows):
             # every row ends with the token in flight: a step now would compute only dropped
             # tokens, and the next request's prefill would queue behind it on the GPU (its

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .detokenizer import Detokenizer
     from .kv.page_table import Allocation
     from .running.sampler import TokenConstraint
+    from .step import Recomputation
 
 _request_ids = itertools.count(1)
 
@@ -91,7 +92,8 @@ class ChunkSpan:
 
 @dataclass
 class PrefillPlan:
-    """What the KV planner decided for one request (``Request.plan``).
+    """What the KV planner decided for one request (``Request.plan``); only the planner
+    writes it, and the plan itself (``recomputed``, ``prefilled``).
 
     ``job``: the request's own forward (suffix, or the whole prompt in full-attention modes).
     ``copies``: ``(src page, dst page, delta)`` re-rotated private copies to make first.
@@ -99,7 +101,9 @@ class PrefillPlan:
     and the suffix's pages, for quality recovery. ``chain``: identical-prefix page keys and
     how many were reused, for handing the prompt's full pages to the store afterwards.
     These are consumed by the prefill (``prefilled`` drops them); the token counts stay for
-    the request's usage. A new plan (after preemption) counts from zero."""
+    the request's usage, and ``next_pos``, where its decoding starts (the engine sets
+    ``RequestState.next_pos`` from it). Quality recovery replaces the job and adds copies in
+    the step's ``PrefillBatch``, not here. A new plan (after preemption) counts from zero."""
 
     job: Job | None = None
     copies: list[tuple[int, int, int]] = field(default_factory=list)
@@ -113,6 +117,14 @@ class PrefillPlan:
     cached_tokens: int = 0  # prompt tokens read from the cache
     cached_chunk_tokens: int = 0  # of those, chunk tokens
     computed_tokens: int = 0  # tokens this request runs through the model in prefill
+    next_pos: int = 0  # logical position of the first token decoded after the prompt
+
+    def recomputed(self, rc: Recomputation) -> None:
+        """Quality recovery recomputes ``rc.computed`` chunk tokens, ``rc.reused`` of them
+        counted as read from the cache: the counts move from reused to computed."""
+        self.cached_tokens -= rc.reused
+        self.cached_chunk_tokens -= rc.reused
+        self.computed_tokens += rc.computed
 
     def prefilled(self) -> None:
         """The prefill ran: drop what only it needed, keep the counts."""

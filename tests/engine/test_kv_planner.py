@@ -41,7 +41,8 @@ def test_every_policy_lays_out_the_whole_prompt(reuse):
     r = make_request(P, [A, B], [40, 41], max_new_tokens=3)
     assert planner.plan(r)
     n = r.num_prompt_tokens
-    assert _covers(r.alloc.table, n) and r.state.next_pos == n
+    assert _covers(r.alloc.table, n) and r.plan.next_pos == n
+    assert r.state.next_pos == 0  # where it decodes from is the engine's to set
     assert r.plan.job.logit_rows == 1
     # the request's own job ends at the prompt's last token
     assert r.plan.job.start_pos + len(r.plan.job.ids) == n

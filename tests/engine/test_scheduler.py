@@ -1,5 +1,7 @@
 """The scheduler: admission under the token budget and batch size, waiting and failing for
 pages, decode pages and slots, preemption; on a CPU page pool with no model."""
+import dataclasses
+
 import pytest
 
 from lazyllm.engine.kv.planner import KVPlanner
@@ -7,6 +9,7 @@ from lazyllm.engine.metrics import EngineMetrics
 from lazyllm.engine.request import pack_tables
 from lazyllm.engine.running.decode_state import DecodeState
 from lazyllm.engine.scheduling.scheduler import Scheduler
+from lazyllm.engine.step import PrefillBatch, Recomputation
 from lazyllm.errors import CacheCapacityError
 from tests.engine.fakes import make_request, make_store
 
@@ -32,9 +35,11 @@ def _last_slot(r):
 
 
 def _start_decoding(s, reqs):
-    """What the engine does after a prefill: each request decodes from its own row."""
+    """What the engine does after a prefill: each request decodes from its own row, from
+    where its plan's prompt ends."""
     for r in reqs:
         r.state.generated.append(5)
+        r.state.next_pos = r.plan.next_pos
         s.decode_state.attach(r)
 
 
@@ -188,3 +193,25 @@ def test_the_mirror_refuses_a_table_rebuilt_behind_its_back():
     r.alloc.set_table(r.alloc.table)  # a new epoch the device copy never saw
     with pytest.raises(RuntimeError):
         s.decode_state.row_update(r)
+
+
+def test_a_prefill_batch_runs_recoverys_jobs_after_every_copy():
+    """A round's ``PrefillBatch``: the page copies of every planned request in order (a
+    warm-only one's too), the planner's then recovery's; the jobs of the requests that run
+    one, recovery's where it recomputes, the planner's elsewhere; the plans untouched."""
+    s = _scheduler(reuse="lazy")
+    warm, a, b = _req(6), _req(7), _req(9)
+    warm.warm_only = True
+    s.waiting.extend([warm, a, b])
+    s.admit()
+    a.plan.copies = [(1, 2, 3)]  # as a block copy of the planner's
+    job = a.plan.job
+    rc = Recomputation(job=dataclasses.replace(job), copies=((4, 5, 6),), reused=2, computed=3)
+    batch = PrefillBatch.of([warm, a, b], {a.id: rc})
+    assert batch.reqs == (a, b) and batch.jobs[0] is rc.job and batch.jobs[1] is b.plan.job
+    assert batch.copies == ((), ((1, 2, 3), (4, 5, 6)), ())
+    assert a.plan.job is job and a.plan.copies == [(1, 2, 3)]
+    counts = (a.plan.cached_tokens, a.plan.cached_chunk_tokens, a.plan.computed_tokens)
+    a.plan.recomputed(rc)
+    assert (a.plan.cached_tokens, a.plan.cached_chunk_tokens, a.plan.computed_tokens) == \
+        (counts[0] - 2, counts[1] - 2, counts[2] + 3)

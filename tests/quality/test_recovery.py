@@ -322,8 +322,9 @@ def test_prefix_context_recomputes_nothing_of_the_chunk_at_home(model, tokenizer
 
     def spy(self, r, chosen=None):
         spans = [(s.start, len(s.ids), all(e.delta == 0 for e in s.entries)) for s in r.plan.spans]
-        real(self, r, chosen)
-        picked.append((spans, list(r.plan.job.positions)))
+        rc = real(self, r, chosen)
+        picked.append((spans, list(rc.job.positions)))
+        return rc
 
     kw = dict(model=model, tokenizer=tokenizer, chunk_context="prefix", recompute_first_tokens=3,
               recompute_ratio=0.25, recompute_selection=selection, kv_cache_bytes=32 << 20, quality="isolated")
@@ -377,8 +378,9 @@ def test_recompute_job_holds_the_first_tokens_and_the_picks_at_their_cached_slot
     real = rec.apply
 
     def spy(r, chosen=None):
-        real(r, chosen)
-        seen.append((r, list(r.plan.spans), r.plan.job, list(r.alloc.table), list(r.alloc.private_pages)))
+        rc = real(r, chosen)
+        seen.append((r, list(r.plan.spans), rc.job, list(r.alloc.table), list(r.alloc.private_pages)))
+        return rc
 
     rec.apply = spy
     llm.warm(DOCS[:4])

@@ -4,6 +4,9 @@ selections, the torch reference and the Triton kernels (Triton's interpreter on 
 the round's passes split by ``max_batch_tokens`` or not, chunks at home excluded."""
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +14,7 @@ import torch
 from lazyllm import LazyLLM
 from lazyllm.engine.recovery.rounds import batched_selection, batches, select_round
 from lazyllm.engine.running.model_runner import budget_groups
+from lazyllm.engine.step import Recomputation
 from tests.conftest import make_tiny
 from tests.quality.test_recovery import DOCS
 
@@ -47,7 +51,7 @@ def record_rounds(llm, regroup: bool) -> list:
         finally:
             rec._memo = None
         rounds.append((alone, together, [rec.budget(r) for r in live]))
-        real(reqs)
+        return real(reqs)
 
     rec.apply_round = spy
     return rounds
@@ -97,8 +101,8 @@ def test_round_answers_equal_per_request_selection(tokenizer):
     per_request = alone.engine.recovery
 
     def one_by_one(reqs):
-        for r in reqs:
-            per_request.apply(r)
+        recs = {r.id: per_request.apply(r) for r in reqs}
+        return {i: rc for i, rc in recs.items() if rc is not None}
 
     per_request.apply_round = one_by_one
     for llm in (together, alone):
@@ -109,6 +113,49 @@ def test_round_answers_equal_per_request_selection(tokenizer):
     assert together.engine.metrics.recovery_skipped == 0
     together.close()
     alone.close()
+
+
+def test_recovery_decides_and_leaves_the_plan_as_the_planner_made_it(tokenizer):
+    """Recovery writes nothing of a request's plan: ``apply_round`` returns each request's
+    ``Recomputation`` (frozen) and every field of the plan, its job and copies included, is
+    as the planner made it; the round's ``PrefillBatch`` runs recovery's job after the
+    planner's copies and recovery's, and the counts the result reports move by what the
+    recomputation says (``PrefillPlan.recomputed``)."""
+    llm = LazyLLM(model=make_tiny("llama", seed=3), tokenizer=tokenizer, recompute_first_tokens=2,
+                  recompute_ratio=0.2, kv_cache_bytes=32 << 20, quality="isolated")
+    engine, rec = llm.engine, llm.engine.recovery
+    real_round, real_before = rec.apply_round, engine.before_own
+    planned, recs, batches_ = {}, {}, []
+
+    def spy(reqs):
+        before = {r.id: (r, copy.deepcopy(r.plan), r.plan.job, r.plan.copies) for r in reqs}
+        out = real_round(reqs)
+        for r, plan, job, copies in before.values():
+            assert r.plan == plan and r.plan.job is job and r.plan.copies is copies  # untouched
+        planned.update(before)
+        recs.update(out)
+        return out
+
+    def before_own(reqs):
+        batches_.append(real_before(reqs))
+        return batches_[-1]
+
+    rec.apply_round, engine.before_own = spy, before_own
+    llm.warm(DOCS[:4])
+    outs = llm.generate_batch(_requests(2, 2, k=4))
+    assert len(recs) == 2
+    for rid, rc in recs.items():
+        r, plan, job, copies = planned[rid]
+        assert isinstance(rc, Recomputation) and rc.computed >= rc.reused > 0 and rc.copies
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            rc.job = job
+        batch = next(b for b in batches_ if r in b.reqs)
+        i = batch.reqs.index(r)
+        assert batch.jobs[i] is rc.job and rc.job is not job and batch.copies[i] == tuple(copies) + rc.copies
+        out, = [o for o in outs if o.prompt_segments == [(s.kind, list(s.ids)) for s in r.segments]]
+        assert out.usage.cached_chunk_tokens == plan.cached_chunk_tokens - rc.reused
+        assert out.usage.cached_tokens == plan.cached_tokens - rc.reused
+    llm.close()
 
 
 def test_user_selections_run_per_request_and_groups_keep_the_budget(tokenizer):

@@ -282,7 +282,7 @@ class LazyPolicy(ReusePolicy):
         plan.context = table
         plan.computed_tokens += S
         r.alloc.extend_table(planner.own_table(own, pos, S))
-        r.state.next_pos = pos + S
+        plan.next_pos = pos + S
         return found
 
     def place(self, r: Request, plan: PrefillPlan) -> bool:
@@ -325,7 +325,7 @@ class FullPromptPolicy(ReusePolicy):
         r.plan.chain = (keys, m // planner.page_size)
         r.plan.computed_tokens = len(rest)
         r.alloc.set_table(table + planner.own_table(own, m, len(rest)))
-        r.state.next_pos = N
+        r.plan.next_pos = N
         return found
 
 

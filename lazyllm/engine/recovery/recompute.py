@@ -13,6 +13,12 @@ reusable by every other request.
 A bridge packet's trailer (``lazyllm.model.packets``, ``bridge_tokens`` per chunk) is always
 recomputed the same way: its tokens then attend to the prefix, every earlier chunk and their
 bridges, and their own chunk, for this request only.
+
+Recovery decides and writes nothing of the request's plan: ``Recovery.apply`` returns a
+``Recomputation`` (``engine/step.py``: the replacement job, the page copies, the counts it
+moves from reused to computed), which the engine puts in the step's ``PrefillBatch`` and the
+plan records (``PrefillPlan.recomputed``). The private pages themselves come from the
+request's ``Allocation`` (``privatize``), the holder of its pages.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ from ..pinned import to_device
 from ..request import ChunkSpan, Job, Request, slot_of
 from ..running.model_runner import ModelRunner
 from ..running.sampler import top2_margins
+from ..step import Recomputation
 from .chunk_index import DELTA, PAGE, PROBE, ROW, SLOT, SPAN, TOK, TOKEN, ChunkIndex
 from .rounds import batches, question_ids, select_round
 
@@ -155,10 +162,12 @@ class Recovery:
                     self.runner.dummy_key_probe(1, W, n)
         return True
 
-    def apply(self, r: Request, picked: np.ndarray | None = None) -> None:
-        """Once the request's chunk KV is in the pool, rewrite its plan so that its prefill
-        also recomputes the chosen chunk tokens. If the pool cannot give the page copies,
-        the request goes ahead without recovery (counted in ``recovery_skipped``).
+    def apply(self, r: Request, picked: np.ndarray | None = None) -> Recomputation | None:
+        """Once the request's chunk KV is in the pool, decide how its prefill also
+        recomputes the chosen chunk tokens: the ``Recomputation`` (its plan is left as it
+        is), or ``None`` when nothing is recomputed. If the pool cannot give the page
+        copies, the request goes ahead without recovery (``None``, counted in
+        ``recovery_skipped``).
         ``picked``: the selection's picks (chunk order), made already for a whole round
         (``apply_round``); ``None``: selected here.
 
@@ -168,26 +177,27 @@ class Recovery:
         plan = r.plan
         spans = plan.spans
         if not spans or not (self.recovers or r.state.escalated):
-            return
+            return None
         outer = self._memo is None
         if outer:
             self._memo = {}  # the chunk token index is built once for this request
         t0 = time.perf_counter()
         try:
-            self._apply(r, plan, spans, picked)
+            return self._apply(r, plan, spans, picked)
         finally:
             if outer:
                 self._memo = None
             self.metrics.selection_s += time.perf_counter() - t0
 
-    def apply_round(self, reqs: list[Request]) -> None:
-        """``apply`` for every request of an admission round. With one of the engine's own
+    def apply_round(self, reqs: list[Request]) -> dict[int, Recomputation]:
+        """``apply`` for every request of an admission round: request id -> its
+        ``Recomputation``, for those that recompute something. With one of the engine's own
         selections (``rounds.batches``) and more than one request to select for, the
         selection runs once for all of them (``select_round``: one batched question pass, one
         key probe per ``max_batch_tokens``, one read of every pick), not once per request."""
         reqs = [r for r in reqs if r.plan is not None and r.plan.spans]
         if not self.enabled or not reqs:
-            return
+            return {}
         self._memo = {}
         try:
             picks: dict[int, np.ndarray] = {}
@@ -196,8 +206,8 @@ class Recovery:
                 t0 = time.perf_counter()
                 picks = select_round(self, selecting)
                 self.metrics.selection_s += time.perf_counter() - t0
-            for r in reqs:
-                self.apply(r, picks.get(r.id))
+            recs = {r.id: self.apply(r, picks.get(r.id)) for r in reqs}
+            return {i: rc for i, rc in recs.items() if rc is not None}
         finally:
             self._memo = None
 
@@ -224,7 +234,7 @@ class Recovery:
         both = torch.stack([top.indices, torch.isfinite(top.values).long()]).cpu().numpy()
         return both[0][both[1] == 1]  # never a token scored -inf
 
-    def _apply(self, r: Request, plan, spans: list[ChunkSpan], picked: np.ndarray | None) -> None:
+    def _apply(self, r: Request, plan, spans: list[ChunkSpan], picked: np.ndarray | None) -> Recomputation | None:
         # a chunk at home (exact_at_home) already has full attention's KV: the budget goes elsewhere
         home, lens, n_pick = self.budget(r)
         k = self.first_tokens
@@ -248,22 +258,18 @@ class Recovery:
         copies = alloc.privatize([c for c in cols if not alloc.owns(alloc.table[c].page)])
         if copies is None:
             self.metrics.recovery_skipped += 1
-            return
+            return None
         table = alloc.table
         page_of = np.array([table[c].page for c in cols], dtype=np.int64)[np.searchsorted(cols, col_of)]
         per_span = np.bincount(span[ch], minlength=len(spans))
         reused = np.array([not s.computed_now for s in spans], dtype=bool)  # counted as reused: they are not
-        n_ch, n_reused = int(len(ch)), int(per_span[reused].sum())
-        plan.cached_tokens -= n_reused
-        plan.cached_chunk_tokens -= n_reused
-        plan.computed_tokens += n_ch
         S = len(plan.suffix_ids)
         ids = ix.host[TOKEN][ch].tolist() + list(plan.suffix_ids)
         positions = ix.host[ROW][ch].tolist() + list(range(plan.suffix_pos, plan.suffix_pos + S))
         slots = (page_of * ps + tok[ch] % ps).tolist() + [slot_of(plan.own, i, ps) for i in range(S)]
-        plan.copies = plan.copies + copies
-        plan.job = Job(ids, plan.suffix_pos, [], list(table), logit_rows=r.logit_rows,
-                       positions=positions, slots=slots, ctx=plan.ctx_range)
+        job = Job(ids, plan.suffix_pos, [], list(table), logit_rows=r.logit_rows,
+                  positions=positions, slots=slots, ctx=plan.ctx_range)
+        return Recomputation(job, tuple(copies), reused=int(per_span[reused].sum()), computed=int(len(ch)))
 
     # -- the per-request chunk token index ---------------------------------------------------------
     def index(self, r: Request) -> ChunkIndex:

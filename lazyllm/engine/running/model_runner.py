@@ -1,13 +1,13 @@
 """The model runner: runs the forwards the scheduler decided, and nothing else.
 
 It turns prefill jobs into one varlen forward (metadata packed and sent to the device in one
-copy, short single-sequence prefills replayed from CUDA graphs), makes re-rotated page
-copies, launches decode steps from the device-resident decode state and picks their tokens
-(``Sampler``: one batched pick on the device per step). Where the requests
-of a decode step hold the same pages (the hot documents), it plans shared-chunk attention
-(``lazyllm.kernels.grouping``) so each shared page is read once per step; the plan is made
-again only when the batch's rows change or a row outgrows it. It never admits, frees or
-finishes a request: it calls nothing in the scheduler or the output.
+copy, short single-sequence prefills replayed from CUDA graphs), makes a ``PrefillBatch``'s
+re-rotated page copies before its jobs, launches decode steps from the device-resident decode
+state and picks their tokens (``Sampler``: one batched pick on the device per step). Where
+the requests of a decode step hold the same pages (the hot documents), it plans shared-chunk
+attention (``lazyllm.kernels.grouping``) so each shared page is read once per step; the plan
+is made again only when the batch's rows change or a row outgrows it. It never admits, frees
+or finishes a request: it calls nothing in the scheduler or the output.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from ...model.attention import AttentionMetadata
 from ..metrics import EngineMetrics
 from ..pinned import PinnedTurns
 from ..request import Job, Request, TableEntry, entry_table, pack_tables, slot_of
-from ..step import DecodeBatch
+from ..step import DecodeBatch, PrefillBatch
 from .cuda_graphs import GraphRunner, PrefillGraphs, SharedPlanBuffers
 from .decode_state import DecodeState
 from .sampler import Sampler
@@ -240,6 +240,12 @@ class ModelRunner:
             ctx_range=take(2 * B).view(B, 2).to(torch.int32) if ctx is not None else None,
         )
         return ids_t, rows_t, meta
+
+    def make_copies(self, batch: PrefillBatch) -> None:
+        """A prefill batch's page copies, request by request (each request's in one
+        ``copy_pages``), before any of its jobs runs."""
+        for copies in batch.copies:
+            self.copy_pages(copies)
 
     def copy_pages(self, copies: list[tuple[int, int, int]]) -> None:
         """Make re-rotated private copies: ``(src page, dst page, delta)`` each, keys rotated

@@ -12,8 +12,9 @@ have, and attends to the pieces before it in the pages they wrote, so the cache 
 one pass.
 
 Dependencies are kept by phases: the round's prefix entries, then its chunk entries, then
-(after quality recovery and re-rotated copies) the requests' own jobs; a step takes work
-from one phase only, so nothing reads K/V written in the same forward by another sequence.
+(after quality recovery and re-rotated copies) the requests' own jobs, those of the round's
+``PrefillBatch`` (``Engine.before_own``); a step takes work from one phase only, so nothing
+reads K/V written in the same forward by another sequence.
 A job with explicit positions (recomputation) or several logit rows (scoring) is never cut;
 it runs whole, alone past the budget when nothing else of the phase fits. A request's first
 token is picked in the step that ends its own job. Steps with no prefill work are the
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from ..metrics import EngineMetrics
     from ..running.decode_state import DecodeState
     from ..running.model_runner import ModelRunner
+    from ..step import PrefillBatch
     from .scheduler import Scheduler
 
 log = logging.getLogger("lazyllm")
@@ -144,7 +146,7 @@ class StepHost(Protocol):
     def finish(self, r: Request, error: Exception | None = None) -> None: ...
     def decode_or_fail(self) -> None: ...
     def stage_ready(self, stage: list[PendingEntry]) -> None: ...
-    def before_own(self, reqs: list[Request]) -> list[Request]: ...
+    def before_own(self, reqs: list[Request]) -> PrefillBatch: ...
     def after_own(self, own: list[Request], logits: list) -> None: ...
     def settle_inflight(self) -> None: ...
     def decoded(self, r: Request, tok: int, margin: float | None) -> None: ...
@@ -211,9 +213,9 @@ class MixedSteps:
                 rnd.phase = Phase([p.job for p in rnd.stages[rnd.k]])
             elif rnd.k == len(rnd.stages):
                 live = [r for r in rnd.reqs if r in e.scheduler.running]
-                own = e.before_own(live)
-                rnd.owner = {id(r.plan.job): r for r in own}
-                rnd.phase = Phase([r.plan.job for r in own])
+                batch = e.before_own(live)
+                rnd.owner = {id(j): r for r, j in zip(batch.reqs, batch.jobs)}
+                rnd.phase = Phase(list(batch.jobs))
             else:
                 self.round = None
                 return
