@@ -216,10 +216,13 @@ class ModelRunner:
         B = Bd + Bh
         W = max(1, Wd, max((len(t) for t in tables), default=0))
         n, nr = len(ids), len(logit_rows)
+        P = aligned_plane(Bh * W)
+        planes = pack_tables(tables, W).reshape(4, Bh * W)
         host = torch.from_numpy(np.concatenate([
             np.asarray(ids, dtype=np.int64), np.asarray(pos, dtype=np.int64), np.asarray(slots, dtype=np.int64),
             np.asarray(cu, dtype=np.int64), np.asarray(logit_rows, dtype=np.int64),
-            pack_tables(tables, W).ravel(), np.asarray(ctx if ctx is not None else [], dtype=np.int64).ravel()]))
+            np.pad(planes, ((0, 0), (0, P - Bh * W))).ravel(),
+            np.asarray(ctx if ctx is not None else [], dtype=np.int64).ravel()]))
         if self.device.type == "cuda":
             host = host.pin_memory()
         dev = host.to(self.device, non_blocking=True)
@@ -231,9 +234,12 @@ class ModelRunner:
             return dev[o - k:o]
 
         ids_t, pos_t, slots_t, cu_t, rows_t = take(n), take(n), take(n), take(B + 1), take(nr)
-        tab_t = take(4 * Bh * W).view(4, Bh, W).to(torch.int32)
-        if Bd:
-            tab_t = torch.cat([self.decode_state.tables[:, :Bd, :W], tab_t], dim=1)
+        tab_t = take(4 * P).view(4, P).to(torch.int32)[:, :Bh * W].view(4, Bh, W)
+        if Bd:  # the decode rows' tables first, into planes that start on 16 bytes too
+            both = torch.empty((4, aligned_plane(B * W)), dtype=torch.int32, device=dev.device)[:, :B * W].view(4, B, W)
+            both[:, :Bd] = self.decode_state.tables[:, :Bd, :W]
+            both[:, Bd:] = tab_t
+            tab_t = both
         meta = AttentionMetadata(
             positions=pos_t.to(torch.int32), cu_seqlens_q=cu_t.to(torch.int32), slot_mapping=slots_t,
             block_table=tab_t[0], block_pos=tab_t[1], block_delta=tab_t[2], block_len=tab_t[3], max_seqlen_q=max_q,
@@ -436,3 +442,12 @@ class ModelRunner:
         if ev is not None:
             ev.synchronize()
         return buf.tolist()
+
+
+def aligned_plane(entries: int) -> int:
+    """Room for one int32 plane of ``entries`` table entries such that the next plane also
+    starts on 16 bytes. Triton specializes a kernel on whether each pointer argument is
+    16-byte aligned: with planes packed end to end, a table whose size is not a multiple of
+    4 entries would hand the kernels pointers the warm-up never compiled for (a request then
+    waits for a compile)."""
+    return -(-entries // 4) * 4
