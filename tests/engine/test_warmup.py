@@ -22,11 +22,16 @@ class _Fn:  # what Triton passes as ``fn`` (its JitFunctionInfo): module and nam
     module, name = "lazyllm.kernels.triton.decode", "_paged_decode_fwd"
 
 
+# a specialization as Triton 3.6 shows it: one argument a line, the one that was new last
+_REPR = "_paged_decode_fwd[num_warps=4](Q: (\n" + "".join(f"  A{i}: ('*bf16', 'D'),\n" for i in range(60)) + \
+    "  BLOCK_N: 64, BLen: ('*i32', ''))"
+
+
 def _compile_event(watch, **kw):
     """One call of Triton's post-compile hook (``watch.hook``, or a hook itself), as
     ``JITFunction._call_hook`` makes it."""
     hook = watch.hook if isinstance(watch, cw.CompileWatch) else watch
-    return hook(key="k", repr="_paged_decode_fwd[num_warps=4](BLOCK_N=64)", fn=_Fn(),
+    return hook(key="k", repr=_REPR, fn=_Fn(),
                       compile={"key": "k"}, is_manual_warmup=False, already_compiled=False, **kw)
 
 
@@ -43,6 +48,8 @@ def test_compiles_count_as_late_only_after_ready_and_outside_warm_ups(caplog):
     assert w.after_ready - mark == 1
     late = [r for r in caplog.records if "after the engine was ready" in r.getMessage()]
     assert len(late) == 1 and "lazyllm.kernels.triton.decode._paged_decode_fwd" in late[0].getMessage()
+    # the whole specialization on one line: the argument whose alignment was new ends it
+    assert "\n" not in late[0].getMessage() and late[0].getMessage().endswith("BLen: ('*i32', ''))")
     w.mark_closed()
     _compile_event(w)  # no engine ready any more
     assert w.after_ready - mark == 1

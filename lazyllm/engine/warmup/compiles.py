@@ -85,8 +85,9 @@ class CompileWatch:
             late = self._ready > 0 and self._warming == 0
             self.after_ready += late
         if late:
+            # the whole specialization: which argument's value or alignment was new is at its end
             log.warning("Triton compiled kernel %s after the engine was ready (a request waited for it): %s",
-                        name, detail[:400])
+                        name, " ".join(detail.split()))
         return late
 
     @contextmanager
