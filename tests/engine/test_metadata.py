@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from lazyllm import LazyLLM
 from lazyllm.engine.request import TableEntry, pack_tables
@@ -38,3 +39,22 @@ def test_table_planes_are_the_packed_entries_each_on_16_bytes(runner, n_tables, 
         assert plane.tolist() == want.tolist()
         assert plane.data_ptr() % 16 == 0, (n_tables, width)
         assert plane.stride() == (width, 1)
+
+
+@pytest.mark.parametrize("n_decode,n_tables,width", [(1, 1, 3), (2, 3, 7), (3, 1, 16)])
+def test_decode_rows_tables_come_first_each_plane_on_16_bytes(runner, n_decode, n_tables, width):
+    """Mixed steps: the first ``n_decode`` sequences' tables are the decode state's rows on
+    the device, the others' come from the host; the joined planes start on 16 bytes too."""
+    state = runner.decode_state.tables
+    rows = torch.randint(0, 50, (4, n_decode, width), dtype=state.dtype, generator=torch.Generator().manual_seed(width))
+    state[:, :n_decode, :width] = rows
+    tables = [[TableEntry(3 + b, 16 * i, 0, 16) for i in range(width)] for b in range(n_tables)]
+    cu = list(range(n_decode + n_tables + 1))
+    n = len(cu) - 1
+    _, _, meta = runner.metadata([0] * n, [0] * n, [0] * n, cu, tables, 1, [], head=(n_decode, width))
+    packed = pack_tables(tables, width)
+    for k, plane in enumerate((meta.block_table, meta.block_pos, meta.block_delta, meta.block_len)):
+        assert plane.shape == (n_decode + n_tables, width)
+        assert plane[:n_decode].tolist() == rows[k].tolist()
+        assert plane[n_decode:].tolist() == packed[k].tolist()
+        assert plane.data_ptr() % 16 == 0, (n_decode, n_tables, width)

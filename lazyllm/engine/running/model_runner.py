@@ -237,9 +237,7 @@ class ModelRunner:
         tab_t = take(4 * P).view(4, P).to(torch.int32)[:, :Bh * W].view(4, Bh, W)
         if Bd:  # the decode rows' tables first, into planes that start on 16 bytes too
             both = torch.empty((4, aligned_plane(B * W)), dtype=torch.int32, device=dev.device)[:, :B * W].view(4, B, W)
-            both[:, :Bd] = self.decode_state.tables[:, :Bd, :W]
-            both[:, Bd:] = tab_t
-            tab_t = both
+            tab_t = torch.cat([self.decode_state.tables[:, :Bd, :W], tab_t], dim=1, out=both)
         meta = AttentionMetadata(
             positions=pos_t.to(torch.int32), cu_seqlens_q=cu_t.to(torch.int32), slot_mapping=slots_t,
             block_table=tab_t[0], block_pos=tab_t[1], block_delta=tab_t[2], block_len=tab_t[3], max_seqlen_q=max_q,
