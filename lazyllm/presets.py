@@ -19,10 +19,10 @@ builds ``LazyLLM`` engines and so sits above the API) compares them.
 
 A preset is data only: the option values it sets, nothing the engine tests its name for.
 
-``LazyLLM()`` with no preset runs ``DEFAULT_PRESET``'s (``"balanced"``) values (``QUALITY_OPTIONS``): the cheapest
-setting whose answers stay inside full attention's own order floor on the real-prose test
-split (docs/fidelity.md). Explicit options passed to ``LazyLLM`` override the preset's values
-(``lazyllm.config.EngineConfig.resolve``).
+``LazyLLM()`` with no preset runs ``DEFAULT_PRESET``'s (``"balanced"``) values
+(``QUALITY_OPTIONS``): the cheapest setting whose answers stay inside full attention's own
+order floor on the real-prose test split (docs/fidelity.md). Explicit options passed to
+``LazyLLM`` override the preset's values (``lazyllm.config.EngineConfig.resolve``).
 """
 from __future__ import annotations
 
