@@ -9,6 +9,7 @@ through its ``page_table.Allocation``. ``pack_tables`` turns tables into the fou
 from __future__ import annotations
 
 import itertools
+from itertools import chain, repeat
 import queue
 import threading
 import time
@@ -36,9 +37,6 @@ class TableEntry(NamedTuple):
     pos: int  # position of slot 0 in the request's frame
     delta: int  # rotation added to stored keys
     length: int  # valid slots
-
-    def astuple(self) -> tuple[int, int, int, int]:
-        return (self.page, self.pos, self.delta, self.length)
 
 
 @dataclass
@@ -236,8 +234,9 @@ def slot_of(pages: list[int], i: int, page_size: int) -> int:
 def entry_table(pages: list[int], num_tokens: int, pos: int, delta: int, page_size: int) -> list[TableEntry]:
     """Table rows of ``num_tokens`` tokens stored in ``pages``, placed at logical position
     ``pos`` with rotation ``delta``."""
-    return [TableEntry(p, pos + i * page_size, delta, min(page_size, num_tokens - i * page_size))
-            for i, p in enumerate(pages)]
+    k = len(pages)
+    lens = [min(page_size, num_tokens - i) for i in range(0, k * page_size, page_size)]
+    return list(map(TableEntry._make, zip(pages, range(pos, pos + k * page_size, page_size), repeat(delta, k), lens)))
 
 
 def pack_tables(tables: list[list[TableEntry]] | list[list[tuple]], width: int) -> np.ndarray:
@@ -246,7 +245,6 @@ def pack_tables(tables: list[list[TableEntry]] | list[list[tuple]], width: int) 
     entry has length 0 and is never read."""
     out = np.zeros((4, len(tables), width), dtype=np.int64)
     for b, t in enumerate(tables):
-        if t:
-            rows = [e.astuple() if isinstance(e, TableEntry) else e for e in t]
-            out[:, b, : len(rows)] = np.asarray(rows, dtype=np.int64).T
+        if t:  # rows are 4-tuples (``TableEntry`` is one): flattened, no per-row conversion
+            out[:, b, :len(t)] = np.fromiter(chain.from_iterable(t), dtype=np.int64, count=4 * len(t)).reshape(-1, 4).T
     return out
