@@ -9,12 +9,12 @@ through its ``page_table.Allocation``. ``pack_tables`` turns tables into the fou
 from __future__ import annotations
 
 import itertools
-from itertools import chain, repeat
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
