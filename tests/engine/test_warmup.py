@@ -22,9 +22,14 @@ class _Fn:  # what Triton passes as ``fn`` (its JitFunctionInfo): module and nam
     module, name = "lazyllm.kernels.triton.decode", "_paged_decode_fwd"
 
 
-# a specialization as Triton 3.6 shows it: one argument a line, the one that was new last
-_REPR = "_paged_decode_fwd[num_warps=4](Q: (\n" + "".join(f"  A{i}: ('*bf16', 'D'),\n" for i in range(60)) + \
-    "  BLOCK_N: 64, BLen: ('*i32', ''))"
+# Triton 3.6's ``repr`` of a specialization: cut after the first argument (it zips the
+# parameters with one character of the cache key)
+_REPR = "_paged_decode_fwd[num_warps=4, num_ctas=1](Q: ()"
+# and its ``compile`` record: 60 aligned pointers, two constexprs, then the argument whose
+# alignment was new
+_SIGNATURE = {**{f"A{i}": "*bf16" for i in range(60)}, "BLOCK_N": "constexpr", "IDX64": "constexpr", "BLen": "*i32"}
+_COMPILE = {"key": "k", "signature": _SIGNATURE, "constants": {(60,): 64, (61,): False},
+            "configs": [{(i,): [["tt.divisibility", 16]] for i in range(60)}]}
 
 
 def _compile_event(watch, **kw):
@@ -32,7 +37,7 @@ def _compile_event(watch, **kw):
     ``JITFunction._call_hook`` makes it."""
     hook = watch.hook if isinstance(watch, cw.CompileWatch) else watch
     return hook(key="k", repr=_REPR, fn=_Fn(),
-                      compile={"key": "k"}, is_manual_warmup=False, already_compiled=False, **kw)
+                compile=_COMPILE, is_manual_warmup=False, already_compiled=False, **kw)
 
 
 def test_compiles_count_as_late_only_after_ready_and_outside_warm_ups(caplog):
@@ -48,8 +53,11 @@ def test_compiles_count_as_late_only_after_ready_and_outside_warm_ups(caplog):
     assert w.after_ready - mark == 1
     late = [r for r in caplog.records if "after the engine was ready" in r.getMessage()]
     assert len(late) == 1 and "lazyllm.kernels.triton.decode._paged_decode_fwd" in late[0].getMessage()
-    # the whole specialization on one line: the argument whose alignment was new ends it
-    assert "\n" not in late[0].getMessage() and late[0].getMessage().endswith("BLen: ('*i32', ''))")
+    # the whole specialization on one line, from the compile record: every argument, the
+    # constexprs' values, and the alignment each pointer was specialized on
+    msg = late[0].getMessage()
+    assert "\n" not in msg and "A0:*bf16[tt.divisibility=16]" in msg and "A59:*bf16[tt.divisibility=16]" in msg
+    assert "BLOCK_N=64, IDX64=False" in msg and msg.endswith("BLen:*i32")
     w.mark_closed()
     _compile_event(w)  # no engine ready any more
     assert w.after_ready - mark == 1
@@ -260,3 +268,4 @@ def test_a_warm_up_freezes_the_heap_until_its_engine_closes(tokenizer):
         llm.close()
     assert not heap.holds(llm.engine) and gc.get_freeze_count() == 0 and probe() is None
     assert wu.warm_up(llm.engine, llm.inputs.synthetic, progress=False)["heap_frozen"] == 0  # CPU: skipped
+

@@ -73,7 +73,7 @@ class CompileWatch:
         """Triton's ``JITHook`` signature (``key``, ``repr``, ``fn``, ``compile``,
         ``is_manual_warmup``, ``already_compiled``)."""
         name = f"{getattr(fn, 'module', '?')}.{getattr(fn, 'name', '?')}" if fn is not None else "?"
-        self.record(name, repr or "")
+        self.record(name, describe(kw.get("compile")) or repr or "")
         if self._previous is not None:
             return self._previous(fn=fn, repr=repr, **kw)
         return None
@@ -112,7 +112,32 @@ class CompileWatch:
             self._ready = max(0, self._ready - 1)
 
 
+def describe(compile: dict | None) -> str:
+    """A compiled specialization, argument by argument, from the ``compile`` record Triton
+    hands its hooks: each constexpr's value, each other argument's type and the attributes
+    Triton specialized it on (``tt.divisibility=16``: a pointer 16-byte aligned, an integer
+    a multiple of 16). Triton's own ``repr`` cannot serve: Triton 3.6 builds it from one
+    character of the cache key, so it names the first argument only."""
+    if not isinstance(compile, dict) or not isinstance(compile.get("signature"), dict):
+        return ""
+    consts = compile.get("constants") or {}
+    configs = compile.get("configs") or [{}]
+    attrs = configs[0] if isinstance(configs[0], dict) else {}
+    out = []
+    for i, (name, ty) in enumerate(compile["signature"].items()):
+        if ty == "constexpr":
+            out.append(f"{name}={consts.get((i,))!r}")
+            continue
+        a = attrs.get((i,))
+        try:
+            tags = ",".join(f"{k}={v}" for k, v in a) if a else ""
+        except (TypeError, ValueError):  # attributes of another shape: as they are
+            tags = repr(a)
+        out.append(f"{name}:{ty}" + (f"[{tags}]" if tags else ""))
+    return ", ".join(out)
+
+
 COMPILES = CompileWatch()
 
 
-__all__ = ["COMPILES", "CompileWatch", "default_triton_cache"]
+__all__ = ["COMPILES", "CompileWatch", "default_triton_cache", "describe"]
