@@ -145,7 +145,9 @@ def _scores(q1, q2, qp, k1, k2, kp, row_ok, qpos, kpos, kvalid, qk_scale,
     return qk, seen
 
 
-@triton.jit
+# ``stride_split`` is the round's query rows times the heads: any integer, so not specialized
+# (a round's odd row count would otherwise compile a second kernel while a request waits)
+@triton.jit(do_not_specialize=["stride_split"])
 def _mass_lse(
     Q, QPos, CuQ, K, BT, BPos, BLen, Cos, Sin, PartLse,
     qk_scale,

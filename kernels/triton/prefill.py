@@ -469,7 +469,10 @@ def _attn_runs_h(
     return acc, l_i, m_i
 
 
-@triton.jit
+# The table's width and row strides are not specialized: a one-entry table (a short question
+# alone, a one-page chunk's probe) would otherwise compile its own kernel (Triton makes an
+# integer 1 a constant), which no warm-up shape can cover at every width.
+@triton.jit(do_not_specialize=["stride_btb", "stride_bpb", "stride_blb", "stride_bdb", "max_blocks"])
 def _paged_attn_fwd(
     Q, QPos, CuQ, K, V, BT, BPos, BLen, Cos, Sin, Runs, Delta, InvFreq, Out, PartO, PartLse,
     qk_scale,

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from lazyllm import LazyLLM
 from lazyllm.engine.warmup import compiles as cw
@@ -269,3 +270,46 @@ def test_a_warm_up_freezes_the_heap_until_its_engine_closes(tokenizer):
     assert not heap.holds(llm.engine) and gc.get_freeze_count() == 0 and probe() is None
     assert wu.warm_up(llm.engine, llm.inputs.synthetic, progress=False)["heap_frozen"] == 0  # CPU: skipped
 
+
+def _triton_specialization(kernel, **values) -> list:
+    """What Triton compiles a launch of ``kernel`` for (its binder's specialization, built on
+    the CPU as Triton builds it per device): ``values`` by argument name, every other pointer
+    a small int32 tensor, integer 128, float 1.0, constexpr 1."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import create_function_from_signature
+
+    binder = create_function_from_signature(kernel.signature, kernel.params, BaseBackend)
+    t = torch.zeros(64, dtype=torch.int32)
+    args = {}
+    for p in kernel.params:
+        if p.name in values:
+            args[p.name] = values[p.name]
+        elif p.is_constexpr:
+            args[p.name] = 1
+        elif p.name in ("qk_scale", "ctx_inv_t"):
+            args[p.name] = 1.0
+        elif p.name.startswith("stride") or p.name in ("max_blocks", "num_splits"):
+            args[p.name] = 128
+        else:
+            args[p.name] = t
+    return binder(**args)[1]
+
+
+def test_kernels_compile_once_for_integers_no_warm_up_shape_pins_down():
+    """Triton makes an integer argument equal to 1 a constant and marks one divisible by 16:
+    each class compiles its own kernel. The prefill kernel's table width and row strides
+    (a one-entry table) and the mass kernel's split stride (a round's query rows times the
+    heads, odd or even) take every value requests bring, so none of them may split the
+    kernel: the warm-up could not cover them all (the GPU test's balanced case compiled both
+    after ready before)."""
+    pytest.importorskip("triton")
+    from lazyllm.kernels.triton import mass, prefill
+
+    width = ("stride_btb", "stride_bpb", "stride_blb", "stride_bdb", "max_blocks")
+    specs = [_triton_specialization(prefill._paged_attn_fwd, **dict.fromkeys(width, w)) for w in (1, 3, 16, 17)]
+    assert all(s == specs[0] for s in specs)
+    rows = [_triton_specialization(mass._mass_lse, stride_split=n * 8) for n in (1, 2, 3, 160)]
+    assert all(s == rows[0] for s in rows)
+    # the split count stays specialized: the warm-up covers its classes (launcher.specialization)
+    assert _triton_specialization(prefill._paged_attn_fwd, num_splits=1) != \
+        _triton_specialization(prefill._paged_attn_fwd, num_splits=3)
