@@ -16,7 +16,7 @@ from lazyllm import Chunk, InvalidRequestError
 from lazyllm.inputs.keys import key_identity
 from lazyllm.types import as_chunk
 
-from .routing import BloomFilter, ChunkKeyer, rank_replicas, text_keys
+from .routing import BloomFilter, ChunkKeyer, rank_replicas, request_keys
 
 # -- requests ------------------------------------------------------------------------
 
@@ -180,14 +180,15 @@ class DocumentAffinityRouter(*_ROUTER_BASES):
             return []
         req = self._request_of(pending_request)
         keyer = self._get_keyer(replicas) if req is not None else None
-        chunks = []
+        chunks, owners = [], []
         if req is not None and req.chunks:
-            chunks = keyer.keys(req.chunks, req.system) if keyer is not None else text_keys(req.chunks)
+            chunks, owners = request_keys(req.chunks, req.system, keyer)
         queue_lens = await self._queue_lens(replicas)
         rid = {r.replica_id.unique_id: r for r in replicas}
         d = rank_replicas(chunks, {k: self._holds(r) for k, r in rid.items()}, queue_lens,
                           imbalanced_threshold=self._imbalanced_threshold, rng=self._rng,
-                          allow_fallback=not isinstance(req, WarmRequest), load_slack=self._load_slack)
+                          allow_fallback=not isinstance(req, WarmRequest), load_slack=self._load_slack,
+                          owner_keys=owners or None)
         if keyer is None and req is not None and req.chunks:
             d.reason = "no-stats"
         self.decisions[d.reason] = self.decisions.get(d.reason, 0) + 1

@@ -73,6 +73,17 @@ def text_keys(chunks: Iterable[Chunk]) -> list[tuple[bytes, int]]:
             for c in chunks]
 
 
+def request_keys(chunks: Sequence[Chunk], system: str | None,
+                 keyer: ChunkKeyer | None) -> tuple[list[tuple[bytes, int]], list[bytes]]:
+    """What a router ranks replicas by for a request's ``chunks``: their ``(key, tokens)``
+    (the engine's keys through ``keyer``; ``text_keys`` without one) and, per chunk, the key
+    its rendezvous owner is drawn from, always its text's: a document nobody holds has the
+    same owner before and after replica stats reach the router, so a document precomputed
+    before them is looked for where it went, not where its engine key would hash."""
+    owners = [k for k, _ in text_keys(chunks)]
+    return (keyer.keys(chunks, system) if keyer is not None else text_keys(chunks)), owners
+
+
 # -- the policy (pure) -----------------------------------------------------------------
 
 def rendezvous_owner(key: bytes, replica_ids: Sequence[str]) -> str | None:
@@ -100,7 +111,7 @@ class Decision:
 def rank_replicas(chunks: Sequence[tuple[bytes, int]], holds: Mapping[str, Callable[[bytes], bool]],
                   queue_lens: Mapping[str, int | None], *, imbalanced_threshold: float = 4,
                   rng: random.Random | None = None, allow_fallback: bool = True,
-                  load_slack: float | None = None) -> Decision:
+                  load_slack: float | None = None, owner_keys: Sequence[bytes] | None = None) -> Decision:
     """Rank the replicas ``holds`` (id -> membership test of chunk keys) for a request
     whose chunks are ``(key, tokens)``.
 
@@ -108,8 +119,9 @@ def rank_replicas(chunks: Sequence[tuple[bytes, int]], holds: Mapping[str, Calla
       and ``allow_fallback``: power of two choices, two random replicas in one rank.
     * Otherwise by the chunk tokens each replica holds, most first; ties (and a request
       whose chunks nobody holds) by the tokens of cold chunks it owns under rendezvous
-      hashing, then by queue length. Every replica is ranked, so a full first choice
-      spills to the next best one rather than waiting.
+      hashing (of ``owner_keys[i]`` for chunk ``i``, default its key: see ``request_keys``),
+      then by queue length. Every replica is ranked, so a full first choice spills to the
+      next best one rather than waiting.
     * ``load_slack``: when set (and ``allow_fallback``), replicas whose known queue is more
       than ``load_slack`` above the shortest come after all the others, whatever they hold:
       without it, the replica holding the popular documents attracts every request that
@@ -127,12 +139,14 @@ def rank_replicas(chunks: Sequence[tuple[bytes, int]], holds: Mapping[str, Calla
         return Decision([rng.sample(ids, min(2, len(ids)))], "no-chunks")
     held = {r: 0 for r in ids}
     owned = {r: 0 for r in ids}
-    for key, n in chunks:
+    if owner_keys is not None and len(owner_keys) != len(chunks):
+        raise ValueError(f"{len(owner_keys)} owner keys for {len(chunks)} chunks")
+    for i, (key, n) in enumerate(chunks):
         holders = [r for r in ids if holds[r](key)]
         for r in holders:
             held[r] += n
         if not holders:
-            owned[rendezvous_owner(key, ids)] += n
+            owned[rendezvous_owner(key if owner_keys is None else owner_keys[i], ids)] += n
     tie = {r: rng.random() for r in ids}
     busy = {r: False for r in ids}
     if load_slack is not None and allow_fallback and known:
@@ -143,4 +157,4 @@ def rank_replicas(chunks: Sequence[tuple[bytes, int]], holds: Mapping[str, Calla
     return Decision([[r] for r in order], reason, held)
 
 
-__all__ = ["BloomFilter", "ChunkKeyer", "Decision", "rank_replicas", "rendezvous_owner", "text_keys"]
+__all__ = ["BloomFilter", "ChunkKeyer", "Decision", "rank_replicas", "rendezvous_owner", "request_keys", "text_keys"]

@@ -19,7 +19,7 @@ from lazyllm.integrations.ray_serve import (  # noqa: E402
     rendezvous_owner,
     replica_stats,
 )
-from lazyllm.integrations.routing import text_keys  # noqa: E402
+from lazyllm.integrations.routing import request_keys, text_keys  # noqa: E402
 from lazyllm.types import as_chunk  # noqa: E402
 
 
@@ -130,6 +130,28 @@ def test_before_stats_the_same_documents_meet_on_one_replica():
     # and different documents spread over the replicas
     owners = {rank_replicas(text_keys([c]), holds, {r: 0 for r in ids}).ranks[0][0] for c in docs}
     assert len(owners) == 4
+
+
+def test_a_cold_documents_owner_is_the_same_before_and_after_stats_arrive(tiny_llm, tokenizer):
+    # a document precomputed before the router had stats went to the owner of its text; once
+    # stats give the router the engine's keys, a replica whose report has not arrived yet
+    # holds nothing as far as the router knows, and the document must still be looked for there
+    ids = ["r0", "r1", "r2", "r3"]
+    holds = {r: holds_set([]) for r in ids}
+    keyer = ChunkKeyer(tokenizer, tiny_llm.fingerprint, tiny_llm.chunk_context)
+    docs = [Chunk(f"document {i}: " + " ".join(f"w{i}x{j}" for j in range(12))) for i in range(40)]
+    moved = 0
+    for i, c in enumerate(docs):
+        before = rank_replicas(text_keys([c]), holds, {r: 0 for r in ids}, rng=random.Random(i))
+        keys, owners = request_keys([c], "Be brief.", keyer)
+        assert keys == keyer.keys([c], "Be brief.") and keys[0][0] != owners[0]
+        after = rank_replicas(keys, holds, {r: 0 for r in ids}, rng=random.Random(i), owner_keys=owners)
+        assert after.reason == before.reason == "owner" and after.ranks[0] == before.ranks[0]
+        # keyed by the engine's key instead, the owner would move for about three in four
+        moved += rank_replicas(keys, holds, {r: 0 for r in ids}, rng=random.Random(i)).ranks[0] != before.ranks[0]
+    assert moved > 10
+    with pytest.raises(ValueError, match="owner keys"):
+        rank_replicas(keys, holds, {r: 0 for r in ids}, owner_keys=owners * 2)
 
 
 def test_held_tokens_beat_cold_ownership_and_ties_go_to_the_shorter_queue():
