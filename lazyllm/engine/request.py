@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -231,12 +232,21 @@ def slot_of(pages: list[int], i: int, page_size: int) -> int:
     return pages[i // page_size] * page_size + i % page_size
 
 
+# a row from a 4-tuple, without ``_make``'s call through a classmethod and length check (a
+# warm request over 8 chunks of 512 builds about 260 rows while the GPU waits for it)
+_row = partial(tuple.__new__, TableEntry)
+
+
 def entry_table(pages: list[int], num_tokens: int, pos: int, delta: int, page_size: int) -> list[TableEntry]:
     """Table rows of ``num_tokens`` tokens stored in ``pages``, placed at logical position
     ``pos`` with rotation ``delta``."""
     k = len(pages)
-    lens = [min(page_size, num_tokens - i) for i in range(0, k * page_size, page_size)]
-    return list(map(TableEntry._make, zip(pages, range(pos, pos + k * page_size, page_size), repeat(delta, k), lens)))
+    last = num_tokens - (k - 1) * page_size
+    if 0 < last <= page_size:  # every page full but the last: the usual layout
+        lens = [page_size] * (k - 1) + [last]
+    else:
+        lens = [min(page_size, num_tokens - i) for i in range(0, k * page_size, page_size)]
+    return list(map(_row, zip(pages, range(pos, pos + k * page_size, page_size), repeat(delta, k), lens)))
 
 
 def pack_tables(tables: list[list[TableEntry]] | list[list[tuple]], width: int) -> np.ndarray:

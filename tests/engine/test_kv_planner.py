@@ -8,7 +8,7 @@ import pytest
 from lazyllm.config import EngineConfig
 from lazyllm.engine.kv.page_table import Allocation
 from lazyllm.engine.kv.planner import KVPlanner, NonePolicy, PrefixPolicy, Reservation
-from lazyllm.engine.request import TableEntry
+from lazyllm.engine.request import TableEntry, entry_table
 from lazyllm.reuse_modes import MODES
 from tests.engine.fakes import make_request, make_store
 
@@ -239,6 +239,22 @@ def test_privatize_is_all_or_nothing():
     copies = alloc.privatize([1])
     assert copies == [(1, alloc.table[1].page, 5)] and alloc.table[1] == TableEntry(copies[0][1], 9, 0, 2)
     assert alloc.epoch != epoch
+
+
+def test_entry_table_rows_cover_the_tokens_page_by_page():
+    import random
+
+    gen = random.Random(0)
+    for _ in range(3000):
+        ps = gen.choice([1, 2, 16, 64])
+        k = gen.randint(0, 12)
+        n = gen.randint(max(0, (k - 2) * ps), k * ps)  # pages full but the last, and over-allocated ones
+        pages, pos, delta = gen.sample(range(1000), k), gen.randint(0, 5000), gen.randint(-99, 99)
+        rows = entry_table(pages, n, pos, delta, ps)
+        assert all(type(e) is TableEntry for e in rows)
+        assert [e.page for e in rows] == pages and {e.delta for e in rows} <= {delta}
+        assert [e.pos for e in rows] == [pos + i * ps for i in range(k)]
+        assert [e.length for e in rows] == [min(ps, n - i * ps) for i in range(k)]
 
 
 def test_table_entries_cannot_be_edited_in_place():
