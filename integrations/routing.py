@@ -80,8 +80,8 @@ def request_keys(chunks: Sequence[Chunk], system: str | None,
     its rendezvous owner is drawn from, always its text's: a document nobody holds has the
     same owner before and after replica stats reach the router, so a document precomputed
     before them is looked for where it went, not where its engine key would hash."""
-    owners = [k for k, _ in text_keys(chunks)]
-    return (keyer.keys(chunks, system) if keyer is not None else text_keys(chunks)), owners
+    by_text = text_keys(chunks)
+    return (keyer.keys(chunks, system) if keyer is not None else by_text), [k for k, _ in by_text]
 
 
 # -- the policy (pure) -----------------------------------------------------------------
