@@ -188,7 +188,7 @@ class DocumentAffinityRouter(*_ROUTER_BASES):
         d = rank_replicas(chunks, {k: self._holds(r) for k, r in rid.items()}, queue_lens,
                           imbalanced_threshold=self._imbalanced_threshold, rng=self._rng,
                           allow_fallback=not isinstance(req, WarmRequest), load_slack=self._load_slack,
-                          owner_keys=owners or None)
+                          owner_keys=owners)
         if keyer is None and req is not None and req.chunks:
             d.reason = "no-stats"
         self.decisions[d.reason] = self.decisions.get(d.reason, 0) + 1
